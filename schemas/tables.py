@@ -1,0 +1,129 @@
+"""DuckDB table definitions: the store's half of the contract.
+
+Written by the consumer's sink, read by ``analysis``. All statements are idempotent
+(``CREATE ... IF NOT EXISTS``). Times are unix seconds (DOUBLE); steps are optimiser steps.
+
+Tables
+------
+runs
+    One row per run: world size, thresholds, host, times, config, and the incremental
+    health counters kept by the worker (``frames``, ``issue_frames``, ``health``...).
+layers
+    Layer names in model order (``layer_index``) and their full-tensor element counts.
+layer_stats
+    One row per (run, step, layer): the exactly-mergeable sums over every rank
+    (``numel``, ``sum_abs``, ``sum_sq``, ``max_abs_grad``, ``nonfinite``) and the seed-001
+    frame fields derived from them (``mean_abs_grad``, ``grad_norm``, ``flow_intensity``,
+    ``is_vanishing``, ``is_exploding``).
+frames
+    One row per (run, step): run health after this frame, per-frame counts, whether every
+    rank reported (``complete``), the ranks seen and missing.
+alerts
+    Alert events raised by workers.
+kafka_offsets
+    Next Kafka offset to consume per (consumer group, topic, partition), written in the
+    same transaction as the rows it covers (exactly-once into the store).
+"""
+
+SCHEMA_DDL: tuple[str, ...] = (
+    """
+    CREATE TABLE IF NOT EXISTS runs (
+        run_id              VARCHAR PRIMARY KEY,
+        world_size          INTEGER NOT NULL,
+        num_layers          INTEGER NOT NULL,
+        vanishing_threshold DOUBLE NOT NULL,
+        exploding_threshold DOUBLE NOT NULL,
+        host                VARCHAR,
+        start_time          DOUBLE,
+        end_time            DOUBLE,
+        ranks_finished      INTEGER NOT NULL DEFAULT 0,
+        dropped_steps       BIGINT NOT NULL DEFAULT 0,
+        config              JSON,
+        health              VARCHAR NOT NULL DEFAULT 'Healthy',
+        frames              BIGINT NOT NULL DEFAULT 0,
+        issue_frames        BIGINT NOT NULL DEFAULT 0,
+        last_step           BIGINT,
+        first_nonfinite_step BIGINT
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS layers (
+        run_id      VARCHAR NOT NULL,
+        layer_index INTEGER NOT NULL,
+        name        VARCHAR NOT NULL,
+        numel       BIGINT NOT NULL,
+        PRIMARY KEY (run_id, layer_index)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS layer_stats (
+        run_id         VARCHAR NOT NULL,
+        step           BIGINT NOT NULL,
+        layer_index    INTEGER NOT NULL,
+        numel          BIGINT NOT NULL,
+        sum_abs        DOUBLE NOT NULL,
+        sum_sq         DOUBLE NOT NULL,
+        max_abs_grad   DOUBLE NOT NULL,
+        nonfinite      BIGINT NOT NULL,
+        mean_abs_grad  DOUBLE NOT NULL,
+        grad_norm      DOUBLE NOT NULL,
+        flow_intensity DOUBLE NOT NULL,
+        is_vanishing   BOOLEAN NOT NULL,
+        is_exploding   BOOLEAN NOT NULL,
+        PRIMARY KEY (run_id, step, layer_index)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS frames (
+        run_id           VARCHAR NOT NULL,
+        step             BIGINT NOT NULL,
+        health           VARCHAR NOT NULL,
+        num_layers       INTEGER NOT NULL,
+        vanishing_layers INTEGER NOT NULL,
+        exploding_layers INTEGER NOT NULL,
+        nonfinite_layers INTEGER NOT NULL,
+        complete         BOOLEAN NOT NULL,
+        ranks_seen       INTEGER[] NOT NULL,
+        missing_ranks    INTEGER[] NOT NULL,
+        wall_time        DOUBLE NOT NULL,
+        finalized_at     DOUBLE NOT NULL,
+        PRIMARY KEY (run_id, step)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS alerts (
+        alert_id   VARCHAR PRIMARY KEY,
+        run_id     VARCHAR NOT NULL,
+        step       BIGINT NOT NULL,
+        rule       VARCHAR NOT NULL,
+        severity   VARCHAR NOT NULL,
+        state      VARCHAR NOT NULL,
+        layers     VARCHAR[] NOT NULL,
+        ranks      INTEGER[] NOT NULL,
+        message    VARCHAR NOT NULL,
+        created_at DOUBLE NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS kafka_offsets (
+        consumer_group VARCHAR NOT NULL,
+        topic          VARCHAR NOT NULL,
+        kafka_partition INTEGER NOT NULL,
+        next_offset    BIGINT NOT NULL,
+        PRIMARY KEY (consumer_group, topic, kafka_partition)
+    )
+    """,
+)
+
+LAYER_STATS_COLUMNS: tuple[str, ...] = (
+    "run_id", "step", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs_grad",
+    "nonfinite", "mean_abs_grad", "grad_norm", "flow_intensity", "is_vanishing",
+    "is_exploding",
+)
+"""Column order of ``layer_stats`` (the sink's bulk inserts follow it)."""
+
+FRAMES_COLUMNS: tuple[str, ...] = (
+    "run_id", "step", "health", "num_layers", "vanishing_layers", "exploding_layers",
+    "nonfinite_layers", "complete", "ranks_seen", "missing_ranks", "wall_time", "finalized_at",
+)
+"""Column order of ``frames``."""
