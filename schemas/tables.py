@@ -8,6 +8,9 @@ Tables
 runs
     One row per run: world size, thresholds, host, times, config, and the incremental
     health counters kept by the worker (``frames``, ``issue_frames``, ``health``...).
+run_ranks
+    One row per (run, rank) that sent RunFinished: its last step, steps it recorded and
+    step summaries it dropped (queue full while Kafka was unreachable).
 layers
     Layer names in model order (``layer_index``) and their full-tensor element counts.
 layer_stats
@@ -36,14 +39,23 @@ SCHEMA_DDL: tuple[str, ...] = (
         host                VARCHAR,
         start_time          DOUBLE,
         end_time            DOUBLE,
-        ranks_finished      INTEGER NOT NULL DEFAULT 0,
-        dropped_steps       BIGINT NOT NULL DEFAULT 0,
         config              JSON,
         health              VARCHAR NOT NULL DEFAULT 'Healthy',
         frames              BIGINT NOT NULL DEFAULT 0,
         issue_frames        BIGINT NOT NULL DEFAULT 0,
         last_step           BIGINT,
         first_nonfinite_step BIGINT
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS run_ranks (
+        run_id         VARCHAR NOT NULL,
+        rank           INTEGER NOT NULL,
+        last_step      BIGINT NOT NULL,
+        steps_recorded BIGINT NOT NULL,
+        dropped        BIGINT NOT NULL,
+        end_time       DOUBLE NOT NULL,
+        PRIMARY KEY (run_id, rank)
     )
     """,
     """

@@ -1,0 +1,2 @@
+"""gradstream consumer workers: consumer group, shard merge, GradientFrame computation,
+incremental run health, dead-letter queue and the DuckDB sink."""

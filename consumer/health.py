@@ -1,0 +1,196 @@
+"""Incremental run health (seed 001 ``classify_health``, extended for non-finite gradients).
+
+Over the frames considered (the whole run, or the ``max_frames`` highest steps when a
+rolling window is set, as the seed's ``max_frames``):
+
+- ``issue_ratio = issue_frames / max(frames, 1)``, where an issue frame has any vanishing
+  or exploding layer;
+- Critical if any non-finite gradient (gradstream's rule), or any exploding layer and
+  ``issue_ratio > 0.5``; ProblemsDetected if any exploding layer or ``issue_ratio > 0.3``;
+  MinorIssues if any vanishing layer or ``issue_ratio > 0.1``; else Healthy.
+
+The tracker keeps counters (per-layer counts of vanishing / exploding / non-finite frames,
+issue frames, frames) and, per step, the indices of its flagged layers, so that a new frame
+costs O(layers) and a rewritten frame (late shard, replay) replaces its old contribution
+instead of counting twice. Nothing rescans the history.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.wire import GradientHealth
+
+_EMPTY = np.empty(0, dtype=np.int32)
+
+
+def classify(
+    any_vanishing: bool, any_exploding: bool, issue_frames: int, frames: int, any_nonfinite: bool
+) -> GradientHealth:
+    """Seed 001 health rule plus "non-finite -> Critical" (see module doc).
+
+    Args:
+        any_vanishing / any_exploding / any_nonfinite: whether any layer of any considered
+            frame was vanishing / exploding / non-finite.
+        issue_frames: considered frames with a vanishing or exploding layer.
+        frames: considered frames (0 is treated as 1, like the seed).
+    """
+    ratio = issue_frames / max(frames, 1)
+    if any_nonfinite or (any_exploding and ratio > 0.5):
+        return GradientHealth.CRITICAL
+    if any_exploding or ratio > 0.3:
+        return GradientHealth.PROBLEMS_DETECTED
+    if any_vanishing or ratio > 0.1:
+        return GradientHealth.MINOR_ISSUES
+    return GradientHealth.HEALTHY
+
+
+@dataclass(frozen=True, slots=True)
+class _Contribution:
+    vanishing: np.ndarray  # int32 layer indices
+    exploding: np.ndarray
+    nonfinite: np.ndarray
+
+    @property
+    def is_issue(self) -> bool:
+        return bool(self.vanishing.size or self.exploding.size)
+
+
+class RunHealthTracker:
+    """Health of one run, updated frame by frame.
+
+    Args:
+        num_layers: L, the run's layer count.
+        max_frames: rolling window in frames (highest steps kept); 0 = whole run.
+    """
+
+    def __init__(self, num_layers: int, max_frames: int = 0) -> None:
+        self.num_layers = num_layers
+        self.max_frames = max_frames
+        self.vanishing_frames = np.zeros(num_layers, np.int64)
+        self.exploding_frames = np.zeros(num_layers, np.int64)
+        self.nonfinite_frames = np.zeros(num_layers, np.int64)
+        self.frames = 0
+        self.issue_frames = 0
+        self.last_step: int | None = None
+        self.first_nonfinite_step: int | None = None
+        self._by_step: dict[int, _Contribution] = {}
+        self._heap: list[int] = []
+
+    def _apply(self, c: _Contribution, sign: int) -> None:
+        self.vanishing_frames[c.vanishing] += sign
+        self.exploding_frames[c.exploding] += sign
+        self.nonfinite_frames[c.nonfinite] += sign
+        self.frames += sign
+        self.issue_frames += sign * int(c.is_issue)
+
+    def update(
+        self,
+        step: int,
+        layer_index: np.ndarray,
+        is_vanishing: np.ndarray,
+        is_exploding: np.ndarray,
+        nonfinite: np.ndarray,
+    ) -> GradientHealth:
+        """Add (or replace) the frame of ``step`` and return the run health after it.
+
+        Args:
+            step: optimiser step of the frame.
+            layer_index: int[n] layer indices of the frame's rows.
+            is_vanishing, is_exploding: bool[n]; nonfinite: int[n] counts (aligned).
+        """
+        c = _Contribution(
+            layer_index[is_vanishing].astype(np.int32) if is_vanishing.any() else _EMPTY,
+            layer_index[is_exploding].astype(np.int32) if is_exploding.any() else _EMPTY,
+            layer_index[nonfinite > 0].astype(np.int32) if nonfinite.any() else _EMPTY,
+        )
+        old = self._by_step.get(step)
+        if old is not None:
+            self._apply(old, -1)
+        else:
+            heapq.heappush(self._heap, step)
+        self._by_step[step] = c
+        self._apply(c, +1)
+        if c.nonfinite.size and (
+            self.first_nonfinite_step is None or step < self.first_nonfinite_step
+        ):
+            self.first_nonfinite_step = step
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+        if self.max_frames:
+            while len(self._by_step) > self.max_frames:
+                oldest = heapq.heappop(self._heap)
+                self._apply(self._by_step.pop(oldest), -1)
+        return self.health
+
+    @property
+    def health(self) -> GradientHealth:
+        """Current health over the considered frames (see module doc)."""
+        return classify(
+            any_vanishing=bool(self.vanishing_frames.any()),
+            any_exploding=bool(self.exploding_frames.any()),
+            issue_frames=self.issue_frames,
+            frames=self.frames,
+            any_nonfinite=bool(self.nonfinite_frames.any()),
+        )
+
+    @property
+    def total_steps(self) -> int:
+        """Seed's ``total_steps``: last step + 1 (0 before any frame)."""
+        return 0 if self.last_step is None else self.last_step + 1
+
+
+def restore_tracker(
+    num_layers: int,
+    max_frames: int,
+    frame_steps: np.ndarray,
+    flag_steps: np.ndarray,
+    flag_layers: np.ndarray,
+    flag_vanishing: np.ndarray,
+    flag_exploding: np.ndarray,
+    flag_nonfinite: np.ndarray,
+) -> RunHealthTracker:
+    """Rebuild a tracker from stored frames (worker restart), without replaying frames.
+
+    Args:
+        num_layers: L. max_frames: rolling window (0 = whole run).
+        frame_steps: int[F], every stored step of the run.
+        flag_steps, flag_layers: int[R], the stored layer rows with any flag set.
+        flag_vanishing, flag_exploding, flag_nonfinite: bool[R], the flags of those rows.
+
+    Returns:
+        A tracker equal to one that saw those frames one by one.
+    """
+    tracker = RunHealthTracker(num_layers, max_frames)
+    empty = _Contribution(_EMPTY, _EMPTY, _EMPTY)
+    by_step: dict[int, _Contribution] = dict.fromkeys(frame_steps.tolist(), empty)
+    if flag_steps.size:
+        order = np.argsort(flag_steps, kind="stable")
+        steps_sorted = flag_steps[order]
+        uniq, starts = np.unique(steps_sorted, return_index=True)
+        bounds = [*starts.tolist()[1:], len(order)]
+        layers = flag_layers[order].astype(np.int32)
+        van, exp, nonf = flag_vanishing[order], flag_exploding[order], flag_nonfinite[order]
+        for step, lo, hi in zip(uniq.tolist(), starts.tolist(), bounds, strict=True):
+            sl = slice(lo, hi)
+            by_step[step] = _Contribution(
+                layers[sl][van[sl]], layers[sl][exp[sl]], layers[sl][nonf[sl]]
+            )
+        np.add.at(tracker.vanishing_frames, flag_layers[flag_vanishing], 1)
+        np.add.at(tracker.exploding_frames, flag_layers[flag_exploding], 1)
+        np.add.at(tracker.nonfinite_frames, flag_layers[flag_nonfinite], 1)
+        nonfinite_steps = flag_steps[flag_nonfinite]
+        if nonfinite_steps.size:
+            tracker.first_nonfinite_step = int(nonfinite_steps.min())
+    tracker._by_step = by_step
+    tracker._heap = sorted(by_step)
+    tracker.frames = len(by_step)
+    tracker.issue_frames = sum(1 for c in by_step.values() if c.is_issue)
+    tracker.last_step = max(by_step) if by_step else None
+    if max_frames:
+        while len(tracker._by_step) > max_frames:
+            oldest = heapq.heappop(tracker._heap)
+            tracker._apply(tracker._by_step.pop(oldest), -1)
+    return tracker

@@ -1,0 +1,60 @@
+"""What a worker knows about a run: its layer list and thresholds from RunStarted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.wire import RunStarted
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """A run's static description (from the first RunStarted seen, or the store).
+
+    Attributes:
+        run_id: the run. world_size: ranks per step.
+        layer_names: L names, model order. numel: int64[L] full-tensor element counts.
+        vanishing_threshold, exploding_threshold: seed-001 thresholds (|g| units).
+    """
+
+    run_id: str
+    world_size: int
+    layer_names: tuple[str, ...]
+    numel: np.ndarray
+    vanishing_threshold: float
+    exploding_threshold: float
+
+    @property
+    def num_layers(self) -> int:
+        """L."""
+        return len(self.layer_names)
+
+    @classmethod
+    def from_message(cls, msg: RunStarted) -> RunInfo:
+        """Build from a RunStarted message."""
+        return cls(
+            run_id=msg.run_id,
+            world_size=msg.world_size,
+            layer_names=tuple(msg.layer_names),
+            numel=np.asarray(msg.numel, dtype=np.int64),
+            vanishing_threshold=msg.vanishing_threshold,
+            exploding_threshold=msg.exploding_threshold,
+        )
+
+    def conflict_with(self, msg: RunStarted) -> str | None:
+        """Why ``msg`` contradicts this run (a reason for the dead-letter topic), or None."""
+        if msg.world_size != self.world_size:
+            return (
+                f"RunStarted for run {self.run_id!r} from rank {msg.rank} has world_size "
+                f"{msg.world_size}, but the run was started with {self.world_size}"
+            )
+        if tuple(msg.layer_names) != self.layer_names or not np.array_equal(
+            np.asarray(msg.numel), self.numel
+        ):
+            return (
+                f"RunStarted for run {self.run_id!r} from rank {msg.rank} lists different "
+                "layers (names or numel) than the run's first RunStarted"
+            )
+        return None

@@ -1,0 +1,329 @@
+"""DuckDB sink: frames, runs and consumed Kafka offsets, written in one transaction.
+
+Rows are written in bulk from Arrow tables (``INSERT OR REPLACE ... SELECT``), never row
+by row. Upserts on the primary keys (run, step, layer) and (run, step) make a rewritten
+frame (late shard, replay after a crash) replace the old rows, and make a frame written
+twice appear once. The next offset to consume per partition is written in the same
+transaction as the rows it covers, so the store is exactly-once with respect to Kafka
+(DESIGN.md, "Storage").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from consumer.frames import GradientFrame, MergedShards
+from consumer.runs import RunInfo
+from schemas.tables import SCHEMA_DDL
+from schemas.wire import RunFinished, RunStarted
+
+
+@dataclass(slots=True)
+class RunState:
+    """A run's incremental health counters, written to ``runs``."""
+
+    health: str
+    frames: int
+    issue_frames: int
+    last_step: int | None
+    first_nonfinite_step: int | None
+
+
+@dataclass(slots=True)
+class SinkBatch:
+    """Everything one transaction writes.
+
+    Attributes:
+        runs_started: first RunStarted of each new run.
+        runs_finished: RunFinished messages (one row per run and rank).
+        frames: (frame, run health after it) pairs; a later entry for the same
+            (run, step) replaces an earlier one.
+        run_states: run id -> counters after this batch.
+        offsets: (topic, partition) -> next offset to consume.
+    """
+
+    runs_started: list[RunStarted] = field(default_factory=list)
+    runs_finished: list[RunFinished] = field(default_factory=list)
+    frames: dict[tuple[str, int], tuple[GradientFrame, str]] = field(default_factory=dict)
+    run_states: dict[str, RunState] = field(default_factory=dict)
+    offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.runs_started or self.runs_finished or self.frames or self.run_states
+            or self.offsets
+        )
+
+    def layer_rows(self) -> int:
+        """Number of layer_stats rows in the batch."""
+        return sum(len(f.layer_index) for f, _ in self.frames.values())
+
+
+def _run_column(values: list[str], lengths: np.ndarray) -> pa.Array:
+    """Dictionary-encoded string column repeating values[i] lengths[i] times."""
+    indices = np.repeat(np.arange(len(values), dtype=np.int32), lengths)
+    return pa.DictionaryArray.from_arrays(pa.array(indices), pa.array(values, pa.string()))
+
+
+class DuckDBSink:
+    """Owns the DuckDB file (DuckDB allows one writing process).
+
+    Args:
+        path: the database file; created with the gradstream tables if absent.
+
+    Raises:
+        duckdb.IOException: the file is locked by another process (a running worker).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.parent != Path(""):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.con = duckdb.connect(str(self.path))
+        for ddl in SCHEMA_DDL:
+            self.con.execute(ddl)
+
+    def close(self) -> None:
+        """Checkpoint and close the file."""
+        self.con.execute("CHECKPOINT")
+        self.con.close()
+
+    # -- reads used on start-up and for late shards ---------------------------------------
+
+    def load_runs(self) -> list[RunInfo]:
+        """Every stored run with its layers (model order)."""
+        runs = self.con.execute(
+            "SELECT run_id, world_size, vanishing_threshold, exploding_threshold FROM runs"
+        ).fetchall()
+        layers = self.con.execute(
+            "SELECT run_id, list(name ORDER BY layer_index), list(numel ORDER BY layer_index) "
+            "FROM layers GROUP BY run_id"
+        ).fetchall()
+        by_run = {r: (names, numel) for r, names, numel in layers}
+        out = []
+        for run_id, world, van, exp in runs:
+            names, numel = by_run.get(run_id, ([], []))
+            out.append(RunInfo(run_id, world, tuple(names), np.asarray(numel, np.int64),
+                               van, exp))
+        return out
+
+    def load_frames(self, run_id: str) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+        """(steps int64[F], complete bool[F], ranks_seen lists) of a run's stored frames."""
+        tbl = self.con.execute(
+            "SELECT step, complete, ranks_seen FROM frames WHERE run_id = ? ORDER BY step",
+            [run_id],
+        ).fetch_arrow_table()
+        return (
+            tbl["step"].to_numpy().astype(np.int64),
+            tbl["complete"].to_numpy(zero_copy_only=False).astype(bool),
+            tbl["ranks_seen"].to_pylist(),
+        )
+
+    def load_flags(self, run_id: str) -> dict[str, np.ndarray]:
+        """A run's stored layer rows with a flag set: step, layer_index, vanishing,
+        exploding, nonfinite (arrays of equal length)."""
+        tbl = self.con.execute(
+            "SELECT step, layer_index, is_vanishing, is_exploding, nonfinite > 0 AS nonfinite "
+            "FROM layer_stats WHERE run_id = ? AND (is_vanishing OR is_exploding OR "
+            "nonfinite > 0)",
+            [run_id],
+        ).fetch_arrow_table()
+        return {
+            name: tbl[name].to_numpy(zero_copy_only=False) for name in tbl.column_names
+        }
+
+    def load_sums(self, run: RunInfo, step: int) -> MergedShards | None:
+        """The stored merged sums of frame (run, step), or None if it is not stored."""
+        tbl = self.con.execute(
+            "SELECT layer_index, numel, sum_abs, sum_sq, max_abs_grad, nonfinite "
+            "FROM layer_stats WHERE run_id = ? AND step = ?",
+            [run.run_id, step],
+        ).fetch_arrow_table()
+        if tbl.num_rows == 0:
+            return None
+        merged = MergedShards.empty(run.num_layers)
+        idx = tbl["layer_index"].to_numpy().astype(np.int64)
+        merged.numel[idx] = tbl["numel"].to_numpy()
+        merged.sum_abs[idx] = tbl["sum_abs"].to_numpy()
+        merged.sum_sq[idx] = tbl["sum_sq"].to_numpy()
+        merged.max_abs[idx] = tbl["max_abs_grad"].to_numpy()
+        merged.nonfinite[idx] = tbl["nonfinite"].to_numpy()
+        return merged
+
+    def load_offsets(self, group: str, topic: str) -> dict[int, int]:
+        """partition -> next offset to consume, as stored for ``group`` and ``topic``."""
+        rows = self.con.execute(
+            "SELECT kafka_partition, next_offset FROM kafka_offsets "
+            "WHERE consumer_group = ? AND topic = ?",
+            [group, topic],
+        ).fetchall()
+        return {int(p): int(o) for p, o in rows}
+
+    # -- the write ------------------------------------------------------------------------
+
+    def write(self, batch: SinkBatch, group: str) -> None:
+        """Write a batch in one transaction (all of it or nothing).
+
+        Args:
+            batch: rows and offsets to write.
+            group: consumer group the offsets belong to.
+
+        Raises:
+            duckdb.Error: the transaction failed and was rolled back.
+        """
+        con = self.con
+        con.begin()
+        try:
+            if batch.runs_started:
+                self._write_runs(batch.runs_started)
+            if batch.frames:
+                self._write_frames(list(batch.frames.values()))
+            if batch.run_states:
+                self._write_states(batch.run_states)
+            if batch.runs_finished:
+                self._write_finished(batch.runs_finished)
+            if batch.offsets:
+                keys = list(batch.offsets)
+                offsets = pa.table({
+                    "consumer_group": pa.array([group] * len(keys), pa.string()),
+                    "topic": pa.array([k[0] for k in keys], pa.string()),
+                    "kafka_partition": pa.array([k[1] for k in keys], pa.int32()),
+                    "next_offset": pa.array(list(batch.offsets.values()), pa.int64()),
+                })
+                con.register("gs_offsets", offsets)
+                con.execute("INSERT OR REPLACE INTO kafka_offsets SELECT * FROM gs_offsets")
+                con.unregister("gs_offsets")
+            con.commit()
+        except BaseException:
+            con.rollback()
+            raise
+
+    def _write_runs(self, started: list[RunStarted]) -> None:
+        runs = pa.table({
+            "run_id": [m.run_id for m in started],
+            "world_size": pa.array([m.world_size for m in started], pa.int32()),
+            "num_layers": pa.array([len(m.layer_names) for m in started], pa.int32()),
+            "vanishing_threshold": [m.vanishing_threshold for m in started],
+            "exploding_threshold": [m.exploding_threshold for m in started],
+            "host": [m.host for m in started],
+            "start_time": [m.start_time for m in started],
+            "config": [json.dumps(m.config, sort_keys=True, default=str) for m in started],
+        })
+        lengths = np.array([len(m.layer_names) for m in started])
+        layers = pa.table({
+            "run_id": _run_column([m.run_id for m in started], lengths),
+            "layer_index": pa.array(
+                np.concatenate([np.arange(n, dtype=np.int32) for n in lengths])
+            ),
+            "name": pa.array([n for m in started for n in m.layer_names], pa.string()),
+            "numel": pa.array(np.concatenate([np.asarray(m.numel, np.int64) for m in started])),
+        })
+        con = self.con
+        con.register("gs_runs", runs)
+        con.register("gs_layers", layers)
+        con.execute(
+            "INSERT INTO runs (run_id, world_size, num_layers, vanishing_threshold, "
+            "exploding_threshold, host, start_time, config) SELECT run_id, world_size, "
+            "num_layers, vanishing_threshold, exploding_threshold, host, start_time, "
+            "config::JSON FROM gs_runs ON CONFLICT DO NOTHING"
+        )
+        con.execute("INSERT OR IGNORE INTO layers SELECT * FROM gs_layers")
+        con.unregister("gs_runs")
+        con.unregister("gs_layers")
+
+    def _write_frames(self, frames: list[tuple[GradientFrame, str]]) -> None:
+        fs = [f for f, _ in frames]
+        lengths = np.array([len(f.layer_index) for f in fs])
+        run_ids = [f.run_id for f in fs]
+
+        def cat(name: str) -> np.ndarray:
+            return np.concatenate([getattr(f, name) for f in fs])
+
+        stats = pa.table({
+            "run_id": _run_column(run_ids, lengths),
+            "step": pa.array(np.repeat(np.array([f.step for f in fs], np.int64), lengths)),
+            "layer_index": pa.array(cat("layer_index")),
+            "numel": pa.array(cat("numel")),
+            "sum_abs": pa.array(cat("sum_abs")),
+            "sum_sq": pa.array(cat("sum_sq")),
+            "max_abs_grad": pa.array(cat("max_abs_grad")),
+            "nonfinite": pa.array(cat("nonfinite")),
+            "mean_abs_grad": pa.array(cat("mean_abs_grad")),
+            "grad_norm": pa.array(cat("grad_norm")),
+            "flow_intensity": pa.array(cat("flow_intensity")),
+            "is_vanishing": pa.array(cat("is_vanishing")),
+            "is_exploding": pa.array(cat("is_exploding")),
+        })
+        now = time.time()
+        frame_rows = pa.table({
+            "run_id": pa.array(run_ids, pa.string()),
+            "step": pa.array([f.step for f in fs], pa.int64()),
+            "health": pa.array([h for _, h in frames], pa.string()),
+            "num_layers": pa.array(lengths.astype(np.int32)),
+            "vanishing_layers": pa.array([int(f.is_vanishing.sum()) for f in fs], pa.int32()),
+            "exploding_layers": pa.array([int(f.is_exploding.sum()) for f in fs], pa.int32()),
+            "nonfinite_layers": pa.array([int((f.nonfinite > 0).sum()) for f in fs], pa.int32()),
+            "complete": pa.array([f.complete for f in fs], pa.bool_()),
+            "ranks_seen": pa.array([list(f.ranks_seen) for f in fs], pa.list_(pa.int32())),
+            "missing_ranks": pa.array([list(f.missing_ranks) for f in fs],
+                                      pa.list_(pa.int32())),
+            "wall_time": pa.array([f.wall_time for f in fs], pa.float64()),
+            "finalized_at": pa.array(np.full(len(fs), now)),
+        })
+        con = self.con
+        con.register("gs_stats", stats)
+        con.register("gs_frames", frame_rows)
+        # A rewritten frame may report fewer layers than before: clear its old rows first.
+        con.execute(
+            "DELETE FROM layer_stats USING (SELECT DISTINCT run_id, step FROM gs_frames) f "
+            "WHERE layer_stats.run_id = f.run_id AND layer_stats.step = f.step"
+        )
+        con.execute("INSERT INTO layer_stats SELECT * FROM gs_stats")
+        con.execute("INSERT OR REPLACE INTO frames SELECT * FROM gs_frames")
+        con.unregister("gs_stats")
+        con.unregister("gs_frames")
+
+    def _write_states(self, states: dict[str, RunState]) -> None:
+        ids = list(states)
+        tbl = pa.table({
+            "run_id": pa.array(ids, pa.string()),
+            "health": pa.array([states[r].health for r in ids], pa.string()),
+            "frames": pa.array([states[r].frames for r in ids], pa.int64()),
+            "issue_frames": pa.array([states[r].issue_frames for r in ids], pa.int64()),
+            "last_step": pa.array([states[r].last_step for r in ids], pa.int64()),
+            "first_nonfinite_step": pa.array(
+                [states[r].first_nonfinite_step for r in ids], pa.int64()
+            ),
+        })
+        self.con.register("gs_states", tbl)
+        self.con.execute(
+            "UPDATE runs SET health = s.health, frames = s.frames, issue_frames = "
+            "s.issue_frames, last_step = s.last_step, first_nonfinite_step = "
+            "s.first_nonfinite_step FROM gs_states s WHERE runs.run_id = s.run_id"
+        )
+        self.con.unregister("gs_states")
+
+    def _write_finished(self, finished: list[RunFinished]) -> None:
+        tbl = pa.table({
+            "run_id": pa.array([m.run_id for m in finished], pa.string()),
+            "rank": pa.array([m.rank for m in finished], pa.int32()),
+            "last_step": pa.array([m.last_step for m in finished], pa.int64()),
+            "steps_recorded": pa.array([m.steps_recorded for m in finished], pa.int64()),
+            "dropped": pa.array([m.dropped for m in finished], pa.int64()),
+            "end_time": pa.array([m.end_time for m in finished], pa.float64()),
+        })
+        self.con.register("gs_finished", tbl)
+        self.con.execute("INSERT OR REPLACE INTO run_ranks SELECT * FROM gs_finished")
+        self.con.execute(
+            "UPDATE runs SET end_time = r.end_time FROM (SELECT run_id, max(end_time) AS "
+            "end_time, count(*) AS n FROM run_ranks GROUP BY run_id) r "
+            "WHERE runs.run_id = r.run_id AND r.n >= runs.world_size"
+        )
+        self.con.unregister("gs_finished")

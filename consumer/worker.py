@@ -1,0 +1,438 @@
+"""The consumer worker: Kafka -> validate -> shard merge -> frames -> health -> DuckDB.
+
+One loop, one thread: poll a batch of records, decode and validate each (unusable ones go
+to the dead-letter topic with the reason and the loop goes on), merge the ranks of each
+(run, step), compute frames (NumPy over layers), update the run's health incrementally,
+and write finalised frames together with the consumed offsets in one DuckDB transaction.
+On partition assignment the worker seeks to the offsets stored in DuckDB, so the store is
+exactly-once. Stored offsets never pass the first message of a frame still waiting for
+ranks, so a crash or a rebalance rebuilds pending frames from Kafka.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka import ConsumerRebalanceListener
+
+from consumer.dlq import dead_letter_headers, dead_letter_value
+from consumer.frames import GradientFrame
+from consumer.health import RunHealthTracker, restore_tracker
+from consumer.merge import PartitionKey, ShardMerger
+from consumer.runs import RunInfo
+from consumer.settings import ConsumerSettings
+from consumer.sink import DuckDBSink, RunState, SinkBatch
+from schemas.wire import (
+    GradientHealth,
+    RunFinished,
+    RunStarted,
+    StepSummary,
+    WireError,
+    decode_message,
+)
+
+log = logging.getLogger("gradstream.consumer")
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    """Running totals of one worker (since start)."""
+
+    messages: int = 0
+    step_summaries: int = 0
+    frames: int = 0
+    partial_frames: int = 0
+    layer_rows: int = 0
+    dead_letters: int = 0
+    writes: int = 0
+    dead_letter_reasons: list[str] = field(default_factory=list)
+
+
+class Worker:
+    """A consumer-group member that owns a DuckDB file.
+
+    Args:
+        settings: ConsumerSettings (bootstrap servers, topics, group, DB path, timeouts).
+
+    Use ``run()`` (blocks until ``stop()``), typically on the main thread of
+    ``gradstream consume`` or on a background thread in the demo and tests.
+    """
+
+    def __init__(self, settings: ConsumerSettings) -> None:
+        self.settings = settings
+        self.counters = WorkerCounters()
+        self.runs: dict[str, RunInfo] = {}
+        self.trackers: dict[str, RunHealthTracker] = {}
+        self._finished: dict[str, set[int]] = {}
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._lock = threading.RLock()
+        self._batch = SinkBatch()
+        self._positions: dict[PartitionKey, int] = {}
+        self._stored_positions: dict[PartitionKey, int] = {}
+        self._last_flush = time.monotonic()
+        self._sink: DuckDBSink | None = None
+        self._consumer: Any = None
+        self._dlq: Any = None
+        self._merger: ShardMerger | None = None
+        self.error: BaseException | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to finish its batch, write, leave the group and return."""
+        self._stop.set()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until the worker has joined the group and been assigned partitions."""
+        return self._ready.wait(timeout)
+
+    def run(self) -> None:
+        """Consume until ``stop()``. Opens the store, restores state, joins the group.
+
+        Raises:
+            duckdb.IOException: the DuckDB file is locked by another process.
+            kafka.errors.KafkaError: Kafka unreachable at start-up.
+        """
+        try:
+            self._run()
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def _run(self) -> None:
+        from kafka import KafkaConsumer, KafkaProducer
+
+        s = self.settings
+        self._sink = DuckDBSink(s.db)
+        try:
+            self._merger = ShardMerger(s.shard_timeout_s, self._sink.load_sums)
+            self._restore()
+            ensure_topics(s, [s.topic, s.dlq_topic])
+            self._dlq = KafkaProducer(**s.kafka_kwargs(), acks=-1, linger_ms=0,
+                                      max_request_size=2 * 1024 * 1024 + 65536)
+        except BaseException:
+            self._sink.close()
+            raise
+        self._consumer = KafkaConsumer(
+            **s.kafka_kwargs(),
+            group_id=s.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=s.max_poll_records,
+            max_partition_fetch_bytes=s.max_partition_fetch_bytes,
+            fetch_max_bytes=max(s.max_partition_fetch_bytes, 64 * 1024 * 1024),
+        )
+        self._consumer.subscribe([s.topic], listener=_Rebalance(self))
+        log.info("worker joined group %s on %s, writing %s", s.group_id, s.topic, s.db)
+        try:
+            while not self._stop.is_set():
+                records = self._consumer.poll(timeout_ms=s.poll_timeout_ms)
+                with self._lock:
+                    for batch in records.values():
+                        for record in batch:
+                            self._handle(record)
+                    self._expire()
+                    if self._due():
+                        self._flush()
+        finally:
+            with self._lock:
+                self._flush(force=True)
+            try:
+                self._consumer.close()
+            finally:
+                self._dlq.close(timeout=10)
+                self._sink.close()
+            log.info(
+                "worker stopped: %d messages, %d frames (%d partial), %d dead letters",
+                self.counters.messages, self.counters.frames,
+                self.counters.partial_frames, self.counters.dead_letters,
+            )
+
+    def _restore(self) -> None:
+        assert self._sink is not None and self._merger is not None
+        for run in self._sink.load_runs():
+            self.runs[run.run_id] = run
+            steps, complete, ranks = self._sink.load_frames(run.run_id)
+            self._merger.restore_finalised(run.run_id, steps, complete, ranks)
+            flags = self._sink.load_flags(run.run_id)
+            self.trackers[run.run_id] = restore_tracker(
+                run.num_layers, self.settings.max_frames, steps, flags["step"],
+                flags["layer_index"], flags["is_vanishing"].astype(bool),
+                flags["is_exploding"].astype(bool), flags["nonfinite"].astype(bool),
+            )
+        if self.runs:
+            log.info("restored %d runs from %s", len(self.runs), self.settings.db)
+
+    # -- records -------------------------------------------------------------------------
+
+    def _handle(self, record: Any) -> None:
+        key = (record.topic, record.partition)
+        self._positions[key] = record.offset + 1
+        self.counters.messages += 1
+        try:
+            message = decode_message(record.value)
+        except WireError as exc:
+            self._dead_letter(record, exc.reason, "invalid")
+            return
+        if isinstance(message, StepSummary):
+            self._on_step(message, record)
+        elif isinstance(message, RunStarted):
+            self._on_run_started(message, record)
+        else:
+            self._on_finished(message, record)
+
+    def _on_run_started(self, msg: RunStarted, record: Any) -> None:
+        known = self.runs.get(msg.run_id)
+        if known is not None:
+            conflict = known.conflict_with(msg)
+            if conflict:
+                self._dead_letter(record, conflict, "conflicting_run")
+            return
+        run = RunInfo.from_message(msg)
+        self.runs[msg.run_id] = run
+        self.trackers[msg.run_id] = RunHealthTracker(run.num_layers, self.settings.max_frames)
+        self._batch.runs_started.append(msg)
+        log.info("run %s started: %d layers, world size %d", msg.run_id, run.num_layers,
+                 run.world_size)
+
+    def _on_step(self, msg: StepSummary, record: Any) -> None:
+        run = self.runs.get(msg.run_id)
+        if run is None:
+            self._dead_letter(
+                record, f"unknown run_id {msg.run_id!r}: no RunStarted was seen for it",
+                "unknown_run",
+            )
+            return
+        if msg.world_size != run.world_size:
+            self._dead_letter(
+                record, f"world_size {msg.world_size} differs from the run's {run.world_size}",
+                "invalid",
+            )
+            return
+        if max(msg.layer_indices) >= run.num_layers:
+            self._dead_letter(
+                record,
+                f"layer_indices reach {max(msg.layer_indices)} but run {msg.run_id!r} has "
+                f"{run.num_layers} layers",
+                "invalid",
+            )
+            return
+        self.counters.step_summaries += 1
+        assert self._merger is not None
+        frame = self._merger.add(
+            run, msg, (record.topic, record.partition), record.offset, time.monotonic()
+        )
+        if frame is not None:
+            self._emit(frame)
+
+    def _on_finished(self, msg: RunFinished, record: Any) -> None:
+        run = self.runs.get(msg.run_id)
+        if run is None:
+            self._dead_letter(
+                record, f"unknown run_id {msg.run_id!r}: no RunStarted was seen for it",
+                "unknown_run",
+            )
+            return
+        ranks = self._finished.setdefault(msg.run_id, set())
+        ranks.add(msg.rank)
+        self._batch.runs_finished.append(msg)
+        if len(ranks) >= run.world_size:
+            # Every rank said it is done: nothing more will come for pending steps.
+            assert self._merger is not None
+            for frame in self._merger.expire_run(self.runs, msg.run_id):
+                self._emit(frame)
+            log.info("run %s finished (health %s)", msg.run_id,
+                     self.trackers[msg.run_id].health.value)
+
+    def _emit(self, frame: GradientFrame) -> None:
+        tracker = self.trackers[frame.run_id]
+        before = tracker.health
+        health = tracker.update(
+            frame.step, frame.layer_index, frame.is_vanishing, frame.is_exploding,
+            frame.nonfinite,
+        )
+        frame_health = GradientHealth.CRITICAL if frame.has_nonfinite else health
+        self._batch.frames[(frame.run_id, frame.step)] = (frame, frame_health.value)
+        self._batch.run_states[frame.run_id] = RunState(
+            health.value, tracker.frames, tracker.issue_frames, tracker.last_step,
+            tracker.first_nonfinite_step,
+        )
+        self.counters.frames += 1
+        self.counters.layer_rows += len(frame.layer_index)
+        if not frame.complete:
+            self.counters.partial_frames += 1
+        if health.severity > before.severity:
+            log.warning("run %s health %s -> %s at step %d", frame.run_id, before.value,
+                        health.value, frame.step)
+
+    def _dead_letter(self, record: Any, reason: str, error: str) -> None:
+        self.counters.dead_letters += 1
+        if len(self.counters.dead_letter_reasons) < 100:
+            self.counters.dead_letter_reasons.append(reason)
+        log.warning("dead letter %s[%d]@%d: %s", record.topic, record.partition,
+                    record.offset, reason)
+        value, truncated = dead_letter_value(record.value)
+        headers = dead_letter_headers(reason, record.topic, record.partition, record.offset,
+                                      error)
+        if truncated:
+            headers.append(("truncated", b"true"))
+        self._dlq.send(self.settings.dlq_topic, key=record.key, value=value, headers=headers)
+
+    def _expire(self) -> None:
+        assert self._merger is not None
+        if self._merger.pending_count:
+            for frame in self._merger.expire(self.runs, time.monotonic()):
+                self._emit(frame)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def _due(self) -> bool:
+        if self._batch.layer_rows() >= self.settings.max_batch_rows:
+            return True
+        return time.monotonic() - self._last_flush >= self.settings.flush_interval_s
+
+    def _offsets_to_store(self) -> dict[PartitionKey, int]:
+        assert self._merger is not None
+        earliest = self._merger.earliest_pending_offsets()
+        out = {}
+        for key, pos in self._positions.items():
+            target = min(pos, earliest.get(key, pos))
+            if self._stored_positions.get(key) != target:
+                out[key] = target
+        return out
+
+    def _flush(self, force: bool = False) -> None:
+        self._last_flush = time.monotonic()
+        if self._sink is None:
+            return
+        offsets = self._offsets_to_store()
+        batch = self._batch
+        batch.offsets = offsets
+        if not batch:
+            return
+        if self.counters.dead_letters and self._dlq is not None:
+            self._dlq.flush(timeout=30)  # dead letters durable before offsets pass them
+        self._sink.write(batch, self.settings.group_id)
+        self._stored_positions.update(offsets)
+        self.counters.writes += 1
+        self._batch = SinkBatch()
+        if offsets and self._consumer is not None:
+            self._commit_to_kafka(offsets)
+
+    def _commit_to_kafka(self, offsets: dict[PartitionKey, int]) -> None:
+        """Mirror the stored offsets into Kafka (for lag monitoring only; DuckDB is the
+        source of truth on restart)."""
+        from kafka import OffsetAndMetadata, TopicPartition
+
+        try:
+            self._consumer.commit_async({
+                TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
+                for (t, p), o in offsets.items()
+            })
+        except Exception as exc:  # informational commit: never stop the worker for it
+            log.debug("offset commit to Kafka failed: %s", exc)
+
+    # -- rebalance -----------------------------------------------------------------------
+
+    def on_assigned(self, partitions: list[Any]) -> None:
+        """Seek every newly assigned partition to its stored offset (or the beginning)."""
+        with self._lock:
+            assert self._sink is not None
+            stored = {}
+            for topic in {tp.topic for tp in partitions}:
+                for part, off in self._sink.load_offsets(self.settings.group_id, topic).items():
+                    stored[(topic, part)] = off
+            for tp in partitions:
+                key = (tp.topic, tp.partition)
+                if key in stored:
+                    self._consumer.seek(tp, stored[key])
+                    self._stored_positions[key] = stored[key]
+                else:
+                    self._consumer.seek_to_beginning(tp)
+            log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
+            if partitions:
+                self._ready.set()
+
+    def on_revoked(self, partitions: list[Any]) -> None:
+        """Write what is final, then forget the revoked partitions' pending frames (their
+        next owner rebuilds them from the stored offsets)."""
+        with self._lock:
+            self._flush(force=True)
+            keys = {(tp.topic, tp.partition) for tp in partitions}
+            assert self._merger is not None
+            self._merger.drop_partitions(keys)
+            for key in keys:
+                self._positions.pop(key, None)
+                self._stored_positions.pop(key, None)
+
+    # -- introspection -------------------------------------------------------------------
+
+    def runs_done(self, run_ids: list[str]) -> bool:
+        """True when every given run has all ranks finished, no pending frame, and all its
+        frames written."""
+        with self._lock:
+            for run_id in run_ids:
+                run = self.runs.get(run_id)
+                if run is None or len(self._finished.get(run_id, ())) < run.world_size:
+                    return False
+                if any(r == run_id for r, _ in self._batch.frames):
+                    return False
+            return not self._batch.runs_finished
+
+    def wait_for_runs(self, run_ids: list[str], timeout: float) -> bool:
+        """Block until ``runs_done(run_ids)`` or timeout (s); False on timeout or if the
+        worker died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.error is not None:
+                return False
+            if self.runs_done(run_ids):
+                return True
+            time.sleep(0.05)
+        return False
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """kafka-python rebalance listener delegating to the worker."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def on_partitions_revoked(self, revoked: list[Any]) -> None:
+        self.worker.on_revoked(revoked)
+
+    def on_partitions_assigned(self, assigned: list[Any]) -> None:
+        self.worker.on_assigned(assigned)
+
+    def on_partitions_lost(self, lost: list[Any]) -> None:
+        self.worker.on_revoked(lost)
+
+
+def ensure_topics(settings: ConsumerSettings, topics: list[str]) -> None:
+    """Create ``topics`` with ``settings.partitions`` partitions if they do not exist.
+
+    Raises:
+        kafka.errors.KafkaError: the cluster cannot be reached or refuses.
+    """
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    admin = KafkaAdminClient(**settings.kafka_kwargs())
+    try:
+        existing = set(admin.list_topics())
+        missing = [t for t in topics if t not in existing]
+        if missing:
+            with contextlib.suppress(TopicAlreadyExistsError):
+                admin.create_topics([
+                    NewTopic(t, settings.partitions, settings.replication_factor)
+                    for t in missing
+                ])
+    finally:
+        admin.close()

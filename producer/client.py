@@ -1,0 +1,413 @@
+"""GradientProducer: sends a rank's RunStarted / StepSummary / RunFinished messages to Kafka.
+
+The training thread only summarises the gradients (NumPy) and appends the result to a
+bounded in-memory queue; a daemon sender thread builds the pydantic messages, encodes them
+and hands them to kafka-python's ``KafkaProducer``. The Kafka client itself is created on
+the sender thread, so an unreachable broker never blocks training: summaries wait in the
+queue, and when it is full the oldest pending *step* summary is dropped and counted
+(run start/finish messages are never dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from producer.settings import ProducerSettings
+from producer.summary import LayerSummaries, summarize
+from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
+
+log = logging.getLogger("gradstream.producer")
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerStats:
+    """Counters of one producer (messages, not bytes).
+
+    Attributes:
+        recorded: step summaries accepted by ``record_step``.
+        sent: messages acknowledged by Kafka.
+        dropped: step summaries dropped because the queue was full.
+        failed: messages Kafka rejected or that could not be delivered in time.
+        queued: messages waiting for the sender thread now.
+        in_flight: messages handed to Kafka and not yet acknowledged.
+        training_thread_s: total seconds spent inside ``record_step`` (summary + enqueue).
+    """
+
+    recorded: int
+    sent: int
+    dropped: int
+    failed: int
+    queued: int
+    in_flight: int
+    training_thread_s: float
+
+
+@dataclass(slots=True)
+class _Pending:
+    kind: str  # "start" | "step" | "finish"
+    payload: Any
+
+
+class GradientProducer:
+    """Per-rank telemetry producer.
+
+    Typical use::
+
+        with GradientProducer("run-42", rank=r, world_size=w) as gp:
+            gp.start_run({name: p.size for name, p in params.items()})
+            for step in range(steps):
+                ...
+                gp.record_step(step, grads)      # returns at once
+            gp.finish_run()
+
+    Args:
+        run_id: the run's id, the same on every rank (also the Kafka key).
+        rank: this process's rank, 0 <= rank < world_size.
+        world_size: number of ranks that each send a summary per step.
+        settings: a ProducerSettings; by default read from the environment.
+        **overrides: individual ProducerSettings fields (e.g. ``bootstrap_servers=``,
+            ``topic=``) applied over ``settings``.
+
+    Raises:
+        ValueError: empty run id, or rank outside [0, world_size).
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        settings: ProducerSettings | None = None,
+        **overrides: Any,
+    ) -> None:
+        if not run_id:
+            raise ValueError("run_id must be a non-empty string")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} must satisfy 0 <= rank < world_size ({world_size})")
+        base = settings or ProducerSettings()
+        self.settings = base.model_copy(update=overrides) if overrides else base
+        self.run_id = run_id
+        self.rank = rank
+        self.world_size = world_size
+        self._layer_index: dict[str, int] = {}
+        self._last_step = -1
+        self._steps_recorded = 0
+
+        self._queue: deque[_Pending] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._busy = False
+        self._recorded = 0
+        self._sent = 0
+        self._dropped = 0
+        self._failed = 0
+        self._in_flight = 0
+        self._training_s = 0.0
+        self._kafka: Any = None
+        self._last_error: str | None = None
+        self._thread = threading.Thread(
+            target=self._sender_loop, name=f"gradstream-sender-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    # -- training-thread API -------------------------------------------------------------
+
+    def start_run(
+        self,
+        layer_numel: Mapping[str, int],
+        *,
+        vanishing_threshold: float = 1e-7,
+        exploding_threshold: float = 1e3,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Announce the run: its layers in model order and their full-tensor sizes.
+
+        Args:
+            layer_numel: layer name -> number of elements of the full parameter, in model
+                order (the order defines ``layer_index`` everywhere downstream).
+            vanishing_threshold: mean |g| below which a layer is vanishing (seed 001).
+            exploding_threshold: max |g| above which a layer is exploding (seed 001).
+            config: free-form JSON-serialisable run configuration.
+
+        Raises:
+            pydantic.ValidationError: invalid layer list or thresholds (names the field).
+            RuntimeError: the run was already started or the producer is closed.
+        """
+        if self._layer_index:
+            raise RuntimeError("start_run() was already called for this producer")
+        message = RunStarted(
+            run_id=self.run_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            layer_names=list(layer_numel),
+            numel=[int(n) for n in layer_numel.values()],
+            vanishing_threshold=vanishing_threshold,
+            exploding_threshold=exploding_threshold,
+            host=socket.gethostname(),
+            start_time=time.time(),
+            config=dict(config or {}),
+        )
+        self._layer_index = {name: i for i, name in enumerate(message.layer_names)}
+        self._enqueue(_Pending("start", message))
+
+    def record_step(self, step: int, gradients: Mapping[str, np.ndarray]) -> None:
+        """Summarise this rank's gradients of one optimiser step and queue them for sending.
+
+        Never waits for Kafka: when the queue is full the oldest pending step summary is
+        dropped (counted in ``stats().dropped``).
+
+        Args:
+            step: optimiser step, >= 0.
+            gradients: layer name -> gradient array (any shape; float16/32/64); names must
+                be among those given to ``start_run``; a subset is allowed.
+
+        Raises:
+            RuntimeError: ``start_run`` was not called, or the producer is closed.
+            ValueError: negative step, unknown layer name, empty or non-float gradient.
+            TypeError: a gradient of a non-float dtype.
+        """
+        t0 = time.perf_counter()
+        if not self._layer_index:
+            raise RuntimeError("call start_run(layer_numel) before record_step()")
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        unknown = [name for name in gradients if name not in self._layer_index]
+        if unknown:
+            raise ValueError(
+                f"unknown layer(s) {unknown[:5]!r}: not in the layer list given to start_run()"
+            )
+        summaries = summarize(gradients)
+        indices = np.fromiter(
+            (self._layer_index[n] for n in summaries.names), dtype=np.int64, count=len(summaries)
+        )
+        self._enqueue(_Pending("step", (int(step), time.time(), indices, summaries)))
+        self._last_step = max(self._last_step, int(step))
+        self._steps_recorded += 1
+        with self._cond:
+            self._recorded += 1
+            self._training_s += time.perf_counter() - t0
+
+    def finish_run(self, timeout: float | None = None) -> bool:
+        """Send this rank's RunFinished and wait for delivery of everything queued.
+
+        Args:
+            timeout: seconds to wait (default ``settings.close_timeout_s``).
+
+        Returns:
+            True when everything queued was delivered or accounted as dropped/failed.
+        """
+        with self._cond:
+            dropped = self._dropped
+        self._enqueue(
+            _Pending(
+                "finish",
+                RunFinished(
+                    run_id=self.run_id,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    last_step=self._last_step,
+                    steps_recorded=self._steps_recorded,
+                    dropped=dropped,
+                    end_time=time.time(),
+                ),
+            )
+        )
+        return self.flush(timeout)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the queue is empty and Kafka acknowledged every message handed to it.
+
+        Returns:
+            True if everything was delivered (or failed/dropped and counted) in time.
+        """
+        limit = self.settings.close_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while self._queue or self._busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(remaining, 0.1))
+        kafka = self._kafka
+        if kafka is not None:
+            remaining = max(deadline - time.monotonic(), 0.0)
+            try:
+                kafka.flush(timeout=remaining)
+            except Exception as exc:  # kafka-python raises KafkaTimeoutError on timeout
+                log.warning("flush did not complete: %s", exc)
+                return False
+        with self._cond:
+            return self._in_flight == 0
+
+    def close(self, timeout: float | None = None) -> ProducerStats:
+        """Flush, stop the sender thread, close the Kafka client and log a summary.
+
+        Returns:
+            The final :class:`ProducerStats`.
+        """
+        if not self._closing:
+            self.flush(timeout)
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._thread.join(timeout=5.0)
+            if self._kafka is not None:
+                try:
+                    self._kafka.close(timeout=timeout or self.settings.close_timeout_s)
+                except Exception as exc:  # closing must never raise into training code
+                    log.warning("error closing the Kafka producer: %s", exc)
+            stats = self.stats()
+            log.info(
+                "gradstream producer run=%s rank=%d: recorded=%d sent=%d dropped=%d failed=%d "
+                "training-thread time=%.3fs",
+                self.run_id, self.rank, stats.recorded, stats.sent, stats.dropped,
+                stats.failed, stats.training_thread_s,
+            )
+        return self.stats()
+
+    def stats(self) -> ProducerStats:
+        """Current counters (thread-safe snapshot)."""
+        with self._cond:
+            return ProducerStats(
+                recorded=self._recorded,
+                sent=self._sent,
+                dropped=self._dropped,
+                failed=self._failed,
+                queued=len(self._queue),
+                in_flight=self._in_flight,
+                training_thread_s=self._training_s,
+            )
+
+    def __enter__(self) -> GradientProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- queue ---------------------------------------------------------------------------
+
+    def _enqueue(self, item: _Pending) -> None:
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("producer is closed")
+            if item.kind == "step" and len(self._queue) >= self.settings.queue_size:
+                self._drop_oldest_step()
+            self._queue.append(item)
+            self._cond.notify_all()
+
+    def _drop_oldest_step(self) -> None:
+        for i, pending in enumerate(self._queue):
+            if pending.kind == "step":
+                del self._queue[i]
+                self._dropped += 1
+                return
+
+    # -- sender thread -------------------------------------------------------------------
+
+    def _sender_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if self._closing and not self._queue:
+                    return
+                if self._kafka is None:
+                    self._busy = False
+            if self._kafka is None and not self._connect():
+                with self._cond:
+                    self._cond.wait(backoff)
+                    if self._closing:
+                        return
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            with self._cond:
+                if not self._queue:
+                    continue
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                self._send(item)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _connect(self) -> bool:
+        from kafka import KafkaProducer
+
+        s = self.settings
+        try:
+            self._kafka = KafkaProducer(
+                **s.kafka_kwargs(),
+                acks=-1 if s.acks == "all" else int(s.acks),
+                enable_idempotence=s.enable_idempotence,
+                compression_type=None if s.compression_type == "none" else s.compression_type,
+                linger_ms=s.linger_ms,
+                batch_size=s.batch_size,
+                max_request_size=s.max_request_size,
+                delivery_timeout_ms=s.delivery_timeout_ms,
+                request_timeout_ms=s.request_timeout_ms,
+                max_block_ms=s.max_block_ms,
+            )
+            return True
+        except Exception as exc:  # broker unreachable: keep queueing, retry with backoff
+            if str(exc) != self._last_error:
+                log.warning("cannot connect to Kafka at %s yet: %s", s.bootstrap_servers, exc)
+                self._last_error = str(exc)
+            return False
+
+    def _build(self, item: _Pending) -> StepSummary | RunStarted | RunFinished:
+        if item.kind != "step":
+            return item.payload
+        step, wall_time, indices, summaries = item.payload
+        assert isinstance(summaries, LayerSummaries)
+        return StepSummary(
+            run_id=self.run_id,
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            wall_time=wall_time,
+            layer_indices=indices.tolist(),
+            numel=summaries.numel.tolist(),
+            sum_abs=summaries.sum_abs.tolist(),
+            sum_sq=summaries.sum_sq.tolist(),
+            max_abs=summaries.max_abs.tolist(),
+            nonfinite=summaries.nonfinite.tolist(),
+        )
+
+    def _send(self, item: _Pending) -> None:
+        try:
+            value = encode_message(self._build(item))
+            future = self._kafka.send(self.settings.topic, key=self.run_id.encode(), value=value)
+        except Exception as exc:
+            log.error("could not send a %s message: %s", item.kind, exc)
+            with self._cond:
+                self._failed += 1
+            return
+        with self._cond:
+            self._in_flight += 1
+        future.add_callback(self._on_sent)
+        future.add_errback(self._on_failed)
+
+    def _on_sent(self, _metadata: object) -> None:
+        with self._cond:
+            self._sent += 1
+            self._in_flight -= 1
+
+    def _on_failed(self, exc: BaseException) -> None:
+        log.error("Kafka did not accept a gradstream message: %s", exc)
+        with self._cond:
+            self._failed += 1
+            self._in_flight -= 1

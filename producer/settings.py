@@ -1,0 +1,34 @@
+"""Producer configuration (pydantic-settings): arguments, else ``GRADSTREAM_*`` / ``KAFKA_*``
+environment variables, else these defaults."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.config import KafkaClientSettings
+from schemas.topics import DEFAULT_SUMMARIES_TOPIC
+
+
+class ProducerSettings(KafkaClientSettings):
+    """Settings of :class:`producer.GradientProducer`.
+
+    Kafka settings suit many small messages: ``acks=all`` with idempotence (no duplicates,
+    no reordering per rank on retry), zstd compression, a short ``linger_ms`` so a step's
+    message leaves within milliseconds. ``queue_size`` bounds the summaries waiting for
+    the sender thread; when full, the oldest pending summary is dropped and counted.
+    """
+
+    topic: str = DEFAULT_SUMMARIES_TOPIC
+    acks: Literal["all", "1", "0"] = "all"
+    enable_idempotence: bool = True
+    compression_type: Literal["zstd", "lz4", "gzip", "none"] = "zstd"
+    linger_ms: int = Field(default=5, ge=0)
+    batch_size: int = Field(default=256 * 1024, gt=0)
+    max_request_size: int = Field(default=20 * 1024 * 1024, gt=0)
+    delivery_timeout_ms: int = Field(default=120_000, gt=0)
+    request_timeout_ms: int = Field(default=30_000, gt=0)
+    max_block_ms: int = Field(default=60_000, gt=0)
+    queue_size: int = Field(default=1024, gt=0)
+    close_timeout_s: float = Field(default=30.0, ge=0)
