@@ -76,9 +76,14 @@ class RunHealthTracker:
         self.frames = 0
         self.issue_frames = 0
         self.last_step: int | None = None
-        self.first_nonfinite_step: int | None = None
+        self._nonfinite_steps: set[int] = set()
         self._by_step: dict[int, _Contribution] = {}
         self._heap: list[int] = []
+
+    @property
+    def first_nonfinite_step(self) -> int | None:
+        """Smallest considered step with a non-finite gradient, or None."""
+        return min(self._nonfinite_steps) if self._nonfinite_steps else None
 
     def _apply(self, c: _Contribution, sign: int) -> None:
         self.vanishing_frames[c.vanishing] += sign
@@ -114,15 +119,16 @@ class RunHealthTracker:
             heapq.heappush(self._heap, step)
         self._by_step[step] = c
         self._apply(c, +1)
-        if c.nonfinite.size and (
-            self.first_nonfinite_step is None or step < self.first_nonfinite_step
-        ):
-            self.first_nonfinite_step = step
+        if c.nonfinite.size:
+            self._nonfinite_steps.add(step)
+        else:
+            self._nonfinite_steps.discard(step)
         self.last_step = step if self.last_step is None else max(self.last_step, step)
         if self.max_frames:
             while len(self._by_step) > self.max_frames:
                 oldest = heapq.heappop(self._heap)
                 self._apply(self._by_step.pop(oldest), -1)
+                self._nonfinite_steps.discard(oldest)
         return self.health
 
     @property
@@ -181,9 +187,7 @@ def restore_tracker(
         np.add.at(tracker.vanishing_frames, flag_layers[flag_vanishing], 1)
         np.add.at(tracker.exploding_frames, flag_layers[flag_exploding], 1)
         np.add.at(tracker.nonfinite_frames, flag_layers[flag_nonfinite], 1)
-        nonfinite_steps = flag_steps[flag_nonfinite]
-        if nonfinite_steps.size:
-            tracker.first_nonfinite_step = int(nonfinite_steps.min())
+        tracker._nonfinite_steps = set(np.unique(flag_steps[flag_nonfinite]).tolist())
     tracker._by_step = by_step
     tracker._heap = sorted(by_step)
     tracker.frames = len(by_step)
@@ -193,4 +197,5 @@ def restore_tracker(
         while len(tracker._by_step) > max_frames:
             oldest = heapq.heappop(tracker._heap)
             tracker._apply(tracker._by_step.pop(oldest), -1)
+            tracker._nonfinite_steps.discard(oldest)
     return tracker

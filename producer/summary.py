@@ -58,7 +58,8 @@ def _as_float_array(name: str, value: object) -> np.ndarray:
 def _summarize_one(flat: np.ndarray) -> tuple[float, float, float, int]:
     """(sum_abs, sum_sq, max_abs, nonfinite) of one flat float array, float64 accumulation."""
     x = flat.astype(np.float64, copy=False)
-    sum_sq = float(np.dot(x, x))
+    with np.errstate(over="ignore", invalid="ignore"):
+        sum_sq = float(np.dot(x, x))
     if np.isfinite(sum_sq):
         # A NaN or Inf element would have made the sum of squares non-finite, and
         # float16/32 squares cannot overflow a double: every element is finite.
@@ -69,7 +70,8 @@ def _summarize_one(flat: np.ndarray) -> tuple[float, float, float, int]:
     good = np.abs(x[finite])
     if good.size == 0:
         return 0.0, 0.0, 0.0, nonfinite
-    sum_sq = float(np.dot(good, good))
+    with np.errstate(over="ignore"):
+        sum_sq = float(np.dot(good, good))
     return (
         float(np.add.reduce(good)),
         min(sum_sq, _MAX_DOUBLE),

@@ -1,0 +1,101 @@
+"""Frame fields (seed 001 record_step) and the exactness of the cross-rank merge."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from consumer.frames import MergedShards, compute_frame
+from producer.summary import summarize
+
+
+def _frame_of(grads: dict[str, np.ndarray], van=1e-7, exp=1e3, ranks=(0,), world=1):
+    s = summarize(grads)
+    merged = MergedShards.empty(len(s))
+    merged.add(np.arange(len(s)), s.numel, s.sum_abs, s.sum_sq, s.max_abs, s.nonfinite)
+    return compute_frame("r", 0, merged, vanishing_threshold=van, exploding_threshold=exp,
+                         ranks_seen=ranks, world_size=world, wall_time=0.0)
+
+
+def test_seed_fields():
+    f = _frame_of({"a": np.array([3.0, -4.0]), "b": np.array([1.0, 0.0])})
+    assert f.mean_abs_grad.tolist() == [3.5, 0.5]
+    assert f.max_abs_grad.tolist() == [4.0, 1.0]
+    assert f.grad_norm.tolist() == [5.0, 1.0]
+    assert f.flow_intensity.tolist() == [1.0, 0.2]
+
+
+def test_vanishing_threshold_is_strict():
+    # seed: is_vanishing = mean_abs < threshold
+    f = _frame_of({"at": np.array([1e-6, 1e-6]), "below": np.array([9.99e-7, 9.99e-7])},
+                  van=1e-6)
+    assert f.is_vanishing.tolist() == [False, True]
+
+
+def test_exploding_threshold_is_strict():
+    # seed: is_exploding = max_abs > threshold
+    f = _frame_of({"at": np.array([100.0, 1.0]), "above": np.array([100.001, 1.0])},
+                  exp=100.0)
+    assert f.is_exploding.tolist() == [False, True]
+
+
+def test_seed_vanishing_and_exploding_detection():
+    f = _frame_of({"shallow": np.array([1e-8, 1e-8]), "deep": np.array([0.01, 0.01])},
+                  van=1e-6)
+    assert f.is_vanishing.tolist() == [True, False]
+    f = _frame_of({"bad_layer": np.array([500.0, 200.0]), "ok_layer": np.array([0.1, 0.1])},
+                  exp=100.0)
+    assert f.is_exploding.tolist() == [True, False]
+
+
+def test_flow_intensity_zero_when_all_norms_zero():
+    f = _frame_of({"a": np.zeros(3), "b": np.zeros(2)})
+    assert f.flow_intensity.tolist() == [0.0, 0.0]
+    assert f.is_vanishing.all()
+
+
+def test_flow_intensity_normalised_in_unit_interval():
+    f = _frame_of({"large": np.ones(10), "small": np.full(10, 1e-3)})
+    assert f.flow_intensity.max() == 1.0 and (f.flow_intensity >= 0).all()
+
+
+def test_nonfinite_layer_flagged_and_excluded_from_sums():
+    f = _frame_of({"a": np.array([np.nan, 2.0]), "b": np.array([1.0, 1.0])})
+    assert f.nonfinite.tolist() == [1, 0] and f.has_nonfinite
+    assert f.max_abs_grad.tolist() == [2.0, 1.0]
+
+
+def test_unreported_layers_are_left_out():
+    merged = MergedShards.empty(3)
+    merged.add(np.array([2]), np.array([4]), np.array([1.0]), np.array([1.0]),
+               np.array([1.0]), np.array([0]))
+    f = compute_frame("r", 5, merged, vanishing_threshold=1e-7, exploding_threshold=1e3,
+                      ranks_seen=(1, 0), world_size=3, wall_time=2.0)
+    assert f.layer_index.tolist() == [2]
+    assert f.ranks_seen == (0, 1) and f.missing_ranks == (2,) and not f.complete
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 8),
+    st.integers(1, 5000),
+    st.integers(0, 2**31),
+    st.sampled_from([np.float16, np.float32, np.float64]),
+)
+def test_split_across_ranks_equals_unsplit(k, n, seed, dtype):
+    """A tensor split across k ranks merges to the unsplit statistics (1e-12 relative)."""
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-8, 3)).astype(dtype)
+    whole = _frame_of({"w": g})
+    cuts = np.sort(rng.integers(0, n + 1, size=k - 1))
+    merged = MergedShards.empty(1)
+    for part in np.split(g, cuts):
+        if part.size == 0:
+            continue
+        s = summarize({"w": part})
+        merged.add(np.array([0]), s.numel, s.sum_abs, s.sum_sq, s.max_abs, s.nonfinite)
+    split = compute_frame("r", 0, merged, vanishing_threshold=1e-7, exploding_threshold=1e3,
+                          ranks_seen=tuple(range(k)), world_size=k, wall_time=0.0)
+    for name in ("mean_abs_grad", "grad_norm", "max_abs_grad"):
+        assert getattr(split, name)[0] == pytest.approx(getattr(whole, name)[0], rel=1e-12)
+    assert split.numel[0] == n

@@ -1,0 +1,103 @@
+"""Run health: the seed's rule at every threshold boundary, incremental updates,
+replacement of rewritten frames, rolling window and restore."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from consumer.health import RunHealthTracker, classify, restore_tracker
+from schemas.wire import GradientHealth as H
+
+
+@pytest.mark.parametrize(
+    ("van", "exp", "issues", "frames", "nonfinite", "expected"),
+    [
+        (False, False, 0, 10, False, H.HEALTHY),
+        (False, False, 1, 10, False, H.HEALTHY),          # ratio 0.1 is not > 0.1
+        (False, False, 11, 100, False, H.MINOR_ISSUES),   # 0.11 > 0.1
+        (True, False, 1, 100, False, H.MINOR_ISSUES),     # any vanishing layer
+        (True, False, 3, 10, False, H.MINOR_ISSUES),      # 0.3 is not > 0.3
+        (True, False, 31, 100, False, H.PROBLEMS_DETECTED),
+        (False, True, 1, 100, False, H.PROBLEMS_DETECTED),  # any exploding layer
+        (False, True, 5, 10, False, H.PROBLEMS_DETECTED),   # exploding, 0.5 not > 0.5
+        (False, True, 51, 100, False, H.CRITICAL),          # exploding and 0.51 > 0.5
+        (True, False, 100, 100, False, H.PROBLEMS_DETECTED),  # no exploding: never Critical
+        (False, False, 0, 100, True, H.CRITICAL),           # non-finite: Critical at once
+        (False, False, 0, 0, False, H.HEALTHY),             # no frames
+    ],
+)
+def test_classify_boundaries(van, exp, issues, frames, nonfinite, expected):
+    assert classify(van, exp, issues, frames, nonfinite) is expected
+
+
+def _update(t: RunHealthTracker, step: int, van=(), exp=(), nonf=(), layers=4):
+    idx = np.arange(layers)
+    return t.update(step, idx, np.isin(idx, van), np.isin(idx, exp),
+                    np.isin(idx, nonf).astype(np.int64))
+
+
+def test_incremental_counts_and_total_steps():
+    t = RunHealthTracker(4)
+    for s in range(10):
+        _update(t, s, van=(0,) if s == 3 else ())
+    assert t.frames == 10 and t.issue_frames == 1 and t.total_steps == 10
+    assert t.health is H.MINOR_ISSUES
+    assert t.vanishing_frames.tolist() == [1, 0, 0, 0]
+
+
+def test_rewritten_frame_replaces_its_contribution():
+    t = RunHealthTracker(4)
+    _update(t, 0, exp=(2,))
+    assert t.health is H.CRITICAL  # 1/1 issue frames with an exploding layer
+    _update(t, 0)                   # same step rewritten healthy (late shard)
+    assert t.frames == 1 and t.issue_frames == 0 and t.health is H.HEALTHY
+    assert not t.exploding_frames.any()
+
+
+def test_nonfinite_frame_is_critical_and_first_step_kept():
+    t = RunHealthTracker(4)
+    _update(t, 5)
+    _update(t, 9, nonf=(1,))
+    _update(t, 7, nonf=(3,))
+    assert t.health is H.CRITICAL and t.first_nonfinite_step == 7
+
+
+def test_rolling_window_like_seed_max_frames():
+    t = RunHealthTracker(4, max_frames=3)
+    _update(t, 0, exp=(1,))
+    for s in range(1, 10):
+        _update(t, s)
+    assert t.frames == 3 and t.health is H.HEALTHY
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7), st.integers(0, 3)),
+                min_size=1, max_size=60),
+       st.sampled_from([0, 5]))
+def test_restore_equals_incremental(events, window):
+    """A tracker rebuilt from stored flags equals the one that saw the frames."""
+    layers = 3
+    t = RunHealthTracker(layers, window)
+    stored: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for step, flags, layer in events:
+        idx = np.arange(layers)
+        van = (idx == layer) & bool(flags & 1)
+        exp = (idx == layer) & bool(flags & 2)
+        nonf = ((idx == layer) & bool(flags & 4)).astype(np.int64)
+        t.update(step, idx, van, exp, nonf)
+        stored[step] = (van, exp, nonf > 0)
+    steps = np.array(sorted(stored))
+    rows = [(s, i, *[f[i] for f in stored[s]]) for s in steps for i in range(layers)
+            if any(f[i] for f in stored[s])]
+    arr = np.array(rows, dtype=object).reshape(-1, 5)
+    r = restore_tracker(layers, window, steps, arr[:, 0].astype(np.int64),
+                        arr[:, 1].astype(np.int64), arr[:, 2].astype(bool),
+                        arr[:, 3].astype(bool), arr[:, 4].astype(bool))
+    if window == 0:
+        assert (r.frames, r.issue_frames, r.health) == (t.frames, t.issue_frames, t.health)
+        assert r.vanishing_frames.tolist() == t.vanishing_frames.tolist()
+        assert r.first_nonfinite_step == t.first_nonfinite_step
+    else:
+        assert r.frames == t.frames == min(window, len(stored))
+        assert r.health == t.health

@@ -1,0 +1,105 @@
+"""Wire contract: every validator rejects what it must, with a reason naming the field."""
+
+import json
+
+import pytest
+
+from schemas.wire import (
+    MAX_MESSAGE_BYTES,
+    RunStarted,
+    StepSummary,
+    WireError,
+    decode_message,
+    encode_message,
+)
+
+
+def _summary(**over):
+    base = dict(
+        run_id="r", step=3, rank=1, world_size=2, wall_time=1.5, layer_indices=[0, 1],
+        numel=[4, 8], sum_abs=[1.0, 2.0], sum_sq=[0.5, 1.0], max_abs=[0.5, 0.7],
+        nonfinite=[0, 1],
+    )
+    base.update(over)
+    return base
+
+
+def _raw(**over) -> bytes:
+    d = _summary(**over)
+    d.setdefault("type", "step_summary")
+    d.setdefault("schema_version", "1.0")
+    return json.dumps(d).encode()
+
+
+def test_round_trip():
+    msg = StepSummary(**_summary())
+    assert decode_message(encode_message(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"step": -1}, "step"),
+        ({"rank": 2}, "rank 2 must be < world_size 2"),
+        ({"numel": [4]}, "numel has 1 entries"),
+        ({"sum_abs": [1.0, -2.0]}, "sum_abs"),
+        ({"numel": [0, 8]}, "numel"),
+        ({"nonfinite": [5, 0]}, "nonfinite[0]=5 exceeds numel[0]=4"),
+        ({"layer_indices": [1, 1]}, "unique"),
+        ({"schema_version": "2.0"}, "unsupported schema major version 2"),
+        ({"schema_version": "one"}, "MAJOR.MINOR"),
+        ({"world_size": 0}, "world_size"),
+        ({"run_id": ""}, "run_id"),
+    ],
+)
+def test_invalid_fields_are_named(override, field):
+    with pytest.raises(WireError) as err:
+        decode_message(_raw(**override))
+    assert field in err.value.reason
+
+
+def test_nan_statistic_rejected():
+    raw = _raw().replace(b'"sum_sq": [0.5, 1.0]', b'"sum_sq": [NaN, 1.0]')
+    with pytest.raises(WireError) as err:
+        decode_message(raw)
+    assert "sum_sq" in err.value.reason
+
+
+def test_malformed_json_and_unknown_type():
+    with pytest.raises(WireError, match="Invalid JSON"):
+        decode_message(b'{"type": "step_summary", ')
+    with pytest.raises(WireError):
+        decode_message(b'{"type": "something_else", "schema_version": "1.0"}')
+    with pytest.raises(WireError, match="empty"):
+        decode_message(None)
+
+
+def test_newer_minor_version_with_extra_fields_still_parses():
+    d = json.loads(_raw())
+    d["schema_version"] = "1.7"
+    d["exponent_histogram"] = [[1, 2], [3, 4]]
+    msg = decode_message(json.dumps(d).encode())
+    assert isinstance(msg, StepSummary) and msg.schema_version == "1.7"
+
+
+def test_oversized_message_refused_before_parsing():
+    with pytest.raises(WireError, match="exceeds"):
+        decode_message(b" " * (MAX_MESSAGE_BYTES + 1))
+
+
+def test_run_started_validators():
+    ok = dict(run_id="r", world_size=2, layer_names=["a", "b"], numel=[1, 2], start_time=1.0)
+    assert RunStarted(**ok).vanishing_threshold == 1e-7
+    with pytest.raises(ValueError, match="numel has 1 entries"):
+        RunStarted(**{**ok, "numel": [1]})
+    with pytest.raises(ValueError, match="unique"):
+        RunStarted(**{**ok, "layer_names": ["a", "a"]})
+    with pytest.raises(ValueError, match="vanishing_threshold must be below"):
+        RunStarted(**ok, vanishing_threshold=10.0, exploding_threshold=1.0)
+
+
+def test_arbitrary_layer_names_survive():
+    names = ['a,b', 'quote"d', "new\nline", "ünï©ødé 层"]
+    msg = RunStarted(run_id="r", world_size=1, layer_names=names, numel=[1] * 4,
+                     start_time=0.0)
+    assert decode_message(encode_message(msg)).layer_names == names
