@@ -83,7 +83,8 @@ def test_stored_offset_is_held_at_earliest_pending_frame():
     m = ShardMerger(5.0, StoreStub().load)
     m.add(RUN, shard(1, 0), P, 40, 0.0)
     m.add(RUN, shard(2, 0), P, 42, 0.0)
-    m.add(RUN, shard(2, 1), ("topic", 1), 7, 0.0)
+    other = RunInfo("other", 3, ("a", "b"), np.array([2, 2]), 1e-7, 1e3)
+    m.add(other, shard(2, 1).model_copy(update={"run_id": "other"}), ("topic", 1), 7, 0.0)
     assert m.earliest_pending_offsets() == {P: 40, ("topic", 1): 7}
     m.add(RUN, shard(1, 1), P, 43, 0.0)
     m.add(RUN, shard(1, 2), P, 44, 0.0)
