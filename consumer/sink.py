@@ -116,10 +116,10 @@ class DuckDBSink:
 
     def load_frames(self, run_id: str) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
         """(steps int64[F], complete bool[F], ranks_seen lists) of a run's stored frames."""
-        tbl = self.con.execute(
-            "SELECT step, complete, ranks_seen FROM frames WHERE run_id = ? ORDER BY step",
-            [run_id],
-        ).fetch_arrow_table()
+        tbl = self.con.sql(
+            "SELECT step, complete, ranks_seen FROM frames WHERE run_id = $1 ORDER BY step",
+            params=[run_id],
+        ).to_arrow_table()
         return (
             tbl["step"].to_numpy().astype(np.int64),
             tbl["complete"].to_numpy(zero_copy_only=False).astype(bool),
@@ -129,23 +129,23 @@ class DuckDBSink:
     def load_flags(self, run_id: str) -> dict[str, np.ndarray]:
         """A run's stored layer rows with a flag set: step, layer_index, vanishing,
         exploding, nonfinite (arrays of equal length)."""
-        tbl = self.con.execute(
+        tbl = self.con.sql(
             "SELECT step, layer_index, is_vanishing, is_exploding, nonfinite > 0 AS nonfinite "
-            "FROM layer_stats WHERE run_id = ? AND (is_vanishing OR is_exploding OR "
+            "FROM layer_stats WHERE run_id = $1 AND (is_vanishing OR is_exploding OR "
             "nonfinite > 0)",
-            [run_id],
-        ).fetch_arrow_table()
+            params=[run_id],
+        ).to_arrow_table()
         return {
             name: tbl[name].to_numpy(zero_copy_only=False) for name in tbl.column_names
         }
 
     def load_sums(self, run: RunInfo, step: int) -> MergedShards | None:
         """The stored merged sums of frame (run, step), or None if it is not stored."""
-        tbl = self.con.execute(
+        tbl = self.con.sql(
             "SELECT layer_index, numel, sum_abs, sum_sq, max_abs_grad, nonfinite "
-            "FROM layer_stats WHERE run_id = ? AND step = ?",
-            [run.run_id, step],
-        ).fetch_arrow_table()
+            "FROM layer_stats WHERE run_id = $1 AND step = $2",
+            params=[run.run_id, step],
+        ).to_arrow_table()
         if tbl.num_rows == 0:
             return None
         merged = MergedShards.empty(run.num_layers)

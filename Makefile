@@ -1,0 +1,34 @@
+# The two commands of README.md: `make demo` and `make test`. Each creates the virtual
+# environment, installs gradstream with its extras, and fetches the Kafka broker from
+# Maven Central into ~/.cache/gradstream when it is not cached yet.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test install kafka lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "gradstream needs Python >= 3.11")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[demo,test]'
+	@touch $(STAMP)
+
+kafka: install
+	$(VENV)/bin/gradstream broker fetch
+
+demo: kafka
+	$(VENV)/bin/gradstream demo
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: kafka lint
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

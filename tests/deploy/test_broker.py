@@ -1,0 +1,363 @@
+"""Tests of the local Kafka broker (deploy/broker.py) and `gradstream broker` commands.
+
+Everything here runs a real Kafka (Maven-resolved jars, real JVM, real sockets).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import typer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+from typer.testing import CliRunner
+
+from deploy.broker import (
+    KAFKA_VERSION,
+    BrokerError,
+    BrokerStatus,
+    LocalBroker,
+    resolve_kafka,
+)
+from deploy.broker_cli import register
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _create_topic(bootstrap: str, topic: str, partitions: int = 4) -> None:
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=30000)
+    try:
+        admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)])
+    finally:
+        admin.close()
+
+
+def _produce(bootstrap: str, topic: str, values: list[bytes]) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    try:
+        futures = [producer.send(topic, value=v) for v in values]
+        producer.flush(timeout=30)
+        for f in futures:
+            f.get(timeout=30)
+    finally:
+        producer.close(timeout=10)
+
+
+def _consume_all(bootstrap: str, topic: str, expected: int, timeout: float = 60.0) -> list[bytes]:
+    """Read every partition of ``topic`` from the beginning until ``expected`` messages."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        partitions = None
+        while not partitions and time.monotonic() < deadline:
+            partitions = consumer.partitions_for_topic(topic)
+            if not partitions:
+                time.sleep(0.2)
+        assert partitions, f"topic {topic} has no partitions"
+        consumer.assign([TopicPartition(topic, p) for p in sorted(partitions)])
+        consumer.seek_to_beginning()
+        got: list[bytes] = []
+        while len(got) < expected and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=500).values():
+                got.extend(r.value for r in records)
+        return got
+    finally:
+        consumer.close()
+
+
+def _find_java() -> Path:
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = Path(directory) / "java"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate.resolve()
+    pytest.skip("java is not installed")
+
+
+def _cli_app() -> typer.Typer:
+    app = typer.Typer()
+    register(app)
+    return app
+
+
+# ----------------------------------------------------------------------------- resolve
+
+
+def test_resolve_is_cached() -> None:
+    first = resolve_kafka()
+    start = time.monotonic()
+    second = resolve_kafka()
+    elapsed = time.monotonic() - start
+    assert first == second
+    assert elapsed < 0.5
+    assert (first / f"kafka_2.13-{KAFKA_VERSION}.jar").is_file()
+    assert (first / f"kafka-clients-{KAFKA_VERSION}.jar").is_file()
+    assert any(p.name.startswith("log4j-slf4j-impl-") for p in first.glob("*.jar"))
+
+
+def test_resolve_fresh_cache_dir_concurrently(tmp_path: Path) -> None:
+    """Two racing resolutions into an empty cache both succeed with the same result."""
+    results: list[Path] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(resolve_kafka(tmp_path))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    assert len(results) == 2 and results[0] == results[1]
+    libs = results[0]
+    assert libs == tmp_path / f"kafka-{KAFKA_VERSION}" / "libs"
+    assert len(list(libs.glob("*.jar"))) > 20
+    # No temporary directories left behind.
+    assert sorted(p.name for p in libs.parent.iterdir()) == ["libs"]
+
+    start = time.monotonic()
+    assert resolve_kafka(tmp_path) == libs
+    assert time.monotonic() - start < 0.5
+
+
+def test_resolve_uses_cache_env_and_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A complete cache directory (marker present) is returned without running anything."""
+    libs = tmp_path / "cache" / f"kafka-{KAFKA_VERSION}" / "libs"
+    libs.mkdir(parents=True)
+    (libs / ".gradstream-complete").write_text("{}\n")
+    monkeypatch.setenv("GRADSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no java, no mvn needed
+    assert resolve_kafka() == libs
+
+
+def test_missing_java_names_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    with pytest.raises(BrokerError) as info:
+        resolve_kafka(tmp_path / "cache")
+    message = str(info.value)
+    assert "Java 17+" in message
+    assert "openjdk-17-jre-headless" in message
+    assert "KAFKA_BOOTSTRAP_SERVERS" in message
+
+
+def test_missing_maven_names_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    java = _find_java()
+    only_java = tmp_path / "bin"
+    only_java.mkdir()
+    (only_java / "java").symlink_to(java)
+    monkeypatch.setenv("PATH", str(only_java))
+    with pytest.raises(BrokerError) as info:
+        resolve_kafka(tmp_path / "cache")
+    message = str(info.value)
+    assert "Maven" in message
+    assert "apt-get install maven" in message
+    assert "KAFKA_BOOTSTRAP_SERVERS" in message
+
+
+def test_start_without_java_fails_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    resolve_kafka()  # jars cached: only java is missing
+    monkeypatch.setenv("PATH", str(tmp_path))
+    broker = LocalBroker(tmp_path / "state")
+    with pytest.raises(BrokerError, match="openjdk-17-jre-headless"):
+        broker.start(timeout=10)
+    assert not broker.status().running
+
+
+# ----------------------------------------------------------------------------- broker
+
+
+def test_produce_and_consume_100_messages(local_broker: LocalBroker, unique_name: str) -> None:
+    bootstrap = local_broker.start()
+    assert bootstrap == f"127.0.0.1:{local_broker.port}"
+    topic = f"test-roundtrip-{unique_name}"
+    _create_topic(bootstrap, topic)
+    values = [f"message-{i}".encode() for i in range(100)]
+    _produce(bootstrap, topic, values)
+    got = _consume_all(bootstrap, topic, expected=100)
+    assert sorted(got) == sorted(values)
+
+
+def test_auto_created_topic_and_large_message(local_broker: LocalBroker, unique_name: str) -> None:
+    bootstrap = local_broker.start()
+    topic = f"test-auto-{unique_name}"
+    big = os.urandom(5 * 1024 * 1024)  # above Kafka's 1 MiB default, below our 20 MiB
+    producer = KafkaProducer(bootstrap_servers=bootstrap, max_request_size=8 * 1024 * 1024)
+    try:
+        producer.send(topic, value=big).get(timeout=60)
+    finally:
+        producer.close(timeout=10)
+    assert _consume_all(bootstrap, topic, expected=1) == [big]
+
+
+def test_stop_and_restart_keeps_data(local_broker: LocalBroker, unique_name: str) -> None:
+    bootstrap = local_broker.start()
+    topic = f"test-restart-{unique_name}"
+    _create_topic(bootstrap, topic)
+    before = [f"before-{i}".encode() for i in range(50)]
+    _produce(bootstrap, topic, before)
+
+    local_broker.stop()
+    stopped = local_broker.status()
+    assert isinstance(stopped, BrokerStatus)
+    assert not stopped.running
+    assert stopped.pid is None
+    assert stopped.bootstrap == bootstrap
+    local_broker.stop()  # idempotent
+
+    assert local_broker.start() == bootstrap  # same ports
+    running = local_broker.status()
+    assert running.running and running.pid is not None
+    assert running.log == local_broker.state_dir / "broker.log"
+
+    after = [f"after-{i}".encode() for i in range(10)]
+    _produce(bootstrap, topic, after)
+    got = _consume_all(bootstrap, topic, expected=60)
+    assert sorted(got) == sorted(before + after)
+
+
+def test_from_state_sees_and_controls_the_same_broker(local_broker: LocalBroker) -> None:
+    bootstrap = local_broker.start()
+    other = LocalBroker.from_state(local_broker.state_dir)
+    status = other.status()
+    assert status.running
+    assert status.pid == local_broker.status().pid
+    assert other.bootstrap == bootstrap
+    assert other.start() == bootstrap  # already running: no second JVM
+    assert other.status().pid == status.pid
+
+
+def test_status_of_never_started_broker(tmp_path: Path) -> None:
+    broker = LocalBroker(tmp_path)
+    status = broker.status()
+    assert status == BrokerStatus(running=False, pid=None, bootstrap=None, log=broker.log_path)
+    broker.stop()  # nothing to stop: no error
+    with pytest.raises(BrokerError):
+        LocalBroker.from_state(tmp_path / "nothing-here")
+
+
+def test_port_in_use_is_reported(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        broker = LocalBroker(tmp_path, port=port)
+        with pytest.raises(BrokerError, match=f"127.0.0.1:{port} is already in use"):
+            broker.start(timeout=30)
+        assert not broker.status().running
+
+
+def test_broker_that_exits_reports_its_log(tmp_path: Path) -> None:
+    broker = LocalBroker(tmp_path, heap="not-a-size")  # the JVM refuses to start
+    with pytest.raises(BrokerError) as info:
+        broker.start(timeout=60)
+    message = str(info.value)
+    assert "exited during startup" in message
+    assert str(tmp_path / "broker.log") in message
+    assert "heap" in message.lower()
+    assert not broker.status().running
+
+
+def test_context_manager(tmp_path: Path, unique_name: str) -> None:
+    with LocalBroker(tmp_path, heap="384m") as broker:
+        assert broker.status().running
+        topic = f"test-ctx-{unique_name}"
+        _produce(broker.bootstrap, topic, [b"x"])
+        assert _consume_all(broker.bootstrap, topic, expected=1) == [b"x"]
+    assert not broker.status().running
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_status_not_running(tmp_path: Path) -> None:
+    result = CliRunner().invoke(_cli_app(), ["broker", "status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "not running" in result.output
+
+
+def test_cli_help_lists_commands() -> None:
+    result = CliRunner().invoke(_cli_app(), ["broker", "--help"])
+    assert result.exit_code == 0
+    for command in ("fetch", "start", "stop", "status"):
+        assert command in result.output
+
+
+def test_cli_fetch_prints_directory() -> None:
+    result = CliRunner().invoke(_cli_app(), ["broker", "fetch"])
+    assert result.exit_code == 0, result.output
+    assert Path(result.stdout.strip()) == resolve_kafka()
+
+
+def test_cli_error_is_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = CliRunner().invoke(
+        _cli_app(), ["broker", "fetch", "--cache-dir", str(tmp_path / "cache")]
+    )
+    assert result.exit_code == 1
+    assert "Error:" in result.output
+    assert "openjdk-17-jre-headless" in result.output
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_cli_start_status_stop(tmp_path: Path, unique_name: str) -> None:
+    app = _cli_app()
+    runner = CliRunner()
+    state = ["--state-dir", str(tmp_path)]
+    try:
+        started = runner.invoke(app, ["broker", "start", *state])
+        assert started.exit_code == 0, started.output
+        broker = LocalBroker.from_state(tmp_path)
+        assert f"export KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap}" in started.output
+
+        # The broker outlives the command and really serves requests.
+        topic = f"test-cli-{unique_name}"
+        _produce(broker.bootstrap, topic, [b"hello"])
+        assert _consume_all(broker.bootstrap, topic, expected=1) == [b"hello"]
+
+        status = runner.invoke(app, ["broker", "status", *state])
+        assert status.exit_code == 0, status.output
+        assert "running" in status.output and broker.bootstrap in status.output
+
+        again = runner.invoke(app, ["broker", "start", *state])
+        assert again.exit_code == 0, again.output
+        assert "already running" in again.output
+        assert broker.bootstrap in again.output
+
+        stopped = runner.invoke(app, ["broker", "stop", *state])
+        assert stopped.exit_code == 0, stopped.output
+        assert "Stopped" in stopped.output
+        assert not LocalBroker.from_state(tmp_path).status().running
+
+        status = runner.invoke(app, ["broker", "status", *state])
+        assert status.exit_code == 1
+        stopped = runner.invoke(app, ["broker", "stop", *state])
+        assert stopped.exit_code == 0
+        assert "No Kafka broker running" in stopped.output
+    finally:
+        LocalBroker(tmp_path).stop()
+
+
+def test_kafka_bootstrap_fixture_serves(kafka_bootstrap: str, unique_name: str) -> None:
+    topic = f"test-fixture-{unique_name}"
+    _produce(kafka_bootstrap, topic, [b"a", b"b", b"c"])
+    assert sorted(_consume_all(kafka_bootstrap, topic, expected=3)) == [b"a", b"b", b"c"]
