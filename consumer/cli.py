@@ -91,4 +91,8 @@ consume.__doc__ = f"{consume.__doc__}\n\n{_ENV}"
 
 def register(app: typer.Typer) -> None:
     """Add the consumer's subcommands (``consume``) to the root application."""
-    app.command("consume", help=consume.__doc__)(consume)
+    app.command(
+        "consume",
+        help=consume.__doc__,
+        short_help="Consume summaries from Kafka: merge ranks, frames, health -> DuckDB.",
+    )(consume)

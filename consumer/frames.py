@@ -6,7 +6,9 @@ semantics"), for layer l after merging every rank's shard:
 - ``mean_abs_grad = sum_abs / numel``
 - ``max_abs_grad = max_abs``
 - ``grad_norm = sqrt(sum_sq)``
-- ``is_vanishing = mean_abs_grad < vanishing_threshold``
+- ``is_vanishing = mean_abs_grad < vanishing_threshold`` and no non-finite element (a
+  layer holding NaN/Inf is reported as non-finite, not as vanishing: its finite part says
+  nothing about how much gradient flows; seed 001 never sees NaN because it sums them in)
 - ``is_exploding = max_abs_grad > exploding_threshold``
 - ``flow_intensity = clamp(grad_norm / max_l grad_norm, 0, 1)``, 0 when that max is 0.
 
@@ -169,7 +171,7 @@ def compute_frame(
         mean_abs_grad=mean_abs,
         grad_norm=norm,
         flow_intensity=intensity,
-        is_vanishing=mean_abs < vanishing_threshold,
+        is_vanishing=(mean_abs < vanishing_threshold) & (merged.nonfinite[present] == 0),
         is_exploding=max_abs > exploding_threshold,
         ranks_seen=tuple(sorted(ranks_seen)),
         world_size=world_size,

@@ -683,8 +683,9 @@ class LocalBroker:
             classpath,
             "kafka.tools.StorageTool",
             "format",
-            "-t",
-            _new_cluster_id(),
+            # One token: a random id may start with "-", which argparse would take for
+            # an option.
+            f"--cluster-id={_new_cluster_id()}",
             "-c",
             str(self.config_path),
         ]

@@ -99,3 +99,9 @@ def test_split_across_ranks_equals_unsplit(k, n, seed, dtype):
     for name in ("mean_abs_grad", "grad_norm", "max_abs_grad"):
         assert getattr(split, name)[0] == pytest.approx(getattr(whole, name)[0], rel=1e-12)
     assert split.numel[0] == n
+
+
+def test_all_nan_layer_is_nonfinite_not_vanishing():
+    f = _frame_of({"nan": np.full(4, np.nan), "tiny": np.full(4, 1e-9)})
+    assert f.is_vanishing.tolist() == [False, True]
+    assert f.nonfinite.tolist() == [4, 0] and f.mean_abs_grad[0] == 0.0

@@ -361,3 +361,14 @@ def test_kafka_bootstrap_fixture_serves(kafka_bootstrap: str, unique_name: str) 
     topic = f"test-fixture-{unique_name}"
     _produce(kafka_bootstrap, topic, [b"a", b"b", b"c"])
     assert sorted(_consume_all(kafka_bootstrap, topic, expected=3)) == [b"a", b"b", b"c"]
+
+
+def test_cluster_id_starting_with_dash_formats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A random cluster id may begin with '-' (base64url); formatting must still work."""
+    import deploy.broker as broker_module
+
+    monkeypatch.setattr(broker_module, "_new_cluster_id", lambda: "-AbCdEfGhIjKlMnOpQrStU")
+    with LocalBroker(tmp_path / "dash") as broker:
+        assert broker.status().running

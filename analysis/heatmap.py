@@ -1,0 +1,142 @@
+"""ASCII heatmap of flow intensity, layers x steps (seed 001 ``to_ascii_animation``).
+
+One SQL query aggregates ``layer_stats`` into at most ``max_columns`` buckets of
+consecutive frames per layer; NumPy fills the layers x columns grid; Python only joins
+characters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+from rich.cells import cell_len
+
+from analysis.store import STATS_SQL, require_run, stats_params
+
+if TYPE_CHECKING:
+    import duckdb
+
+BLOCKS: tuple[str, ...] = (" ", "░", "▒", "▓", "█")
+"""Intensity glyphs, from 0 (no flow) to 1 (the step's strongest layer); seed 001."""
+
+TITLE = "Gradient Flow Animation (step → right, layer ↓)"
+EMPTY = "(no gradient frames recorded)\n"
+
+_HEATMAP_SQL = f"""
+    WITH s AS ({STATS_SQL}),
+    steps AS (
+        SELECT step,
+               row_number() OVER (ORDER BY step) - 1 AS col,
+               count(*) OVER () AS n_frames
+        FROM (SELECT DISTINCT step FROM s)
+    ),
+    k AS (SELECT coalesce(max(ceil(n_frames / $max_columns)::BIGINT), 1) AS k FROM steps),
+    bucketed AS (
+        SELECT steps.step, steps.col // k.k AS bucket, steps.n_frames, k.k
+        FROM steps, k
+    )
+    SELECT s.layer_index, any_value(s.name) AS name, b.bucket,
+           sum(s.flow_intensity) AS intensity_sum,
+           any_value(b.n_frames) AS n_frames, any_value(b.k) AS k
+    FROM s JOIN bucketed AS b USING (step)
+    GROUP BY s.layer_index, b.bucket
+"""
+
+
+def glyph(intensity: float) -> str:
+    """The block character for one flow intensity (seed 001).
+
+    ``idx = round(intensity * 4)`` (halves round up, like Rust's ``f64::round`` on
+    non-negative values), clamped to 0..4; NaN or negative values give ``' '``.
+    """
+    return BLOCKS[_indices(np.array([intensity], dtype=np.float64))[0]]
+
+
+def _indices(intensity: np.ndarray) -> np.ndarray:
+    scaled = np.floor(np.nan_to_num(intensity, nan=0.0) * (len(BLOCKS) - 1) + 0.5)
+    return np.clip(scaled, 0, len(BLOCKS) - 1).astype(np.intp)
+
+
+def _display(name: str) -> str:
+    """A layer name on one terminal line: control characters escaped as in repr(), and
+    the empty name shown as ``""``."""
+    if not name:
+        return '""'
+    return name if name.isprintable() else repr(name)[1:-1]
+
+
+def ascii_heatmap(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    max_columns: int = 100,
+    order: Literal["model", "name"] = "model",
+    *,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> str:
+    """Render a run's flow intensity as text: one row per layer, one column per step.
+
+    Seed 001 ``to_ascii_animation``: a title line, a ruler with the column index modulo
+    10, a rule line, then ``name  cells`` per layer with names right-aligned (terminal
+    cell width; control characters escaped). Cell glyph: :func:`glyph` of the layer's
+    ``flow_intensity`` (= grad_norm / max grad_norm within the step, in [0, 1]). A layer
+    absent from a frame counts as intensity 0.
+
+    Columns are the recorded frames in step order. With more than ``max_columns`` frames,
+    each column covers ``k = ceil(frames / max_columns)`` consecutive frames and shows
+    their mean intensity (the last column may cover fewer); a second header line says
+    "each column = k steps (mean)".
+
+    Args:
+        con: a connection from :func:`analysis.store.open_store`.
+        run_id: the run to draw.
+        max_columns: most step columns drawn (>= 1).
+        order: rows in model order (``layers.layer_index``) or by name (the seed's order).
+        from_step: first step drawn (inclusive), ``None`` = from the start.
+        to_step: last step drawn (inclusive), ``None`` = to the end.
+
+    Returns:
+        The heatmap, newline-terminated; ``"(no gradient frames recorded)\\n"`` when the
+        run has no frame in the range.
+
+    Raises:
+        ValueError: ``max_columns < 1`` or an unknown ``order``.
+        StoreError: unknown run or invalid step range.
+    """
+    if max_columns < 1:
+        raise ValueError(f"max_columns must be >= 1, got {max_columns}")
+    if order not in ("model", "name"):
+        raise ValueError(f"order must be 'model' or 'name', got {order!r}")
+    params = stats_params(run_id, from_step, to_step) | {"max_columns": max_columns}
+    require_run(con, run_id)
+    cols = con.execute(_HEATMAP_SQL, params).fetchnumpy()
+    if len(cols["bucket"]) == 0:
+        return EMPTY
+    layer_index = np.asarray(cols["layer_index"], dtype=np.int64)
+    bucket = np.asarray(cols["bucket"], dtype=np.int64)
+    sums = np.asarray(cols["intensity_sum"], dtype=np.float64)
+    n_frames, k = int(cols["n_frames"][0]), int(cols["k"][0])
+    names = dict(zip(layer_index.tolist(), cols["name"].tolist(), strict=True))
+
+    indices = sorted(names, key=(lambda i: names[i]) if order == "name" else None)
+    row_of = {index: row for row, index in enumerate(indices)}
+    n_cols = -(-n_frames // k)
+    grid = np.zeros((len(indices), n_cols), dtype=np.float64)
+    grid[[row_of[i] for i in layer_index.tolist()], bucket] = sums
+    frames_per_col = np.minimum(k, n_frames - np.arange(n_cols) * k)
+    glyphs = _indices(grid / frames_per_col)
+
+    labels = [_display(names[i]) for i in indices]
+    width = max(cell_len("layer"), *(cell_len(label) for label in labels))
+    lines = [TITLE]
+    if k > 1:
+        lines.append(f"each column = {k} steps (mean); {n_frames} steps in {n_cols} columns")
+    ruler = "".join(str(c % 10) for c in range(n_cols))
+    lines.append(" " * (width - cell_len("layer")) + "layer  " + ruler)
+    lines.append("─" * (width + 2 + n_cols))
+    for label, cells in zip(labels, glyphs, strict=True):
+        lines.append(
+            " " * (width - cell_len(label)) + label + "  " + "".join(BLOCKS[c] for c in cells)
+        )
+    return "\n".join(lines) + "\n"

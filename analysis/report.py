@@ -1,0 +1,376 @@
+"""Run summary of seed 001 (``GradientFlowAnimator::summary_report``), computed from the store.
+
+The seed keeps frames in memory and rescans them; here every figure is one SQL aggregate
+over ``layer_stats`` (O(layers x steps), done by DuckDB), plus ``frames`` for the
+partial-frame count and ``runs`` for the run's shape.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from analysis.store import STATS_SQL, require_run, stats_params
+from schemas.wire import GradientHealth
+
+if TYPE_CHECKING:
+    import duckdb
+
+NAMES_IN_TEXT = 8
+"""Layer names quoted in one recommendation before "... and N more"."""
+
+NAMES_IN_TABLE = 10
+"""Layer names shown per list in :func:`render_report` before "... and N more"."""
+
+HEALTH_STYLE: dict[GradientHealth, str] = {
+    GradientHealth.HEALTHY: "bold green",
+    GradientHealth.MINOR_ISSUES: "bold yellow",
+    GradientHealth.PROBLEMS_DETECTED: "bold dark_orange",
+    GradientHealth.CRITICAL: "bold red",
+}
+
+
+class GradientFlowSummary(BaseModel):
+    """Summary of one run's gradient flow over the frames considered.
+
+    Seed-001 fields (``GradientFlowSummary``):
+
+    - ``total_steps``: last step considered + 1 (0 with no frame), as in the seed.
+    - ``layers_with_vanishing_grads`` / ``layers_with_exploding_grads``: layers with
+      ``is_vanishing`` / ``is_exploding`` in at least one frame, in model order
+      (``layers.layer_index``), not the seed's name order.
+    - ``overall_health``: :func:`classify_health` of the data.
+    - ``recommendations``: :func:`build_recommendations`.
+
+    gradstream extras:
+
+    - ``frames``: steps with at least one ``layer_stats`` row in the range.
+    - ``issue_frames``: frames with any vanishing or exploding layer;
+      ``issue_ratio = issue_frames / max(frames, 1)``.
+    - ``partial_frames``: ``frames`` rows in the range finalised without every rank.
+    - ``layers_with_nonfinite_grads``: layers with ``nonfinite > 0`` in at least one
+      frame (model order); ``first_nonfinite_step``: the earliest such step, or ``None``.
+    - ``world_size``, ``num_layers``: from the ``runs`` row.
+    - ``from_step`` / ``to_step``: the inclusive range requested (``None`` = open).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    total_steps: int = Field(ge=0)
+    layers_with_vanishing_grads: list[str]
+    layers_with_exploding_grads: list[str]
+    overall_health: GradientHealth
+    recommendations: list[str]
+    frames: int = Field(ge=0)
+    issue_frames: int = Field(ge=0)
+    issue_ratio: float = Field(ge=0.0, le=1.0)
+    partial_frames: int = Field(ge=0)
+    layers_with_nonfinite_grads: list[str]
+    first_nonfinite_step: int | None
+    world_size: int
+    num_layers: int
+    from_step: int | None = None
+    to_step: int | None = None
+
+
+def classify_health(
+    any_vanishing: bool,
+    any_exploding: bool,
+    issue_frames: int,
+    frames: int,
+    any_nonfinite: bool,
+) -> GradientHealth:
+    """Run health from its counters (seed 001 ``classify_health``; DESIGN.md, "Frame and
+    health semantics").
+
+    With ``issue_ratio = issue_frames / max(frames, 1)`` (frames == 0 counts as 1, as in
+    the seed), the first rule that holds wins:
+
+    1. any non-finite gradient (gradstream's rule) -> Critical
+    2. an exploding layer and ``issue_ratio > 0.5`` -> Critical
+    3. an exploding layer or ``issue_ratio > 0.3`` -> ProblemsDetected
+    4. a vanishing layer or ``issue_ratio > 0.1`` -> MinorIssues
+    5. otherwise Healthy
+
+    The ratio comparisons are done exactly in integers (``10 * issue_frames > frames``
+    for 0.1, and so on), so a ratio of exactly 0.1, 0.3 or 0.5 is never "above".
+
+    Note (inherited from the seed): an issue frame always contains a vanishing or an
+    exploding layer, so with counters taken from data rule 4's ``issue_ratio > 0.1``
+    never decides anything (any issue frame already sets a flag); it matters only for
+    callers passing independent counts.
+
+    Args:
+        any_vanishing: some layer had ``is_vanishing`` in some frame considered.
+        any_exploding: some layer had ``is_exploding`` in some frame considered.
+        issue_frames: frames with any vanishing or exploding layer (0 <= issue_frames).
+        frames: frames considered (issue_frames <= frames).
+        any_nonfinite: some layer had a NaN/Inf gradient element in some frame.
+
+    Returns:
+        The :class:`schemas.wire.GradientHealth` class.
+
+    Raises:
+        ValueError: negative counts or ``issue_frames > frames``.
+    """
+    if issue_frames < 0 or frames < 0:
+        raise ValueError(f"counts must be >= 0, got issue_frames={issue_frames}, frames={frames}")
+    if issue_frames > frames:
+        raise ValueError(f"issue_frames {issue_frames} exceeds frames {frames}")
+    denominator = max(frames, 1)
+    if any_nonfinite:
+        return GradientHealth.CRITICAL
+    if any_exploding and 2 * issue_frames > denominator:
+        return GradientHealth.CRITICAL
+    if any_exploding or 10 * issue_frames > 3 * denominator:
+        return GradientHealth.PROBLEMS_DETECTED
+    if any_vanishing or 10 * issue_frames > denominator:
+        return GradientHealth.MINOR_ISSUES
+    return GradientHealth.HEALTHY
+
+
+def _show_name(name: str) -> str:
+    """A layer name as it appears in a sentence: verbatim when unambiguous, else repr()."""
+    return name if name and name.isprintable() and "," not in name else repr(name)
+
+
+def _name_list(names: list[str], limit: int = NAMES_IN_TEXT) -> str:
+    shown = ", ".join(_show_name(n) for n in names[:limit])
+    return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def build_recommendations(
+    health: GradientHealth,
+    vanishing: list[str],
+    exploding: list[str],
+    nonfinite: list[str] | None = None,
+    first_nonfinite_step: int | None = None,
+) -> list[str]:
+    """Advice derived from the flagged layers and the health class.
+
+    Same structure as seed 001 ``build_recommendations`` (wording is gradstream's): for
+    vanishing layers, one line naming them (architecture / learning-rate advice) and one on
+    initialisation; for exploding layers, one naming them (gradient clipping) and one on
+    learning rate and optimiser; gradstream adds one line for non-finite gradients naming
+    the layers and the first step; then exactly one line for the health class. At most
+    ``NAMES_IN_TEXT`` names are quoted per line.
+
+    Args:
+        health: the run's class from :func:`classify_health`.
+        vanishing: layers with vanishing gradients (model order).
+        exploding: layers with exploding gradients (model order).
+        nonfinite: layers with NaN/Inf gradient elements (model order).
+        first_nonfinite_step: earliest step with a non-finite gradient, if any.
+
+    Returns:
+        The recommendations, most specific first, the health line last.
+    """
+    recs: list[str] = []
+    if nonfinite:
+        when = f", first at step {first_nonfinite_step}" if first_nonfinite_step is not None else ""
+        recs.append(
+            f"NaN/Inf gradients in {_name_list(nonfinite)}{when}. Any update taken from them "
+            "corrupts the weights: check mixed-precision loss scaling, divisions by zero and "
+            "logarithms of zero, and skip optimiser steps whose gradients are not finite."
+        )
+    if vanishing:
+        recs.append(
+            f"Vanishing gradients in {_name_list(vanishing)}: their mean |g| fell below the "
+            "threshold. Skip connections, normalisation layers or a higher learning rate "
+            "usually bring the signal back."
+        )
+        recs.append(
+            "Review weight initialisation: a scheme matched to the activation (Kaiming/He "
+            "for ReLU-like units, Xavier/Glorot for tanh or sigmoid) keeps early gradients "
+            "from shrinking layer after layer."
+        )
+    if exploding:
+        recs.append(
+            f"Exploding gradients in {_name_list(exploding)}: their max |g| exceeded the "
+            "threshold. Clip the global gradient norm before the optimiser step "
+            "(e.g. torch.nn.utils.clip_grad_norm_)."
+        )
+        recs.append(
+            "Lower the learning rate or lengthen its warm-up, and prefer an adaptive "
+            "optimiser with decoupled weight decay (such as AdamW) for steadier updates."
+        )
+    recs.append(_HEALTH_LINE[health])
+    return recs
+
+
+_HEALTH_LINE: dict[GradientHealth, str] = {
+    GradientHealth.CRITICAL: (
+        "Critical: training is unstable. Pause the run and find the cause before spending "
+        "more compute on it."
+    ),
+    GradientHealth.PROBLEMS_DETECTED: (
+        "Serious gradient problems: revisit network depth, normalisation and the "
+        "learning-rate schedule."
+    ),
+    GradientHealth.MINOR_ISSUES: (
+        "Minor gradient irregularities: keep an eye on them; no intervention is needed yet."
+    ),
+    GradientHealth.HEALTHY: "Gradient flow looks healthy; nothing to do.",
+}
+
+_LAYER_FLAGS_SQL = f"""
+    WITH s AS ({STATS_SQL})
+    SELECT layer_index, any_value(name) AS name,
+           bool_or(is_vanishing) AS vanishing,
+           bool_or(is_exploding) AS exploding,
+           bool_or(nonfinite > 0) AS nonfinite
+    FROM s
+    GROUP BY layer_index
+    HAVING bool_or(is_vanishing) OR bool_or(is_exploding) OR bool_or(nonfinite > 0)
+    ORDER BY layer_index
+"""
+
+_FRAME_COUNTS_SQL = f"""
+    WITH s AS ({STATS_SQL}),
+    f AS (
+        SELECT step,
+               bool_or(is_vanishing OR is_exploding) AS issue,
+               bool_or(nonfinite > 0) AS nonfinite
+        FROM s GROUP BY step
+    )
+    SELECT count(*) AS frames,
+           count(*) FILTER (WHERE issue) AS issue_frames,
+           max(step) AS last_step,
+           min(step) FILTER (WHERE nonfinite) AS first_nonfinite_step
+    FROM f
+"""
+
+_RUN_SQL = """
+    SELECT r.world_size, r.num_layers,
+           (SELECT count(*) FROM frames AS f
+             WHERE f.run_id = $run_id AND NOT f.complete
+               AND ($from_step IS NULL OR f.step >= $from_step)
+               AND ($to_step IS NULL OR f.step <= $to_step)) AS partial_frames
+    FROM runs AS r WHERE r.run_id = $run_id
+"""
+
+
+def build_report(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> GradientFlowSummary:
+    """Summarise one run from the store (seed 001 ``summary_report``).
+
+    Args:
+        con: a connection from :func:`analysis.store.open_store`.
+        run_id: the run (see :func:`analysis.store.resolve_run`).
+        from_step: first optimiser step considered (inclusive), ``None`` = from the start.
+        to_step: last optimiser step considered (inclusive), ``None`` = to the end.
+
+    Returns:
+        The :class:`GradientFlowSummary` of the frames in the range; field formulas are in
+        its docstring. Three aggregate queries: per layer, per frame, and the run row.
+
+    Raises:
+        StoreError: unknown run or invalid step range.
+    """
+    params = stats_params(run_id, from_step, to_step)
+    require_run(con, run_id)
+    vanishing: list[str] = []
+    exploding: list[str] = []
+    nonfinite: list[str] = []
+    for _index, name, is_van, is_exp, is_nf in con.execute(_LAYER_FLAGS_SQL, params).fetchall():
+        if is_van:
+            vanishing.append(name)
+        if is_exp:
+            exploding.append(name)
+        if is_nf:
+            nonfinite.append(name)
+    counts = con.execute(_FRAME_COUNTS_SQL, params).fetchone()
+    run_row = con.execute(_RUN_SQL, params).fetchone()
+    assert counts is not None and run_row is not None  # aggregate / checked by require_run
+    frames, issue_frames, last_step, first_nonfinite_step = counts
+    world_size, num_layers, partial_frames = run_row
+    health = classify_health(
+        bool(vanishing), bool(exploding), issue_frames, frames, bool(nonfinite)
+    )
+    return GradientFlowSummary(
+        run_id=run_id,
+        total_steps=0 if last_step is None else last_step + 1,
+        layers_with_vanishing_grads=vanishing,
+        layers_with_exploding_grads=exploding,
+        overall_health=health,
+        recommendations=build_recommendations(
+            health, vanishing, exploding, nonfinite, first_nonfinite_step
+        ),
+        frames=frames,
+        issue_frames=issue_frames,
+        issue_ratio=issue_frames / max(frames, 1),
+        partial_frames=partial_frames,
+        layers_with_nonfinite_grads=nonfinite,
+        first_nonfinite_step=first_nonfinite_step,
+        world_size=world_size,
+        num_layers=num_layers,
+        from_step=from_step,
+        to_step=to_step,
+    )
+
+
+def _names_cell(names: list[str], limit: int = NAMES_IN_TABLE) -> Text:
+    if not names:
+        return Text("none", style="dim")
+    text = Text(", ".join(_show_name(n) for n in names[:limit]))
+    if len(names) > limit:
+        text.append(f", ... and {len(names) - limit} more", style="dim")
+    return text
+
+
+def render_report(summary: GradientFlowSummary) -> RenderableType:
+    """Terminal rendering of a summary: a key/value table and the recommendations.
+
+    Layer names are printed as plain text (never parsed as rich markup); each layer list
+    shows at most ``NAMES_IN_TABLE`` names followed by "... and N more".
+
+    Args:
+        summary: from :func:`build_report`.
+
+    Returns:
+        A rich renderable (print it with ``rich.console.Console.print``).
+    """
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column()
+    health = summary.overall_health
+    table.add_row("health", Text(health.value, style=HEALTH_STYLE[health]))
+    span = (
+        f"{'start' if summary.from_step is None else summary.from_step}"
+        f" .. {'end' if summary.to_step is None else summary.to_step}"
+    )
+    if summary.from_step is not None or summary.to_step is not None:
+        table.add_row("steps considered", span)
+    table.add_row("total steps", str(summary.total_steps))
+    table.add_row(
+        "frames",
+        f"{summary.frames} ({summary.partial_frames} partial, world size {summary.world_size})",
+    )
+    table.add_row("issue frames", f"{summary.issue_frames} ({summary.issue_ratio:.1%} of frames)")
+    table.add_row("layers", str(summary.num_layers))
+    table.add_row("vanishing", _names_cell(summary.layers_with_vanishing_grads))
+    table.add_row("exploding", _names_cell(summary.layers_with_exploding_grads))
+    nonfinite = _names_cell(summary.layers_with_nonfinite_grads)
+    if summary.first_nonfinite_step is not None:
+        nonfinite.append(f" (first at step {summary.first_nonfinite_step})")
+    table.add_row("non-finite", nonfinite)
+    recs = Text()
+    for i, rec in enumerate(summary.recommendations):
+        recs.append(("\n" if i else "") + f"• {rec}")
+    title = Text("gradient flow: run ")
+    title.append(_show_name(summary.run_id), style="bold")
+    return Panel(
+        Group(table, Text(""), Text("Recommendations", style="bold underline"), recs),
+        title=title,
+        border_style=HEALTH_STYLE[health].removeprefix("bold "),
+    )

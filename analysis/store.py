@@ -1,0 +1,180 @@
+"""Opening the gradstream DuckDB store for reading, and naming runs in it.
+
+DuckDB allows one writing process per database file (DESIGN.md, "Storage"): while a
+``gradstream consume`` worker writes the store, other processes cannot open it, not even
+read-only. :func:`open_store` turns that and the other opening failures into a
+:class:`StoreError` with a message a user can act on.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import duckdb
+
+REQUIRED_TABLES: tuple[str, ...] = ("runs", "layers", "layer_stats", "frames")
+"""Tables of ``schemas.tables.SCHEMA_DDL`` that the analysis reads."""
+
+
+class StoreError(Exception):
+    """The store cannot answer: missing or locked file, not a gradstream store, unknown or
+    ambiguous run, or an invalid query argument. ``str(exc)`` is a one-line message meant
+    for the user (the CLI prints it as is)."""
+
+
+def open_store(path: str | os.PathLike[str], read_only: bool = True) -> duckdb.DuckDBPyConnection:
+    """Open an existing gradstream store.
+
+    Args:
+        path: the DuckDB file written by the consumer's sink (e.g. ``./gradstream.duckdb``).
+        read_only: open without write access (the default; the analysis never writes).
+            A read-write open still refuses to create a missing file.
+
+    Returns:
+        A DuckDB connection; the caller closes it.
+
+    Raises:
+        StoreError: the file does not exist; it is locked by a writing process (a running
+            ``gradstream consume``); it is already open in this process in the other mode;
+            it is not a DuckDB file; or it lacks the gradstream tables
+            (``schemas.tables.SCHEMA_DDL``).
+    """
+    file = Path(path)
+    if not file.exists():
+        raise StoreError(
+            f"no gradstream store at {str(file)!r}: the file does not exist "
+            "(pass --db or set GRADSTREAM_DB)"
+        )
+    if file.is_dir():
+        raise StoreError(f"{str(file)!r} is a directory, not a gradstream store file")
+    try:
+        con = duckdb.connect(str(file), read_only=read_only)
+    except duckdb.IOException as exc:
+        text = str(exc)
+        if "lock" in text.lower():
+            raise StoreError(
+                f"the store {str(file)!r} is being written by a running `gradstream consume` "
+                "(DuckDB allows one writing process); stop it or query through it"
+            ) from None
+        raise StoreError(f"cannot open the store {str(file)!r}: {text}") from None
+    except duckdb.ConnectionException as exc:
+        raise StoreError(
+            f"the store {str(file)!r} is already open in this process with a different "
+            f"read_only setting: {exc}"
+        ) from None
+    except duckdb.Error as exc:
+        raise StoreError(f"cannot open the store {str(file)!r}: {exc}") from None
+    present = {
+        row[0]
+        for row in con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database()"
+        ).fetchall()
+    }
+    missing = [name for name in REQUIRED_TABLES if name not in present]
+    if missing:
+        con.close()
+        raise StoreError(
+            f"{str(file)!r} is a DuckDB file but not a gradstream store "
+            f"(missing tables: {', '.join(missing)})"
+        )
+    return con
+
+
+def list_runs(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """Run ids recorded in the store's ``runs`` table, sorted by id.
+
+    Args:
+        con: a connection from :func:`open_store`.
+
+    Returns:
+        Every ``runs.run_id``, ascending (code-point order); empty for an empty store.
+    """
+    return [row[0] for row in con.execute("SELECT run_id FROM runs ORDER BY run_id").fetchall()]
+
+
+def _describe(runs: list[str], limit: int = 20) -> str:
+    shown = ", ".join(repr(r) for r in runs[:limit])
+    more = f", ... and {len(runs) - limit} more" if len(runs) > limit else ""
+    return shown + more
+
+
+def resolve_run(con: duckdb.DuckDBPyConnection, run_id: str | None) -> str:
+    """Turn an optional ``--run`` argument into a run id present in the store.
+
+    Args:
+        con: a connection from :func:`open_store`.
+        run_id: the requested run, or ``None`` to mean "the only run in the store".
+
+    Returns:
+        ``run_id`` if the store has it; with ``None``, the store's single run.
+
+    Raises:
+        StoreError: the run is unknown (the message lists the runs present), the store
+            holds no run, or ``run_id`` is ``None`` while several runs exist.
+    """
+    runs = list_runs(con)
+    if run_id is not None:
+        if run_id in runs:
+            return run_id
+        where = f"runs in the store: {_describe(runs)}" if runs else "the store holds no runs"
+        raise StoreError(f"unknown run {run_id!r}; {where}")
+    if not runs:
+        raise StoreError("the store holds no runs yet")
+    if len(runs) > 1:
+        raise StoreError(
+            f"the store holds {len(runs)} runs, choose one with --run (or --all): {_describe(runs)}"
+        )
+    return runs[0]
+
+
+def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    """Check that ``run_id`` is in the store (same error as :func:`resolve_run`).
+
+    Raises:
+        StoreError: the run is unknown.
+    """
+    resolve_run(con, run_id)
+
+
+def check_step_range(from_step: int | None, to_step: int | None) -> None:
+    """Validate an inclusive optimiser-step range ``[from_step, to_step]``.
+
+    Args:
+        from_step: first step kept (inclusive), or ``None`` for no lower bound.
+        to_step: last step kept (inclusive), or ``None`` for no upper bound.
+
+    Raises:
+        StoreError: a bound is negative or ``from_step > to_step``.
+    """
+    for label, value in (("from_step", from_step), ("to_step", to_step)):
+        if value is not None and value < 0:
+            raise StoreError(f"{label} must be >= 0, got {value}")
+    if from_step is not None and to_step is not None and from_step > to_step:
+        raise StoreError(f"from_step {from_step} is after to_step {to_step}")
+
+
+STATS_SQL = """
+    SELECT s.*,
+           coalesce(l.name, 'layer[' || CAST(s.layer_index AS VARCHAR) || ']') AS name
+    FROM layer_stats AS s
+    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+    WHERE s.run_id = $run_id
+      AND ($from_step IS NULL OR s.step >= $from_step)
+      AND ($to_step IS NULL OR s.step <= $to_step)
+"""
+"""Relation of one run's ``layer_stats`` rows in an inclusive step range, with the layer
+``name`` joined from ``layers`` (``layer[i]`` if the name is missing). Bind it with
+:func:`stats_params`; use it as a CTE."""
+
+
+def stats_params(
+    run_id: str, from_step: int | None = None, to_step: int | None = None
+) -> dict[str, object]:
+    """Named parameters for :data:`STATS_SQL` (``$run_id``, ``$from_step``, ``$to_step``).
+
+    Raises:
+        StoreError: invalid step range (see :func:`check_step_range`).
+    """
+    check_step_range(from_step, to_step)
+    return {"run_id": run_id, "from_step": from_step, "to_step": to_step}

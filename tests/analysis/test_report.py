@@ -1,0 +1,174 @@
+"""build_report / render_report over real store files."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from analysis.report import GradientFlowSummary, build_report, render_report
+from analysis.store import StoreError, open_store
+from schemas.wire import GradientHealth
+from tests.analysis import (
+    EXPLODING,
+    NASTY_NAMES,
+    NONFINITE,
+    VANISHING,
+    Stat,
+    StoreBuilder,
+    healthy_stat,
+)
+
+H = GradientHealth
+MODEL = ["z_embed", "m_block.0", "a_head"]  # model order differs from name order
+
+
+def report_of(path: Path, run: str = "r", **kw: int | None) -> GradientFlowSummary:
+    con = open_store(path)
+    try:
+        return build_report(con, run, **kw)
+    finally:
+        con.close()
+
+
+def store_with_issues(
+    tmp_path: Path, frames: int, issue_frames: int, bad: Stat, layer: str = "a_head"
+) -> Path:
+    builder = StoreBuilder(tmp_path / "s.duckdb").add_run("r", MODEL)
+    for step in range(frames):
+        stats = {name: healthy_stat() for name in MODEL}
+        if step < issue_frames:
+            stats[layer] = bad
+        builder.add_frame("r", step, stats)
+    return builder.write()
+
+
+@pytest.mark.parametrize(
+    ("frames", "issues", "bad", "expected"),
+    [
+        (10, 0, VANISHING, H.HEALTHY),
+        (10, 1, VANISHING, H.MINOR_ISSUES),  # 0.1 exactly; vanishing flag alone suffices
+        (10, 3, VANISHING, H.MINOR_ISSUES),  # 0.3 exactly is not above
+        (100, 31, VANISHING, H.PROBLEMS_DETECTED),  # just above 0.3
+        (10, 4, VANISHING, H.PROBLEMS_DETECTED),
+        (10, 10, VANISHING, H.PROBLEMS_DETECTED),  # never Critical without exploding
+        (10, 1, EXPLODING, H.PROBLEMS_DETECTED),
+        (10, 5, EXPLODING, H.PROBLEMS_DETECTED),  # 0.5 exactly is not above
+        (100, 51, EXPLODING, H.CRITICAL),  # just above 0.5
+        (10, 1, NONFINITE, H.CRITICAL),  # gradstream's rule
+        (100, 1, NONFINITE, H.CRITICAL),
+    ],
+)
+def test_health_from_data(
+    tmp_path: Path, frames: int, issues: int, bad: Stat, expected: GradientHealth
+) -> None:
+    summary = report_of(store_with_issues(tmp_path, frames, issues, bad))
+    assert summary.overall_health is expected
+    assert summary.frames == frames
+    flagged = issues if bad is not NONFINITE else 0
+    assert summary.issue_frames == flagged
+    assert summary.issue_ratio == pytest.approx(flagged / frames)
+
+
+def test_layer_lists_in_model_order(tmp_path: Path) -> None:
+    builder = StoreBuilder(tmp_path / "s.duckdb").add_run("r", MODEL)
+    builder.add_frame("r", 0, {"z_embed": VANISHING, "m_block.0": EXPLODING, "a_head": VANISHING})
+    builder.add_frame("r", 1, {"z_embed": EXPLODING, "m_block.0": NONFINITE, "a_head": NONFINITE})
+    summary = report_of(builder.write())
+    assert summary.layers_with_vanishing_grads == ["z_embed", "a_head"]
+    assert summary.layers_with_exploding_grads == ["z_embed", "m_block.0"]
+    assert summary.layers_with_nonfinite_grads == ["m_block.0", "a_head"]
+    assert summary.first_nonfinite_step == 1
+    assert summary.overall_health is H.CRITICAL
+    recs = summary.recommendations
+    assert "m_block.0, a_head" in recs[0] and "step 1" in recs[0]
+    assert "z_embed, a_head" in recs[1]
+    assert "z_embed, m_block.0" in recs[3]
+
+
+def test_total_steps_is_last_step_plus_one_and_range(tmp_path: Path) -> None:
+    builder = StoreBuilder(tmp_path / "s.duckdb").add_run("r", MODEL, world_size=4)
+    for step in (0, 3, 7, 12):
+        builder.add_frame("r", step, {n: healthy_stat() for n in MODEL}, complete=step != 7)
+    builder.add_frame("r", 20, {"a_head": EXPLODING, "z_embed": healthy_stat()})
+    builder.add_frame("r", 25, {"a_head": NONFINITE, "z_embed": VANISHING}, complete=False)
+    path = builder.write()
+
+    whole = report_of(path)
+    assert whole.total_steps == 26
+    assert whole.frames == 6
+    assert whole.issue_frames == 2
+    assert whole.partial_frames == 2
+    assert whole.world_size == 4
+    assert whole.num_layers == 3
+    assert whole.first_nonfinite_step == 25
+    assert whole.overall_health is H.CRITICAL
+
+    early = report_of(path, to_step=12)
+    assert (early.total_steps, early.frames, early.issue_frames) == (13, 4, 0)
+    assert early.partial_frames == 1
+    assert early.overall_health is H.HEALTHY
+    assert early.layers_with_exploding_grads == []
+    assert early.first_nonfinite_step is None
+
+    middle = report_of(path, from_step=4, to_step=20)
+    assert (middle.total_steps, middle.frames, middle.issue_frames) == (21, 3, 1)
+    assert middle.layers_with_exploding_grads == ["a_head"]
+    assert middle.overall_health is H.PROBLEMS_DETECTED
+    assert (middle.from_step, middle.to_step) == (4, 20)
+
+    late = report_of(path, from_step=21)
+    assert late.layers_with_vanishing_grads == ["z_embed"]
+    assert late.layers_with_nonfinite_grads == ["a_head"]
+    assert late.partial_frames == 1
+
+    nothing = report_of(path, from_step=100)
+    assert (nothing.total_steps, nothing.frames, nothing.issue_ratio) == (0, 0, 0.0)
+    assert nothing.overall_health is H.HEALTHY
+
+
+def test_empty_run_and_errors(tmp_path: Path) -> None:
+    path = StoreBuilder(tmp_path / "s.duckdb").add_run("r", MODEL).write()
+    summary = report_of(path)
+    assert summary.total_steps == 0 and summary.frames == 0
+    assert summary.overall_health is H.HEALTHY
+    assert summary.recommendations == ["Gradient flow looks healthy; nothing to do."]
+    with pytest.raises(StoreError, match="unknown run 'nope'"):
+        report_of(path, run="nope")
+    with pytest.raises(StoreError, match="after"):
+        report_of(path, from_step=5, to_step=1)
+
+
+def test_model_round_trips_json(tmp_path: Path) -> None:
+    summary = report_of(store_with_issues(tmp_path, 10, 2, EXPLODING))
+    again = GradientFlowSummary.model_validate_json(summary.model_dump_json())
+    assert again == summary
+    assert summary.model_dump(mode="json")["overall_health"] == "ProblemsDetected"
+
+
+def render(summary: GradientFlowSummary) -> str:
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(render_report(summary))
+    return out.getvalue()
+
+
+def test_render_truncates_and_keeps_names_literal(tmp_path: Path) -> None:
+    names = [*NASTY_NAMES, *(f"block.{i}" for i in range(15))]
+    builder = StoreBuilder(tmp_path / "s.duckdb").add_run("[red]run[/red]", names)
+    builder.add_frame("[red]run[/red]", 0, {n: VANISHING for n in names})
+    summary = report_of(builder.write(), run="[red]run[/red]")
+    text = render(summary)
+    assert "ProblemsDetected" in text  # every frame has an issue: ratio 1 > 0.3
+    assert f"... and {len(names) - 10} more" in text
+    assert "[bold]markup[/bold]" in text  # not swallowed as markup
+    assert "[red]run[/red]" in text
+    assert "'multi\\nline'" in text
+    assert "Recommendations" in text
+
+
+def test_render_nonfinite_first_step(tmp_path: Path) -> None:
+    text = render(report_of(store_with_issues(tmp_path, 10, 3, NONFINITE)))
+    assert "Critical" in text
+    assert "first at step 0" in text
