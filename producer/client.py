@@ -10,6 +10,7 @@ queue, and when it is full the oldest pending *step* summary is dropped and coun
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import socket
 import threading
@@ -33,7 +34,8 @@ class ProducerStats:
     """Counters of one producer (messages, not bytes).
 
     Attributes:
-        recorded: step summaries accepted by ``record_step``.
+        recorded: step summaries accepted by ``record_step`` / ``record_summaries``.
+        skipped: steps not sent because of ``every_n_steps``.
         sent: messages acknowledged by Kafka.
         dropped: step summaries dropped because the queue was full.
         failed: messages Kafka rejected or that could not be delivered in time.
@@ -43,6 +45,7 @@ class ProducerStats:
     """
 
     recorded: int
+    skipped: int
     sent: int
     dropped: int
     failed: int
@@ -100,6 +103,7 @@ class GradientProducer:
         self.rank = rank
         self.world_size = world_size
         self._layer_index: dict[str, int] = {}
+        self._known: set[str] = set()
         self._last_step = -1
         self._steps_recorded = 0
 
@@ -108,6 +112,7 @@ class GradientProducer:
         self._closing = False
         self._busy = False
         self._recorded = 0
+        self._skipped = 0
         self._sent = 0
         self._dropped = 0
         self._failed = 0
@@ -132,6 +137,9 @@ class GradientProducer:
     ) -> None:
         """Announce the run: its layers in model order and their full-tensor sizes.
 
+        Only the layers selected by ``settings.include`` / ``settings.exclude`` are
+        announced and sent; the others are ignored by ``record_step``.
+
         Args:
             layer_numel: layer name -> number of elements of the full parameter, in model
                 order (the order defines ``layer_index`` everywhere downstream).
@@ -141,57 +149,127 @@ class GradientProducer:
 
         Raises:
             pydantic.ValidationError: invalid layer list or thresholds (names the field).
+            ValueError: the include/exclude patterns select no layer.
             RuntimeError: the run was already started or the producer is closed.
         """
         if self._layer_index:
             raise RuntimeError("start_run() was already called for this producer")
+        selected = [name for name in layer_numel if self._selected(name)]
+        if not selected:
+            raise ValueError(
+                f"include={self.settings.include} / exclude={self.settings.exclude} select "
+                f"none of the {len(layer_numel)} layers"
+            )
+        run_config = dict(config or {})
+        run_config.setdefault("gradstream", {
+            "every_n_steps": self.settings.every_n_steps,
+            "include": self.settings.include,
+            "exclude": self.settings.exclude,
+            "layers_total": len(layer_numel),
+        })
         message = RunStarted(
             run_id=self.run_id,
             rank=self.rank,
             world_size=self.world_size,
-            layer_names=list(layer_numel),
-            numel=[int(n) for n in layer_numel.values()],
+            layer_names=selected,
+            numel=[int(layer_numel[name]) for name in selected],
             vanishing_threshold=vanishing_threshold,
             exploding_threshold=exploding_threshold,
             host=socket.gethostname(),
             start_time=time.time(),
-            config=dict(config or {}),
+            config=run_config,
         )
         self._layer_index = {name: i for i, name in enumerate(message.layer_names)}
+        self._known = set(layer_numel)
         self._enqueue(_Pending("start", message))
+
+    def _selected(self, name: str) -> bool:
+        s = self.settings
+        if s.include and not any(fnmatch.fnmatchcase(name, p) for p in s.include):
+            return False
+        return not any(fnmatch.fnmatchcase(name, p) for p in s.exclude)
 
     def record_step(self, step: int, gradients: Mapping[str, np.ndarray]) -> None:
         """Summarise this rank's gradients of one optimiser step and queue them for sending.
 
-        Never waits for Kafka: when the queue is full the oldest pending step summary is
-        dropped (counted in ``stats().dropped``).
+        Never waits for Kafka: when the queue is full it waits at most
+        ``settings.enqueue_timeout_s`` (default 0) and then drops the oldest pending step
+        summary (counted in ``stats().dropped``). Steps not divisible by
+        ``settings.every_n_steps`` return at once (counted in ``stats().skipped``).
 
         Args:
             step: optimiser step, >= 0.
             gradients: layer name -> gradient array (any shape; float16/32/64); names must
-                be among those given to ``start_run``; a subset is allowed.
+                be among those given to ``start_run``; a subset is allowed; layers left out
+                by include/exclude are ignored.
 
         Raises:
             RuntimeError: ``start_run`` was not called, or the producer is closed.
-            ValueError: negative step, unknown layer name, empty or non-float gradient.
+            ValueError: negative step, unknown layer name, empty gradient.
             TypeError: a gradient of a non-float dtype.
         """
         t0 = time.perf_counter()
+        if not self._check_step(step, gradients):
+            return
+        watched = {n: g for n, g in gradients.items() if n in self._layer_index}
+        if watched:
+            self._queue_summaries(int(step), summarize(watched), t0)
+
+    def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
+        """Queue statistics already computed elsewhere (e.g. on a GPU by a framework
+        adapter) for one optimiser step; same rules as :meth:`record_step`.
+
+        Args:
+            step: optimiser step, >= 0.
+            summaries: per-layer statistics whose ``names`` are among those given to
+                ``start_run``.
+
+        Raises:
+            RuntimeError / ValueError: as :meth:`record_step`; ValueError also for
+                statistics that are negative or not finite.
+        """
+        t0 = time.perf_counter()
+        if not self._check_step(step, dict.fromkeys(summaries.names)):
+            return
+        keep = np.fromiter((n in self._layer_index for n in summaries.names), bool,
+                           count=len(summaries))
+        if not keep.any():
+            return
+        for field_name in ("sum_abs", "sum_sq", "max_abs"):
+            values = getattr(summaries, field_name)
+            if not np.all(np.isfinite(values)) or np.any(values < 0):
+                raise ValueError(f"{field_name} must be finite and >= 0 for every layer")
+        if not keep.all():
+            summaries = LayerSummaries(
+                tuple(n for n, k in zip(summaries.names, keep, strict=True) if k),
+                summaries.numel[keep], summaries.sum_abs[keep], summaries.sum_sq[keep],
+                summaries.max_abs[keep], summaries.nonfinite[keep],
+            )
+        self._queue_summaries(int(step), summaries, t0)
+
+    def _check_step(self, step: object, names: Mapping[str, object]) -> bool:
+        """Validate a step and its layer names; False when every_n_steps skips it."""
         if not self._layer_index:
             raise RuntimeError("call start_run(layer_numel) before record_step()")
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
-        unknown = [name for name in gradients if name not in self._layer_index]
+        unknown = [name for name in names if name not in self._known]
         if unknown:
             raise ValueError(
                 f"unknown layer(s) {unknown[:5]!r}: not in the layer list given to start_run()"
             )
-        summaries = summarize(gradients)
+        if int(step) % self.settings.every_n_steps:
+            with self._cond:
+                self._skipped += 1
+            return False
+        return True
+
+    def _queue_summaries(self, step: int, summaries: LayerSummaries, t0: float) -> None:
         indices = np.fromiter(
             (self._layer_index[n] for n in summaries.names), dtype=np.int64, count=len(summaries)
         )
-        self._enqueue(_Pending("step", (int(step), time.time(), indices, summaries)))
-        self._last_step = max(self._last_step, int(step))
+        self._enqueue(_Pending("step", (step, time.time(), indices, summaries)))
+        self._last_step = max(self._last_step, step)
         self._steps_recorded += 1
         with self._cond:
             self._recorded += 1
@@ -280,6 +358,7 @@ class GradientProducer:
         with self._cond:
             return ProducerStats(
                 recorded=self._recorded,
+                skipped=self._skipped,
                 sent=self._sent,
                 dropped=self._dropped,
                 failed=self._failed,
@@ -301,7 +380,13 @@ class GradientProducer:
             if self._closing:
                 raise RuntimeError("producer is closed")
             if item.kind == "step" and len(self._queue) >= self.settings.queue_size:
-                self._drop_oldest_step()
+                wait = self.settings.enqueue_timeout_s
+                if wait > 0:
+                    self._cond.wait_for(
+                        lambda: len(self._queue) < self.settings.queue_size, timeout=wait
+                    )
+                if len(self._queue) >= self.settings.queue_size:
+                    self._drop_oldest_step()
             self._queue.append(item)
             self._cond.notify_all()
 
@@ -337,6 +422,7 @@ class GradientProducer:
                     continue
                 item = self._queue.popleft()
                 self._busy = True
+                self._cond.notify_all()  # room in the queue for a waiting record_step
             try:
                 self._send(item)
             finally:

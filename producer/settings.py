@@ -3,9 +3,10 @@ environment variables, else these defaults."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
 
 from schemas.config import KafkaClientSettings
 from schemas.topics import DEFAULT_SUMMARIES_TOPIC
@@ -17,7 +18,14 @@ class ProducerSettings(KafkaClientSettings):
     Kafka settings suit many small messages: ``acks=all`` with idempotence (no duplicates,
     no reordering per rank on retry), zstd compression, a short ``linger_ms`` so a step's
     message leaves within milliseconds. ``queue_size`` bounds the summaries waiting for
-    the sender thread; when full, the oldest pending summary is dropped and counted.
+    the sender thread; when full, ``record_step`` waits at most ``enqueue_timeout_s``
+    (default 0: never) for room, then the oldest pending summary is dropped and counted.
+
+    Selection: ``include`` / ``exclude`` are glob patterns (``fnmatch``, e.g.
+    ``"encoder.*"``) on layer names; a layer is watched when it matches an include pattern
+    (or there are none) and no exclude pattern. ``every_n_steps`` sends the steps divisible
+    by n. From the environment, patterns are comma-separated:
+    ``GRADSTREAM_INCLUDE="encoder.*,decoder.*"``.
     """
 
     topic: str = DEFAULT_SUMMARIES_TOPIC
@@ -31,4 +39,16 @@ class ProducerSettings(KafkaClientSettings):
     request_timeout_ms: int = Field(default=30_000, gt=0)
     max_block_ms: int = Field(default=60_000, gt=0)
     queue_size: int = Field(default=1024, gt=0)
+    enqueue_timeout_s: float = Field(default=0.0, ge=0)
     close_timeout_s: float = Field(default=30.0, ge=0)
+    include: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    exclude: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    every_n_steps: int = Field(default=1, gt=0)
+
+    @field_validator("include", "exclude", mode="before")
+    @classmethod
+    def _patterns(cls, value: object) -> object:
+        """Accept a comma-separated string (environment) as well as a list."""
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value

@@ -1,0 +1,181 @@
+"""GradientProducer: selection, settings from the environment, never blocking training,
+and delivery through the real broker (also across a broker outage)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from kafka import KafkaConsumer
+
+from producer import GradientProducer, ProducerSettings, summarize
+from schemas.wire import RunStarted, StepSummary, decode_message
+
+UNREACHABLE = "127.0.0.1:9"  # discard port: nothing listens, connections are refused
+
+
+def grads(n_layers: int = 3, size: int = 8) -> dict[str, np.ndarray]:
+    return {f"layer{i}.weight": np.full(size, i + 1.0, np.float32) for i in range(n_layers)}
+
+
+def numel(g: dict[str, np.ndarray]) -> dict[str, int]:
+    return {k: v.size for k, v in g.items()}
+
+
+def read_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0) -> list:
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=2000)
+    out: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < expected and time.monotonic() < deadline:
+        out.extend(decode_message(m.value) for m in consumer)
+    consumer.close()
+    return out
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "h1:9092,h2:9092")
+    monkeypatch.setenv("GRADSTREAM_TOPIC", "my.topic")
+    monkeypatch.setenv("GRADSTREAM_COMPRESSION_TYPE", "lz4")
+    monkeypatch.setenv("GRADSTREAM_INCLUDE", "encoder.*, decoder.*")
+    monkeypatch.setenv("GRADSTREAM_EVERY_N_STEPS", "10")
+    monkeypatch.setenv("GRADSTREAM_SECURITY_PROTOCOL", "SASL_SSL")
+    s = ProducerSettings()
+    assert s.bootstrap_servers == "h1:9092,h2:9092" and s.topic == "my.topic"
+    assert s.compression_type == "lz4" and s.every_n_steps == 10
+    assert s.include == ["encoder.*", "decoder.*"]
+    assert s.kafka_kwargs()["security_protocol"] == "SASL_SSL"
+    assert ProducerSettings(topic="arg.wins").topic == "arg.wins"
+    monkeypatch.setenv("GRADSTREAM_EVERY_N_STEPS", "0")
+    with pytest.raises(ValueError, match="every_n_steps"):
+        ProducerSettings()
+
+
+def test_record_step_errors_name_the_problem() -> None:
+    with GradientProducer("r", bootstrap_servers=UNREACHABLE) as gp:
+        with pytest.raises(RuntimeError, match="start_run"):
+            gp.record_step(0, grads())
+        gp.start_run(numel(grads()))
+        with pytest.raises(ValueError, match="step must be an integer >= 0"):
+            gp.record_step(-1, grads())
+        with pytest.raises(ValueError, match="unknown layer"):
+            gp.record_step(0, {"nope": np.ones(2, np.float32)})
+        with pytest.raises(TypeError, match=r"layer0\.weight"):
+            gp.record_step(0, {"layer0.weight": np.ones(2, np.int32)})
+        with pytest.raises(RuntimeError, match="already"):
+            gp.start_run(numel(grads()))
+    with pytest.raises(ValueError, match="rank 2"):
+        GradientProducer("r", rank=2, world_size=2)
+
+
+def test_never_blocks_and_drops_oldest_when_kafka_is_unreachable() -> None:
+    gp = GradientProducer("r", bootstrap_servers=UNREACHABLE, queue_size=10)
+    g = grads()
+    gp.start_run(numel(g))
+    worst = 0.0
+    for step in range(200):
+        t0 = time.perf_counter()
+        gp.record_step(step, g)
+        worst = max(worst, time.perf_counter() - t0)
+    stats = gp.stats()
+    assert stats.recorded == 200
+    assert stats.dropped >= 189 and stats.queued <= 11  # RunStarted is never dropped
+    assert worst < 0.05
+    t0 = time.perf_counter()
+    final = gp.close(timeout=0.5)
+    assert time.perf_counter() - t0 < 10
+    assert final.sent == 0 and final.dropped == stats.dropped
+
+
+def test_enqueue_timeout_bounds_the_wait() -> None:
+    gp = GradientProducer("r", bootstrap_servers=UNREACHABLE, queue_size=2,
+                          enqueue_timeout_s=0.2)
+    gp.start_run(numel(grads()))
+    for step in range(3):
+        gp.record_step(step, grads())
+    t0 = time.perf_counter()
+    gp.record_step(3, grads())  # queue full: waits the bound, then drops the oldest
+    elapsed = time.perf_counter() - t0
+    assert 0.15 < elapsed < 1.0
+    assert gp.stats().dropped >= 1
+    gp.close(timeout=0)
+
+
+def test_selection_and_sampling_through_the_broker(kafka_bootstrap: str, unique_name: str):
+    topic = f"sel-{unique_name}"
+    g = {"encoder.0.weight": np.ones(4, np.float32), "encoder.0.bias": np.ones(2, np.float32),
+         "decoder.weight": np.full(3, 2.0, np.float32), "head.weight": np.ones(5, np.float32)}
+    with GradientProducer("r", bootstrap_servers=kafka_bootstrap, topic=topic,
+                          include=["encoder.*", "decoder.*"], exclude=["*.bias"],
+                          every_n_steps=3) as gp:
+        gp.start_run(numel(g))
+        for step in range(10):
+            gp.record_step(step, g)
+        gp.finish_run()
+        stats = gp.stats()
+    assert stats.skipped == 6 and stats.recorded == 4 and stats.sent == 6
+    messages = read_all(kafka_bootstrap, topic, 6)
+    started = [m for m in messages if isinstance(m, RunStarted)]
+    steps = [m for m in messages if isinstance(m, StepSummary)]
+    assert started[0].layer_names == ["encoder.0.weight", "decoder.weight"]
+    assert started[0].config["gradstream"]["every_n_steps"] == 3
+    assert [m.step for m in steps] == [0, 3, 6, 9]
+    assert steps[0].layer_indices == [0, 1] and steps[0].sum_abs == [4.0, 6.0]
+
+
+def test_record_summaries_sends_precomputed_statistics(kafka_bootstrap: str, unique_name: str):
+    topic = f"pre-{unique_name}"
+    g = grads()
+    with GradientProducer("r", bootstrap_servers=kafka_bootstrap, topic=topic,
+                          exclude=["layer2.*"]) as gp:
+        gp.start_run(numel(g))
+        gp.record_summaries(7, summarize(g))
+        bad = summarize(g)
+        bad.sum_sq[0] = np.nan
+        with pytest.raises(ValueError, match="sum_sq"):
+            gp.record_summaries(8, bad)
+        gp.finish_run()
+    (step,) = [m for m in read_all(kafka_bootstrap, topic, 3) if isinstance(m, StepSummary)]
+    assert step.step == 7 and step.layer_indices == [0, 1] and step.max_abs == [1.0, 2.0]
+
+
+def test_broker_outage_loses_nothing_that_fitted_in_the_buffer(local_broker, unique_name):
+    """The broker stops for 10 s mid-run: training never waits, and every step is either
+    delivered or counted as dropped."""
+    bootstrap = local_broker.start()
+    topic = f"outage-{unique_name}"
+    g = grads(4, 1000)
+    gp = GradientProducer("outage", bootstrap_servers=bootstrap, topic=topic, queue_size=100_000,
+                          delivery_timeout_ms=300_000, max_block_ms=300_000)
+    gp.start_run(numel(g))
+    worst, step = 0.0, 0
+
+    def train(seconds: float) -> None:
+        nonlocal worst, step
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            gp.record_step(step, g)
+            worst = max(worst, time.perf_counter() - t0)
+            step += 1
+            time.sleep(0.01)
+
+    train(2.0)
+    local_broker.stop()
+    outage_start = time.monotonic()
+    train(10.0)
+    local_broker.start()
+    assert time.monotonic() - outage_start >= 10.0
+    train(2.0)
+    assert gp.finish_run(timeout=120), gp.stats()
+    stats = gp.close()
+    assert worst < 0.1, f"record_step blocked training for {worst:.3f}s"
+    assert stats.recorded == step and stats.failed == 0
+    messages = read_all(bootstrap, topic, step + 2 - stats.dropped, timeout_s=60)
+    delivered = {m.step for m in messages if isinstance(m, StepSummary)}
+    assert len(delivered) + stats.dropped == step
+    assert stats.dropped == 0  # the buffer held the whole outage
+    finished = [m for m in messages if not isinstance(m, StepSummary | RunStarted)]
+    assert finished and json.loads(finished[0].model_dump_json())["dropped"] == 0
