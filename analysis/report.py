@@ -53,6 +53,10 @@ class GradientFlowSummary(BaseModel):
     - ``issue_frames``: frames with any vanishing or exploding layer;
       ``issue_ratio = issue_frames / max(frames, 1)``.
     - ``partial_frames``: ``frames`` rows in the range finalised without every rank.
+    - ``ranks_finished``: ranks that sent RunFinished; ``dropped_summaries``: step
+      summaries those ranks dropped because Kafka was unreachable and their queue was full
+      (whole run: ``sum(run_ranks.dropped)``). Every recorded step of a finished rank is
+      either stored (a frame) or counted here.
     - ``layers_with_nonfinite_grads``: layers with ``nonfinite > 0`` in at least one
       frame (model order); ``first_nonfinite_step``: the earliest such step, or ``None``.
     - ``world_size``, ``num_layers``: from the ``runs`` row.
@@ -71,6 +75,8 @@ class GradientFlowSummary(BaseModel):
     issue_frames: int = Field(ge=0)
     issue_ratio: float = Field(ge=0.0, le=1.0)
     partial_frames: int = Field(ge=0)
+    ranks_finished: int = Field(default=0, ge=0)
+    dropped_summaries: int = Field(default=0, ge=0)
     layers_with_nonfinite_grads: list[str]
     first_nonfinite_step: int | None
     world_size: int
@@ -251,7 +257,10 @@ _RUN_SQL = """
            (SELECT count(*) FROM frames AS f
              WHERE f.run_id = $run_id AND NOT f.complete
                AND ($from_step IS NULL OR f.step >= $from_step)
-               AND ($to_step IS NULL OR f.step <= $to_step)) AS partial_frames
+               AND ($to_step IS NULL OR f.step <= $to_step)) AS partial_frames,
+           (SELECT count(*) FROM run_ranks AS k WHERE k.run_id = $run_id) AS ranks_finished,
+           (SELECT coalesce(sum(k.dropped), 0) FROM run_ranks AS k
+             WHERE k.run_id = $run_id) AS dropped_summaries
     FROM runs AS r WHERE r.run_id = $run_id
 """
 
@@ -293,7 +302,7 @@ def build_report(
     run_row = con.execute(_RUN_SQL, params).fetchone()
     assert counts is not None and run_row is not None  # aggregate / checked by require_run
     frames, issue_frames, last_step, first_nonfinite_step = counts
-    world_size, num_layers, partial_frames = run_row
+    world_size, num_layers, partial_frames, ranks_finished, dropped = run_row
     health = classify_health(
         bool(vanishing), bool(exploding), issue_frames, frames, bool(nonfinite)
     )
@@ -310,6 +319,8 @@ def build_report(
         issue_frames=issue_frames,
         issue_ratio=issue_frames / max(frames, 1),
         partial_frames=partial_frames,
+        ranks_finished=ranks_finished,
+        dropped_summaries=int(dropped),
         layers_with_nonfinite_grads=nonfinite,
         first_nonfinite_step=first_nonfinite_step,
         world_size=world_size,
@@ -354,7 +365,9 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     table.add_row("total steps", str(summary.total_steps))
     table.add_row(
         "frames",
-        f"{summary.frames} ({summary.partial_frames} partial, world size {summary.world_size})",
+        f"{summary.frames} ({summary.partial_frames} partial, world size {summary.world_size}; "
+        f"{summary.ranks_finished} ranks finished, {summary.dropped_summaries} summaries "
+        "dropped by producers)",
     )
     table.add_row("issue frames", f"{summary.issue_frames} ({summary.issue_ratio:.1%} of frames)")
     table.add_row("layers", str(summary.num_layers))

@@ -163,6 +163,7 @@ def test_run_through_broker_into_duckdb_report_and_exports(settings, tmp_path, u
 
     report = build_report(con, run_id)
     assert report.total_steps == total
+    assert report.ranks_finished == WORLD and report.dropped_summaries == 0
     assert report.overall_health is GradientHealth.CRITICAL
     assert report.layers_with_vanishing_grads == ["embed, tokens"]
     assert report.layers_with_exploding_grads == ["head ünï"]
