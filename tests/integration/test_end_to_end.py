@@ -85,10 +85,9 @@ def produce(bootstrap: str, topic: str, run_id: str, steps: range, start: bool, 
     ]
     numel = {name: n * WORLD for name, n in LAYERS.items()}
     for p in producers:
-        if start:
-            p.start_run(numel, config={"lr": 0.1})
-        else:  # a later process of the same run: layer list known, no new RunStarted
-            p._layer_index = {name: i for i, name in enumerate(LAYERS)}
+        # A later process of the same run announces it again; the worker checks that the
+        # layer list agrees and keeps the first RunStarted.
+        p.start_run(numel, config={"lr": 0.1, "resumed": not start})
     for step in steps:
         for rank, p in enumerate(producers):
             p.record_step(step, gradients(step, rank))
