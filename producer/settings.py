@@ -32,7 +32,7 @@ class ProducerSettings(KafkaClientSettings):
     acks: Literal["all", "1", "0"] = "all"
     enable_idempotence: bool = True
     compression_type: Literal["zstd", "lz4", "gzip", "none"] = "zstd"
-    linger_ms: int = Field(default=5, ge=0)
+    linger_ms: int = Field(default=0, ge=0)
     batch_size: int = Field(default=256 * 1024, gt=0)
     max_request_size: int = Field(default=20 * 1024 * 1024, gt=0)
     delivery_timeout_ms: int = Field(default=120_000, gt=0)
