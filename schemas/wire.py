@@ -18,6 +18,7 @@ import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -29,8 +30,19 @@ from pydantic import (
 )
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 0
+SCHEMA_MINOR = 1
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
+"""1.0: per-layer numel, sum_abs, sum_sq, max_abs, nonfinite. 1.1 adds the optional richer
+statistics (exponent histogram, weight and update norms); 1.0 messages still parse (the new
+fields default to None) and 1.0 consumers ignore the new fields."""
+
+EXP_HIST_MIN = -134
+"""Smallest binned base-2 exponent: |g| in [2^k, 2^(k+1)) goes to column k - MIN + 2.
+-134 reaches below bf16's smallest subnormal (2^-133; IEEE 754 binary32 range)."""
+EXP_HIST_MAX = 24
+"""One past the largest binned exponent: |g| >= 2^MAX share the last column."""
+EXP_HIST_BINS = EXP_HIST_MAX - EXP_HIST_MIN + 3
+"""Columns: 0 exact zeros, 1 underflow (< 2^MIN), 2..B-2 one per exponent, B-1 overflow."""
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Largest encoded message accepted on either side (bytes). A 100k-layer StepSummary is
@@ -143,6 +155,16 @@ class StepSummary(_Wire):
     ``sum_sq`` = sum g^2 over the finite elements (float64, >= 0), ``max_abs`` = max |g|
     over the finite elements (0 when none), ``nonfinite`` = count of NaN/+-Inf elements.
     ``wall_time`` is the producer's unix time (s) when the step was recorded.
+
+    Optional (schema 1.1, off by default in the producer), all exactly mergeable by
+    addition across ranks:
+
+    - exponent histogram of the finite elements in sparse CSR form: for layer i, the
+      columns ``exp_hist_columns[exp_hist_offsets[i]:exp_hist_offsets[i+1]]`` (ascending,
+      in ``[0, EXP_HIST_BINS)``) hold the counts ``exp_hist_counts[...]``; the counts of a
+      layer sum to ``numel - nonfinite``;
+    - ``weight_sum_sq``: sum of w^2 of the layer's weights (this rank's shard);
+    - ``update_sum_sq``: sum of (w_t - w_{t-1})^2, the squared norm of the last update.
     """
 
     type: Literal["step_summary"] = "step_summary"
@@ -157,6 +179,11 @@ class StepSummary(_Wire):
     sum_sq: list[NonNegFloat]
     max_abs: list[NonNegFloat]
     nonfinite: list[NonNegInt]
+    exp_hist_offsets: list[NonNegInt] | None = None
+    exp_hist_columns: list[Annotated[int, Field(ge=0, lt=EXP_HIST_BINS)]] | None = None
+    exp_hist_counts: list[PosInt] | None = None
+    weight_sum_sq: list[NonNegFloat] | None = None
+    update_sum_sq: list[NonNegFloat] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> StepSummary:
@@ -176,7 +203,44 @@ class StepSummary(_Wire):
                 raise ValueError(
                     f"nonfinite[{i}]={bad} exceeds numel[{i}]={count}"
                 )
+        for name in ("weight_sum_sq", "update_sum_sq"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"{name} has {len(values)} entries but layer_indices has {n}")
+        self._check_histogram(n)
         return self
+
+    def _check_histogram(self, n: int) -> None:
+        parts = (self.exp_hist_offsets, self.exp_hist_columns, self.exp_hist_counts)
+        if all(p is None for p in parts):
+            return
+        offsets, columns, counts = parts
+        if offsets is None or columns is None or counts is None:
+            raise ValueError("exp_hist_offsets, exp_hist_columns and exp_hist_counts go together")
+        if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(columns):
+            raise ValueError(
+                f"exp_hist_offsets must have {n + 1} entries from 0 to len(exp_hist_columns)"
+            )
+        if len(counts) != len(columns):
+            raise ValueError("exp_hist_counts and exp_hist_columns must have equal lengths")
+        off = np.asarray(offsets, dtype=np.int64)
+        if np.any(np.diff(off) < 0):
+            raise ValueError("exp_hist_offsets must be non-decreasing")
+        cols = np.asarray(columns, dtype=np.int64)
+        starts = np.zeros(len(cols), dtype=bool)
+        starts[off[:-1][off[:-1] < len(cols)]] = True
+        if np.any((np.diff(cols) <= 0) & ~starts[1:]):
+            raise ValueError("exp_hist_columns must be strictly ascending within each layer")
+        cum = np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64))))
+        per_layer = cum[off[1:]] - cum[off[:-1]]
+        expected = np.asarray(self.numel, np.int64) - np.asarray(self.nonfinite, np.int64)
+        bad = np.flatnonzero(per_layer != expected)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"exp_hist_counts of layer {i} sum to {per_layer[i]}, expected "
+                f"numel - nonfinite = {expected[i]}"
+            )
 
 
 class RunFinished(_Wire):

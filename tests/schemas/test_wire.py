@@ -103,3 +103,37 @@ def test_arbitrary_layer_names_survive():
     msg = RunStarted(run_id="r", world_size=1, layer_names=names, numel=[1] * 4,
                      start_time=0.0)
     assert decode_message(encode_message(msg)).layer_names == names
+
+
+def _with_hist(**over):
+    d = json.loads(_raw())
+    d.update(exp_hist_offsets=[0, 2, 3], exp_hist_columns=[0, 40, 41], exp_hist_counts=[1, 3, 7],
+             weight_sum_sq=[2.0, 3.0], update_sum_sq=[0.1, 0.2])
+    d.update(over)
+    return json.dumps(d).encode()
+
+
+def test_schema_1_1_richer_statistics_validate():
+    msg = decode_message(_with_hist())
+    assert msg.exp_hist_counts == [1, 3, 7] and msg.weight_sum_sq == [2.0, 3.0]
+    assert decode_message(encode_message(msg)) == msg
+    old = decode_message(_raw(schema_version="1.0"))
+    assert old.exp_hist_offsets is None and old.weight_sum_sq is None
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ({"exp_hist_counts": [1, 3, 6]}, "layer 1 sum to 6, expected numel - nonfinite = 7"),
+        ({"exp_hist_columns": [40, 0, 41]}, "strictly ascending"),
+        ({"exp_hist_columns": [0, 40, 999]}, "exp_hist_columns"),
+        ({"exp_hist_offsets": [0, 3]}, "exp_hist_offsets must have 3 entries"),
+        ({"exp_hist_counts": None}, "go together"),
+        ({"weight_sum_sq": [1.0]}, "weight_sum_sq has 1 entries"),
+        ({"update_sum_sq": [1.0, -1.0]}, "update_sum_sq"),
+    ],
+)
+def test_schema_1_1_bad_richer_statistics(override, reason):
+    with pytest.raises(WireError) as err:
+        decode_message(_with_hist(**override))
+    assert reason in err.value.reason
