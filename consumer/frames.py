@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schemas.wire import EXP_HIST_BINS
+
 
 @dataclass(slots=True)
 class MergedShards:
@@ -31,6 +33,12 @@ class MergedShards:
 
     Attributes:
         numel: int64[L]; sum_abs, sum_sq, max_abs: float64[L]; nonfinite: int64[L].
+        shards: int64[L], shards merged per layer.
+        exp_hist: int64[L, EXP_HIST_BINS] summed exponent histograms, or None while no
+            shard carried one; hist_shards: int64[L] shards that carried one.
+        weight_sum_sq, update_sum_sq: float64[L] or None; weight_shards, update_shards:
+            int64[L] shards that carried them. A richer statistic of a layer is complete
+            (and stored) only when every shard of that layer carried it.
     """
 
     numel: np.ndarray
@@ -38,6 +46,13 @@ class MergedShards:
     sum_sq: np.ndarray
     max_abs: np.ndarray
     nonfinite: np.ndarray
+    shards: np.ndarray | None = None
+    exp_hist: np.ndarray | None = None
+    hist_shards: np.ndarray | None = None
+    weight_sum_sq: np.ndarray | None = None
+    weight_shards: np.ndarray | None = None
+    update_sum_sq: np.ndarray | None = None
+    update_shards: np.ndarray | None = None
 
     @classmethod
     def empty(cls, num_layers: int) -> MergedShards:
@@ -47,6 +62,7 @@ class MergedShards:
             np.zeros(num_layers, np.float64),
             np.zeros(num_layers, np.float64),
             np.zeros(num_layers, np.float64),
+            np.zeros(num_layers, np.int64),
             np.zeros(num_layers, np.int64),
         )
 
@@ -71,6 +87,48 @@ class MergedShards:
         self.sum_sq[idx] += sum_sq
         self.max_abs[idx] = np.maximum(self.max_abs[idx], max_abs)
         self.nonfinite[idx] += nonfinite
+        if self.shards is None:
+            self.shards = np.zeros(len(self.numel), np.int64)
+        self.shards[idx] += 1
+
+    def add_histogram(
+        self, layer_indices: np.ndarray, offsets: np.ndarray, columns: np.ndarray,
+        counts: np.ndarray,
+    ) -> None:
+        """Merge one shard's sparse exponent histograms (CSR form of the wire) by addition.
+
+        Args:
+            layer_indices: int[k]. offsets: int[k+1]. columns, counts: int[nnz].
+        """
+        num_layers = len(self.numel)
+        if self.exp_hist is None:
+            self.exp_hist = np.zeros((num_layers, EXP_HIST_BINS), np.int64)
+            self.hist_shards = np.zeros(num_layers, np.int64)
+        rows = np.repeat(layer_indices, np.diff(offsets))
+        np.add.at(self.exp_hist, (rows, columns), counts)
+        assert self.hist_shards is not None
+        self.hist_shards[layer_indices] += 1
+
+    def add_weights(
+        self, layer_indices: np.ndarray, weight_sum_sq: np.ndarray | None,
+        update_sum_sq: np.ndarray | None,
+    ) -> None:
+        """Merge one shard's weight / update squared norms (float64[k] or None) by addition."""
+        num_layers = len(self.numel)
+        if weight_sum_sq is not None:
+            if self.weight_sum_sq is None:
+                self.weight_sum_sq = np.zeros(num_layers)
+                self.weight_shards = np.zeros(num_layers, np.int64)
+            self.weight_sum_sq[layer_indices] += weight_sum_sq
+            assert self.weight_shards is not None
+            self.weight_shards[layer_indices] += 1
+        if update_sum_sq is not None:
+            if self.update_sum_sq is None:
+                self.update_sum_sq = np.zeros(num_layers)
+                self.update_shards = np.zeros(num_layers, np.int64)
+            self.update_sum_sq[layer_indices] += update_sum_sq
+            assert self.update_shards is not None
+            self.update_shards[layer_indices] += 1
 
 
 @dataclass(slots=True)
@@ -87,6 +145,11 @@ class GradientFrame:
         is_vanishing, is_exploding: bool[n].
         ranks_seen: sorted ranks whose shard is merged in. world_size: expected ranks.
         wall_time: latest producer wall time among the shards (unix s).
+        weight_sum_sq, update_sum_sq, update_to_weight: float64[n] with NaN where not every
+            shard of the layer sent weights (None when no shard did);
+            ``update_to_weight = sqrt(update_sum_sq / weight_sum_sq)``.
+        exp_hist: int64[n, EXP_HIST_BINS] (rows of layers without a complete histogram are
+            all -1), or None when no shard sent one.
     """
 
     run_id: str
@@ -105,6 +168,10 @@ class GradientFrame:
     ranks_seen: tuple[int, ...]
     world_size: int
     wall_time: float
+    weight_sum_sq: np.ndarray | None = None
+    update_sum_sq: np.ndarray | None = None
+    update_to_weight: np.ndarray | None = None
+    exp_hist: np.ndarray | None = None
 
     @property
     def complete(self) -> bool:
@@ -148,6 +215,24 @@ def compute_frame(
         The GradientFrame over the layers with ``numel > 0``.
     """
     present = np.flatnonzero(merged.numel > 0)
+    shards = merged.shards[present] if merged.shards is not None else None
+
+    def complete_only(values: np.ndarray | None, carried: np.ndarray | None) -> np.ndarray | None:
+        if values is None or carried is None:
+            return None
+        return np.where(carried[present] == shards, values[present], np.nan)
+
+    weight = complete_only(merged.weight_sum_sq, merged.weight_shards)
+    update = complete_only(merged.update_sum_sq, merged.update_shards)
+    ratio = None
+    if weight is not None and update is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.sqrt(update / weight)
+        ratio[~np.isfinite(ratio)] = np.nan
+    hist = None
+    if merged.exp_hist is not None and merged.hist_shards is not None:
+        hist = merged.exp_hist[present]
+        hist[merged.hist_shards[present] != shards] = -1
     numel = merged.numel[present]
     sum_abs = merged.sum_abs[present]
     sum_sq = merged.sum_sq[present]
@@ -176,4 +261,8 @@ def compute_frame(
         ranks_seen=tuple(sorted(ranks_seen)),
         world_size=world_size,
         wall_time=wall_time,
+        weight_sum_sq=weight,
+        update_sum_sq=update,
+        update_to_weight=ratio,
+        exp_hist=hist,
     )

@@ -237,8 +237,21 @@ class ShardMerger:
 
 
 def _merge(merged: MergedShards, shard: StepSummary) -> None:
+    idx = np.asarray(shard.layer_indices, dtype=np.int64)
+    if shard.exp_hist_offsets is not None:
+        merged.add_histogram(
+            idx, np.asarray(shard.exp_hist_offsets, np.int64),
+            np.asarray(shard.exp_hist_columns, np.int64),
+            np.asarray(shard.exp_hist_counts, np.int64),
+        )
+    if shard.weight_sum_sq is not None or shard.update_sum_sq is not None:
+        merged.add_weights(
+            idx,
+            None if shard.weight_sum_sq is None else np.asarray(shard.weight_sum_sq),
+            None if shard.update_sum_sq is None else np.asarray(shard.update_sum_sq),
+        )
     merged.add(
-        np.asarray(shard.layer_indices, dtype=np.int64),
+        idx,
         np.asarray(shard.numel, dtype=np.int64),
         np.asarray(shard.sum_abs, dtype=np.float64),
         np.asarray(shard.sum_sq, dtype=np.float64),

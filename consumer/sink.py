@@ -21,8 +21,8 @@ import pyarrow as pa
 
 from consumer.frames import GradientFrame, MergedShards
 from consumer.runs import RunInfo
-from schemas.tables import SCHEMA_DDL
-from schemas.wire import RunFinished, RunStarted
+from schemas.tables import LAYER_STATS_COLUMNS, SCHEMA_DDL
+from schemas.wire import EXP_HIST_BINS, RunFinished, RunStarted
 
 
 @dataclass(slots=True)
@@ -64,6 +64,38 @@ class SinkBatch:
     def layer_rows(self) -> int:
         """Number of layer_stats rows in the batch."""
         return sum(len(f.layer_index) for f, _ in self.frames.values())
+
+
+def _optional_floats(fs: list[GradientFrame], name: str) -> pa.Array:
+    """float64 column of an optional per-layer field; NaN or absent -> NULL."""
+    parts = [
+        getattr(f, name) if getattr(f, name) is not None
+        else np.full(len(f.layer_index), np.nan)
+        for f in fs
+    ]
+    return pa.array(np.concatenate(parts), pa.float64(), from_pandas=True)
+
+
+def _histogram_columns(fs: list[GradientFrame]) -> tuple[pa.Array, pa.Array]:
+    """Sparse exponent histograms as (columns SMALLINT[], counts BIGINT[]) list columns;
+    NULL for layers without a complete histogram."""
+    total = sum(len(f.layer_index) for f in fs)
+    if all(f.exp_hist is None for f in fs):
+        return (pa.nulls(total, pa.list_(pa.int16())), pa.nulls(total, pa.list_(pa.int64())))
+    dense = np.concatenate([
+        f.exp_hist if f.exp_hist is not None
+        else np.full((len(f.layer_index), EXP_HIST_BINS), -1, np.int64)
+        for f in fs
+    ])
+    valid = dense[:, 0] >= 0
+    rows, cols = np.nonzero((dense > 0) & valid[:, None])
+    offsets = np.zeros(total + 1, np.int32)
+    np.cumsum(np.bincount(rows, minlength=total), out=offsets[1:])
+    mask = pa.array(~valid)
+    return (
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(cols.astype(np.int16)), mask=mask),
+        pa.ListArray.from_arrays(pa.array(offsets), pa.array(dense[rows, cols]), mask=mask),
+    )
 
 
 def _run_column(values: list[str], lengths: np.ndarray) -> pa.Array:
@@ -142,7 +174,8 @@ class DuckDBSink:
     def load_sums(self, run: RunInfo, step: int) -> MergedShards | None:
         """The stored merged sums of frame (run, step), or None if it is not stored."""
         tbl = self.con.sql(
-            "SELECT layer_index, numel, sum_abs, sum_sq, max_abs_grad, nonfinite "
+            "SELECT layer_index, numel, sum_abs, sum_sq, max_abs_grad, nonfinite, "
+            "weight_sum_sq, update_sum_sq, exp_hist_columns, exp_hist_counts "
             "FROM layer_stats WHERE run_id = $1 AND step = $2",
             params=[run.run_id, step],
         ).to_arrow_table()
@@ -155,6 +188,31 @@ class DuckDBSink:
         merged.sum_sq[idx] = tbl["sum_sq"].to_numpy()
         merged.max_abs[idx] = tbl["max_abs_grad"].to_numpy()
         merged.nonfinite[idx] = tbl["nonfinite"].to_numpy()
+        assert merged.shards is not None
+        merged.shards[idx] = 1  # the stored frame counts as one shard of each layer
+        for name in ("weight_sum_sq", "update_sum_sq"):
+            column = tbl[name]
+            has = ~np.asarray(column.is_null().to_numpy(zero_copy_only=False), bool)
+            if has.any():
+                values = column.to_numpy(zero_copy_only=False).astype(np.float64)
+                merged.add_weights(
+                    idx[has],
+                    values[has] if name == "weight_sum_sq" else None,
+                    values[has] if name == "update_sum_sq" else None,
+                )
+        cols = tbl["exp_hist_columns"]
+        has_hist = ~np.asarray(cols.is_null().to_numpy(zero_copy_only=False), bool)
+        if has_hist.any():
+            sub = tbl.filter(pa.array(has_hist))
+            lengths = np.array([len(x) for x in sub["exp_hist_columns"].to_pylist()])
+            offsets = np.concatenate(([0], np.cumsum(lengths)))
+            merged.add_histogram(
+                idx[has_hist], offsets,
+                np.asarray(pa.concat_arrays(
+                    [c.flatten() for c in sub["exp_hist_columns"].chunks]), np.int64),
+                np.asarray(pa.concat_arrays(
+                    [c.flatten() for c in sub["exp_hist_counts"].chunks]), np.int64),
+            )
         return merged
 
     def load_offsets(self, group: str, topic: str) -> dict[int, int]:
@@ -260,7 +318,13 @@ class DuckDBSink:
             "flow_intensity": pa.array(cat("flow_intensity")),
             "is_vanishing": pa.array(cat("is_vanishing")),
             "is_exploding": pa.array(cat("is_exploding")),
+            "weight_sum_sq": _optional_floats(fs, "weight_sum_sq"),
+            "update_sum_sq": _optional_floats(fs, "update_sum_sq"),
+            "update_to_weight": _optional_floats(fs, "update_to_weight"),
         })
+        hist_columns, hist_counts = _histogram_columns(fs)
+        stats = stats.append_column("exp_hist_columns", hist_columns)
+        stats = stats.append_column("exp_hist_counts", hist_counts)
         now = time.time()
         frame_rows = pa.table({
             "run_id": pa.array(run_ids, pa.string()),
@@ -285,7 +349,10 @@ class DuckDBSink:
             "DELETE FROM layer_stats USING (SELECT DISTINCT run_id, step FROM gs_frames) f "
             "WHERE layer_stats.run_id = f.run_id AND layer_stats.step = f.step"
         )
-        con.execute("INSERT INTO layer_stats SELECT * FROM gs_stats")
+        con.execute(
+            f"INSERT INTO layer_stats ({', '.join(LAYER_STATS_COLUMNS)}) "
+            f"SELECT {', '.join(LAYER_STATS_COLUMNS)} FROM gs_stats"
+        )
         con.execute("INSERT OR REPLACE INTO frames SELECT * FROM gs_frames")
         con.unregister("gs_stats")
         con.unregister("gs_frames")

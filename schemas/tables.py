@@ -17,7 +17,12 @@ layer_stats
     One row per (run, step, layer): the exactly-mergeable sums over every rank
     (``numel``, ``sum_abs``, ``sum_sq``, ``max_abs_grad``, ``nonfinite``) and the seed-001
     frame fields derived from them (``mean_abs_grad``, ``grad_norm``, ``flow_intensity``,
-    ``is_vanishing``, ``is_exploding``).
+    ``is_vanishing``, ``is_exploding``). Optional richer statistics (NULL unless every
+    shard of the layer sent them): ``weight_sum_sq`` (sum w^2), ``update_sum_sq``
+    (sum (w_t - w_{t-1})^2), ``update_to_weight = sqrt(update_sum_sq / weight_sum_sq)``
+    (the update-to-weight norm ratio), and the exponent histogram of the finite gradient
+    elements as sparse ``exp_hist_columns`` / ``exp_hist_counts`` (column layout in
+    ``schemas.wire``: EXP_HIST_MIN, EXP_HIST_MAX, EXP_HIST_BINS).
 frames
     One row per (run, step): run health after this frame, per-frame counts, whether every
     rank reported (``complete``), the ranks seen and missing.
@@ -82,9 +87,20 @@ SCHEMA_DDL: tuple[str, ...] = (
         flow_intensity DOUBLE NOT NULL,
         is_vanishing   BOOLEAN NOT NULL,
         is_exploding   BOOLEAN NOT NULL,
+        weight_sum_sq  DOUBLE,
+        update_sum_sq  DOUBLE,
+        update_to_weight DOUBLE,
+        exp_hist_columns SMALLINT[],
+        exp_hist_counts  BIGINT[],
         PRIMARY KEY (run_id, step, layer_index)
     )
     """,
+    # Stores created by schema 1.0 gain the richer-statistics columns (NULL when not sent).
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_sq DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS update_sum_sq DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS update_to_weight DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS exp_hist_columns SMALLINT[]",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS exp_hist_counts BIGINT[]",
     """
     CREATE TABLE IF NOT EXISTS frames (
         run_id           VARCHAR NOT NULL,
@@ -130,7 +146,8 @@ SCHEMA_DDL: tuple[str, ...] = (
 LAYER_STATS_COLUMNS: tuple[str, ...] = (
     "run_id", "step", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs_grad",
     "nonfinite", "mean_abs_grad", "grad_norm", "flow_intensity", "is_vanishing",
-    "is_exploding",
+    "is_exploding", "weight_sum_sq", "update_sum_sq", "update_to_weight",
+    "exp_hist_columns", "exp_hist_counts",
 )
 """Column order of ``layer_stats`` (the sink's bulk inserts follow it)."""
 

@@ -155,9 +155,9 @@ class StoreBuilder:
                 con.execute("INSERT INTO layers SELECT * FROM layers_in")
                 con.unregister("layers_in")
                 if run.stats:
-                    stats = pa.Table.from_pylist(run.stats).select(list(LAYER_STATS_COLUMNS))
+                    stats = pa.Table.from_pylist(run.stats).select(list(LAYER_STATS_COLUMNS[:13]))
                     con.register("stats_in", stats)
-                    con.execute("INSERT INTO layer_stats SELECT * FROM stats_in")
+                    con.execute("INSERT INTO layer_stats BY NAME SELECT * FROM stats_in")
                     con.unregister("stats_in")
                     frames = pa.Table.from_pylist(run.frames).select(list(FRAMES_COLUMNS))
                     con.register("frames_in", frames)
