@@ -7,7 +7,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test install kafka lint bench clean
+FRAMEWORKS := $(VENV)/.frameworks-stamp
+
+.PHONY: demo test install frameworks kafka lint bench clean
 
 install: $(STAMP)
 
@@ -18,6 +20,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[demo,test]'
 	@touch $(STAMP)
 
+# PyTorch, JAX, transformers and Lightning, for the adapter tests (several GB: the PyPI
+# torch wheel for Linux is a CUDA build that also runs on CPU).
+frameworks: $(FRAMEWORKS)
+
+$(FRAMEWORKS): $(STAMP) requirements-frameworks.txt
+	$(PY) -m pip install --quiet -r requirements-frameworks.txt
+	@touch $(FRAMEWORKS)
+
 kafka: install
 	$(VENV)/bin/gradstream broker fetch
 
@@ -27,8 +37,12 @@ demo: kafka
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: kafka lint
+test: kafka frameworks lint
 	$(PY) -m pytest
+
+bench: kafka
+	$(PY) bench/producer_overhead.py
+	$(PY) bench/kafka_producer_config.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

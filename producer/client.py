@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from producer.settings import ProducerSettings
-from producer.summary import LayerSummaries, summarize
+from producer.summary import LayerSummaries, summarize, warmup
 from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
 
 log = logging.getLogger("gradstream.producer")
@@ -104,6 +104,7 @@ class GradientProducer:
         self.world_size = world_size
         self._layer_index: dict[str, int] = {}
         self._known: set[str] = set()
+        self._previous_weights: dict[str, np.ndarray] | None = None
         self._last_step = -1
         self._steps_recorded = 0
 
@@ -182,6 +183,8 @@ class GradientProducer:
         self._layer_index = {name: i for i, name in enumerate(message.layer_names)}
         self._known = set(layer_numel)
         self._enqueue(_Pending("start", message))
+        # Compile (or load from cache) the summary kernels now, not on the first step.
+        warmup(histogram=self.settings.exp_histogram)
 
     def _selected(self, name: str) -> bool:
         s = self.settings
@@ -189,7 +192,12 @@ class GradientProducer:
             return False
         return not any(fnmatch.fnmatchcase(name, p) for p in s.exclude)
 
-    def record_step(self, step: int, gradients: Mapping[str, np.ndarray]) -> None:
+    def record_step(
+        self,
+        step: int,
+        gradients: Mapping[str, np.ndarray],
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         """Summarise this rank's gradients of one optimiser step and queue them for sending.
 
         Never waits for Kafka: when the queue is full it waits at most
@@ -202,18 +210,49 @@ class GradientProducer:
             gradients: layer name -> gradient array (any shape; float16/32/64); names must
                 be among those given to ``start_run``; a subset is allowed; layers left out
                 by include/exclude are ignored.
+            weights: with ``settings.weight_stats``, the layers' current weights (same
+                names and shapes as ``gradients``); ignored otherwise.
 
         Raises:
             RuntimeError: ``start_run`` was not called, or the producer is closed.
-            ValueError: negative step, unknown layer name, empty gradient.
+            ValueError: negative step, unknown layer name, empty gradient, weights whose
+                names or shapes differ from the gradients'.
             TypeError: a gradient of a non-float dtype.
         """
         t0 = time.perf_counter()
         if not self._check_step(step, gradients):
             return
         watched = {n: g for n, g in gradients.items() if n in self._layer_index}
-        if watched:
-            self._queue_summaries(int(step), summarize(watched), t0)
+        if not watched:
+            return
+        summaries = summarize(watched, histogram=self.settings.exp_histogram)
+        extra = self._weight_stats(watched, weights) if self.settings.weight_stats else None
+        self._queue_summaries(int(step), summaries, t0, extra)
+
+    def _weight_stats(
+        self, watched: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray] | None
+    ) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """(weight_sum_sq float64[k], update_sum_sq float64[k] or None) for the watched
+        layers, updating the kept copy of the previous weights."""
+        if weights is None:
+            return None
+        missing = [n for n in watched if n not in weights]
+        if missing:
+            raise ValueError(f"weights missing for layer(s) {missing[:5]!r}")
+        current = {n: np.asarray(weights[n]) for n in watched}
+        for name, w in current.items():
+            if w.shape != np.shape(watched[name]):
+                raise ValueError(
+                    f"weights of {name!r} have shape {w.shape}, gradient {np.shape(watched[name])}"
+                )
+        weight_sq = summarize(current).sum_sq
+        update_sq = None
+        if self._previous_weights is not None and self._previous_weights.keys() == current.keys():
+            update_sq = summarize({
+                n: w.astype(np.float32) - self._previous_weights[n] for n, w in current.items()
+            }).sum_sq
+        self._previous_weights = {n: w.astype(np.float32, copy=True) for n, w in current.items()}
+        return weight_sq, update_sq
 
     def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
         """Queue statistics already computed elsewhere (e.g. on a GPU by a framework
@@ -245,7 +284,7 @@ class GradientProducer:
                 summaries.numel[keep], summaries.sum_abs[keep], summaries.sum_sq[keep],
                 summaries.max_abs[keep], summaries.nonfinite[keep],
             )
-        self._queue_summaries(int(step), summaries, t0)
+        self._queue_summaries(int(step), summaries, t0, None)
 
     def _check_step(self, step: object, names: Mapping[str, object]) -> bool:
         """Validate a step and its layer names; False when every_n_steps skips it."""
@@ -264,11 +303,14 @@ class GradientProducer:
             return False
         return True
 
-    def _queue_summaries(self, step: int, summaries: LayerSummaries, t0: float) -> None:
+    def _queue_summaries(
+        self, step: int, summaries: LayerSummaries, t0: float,
+        extra: tuple[np.ndarray, np.ndarray | None] | None,
+    ) -> None:
         indices = np.fromiter(
             (self._layer_index[n] for n in summaries.names), dtype=np.int64, count=len(summaries)
         )
-        self._enqueue(_Pending("step", (step, time.time(), indices, summaries)))
+        self._enqueue(_Pending("step", (step, time.time(), indices, summaries, extra)))
         self._last_step = max(self._last_step, step)
         self._steps_recorded += 1
         with self._cond:
@@ -457,8 +499,22 @@ class GradientProducer:
     def _build(self, item: _Pending) -> StepSummary | RunStarted | RunFinished:
         if item.kind != "step":
             return item.payload
-        step, wall_time, indices, summaries = item.payload
+        step, wall_time, indices, summaries, extra = item.payload
         assert isinstance(summaries, LayerSummaries)
+        optional: dict[str, Any] = {}
+        hist = getattr(summaries, "exp_hist", None)
+        if hist is not None:
+            rows, cols = np.nonzero(hist)
+            offsets = np.zeros(len(summaries) + 1, np.int64)
+            np.cumsum(np.bincount(rows, minlength=len(summaries)), out=offsets[1:])
+            optional.update(
+                exp_hist_offsets=offsets.tolist(), exp_hist_columns=cols.tolist(),
+                exp_hist_counts=hist[rows, cols].tolist(),
+            )
+        if extra is not None:
+            optional["weight_sum_sq"] = extra[0].tolist()
+            if extra[1] is not None:
+                optional["update_sum_sq"] = extra[1].tolist()
         return StepSummary(
             run_id=self.run_id,
             step=step,
@@ -471,6 +527,7 @@ class GradientProducer:
             sum_sq=summaries.sum_sq.tolist(),
             max_abs=summaries.max_abs.tolist(),
             nonfinite=summaries.nonfinite.tolist(),
+            **optional,
         )
 
     def _send(self, item: _Pending) -> None:

@@ -26,6 +26,13 @@ class ProducerSettings(KafkaClientSettings):
     (or there are none) and no exclude pattern. ``every_n_steps`` sends the steps divisible
     by n. From the environment, patterns are comma-separated:
     ``GRADSTREAM_INCLUDE="encoder.*,decoder.*"``.
+
+    Richer statistics, off by default (their cost is measured by
+    ``bench/producer_overhead.py``): ``exp_histogram`` sends each layer's base-2 exponent
+    histogram (how much of the gradient would underflow in fp16/bf16); ``weight_stats``
+    sends sum w^2 of the weights passed to ``record_step(..., weights=...)`` and the
+    squared norm of the update since the previous recorded step, for which the producer
+    keeps one float32 copy of the watched weights.
     """
 
     topic: str = DEFAULT_SUMMARIES_TOPIC
@@ -44,6 +51,8 @@ class ProducerSettings(KafkaClientSettings):
     include: Annotated[list[str], NoDecode] = Field(default_factory=list)
     exclude: Annotated[list[str], NoDecode] = Field(default_factory=list)
     every_n_steps: int = Field(default=1, gt=0)
+    exp_histogram: bool = False
+    weight_stats: bool = False
 
     @field_validator("include", "exclude", mode="before")
     @classmethod

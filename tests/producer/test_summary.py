@@ -1,12 +1,47 @@
-"""summarize() against a float64 reference, NaN/Inf handling, dtypes and errors."""
+"""summarize() against a float64 reference, NaN/Inf handling, dtypes and errors.
+
+Every test runs on both backends: the numba kernels (skipped when numba is not installed)
+and the pure-NumPy fallback.
+"""
+
+import logging
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from producer.summary import summarize
+from producer import summary
+from producer.summary import LayerSummaries, active_backend, set_backend, summarize
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ["numba", "numpy"]
+FLOATS = [np.float16, np.float32, np.float64]
+HYPOTHESIS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,  # the backend fixture is meant to persist
+        HealthCheck.filter_too_much,  # large arrays are rejected now and then
+        HealthCheck.too_slow,
+    ],
+)
+
+
+@pytest.fixture(autouse=True, params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with the given backend, then go back to the default."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+    assert set_backend(request.param) == request.param
+    yield request.param
+    set_backend(None)
 
 
 def _reference(g: np.ndarray) -> tuple[int, float, float, float, int]:
@@ -21,13 +56,43 @@ def _reference(g: np.ndarray) -> tuple[int, float, float, float, int]:
     )
 
 
+def _exact_reference(g: np.ndarray) -> tuple[int, float, float, float, int]:
+    """Like _reference, with correctly rounded sums (math.fsum), saturated like summarize."""
+    x = np.asarray(g, dtype=np.float64).ravel()
+    finite = np.abs(x[np.isfinite(x)])
+    with np.errstate(over="ignore"):
+        squares = finite * finite
+    big = float(np.finfo(np.float64).max)
+    return (
+        x.size,
+        min(_fsum(finite), big),
+        min(_fsum(squares), big),
+        float(finite.max()) if finite.size else 0.0,
+        int(x.size - finite.size),
+    )
+
+
+def _fsum(values: np.ndarray) -> float:
+    """Correctly rounded sum of non-negative values; inf when it exceeds the double range."""
+    if not np.isfinite(values).all():
+        return math.inf
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        return math.inf
+
+
+def _check_row(s: LayerSummaries, i: int, expected: tuple[int, float, float, float, int]) -> None:
+    n, sabs, ssq, mabs, bad = expected
+    assert s.numel[i] == n and s.nonfinite[i] == bad
+    assert s.sum_abs[i] == pytest.approx(sabs, rel=1e-12, abs=1e-300)
+    assert s.sum_sq[i] == pytest.approx(ssq, rel=1e-12, abs=1e-300)
+    assert s.max_abs[i] == mabs
+
+
 def _check(g: np.ndarray) -> None:
     s = summarize({"layer": g})
-    n, sabs, ssq, mabs, bad = _reference(g)
-    assert s.numel[0] == n and s.nonfinite[0] == bad
-    assert s.sum_abs[0] == pytest.approx(sabs, rel=1e-12, abs=1e-300)
-    assert s.sum_sq[0] == pytest.approx(ssq, rel=1e-12, abs=1e-300)
-    assert s.max_abs[0] == mabs
+    _check_row(s, 0, _reference(g))
 
 
 def test_nan_and_inf_counted_and_left_out():
@@ -56,28 +121,242 @@ def test_float64_square_overflow_saturates_instead_of_inf():
     assert np.isfinite(s.sum_sq[0]) and s.nonfinite[0] == 0 and s.max_abs[0] == 1e200
 
 
+def test_float64_sum_overflow_saturates_both_sums():
+    big = float(np.finfo(np.float64).max)
+    s = summarize({"w": np.array([big, big, -big, np.nan])})
+    assert s.sum_abs[0] == big and s.sum_sq[0] == big
+    assert s.max_abs[0] == big and s.nonfinite[0] == 1
+
+
 def test_order_and_shapes_preserved():
     grads = {"z": np.ones((2, 3, 4), np.float32), "a": np.ones(7, np.float64)}
     s = summarize(grads)
     assert s.names == ("z", "a") and s.numel.tolist() == [24, 7]
 
 
+def test_result_dtypes_and_no_histogram_by_default():
+    s = summarize({"a": np.ones(3, np.float32), "b": np.ones(2, np.float16)})
+    assert s.numel.dtype == np.int64 and s.nonfinite.dtype == np.int64
+    for field in (s.sum_abs, s.sum_sq, s.max_abs):
+        assert field.dtype == np.float64 and field.shape == (2,)
+    assert s.exp_hist is None and len(s) == 2
+
+
 def test_errors_name_the_layer():
     with pytest.raises(TypeError, match="'ints'"):
         summarize({"ints": np.arange(3)})
+    with pytest.raises(TypeError, match="'big_endian'"):
+        summarize({"ok": np.ones(2, np.float32), "big_endian": np.ones(2, ">f4")})
     with pytest.raises(ValueError, match="'empty'"):
         summarize({"empty": np.zeros(0, np.float32)})
+    with pytest.raises(ValueError, match="'empty16'"):
+        summarize({"empty16": np.zeros((3, 0), np.float16)})
     with pytest.raises(ValueError, match="empty mapping"):
         summarize({})
 
 
-@settings(max_examples=150, deadline=None)
+def test_layouts_views_and_array_likes():
+    base = np.arange(-600, 600, dtype=np.float32).reshape(30, 40) / 7
+    readonly = base.copy()
+    readonly.flags.writeable = False
+    layers = {
+        "transposed": base.T,
+        "strided": base[::3, ::2],
+        "fortran": np.asfortranarray(base),
+        "readonly": readonly,
+        "scalar": np.array(-2.5),
+        "list": [1.0, -3.0, float("nan")],
+        "f16_strided": base.astype(np.float16)[:, ::5],
+    }
+    s = summarize(layers)
+    for i, g in enumerate(layers.values()):
+        _check_row(s, i, _exact_reference(np.asarray(g)))
+
+
+def test_huge_layers_stay_exact():
+    rng = np.random.default_rng(7)
+    big32 = (rng.standard_normal(3_000_001, dtype=np.float32) * 1e-3).astype(np.float32)
+    big32[1_234_567] = np.nan
+    big32[2_999_999] = -np.inf
+    big64 = rng.standard_normal(2_000_003) * np.exp(rng.uniform(-30, 30, 2_000_003))
+    same_sign = np.abs(rng.standard_normal(2_500_000, dtype=np.float32)) + 1  # worst case
+    s = summarize({"big32": big32, "big64": big64, "same_sign": same_sign})
+    for i, g in enumerate((big32, big64, same_sign)):
+        _check_row(s, i, _exact_reference(g))
+
+
+def test_many_small_layers_in_one_call():
+    rng = np.random.default_rng(3)
+    grads = {}
+    for i in range(1000):
+        dtype = FLOATS[i % 3]
+        g = rng.standard_normal(int(rng.integers(1, 60))).astype(dtype)
+        if i % 17 == 0:
+            g[0] = [np.nan, np.inf, -np.inf][i % 3]
+        grads[f"block.{i}.weight"] = g
+    s = summarize(grads)
+    assert s.names == tuple(grads)
+    for i, g in enumerate(grads.values()):
+        _check_row(s, i, _exact_reference(g))
+
+
+def test_block_boundaries():
+    # Layers around multiples of the kernels' block size, NaN/Inf in the last block.
+    for n in (4095, 4096, 4097, 8191, 8192, 8193, 12_289):
+        g = np.linspace(-3, 5, n).astype(np.float32)
+        g[-1] = np.inf
+        _check_row(summarize({"w": g}), 0, _exact_reference(g))
+
+
+def test_subnormal_and_extreme_values():
+    tiny32 = np.array([1e-45, -1e-40, 1.17e-38, 3.4e38, -3.4e38], np.float32)
+    tiny16 = np.array([6e-8, -6.1e-5, 65504.0, -65504.0], np.float16)
+    tiny64 = np.array([5e-324, -2.2e-308, 1e-300], np.float64)
+    s = summarize({"f32": tiny32, "f16": tiny16, "f64": tiny64})
+    for i, g in enumerate((tiny32, tiny16, tiny64)):
+        _check_row(s, i, _exact_reference(g))
+
+
+def test_backends_agree():
+    rng = np.random.default_rng(11)
+    grads = {
+        f"l{i}": (rng.standard_normal(5000) * 10.0 ** rng.uniform(-30, 3)).astype(FLOATS[i % 3])
+        for i in range(12)
+    }
+    grads["l3"][::7] = np.nan
+    results = {}
+    for name in BACKENDS:
+        if name == "numba" and not _numba_installed():
+            continue
+        set_backend(name)
+        results[name] = summarize(grads, histogram=True)
+    if len(results) < 2:
+        pytest.skip("numba not installed")
+    a, b = results["numba"], results["numpy"]
+    np.testing.assert_array_equal(a.numel, b.numel)
+    np.testing.assert_array_equal(a.nonfinite, b.nonfinite)
+    np.testing.assert_array_equal(a.max_abs, b.max_abs)
+    np.testing.assert_array_equal(a.exp_hist, b.exp_hist)
+    np.testing.assert_allclose(a.sum_abs, b.sum_abs, rtol=1e-13)
+    np.testing.assert_allclose(a.sum_sq, b.sum_sq, rtol=1e-13)
+
+
+def test_layer_summaries_positional_construction_still_works():
+    one = np.ones(1)
+    s = LayerSummaries(("a",), one.astype(np.int64), one, one, one, one.astype(np.int64) * 0)
+    assert s.exp_hist is None and len(s) == 1
+
+
+@HYPOTHESIS
 @given(
     arrays(
-        dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+        dtype=st.sampled_from(FLOATS),
         shape=st.integers(1, 300),
         elements=st.floats(allow_nan=True, allow_infinity=True, width=16),
     )
 )
 def test_matches_reference(g):
     _check(g)
+
+
+@HYPOTHESIS
+@given(
+    st.lists(
+        st.sampled_from(FLOATS).flatmap(
+            lambda dtype: arrays(
+                dtype=dtype,
+                shape=st.integers(1, 5000),
+                elements=st.floats(
+                    allow_nan=True,
+                    allow_infinity=True,
+                    width=int(np.dtype(dtype).itemsize * 8),
+                    allow_subnormal=True,
+                ),
+            )
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_many_layers_match_exact_reference(layers):
+    grads = {f"layer {i}": g for i, g in enumerate(layers)}
+    s = summarize(grads)
+    for i, g in enumerate(layers):
+        _check_row(s, i, _exact_reference(g))
+
+
+# -- backend selection ------------------------------------------------------------------
+
+
+def _numba_installed() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_import_producer_does_not_import_numba():
+    code = (
+        "import sys, producer, producer.summary; "
+        "assert 'numba' not in sys.modules, 'numba imported eagerly'; "
+        "assert 'producer.kernels' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_environment_variable_selects_backend(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("GRADSTREAM_SUMMARY_BACKEND", "numpy")
+    set_backend(None)
+    assert active_backend() == "numpy"
+    monkeypatch.setenv("GRADSTREAM_SUMMARY_BACKEND", "fortran")
+    with pytest.raises(ValueError, match="GRADSTREAM_SUMMARY_BACKEND"):
+        set_backend(None)
+    with pytest.raises(ValueError, match="GRADSTREAM_SUMMARY_BACKEND"):
+        summarize({"w": np.ones(2)})
+    with pytest.raises(ValueError, match="unknown summary backend"):
+        set_backend("cuda")  # type: ignore[arg-type]
+
+
+def test_falls_back_to_numpy_when_numba_cannot_be_imported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    import producer
+
+    monkeypatch.delattr(producer, "kernels", raising=False)
+    monkeypatch.setitem(sys.modules, "producer.kernels", None)  # import -> ImportError
+    with caplog.at_level(logging.WARNING, logger="gradstream.producer"):
+        assert set_backend("auto") == "numpy"
+    assert "pure NumPy" in caplog.text
+    _check(np.array([1.0, np.nan, -4.0], np.float32))
+    with pytest.raises(ImportError, match="numba summary backend unavailable"):
+        set_backend("numba")
+
+
+def test_falls_back_to_numpy_when_a_kernel_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    pytest.importorskip("numba")
+    from producer import kernels
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("LLVM ran out of luck")
+
+    monkeypatch.setattr(kernels, "summarize_f32", broken)
+    set_backend("numba")
+    with pytest.raises(RuntimeError, match="LLVM ran out of luck"):
+        summarize({"w": np.ones(3, np.float32)})
+    set_backend("auto")
+    with caplog.at_level(logging.WARNING, logger="gradstream.producer"):
+        s = summarize({"a": np.ones(2, np.float64), "w": np.full(3, -2.0, np.float32)})
+    assert s.sum_abs.tolist() == [2.0, 6.0] and s.max_abs.tolist() == [1.0, 2.0]
+    assert "switching to pure NumPy" in caplog.text
+    assert active_backend() == "numpy"
+    # Input errors are still input errors, not kernel failures.
+    set_backend("auto")
+    with pytest.raises(TypeError, match="'i'"):
+        summarize({"i": np.ones(2, np.int32)})
+
+
+def test_warmup_returns_backend(backend: str):
+    assert summary.warmup() == backend

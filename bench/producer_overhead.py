@@ -1,0 +1,252 @@
+"""Training-thread cost of the producer SDK, against the physical floor on this machine.
+
+For each case it prints, measured in the same run and interleaved (best of ``--repeats``):
+
+* floor: ``np.add.reduce`` over every layer, the cost of one read pass (DESIGN.md, "Floors
+  measured on this machine class"); NumPy's reduce runs on one thread;
+* ``summarize()``: gradstream's per-layer statistics (numel, sum|g|, sum g^2, max|g|,
+  nonfinite), with its ratio to the floor;
+* the seed's way: trustformers-debug's helpers (``mean_abs``, ``max_abs``, ``l2_norm`` over
+  ``&[f64]``) done as three separate float64 NumPy reductions after a float64 copy;
+* the extra cost of the exponent histogram (``summarize(histogram=True)`` minus
+  ``summarize()``);
+* ``summarize()`` when every layer holds a NaN (the masked re-run path), and with the
+  pure-NumPy fallback backend;
+* ``GradientProducer.record_step`` (summary + enqueue) with the producer pointed at an
+  unreachable broker (127.0.0.1:9): the sender thread cannot connect, the bounded queue
+  drops, and the training thread must not notice.
+
+It also reports the one-off first-call cost (import, numba JIT into an empty cache, load
+from a warm cache), measured in fresh subprocesses and excluded from the timings above.
+
+Usage (from the repository root)::
+
+    python bench/producer_overhead.py            # (a) 100 x 500k, (b) 1000 x 4k float32
+    python bench/producer_overhead.py --quick    # smaller arrays, fewer repeats
+
+The last line is ``summary_ratio_to_floor=X.XX`` for case (a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from producer import GradientProducer  # noqa: E402
+from producer import summary as summary_mod  # noqa: E402
+from producer.summary import summarize  # noqa: E402
+
+_PROBE = r"""
+import sys, time
+t0 = time.perf_counter()
+import producer
+t1 = time.perf_counter()
+light = "numba" not in sys.modules
+import numpy as np
+from producer.summary import active_backend, summarize
+g = {"w": np.ones(1000, np.float32)}
+summarize(g)
+t2 = time.perf_counter()
+summarize(g, histogram=True)
+t3 = time.perf_counter()
+print(t1 - t0, t2 - t1, t3 - t2, int(light), active_backend())
+"""
+
+
+def _first_call_probe(cache_dir: str) -> tuple[float, float, float, bool, str]:
+    """(import producer s, first summarize s, first histogram s, numba-free import, backend)
+    in a fresh interpreter whose numba cache is ``cache_dir``."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
+        check=True, timeout=600,
+    ).stdout.split()
+    return float(out[0]), float(out[1]), float(out[2]), out[3] == "1", out[4]
+
+
+def _floor(arrays: list[np.ndarray]) -> None:
+    for x in arrays:
+        np.add.reduce(x)
+
+
+def _seed_way(arrays: list[np.ndarray]) -> None:
+    # trustformers-debug: mean_abs / max_abs / l2_norm, each a separate pass over &[f64].
+    for x in arrays:
+        v = x.astype(np.float64).ravel()
+        _mean_abs = np.abs(v).sum() / v.size
+        _max_abs = np.abs(v).max()
+        _l2 = math.sqrt(np.square(v).sum())
+
+
+def _summarize_numpy_backend(grads: dict[str, np.ndarray]) -> None:
+    summary_mod.set_backend("numpy")
+    try:
+        summarize(grads)
+    finally:
+        summary_mod.set_backend(None)  # back to the default (environment / auto)
+
+
+def _bench(
+    fns: Mapping[str, Callable[[], object]], repeats: int
+) -> dict[str, float]:
+    """Best time (s) of each function over ``repeats`` interleaved rounds."""
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def _record_step_times(
+    grads: dict[str, np.ndarray], repeats: int, gap_s: float
+) -> dict[str, tuple[float, float]]:
+    """Seconds per ``record_step`` against an unreachable broker, as (best, median).
+
+    Keys: ``"back_to_back"`` (calls in a row: worst case for contention with the sender
+    thread) and ``"gap"`` (``gap_s`` of GIL-free sleep between calls, standing in for the
+    training step's compute).
+    """
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    logging.getLogger("gradstream").setLevel(logging.CRITICAL)
+    producer = GradientProducer(
+        "bench-producer-overhead",
+        bootstrap_servers="127.0.0.1:9",
+        topic="gradstream.bench",
+        queue_size=4,
+    )
+    result: dict[str, tuple[float, float]] = {}
+    step = 0
+    try:
+        producer.start_run({name: g.size for name, g in grads.items()})
+        producer.record_step(step, grads)  # warm-up
+        for mode, gap in (("back_to_back", 0.0), ("gap", gap_s)):
+            times = []
+            for _ in range(repeats):
+                step += 1
+                if gap:
+                    time.sleep(gap)
+                t0 = time.perf_counter()
+                producer.record_step(step, grads)
+                times.append(time.perf_counter() - t0)
+            times.sort()
+            result[mode] = (times[0], times[len(times) // 2])
+    finally:
+        producer.close(timeout=0)
+    return result
+
+
+def _case(label: str, layers: int, numel: int, repeats: int) -> float:
+    rng = np.random.default_rng(12345)
+    grads = {
+        f"layer{i:04d}.weight": (rng.standard_normal(numel, dtype=np.float32) * 1e-3)
+        for i in range(layers)
+    }
+    arrays = list(grads.values())
+    nan_grads = {name: g.copy() for name, g in grads.items()}
+    for g in nan_grads.values():
+        g[len(g) // 2] = np.nan
+    # Warm-up (JIT/cache load and page faults excluded from the timings).
+    summarize(grads)
+    summarize(grads, histogram=True)
+    summarize(nan_grads)
+    _floor(arrays)
+    _seed_way(arrays[:2])
+
+    best = _bench(
+        {
+            "floor": lambda: _floor(arrays),
+            "summary": lambda: summarize(grads),
+            "seed": lambda: _seed_way(arrays),
+            "hist": lambda: summarize(grads, histogram=True),
+            "nan": lambda: summarize(nan_grads),
+            "numpy": lambda: _summarize_numpy_backend(grads),
+        },
+        repeats,
+    )
+    rs = _record_step_times(grads, max(repeats, 9), gap_s=0.005)
+    floor = best["floor"]
+    mb = layers * numel * 4 / 1e6
+    print(f"\ncase ({label}): {layers} layers x {numel} float32 ({mb:.1f} MB), "
+          f"best of {repeats}")
+    print(f"  {'what':<52} {'ms':>9} {'x floor':>8}")
+    rows = [
+        ("floor: np.add.reduce per layer (1 thread)", floor),
+        ("summarize() [numel,sum_abs,sum_sq,max_abs,nonfinite]", best["summary"]),
+        ("seed way: f64 copy + mean_abs, max_abs, l2 passes", best["seed"]),
+        ("summarize(histogram=True)", best["hist"]),
+        ("  histogram extra cost (hist - summary)", best["hist"] - best["summary"]),
+        ("summarize(), a NaN in every layer (masked re-run)", best["nan"]),
+        ("summarize(), pure-NumPy fallback backend", best["numpy"]),
+        ("record_step, no broker, back-to-back: best", rs["back_to_back"][0]),
+        ("record_step, no broker, back-to-back: median", rs["back_to_back"][1]),
+        ("record_step, no broker, 5 ms between steps: best", rs["gap"][0]),
+        ("record_step, no broker, 5 ms between steps: median", rs["gap"][1]),
+    ]
+    for what, seconds in rows:
+        print(f"  {what:<52} {seconds * 1e3:9.3f} {seconds / floor:8.2f}")
+    gbps = layers * numel * 4 / best["summary"] / 1e9
+    print(f"  summarize() reads {gbps:.1f} GB/s; floor {layers * numel * 4 / floor / 1e9:.1f} GB/s")
+    return best["summary"] / floor
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns the process exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller arrays, fewer repeats")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds per case")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (5 if args.quick else 11)
+    case_a = (20, 100_000) if args.quick else (100, 500_000)
+    case_b = (200, 4_096) if args.quick else (1000, 4_096)
+
+    try:
+        import numba
+
+        numba_version = numba.__version__
+    except ImportError:
+        numba_version = "not installed"
+    backend = summary_mod.active_backend()
+    print("gradstream producer overhead benchmark")
+    print(f"  python {platform.python_version()}, numpy {np.__version__}, numba {numba_version}, "
+          f"{os.cpu_count()} cores; summary backend: {backend}")
+    print("  threads: summarize() runs on the calling (training) thread only, 1 thread; "
+          "the floor np.add.reduce is 1 thread too")
+
+    with tempfile.TemporaryDirectory(prefix="gradstream-numba-cache-") as cache:
+        imp, cold, cold_hist, light, probe_backend = _first_call_probe(cache)
+        _, warm, warm_hist, _, _ = _first_call_probe(cache)
+    print(f"  import producer: {imp * 1e3:.0f} ms "
+          f"({'numba not imported' if light else 'numba imported!'})")
+    if probe_backend == "numba":
+        print(f"  first summarize(), empty numba cache (import numba + JIT float32): "
+              f"{cold:.2f} s; + histogram kernel: {cold_hist:.2f} s")
+        print(f"  first summarize(), warm numba cache (import numba + load): "
+              f"{warm:.2f} s; + histogram kernel: {warm_hist:.2f} s")
+    else:
+        print(f"  first summarize() (NumPy backend, no JIT): {cold * 1e3:.1f} ms")
+
+    ratio_a = _case("a", *case_a, repeats)
+    _case("b", *case_b, repeats)
+    print(f"\nsummary_ratio_to_floor={ratio_a:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

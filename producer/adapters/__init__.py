@@ -1,0 +1,28 @@
+"""Framework adapters of the producer SDK: PyTorch, JAX, Hugging Face and Lightning.
+
+* :mod:`producer.adapters.torch`: :class:`GradientTap` (one summary per optimiser step,
+  computed on the gradients' device, one small host transfer) and
+  :func:`summarize_tensors`.
+* :mod:`producer.adapters.jax`: :func:`flatten_gradients` / :func:`layer_numel` turn
+  pytrees into the ``{name: array}`` mappings of ``GradientProducer.record_step``.
+* :mod:`producer.adapters.hf` / :mod:`producer.adapters.lightning`: ``GradstreamCallback``
+  for the Hugging Face ``Trainer`` and the Lightning ``Trainer``.
+* :mod:`producer.adapters.naming`: :func:`normalize_name` removes DDP / FSDP /
+  ``torch.compile`` / checkpoint-wrapper components from parameter names.
+
+Importing this package (or any of its modules) imports neither torch, jax, transformers
+nor lightning: each is imported when a function or class that needs it is used, and a
+missing one raises an ImportError naming the pip package.
+"""
+
+from producer.adapters.jax import flatten_gradients, layer_numel
+from producer.adapters.naming import normalize_name
+from producer.adapters.torch import GradientTap, summarize_tensors
+
+__all__ = [
+    "GradientTap",
+    "flatten_gradients",
+    "layer_numel",
+    "normalize_name",
+    "summarize_tensors",
+]

@@ -1,0 +1,656 @@
+"""PyTorch adapter: one gradient summary per optimiser step, computed on the gradients' device.
+
+:class:`GradientTap` watches a model's parameters. Attached to an optimiser with
+:meth:`GradientTap.attach_optimizer`, it summarises the accumulated ``.grad`` of every
+selected parameter right before ``optimizer.step()`` consumes them (through
+``optimizer.register_step_pre_hook``), so gradient accumulation over several ``backward()``
+calls gives exactly one summary per optimiser step. :meth:`GradientTap.step` does the same
+by hand.
+
+The statistics are those of :func:`producer.summary.summarize` (``numel``, ``sum_abs``,
+``sum_sq``, ``max_abs`` over finite elements, ``nonfinite`` count), computed where the
+gradients live (:func:`summarize_tensors`): on an accelerator with torch reductions
+accumulating in float64, copied to the host as one small float64 tensor per device and
+step (a second, equally small copy only in a step where some gradient holds NaN/Inf or
+overflows); on the CPU by ``summarize`` itself over zero-copy NumPy views. The result goes
+to the producer as a ready :class:`~producer.summary.LayerSummaries` through
+``record_summaries``: the gradients themselves never leave their device.
+
+Sharded training: a gradient that is a ``DTensor`` (FSDP2 ``fully_shard``, tensor
+parallelism) is summarised through its local shard (``grad.to_local()``), so the consumer's
+merge of all ranks gives full-tensor statistics; on mesh dimensions where the gradient is
+replicated only the rank at coordinate 0 reports it, and a gradient with a pending
+(``Partial``) reduction is not reported. ``numel`` in ``start_run`` is the full
+(global) parameter size. FSDP v1's flat parameters are not resolved into the original
+parameters: prefer FSDP2, or DDP, whose wrapper prefixes are normalised away.
+
+Importing this module does not import torch; torch is imported when a tap is built or a
+function here is called.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from producer.adapters.naming import normalize_name, normalized_names
+from producer.summary import LayerSummaries, summarize
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+log = logging.getLogger("gradstream.adapters.torch")
+
+_MAX_DOUBLE = float(np.finfo(np.float64).max)
+
+
+class SummaryRecorder(Protocol):
+    """What a tap needs from a producer (``GradientProducer`` satisfies it)."""
+
+    def start_run(
+        self,
+        layer_numel: Mapping[str, int],
+        *,
+        vanishing_threshold: float = ...,
+        exploding_threshold: float = ...,
+        config: Mapping[str, Any] | None = ...,
+    ) -> None:
+        """Announce the layer list (see ``GradientProducer.start_run``)."""
+
+    def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
+        """Queue precomputed statistics of one step (see ``GradientProducer``)."""
+
+
+class RunRecorder(SummaryRecorder, Protocol):
+    """What the framework callbacks need from a producer: a :class:`SummaryRecorder` that
+    can also finish the run and close (``GradientProducer`` satisfies it)."""
+
+    def finish_run(self, timeout: float | None = ...) -> bool:
+        """Send the run's end and flush (see ``GradientProducer.finish_run``)."""
+
+    def close(self, timeout: float | None = ...) -> Any:
+        """Flush and stop the producer (see ``GradientProducer.close``)."""
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - exercised only without torch
+        raise ImportError(
+            "gradstream's PyTorch adapter needs PyTorch: pip install torch "
+            "(or pip install 'gradstream[torch]')"
+        ) from exc
+    return torch
+
+
+def _patterns(value: str | Iterable[str] | None, what: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return (value,)
+    out = tuple(value)
+    for p in out:
+        if not isinstance(p, str):
+            raise TypeError(f"{what} patterns must be str, got {type(p).__name__}")
+    return out
+
+
+def select_names(
+    names: Iterable[str],
+    include: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+) -> list[str]:
+    """Filter layer names with fnmatch-style glob patterns (case-sensitive).
+
+    Args:
+        names: layer names (normalised), in model order.
+        include: a pattern or patterns; when given, a name is kept only if it matches at
+            least one (``None`` keeps every name). ``*`` matches across dots, e.g.
+            ``"encoder.*"`` or ``"*.weight"``.
+        exclude: a pattern or patterns; a name matching any of them is dropped (applied
+            after ``include``).
+
+    Returns:
+        The kept names, in the input order.
+
+    Raises:
+        TypeError: a pattern is not a ``str``.
+    """
+    inc = _patterns(include, "include")
+    exc = _patterns(exclude, "exclude")
+    kept = []
+    for name in names:
+        if inc is not None and not any(fnmatch.fnmatchcase(name, p) for p in inc):
+            continue
+        if exc is not None and any(fnmatch.fnmatchcase(name, p) for p in exc):
+            continue
+        kept.append(name)
+    return kept
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """Number of elements of the full (unsharded) parameter.
+
+    Args:
+        param: a parameter or tensor; a ``DTensor`` reports its global size.
+
+    Returns:
+        The element count, an ``int >= 0``.
+    """
+    return int(math.prod(param.shape))
+
+
+def local_gradient(grad: torch.Tensor) -> torch.Tensor | None:
+    """The part of a gradient this rank must report so that all ranks merge to the full tensor.
+
+    Args:
+        grad: a plain tensor, a sparse COO tensor or a ``DTensor``.
+
+    Returns:
+        ``grad`` itself for a plain tensor; ``grad.to_local()`` for a DTensor sharded or
+        replicated over its mesh when this rank is the coordinate-0 replica on every
+        replicated mesh dimension; ``None`` when another rank reports this data (a
+        replica), when this rank is not in the DTensor's mesh, or when the DTensor holds a
+        pending ``Partial`` reduction (its local parts do not merge into statistics).
+    """
+    to_local = getattr(grad, "to_local", None)
+    if to_local is None or not callable(to_local) or not hasattr(grad, "placements"):
+        return grad
+    coordinate = grad.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    for mesh_dim, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            return None
+        if placement.is_replicate() and coordinate[mesh_dim] != 0:
+            return None
+    return to_local()
+
+
+def _values(grad: torch.Tensor, torch: Any) -> torch.Tensor:
+    """Elements to reduce over: the stored values of a sparse tensor (zeros add nothing)."""
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce().values()
+    if grad.layout != torch.strided:
+        return grad.to_dense()
+    return grad
+
+
+def _norms(tensors: Sequence[torch.Tensor], ord_: float, torch: Any) -> list[torch.Tensor]:
+    """Float64 vector norms of each tensor (batched with ``_foreach_norm`` when available)."""
+    foreach = getattr(torch, "_foreach_norm", None)
+    if foreach is not None and len(tensors) > 1:
+        try:
+            return list(foreach(list(tensors), ord_, dtype=torch.float64))
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    return [torch.linalg.vector_norm(t, ord_, dtype=torch.float64) for t in tensors]
+
+
+def _stats_on_device(tensors: Sequence[torch.Tensor], torch: Any) -> np.ndarray:
+    """float64[k, 3] host array of (sum |g|, sqrt(sum g^2), max |g|) for k same-device tensors."""
+    l1 = _norms(tensors, 1.0, torch)
+    l2 = _norms(tensors, 2.0, torch)
+    linf = _norms(tensors, math.inf, torch)
+    stacked = torch.stack([torch.stack(l1), torch.stack(l2), torch.stack(linf)], dim=1)
+    return stacked.cpu().numpy()
+
+
+def _finite_stats_on_device(tensors: Sequence[torch.Tensor], torch: Any) -> np.ndarray:
+    """float64[k, 4] host array of (sum |g|, sqrt(sum g^2), max |g|, nonfinite) over the
+    finite elements of each of k same-device tensors (the slow path, for NaN/Inf)."""
+    rows = []
+    for t in tensors:
+        finite = torch.isfinite(t)
+        clean = torch.where(finite, t, torch.zeros((), dtype=t.dtype, device=t.device))
+        bad = (t.numel() - finite.sum()).to(torch.float64)
+        rows.append(
+            torch.stack(
+                [
+                    torch.linalg.vector_norm(clean, 1.0, dtype=torch.float64),
+                    torch.linalg.vector_norm(clean, 2.0, dtype=torch.float64),
+                    torch.linalg.vector_norm(clean, math.inf, dtype=torch.float64),
+                    bad,
+                ]
+            )
+        )
+    return torch.stack(rows).cpu().numpy()
+
+
+def summarize_tensors(
+    gradients: Mapping[str, torch.Tensor], *, host_numpy: bool = True
+) -> LayerSummaries:
+    """Summarise torch gradients where they live; the torch twin of ``summarize``.
+
+    Per tensor: ``numel`` (all elements; the dense size for a sparse COO gradient);
+    over the finite elements ``sum_abs`` = sum |g| and ``sum_sq`` = sum g^2 (both
+    saturating at the largest finite double instead of overflowing) and ``max_abs`` =
+    max |g| (0.0 when none); ``nonfinite`` = number of NaN/+-Inf elements. Accumulation is
+    in float64 whatever the tensor dtype (float16, bfloat16, float32, float64).
+
+    Tensors on an accelerator (and, with ``host_numpy=False``, every tensor) are reduced
+    with torch ops on their device; all their statistics are stacked and copied to the
+    host at once (one small transfer per device; a second one only when some tensor holds
+    NaN/Inf or its float64 sum overflows). Dense float16/32/64 CPU tensors are by default
+    summarised by :func:`producer.summary.summarize` on a zero-copy NumPy view, which is
+    several times faster on a CPU than torch's three float64 norm passes.
+
+    Args:
+        gradients: name -> floating-point tensor of any shape with at least one element,
+            in the order the summaries should have. Plain tensors only: turn DTensors
+            into their local part first (:func:`local_gradient`).
+        host_numpy: summarise dense CPU tensors with NumPy (default True); False uses
+            the torch reductions for CPU tensors too.
+
+    Returns:
+        LayerSummaries aligned with the mapping's order (int64 ``numel``/``nonfinite``,
+        float64 ``sum_abs``/``sum_sq``/``max_abs``).
+
+    Raises:
+        ValueError: the mapping is empty, or a tensor has no elements (names it).
+        TypeError: a value is not a torch tensor, is a DTensor, or is not of a
+            floating-point dtype (names it).
+    """
+    torch = _import_torch()
+    if not gradients:
+        raise ValueError("no gradients to summarise (empty mapping)")
+    numpy_dtypes = (torch.float16, torch.float32, torch.float64)
+    names = tuple(gradients)
+    count = len(names)
+    numel = np.empty(count, dtype=np.int64)
+    values: list[Any] = []
+    on_host: list[int] = []
+    by_device: dict[Any, list[int]] = {}
+    for i, name in enumerate(names):
+        grad = gradients[name]
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"gradient {name!r} is a {type(grad).__name__}, not a torch.Tensor")
+        if hasattr(grad, "placements") and hasattr(grad, "to_local"):
+            raise TypeError(
+                f"gradient {name!r} is a DTensor: pass local_gradient(grad) (its local shard)"
+            )
+        if not grad.is_floating_point():
+            raise TypeError(
+                f"gradient {name!r} has dtype {grad.dtype}; expected a floating-point dtype"
+            )
+        if grad.numel() == 0:
+            raise ValueError(f"gradient {name!r} is empty (0 elements)")
+        numel[i] = grad.numel()
+        vals = _values(grad.detach(), torch)
+        values.append(vals)
+        if (
+            host_numpy
+            and vals.device.type == "cpu"
+            and vals.layout == torch.strided
+            and vals.dtype in numpy_dtypes
+            and vals.numel() > 0
+        ):
+            on_host.append(i)
+        else:
+            by_device.setdefault(vals.device, []).append(i)
+
+    sum_abs = np.zeros(count, dtype=np.float64)
+    sum_sq = np.zeros(count, dtype=np.float64)
+    max_abs = np.zeros(count, dtype=np.float64)
+    nonfinite = np.zeros(count, dtype=np.int64)
+    if on_host:
+        host = summarize({names[i]: values[i].numpy() for i in on_host})
+        sel = np.asarray(on_host, dtype=np.int64)
+        sum_abs[sel], sum_sq[sel], max_abs[sel] = host.sum_abs, host.sum_sq, host.max_abs
+        nonfinite[sel] = host.nonfinite
+    with torch.no_grad():
+        for idx in by_device.values():
+            nonempty = [i for i in idx if values[i].numel() > 0]
+            if not nonempty:
+                continue
+            stats = _stats_on_device([values[i] for i in nonempty], torch)
+            bad = ~np.isfinite(stats).all(axis=1)
+            if bad.any():
+                redo = np.flatnonzero(bad)
+                again = _finite_stats_on_device([values[nonempty[j]] for j in redo], torch)
+                stats[redo] = again[:, :3]
+                nonfinite[np.asarray(nonempty)[redo]] = again[:, 3].astype(np.int64)
+            sel = np.asarray(nonempty, dtype=np.int64)
+            sum_abs[sel] = np.minimum(stats[:, 0], _MAX_DOUBLE)
+            with np.errstate(over="ignore"):
+                sum_sq[sel] = np.minimum(stats[:, 1] * stats[:, 1], _MAX_DOUBLE)
+            max_abs[sel] = stats[:, 2]
+    return LayerSummaries(names, numel, sum_abs, sum_sq, max_abs, nonfinite)
+
+
+class GradientTap:
+    """Summarise a torch model's gradients once per optimiser step and hand them to a producer.
+
+    Typical use::
+
+        tap = GradientTap(model, producer, exclude="*.bias")
+        tap.start_run()                    # producer.start_run(tap.layer_numel())
+        tap.attach_optimizer(optimizer)    # summary taken in optimizer.step()'s pre-hook
+        for step, batch in ...:
+            for micro in chunks(batch):    # gradient accumulation: still one summary
+                loss(model, micro).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    The layer list is fixed when the tap is built: every parameter of
+    ``model.named_parameters()`` (model order, shared parameters once) whose normalised
+    name passes ``include``/``exclude``, frozen ones (``requires_grad=False``) included so
+    that unfreezing later is picked up. A parameter whose ``.grad`` is ``None`` at a step
+    is left out of that step's summary and counted in :attr:`skipped_without_grad`.
+
+    With ``torch.amp.GradScaler``, ``scaler.step(optimizer)`` skips ``optimizer.step()``
+    when the gradients hold Inf/NaN, so the pre-hook does not see those steps; call
+    ``scaler.unscale_(optimizer)`` then :meth:`step` by hand to see them.
+
+    Args:
+        model: a ``torch.nn.Module`` (possibly wrapped in DDP, ``torch.compile``,
+            FSDP2, checkpoint wrappers: names are normalised with ``name_fn``).
+        producer: an object with ``start_run(layer_numel, ...)`` and
+            ``record_summaries(step, summaries)``, normally a ``GradientProducer``.
+        every_n_steps: summarise only the optimiser steps whose number is a multiple of
+            n (n >= 1; step 0 included). When the producer has ``settings.every_n_steps``
+            (a ``GradientProducer`` does) the tap uses the least common multiple of both,
+            so it never computes a summary the producer would drop; default: the
+            producer's value (else 1).
+        include: fnmatch glob pattern(s) on normalised names; only matching parameters are
+            watched (default all). The producer's ``settings.include`` / ``exclude``, when
+            present, are applied as well.
+        exclude: fnmatch glob pattern(s) on normalised names; matching parameters are not
+            watched.
+        name_fn: ``str -> str`` applied to raw parameter names (default
+            :func:`~producer.adapters.naming.normalize_name`).
+        host_numpy: summarise CPU gradients with NumPy (see :func:`summarize_tensors`);
+            False uses torch reductions for them too.
+
+    Raises:
+        TypeError: ``model`` has no ``named_parameters``; a pattern is not a ``str``.
+        ValueError: ``every_n_steps < 1``; no parameter selected; two parameters normalise
+            to the same name.
+
+    Attributes:
+        skipped_without_grad: (parameter, step) pairs left out because ``.grad`` was
+            ``None``, over the steps that were summarised.
+        skipped_not_local: (parameter, step) pairs left out because another rank reports
+            that gradient (DTensor replica, Partial placement) or the local shard is empty.
+        steps_recorded: summaries handed to the producer.
+        steps_without_gradients: summarised steps where no watched parameter had a
+            gradient (nothing is sent for them).
+        every_n_steps: the effective sampling period (see the argument).
+        next_step: the step number :meth:`step` uses when called without one.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        producer: SummaryRecorder,
+        *,
+        every_n_steps: int | None = None,
+        include: str | Iterable[str] | None = None,
+        exclude: str | Iterable[str] | None = None,
+        name_fn: Callable[[str], str] = normalize_name,
+        host_numpy: bool = True,
+    ) -> None:
+        _import_torch()
+        if not hasattr(model, "named_parameters"):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        own_n = 1 if every_n_steps is None else every_n_steps
+        if isinstance(own_n, bool) or not isinstance(own_n, int):
+            raise TypeError(f"every_n_steps must be an int, got {every_n_steps!r}")
+        if own_n < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        settings = getattr(producer, "settings", None)
+        producer_n = getattr(settings, "every_n_steps", 1) or 1
+        named = list(model.named_parameters())
+        names = normalized_names([raw for raw, _ in named], name_fn)
+        by_name = {name: param for name, (_, param) in zip(names, named, strict=True)}
+        kept = select_names(names, include, exclude)
+        kept = select_names(
+            kept, getattr(settings, "include", None) or None, getattr(settings, "exclude", None)
+        )
+        self._params = [(name, by_name[name]) for name in kept if full_numel(by_name[name]) > 0]
+        if not self._params:
+            raise ValueError(
+                f"no parameters selected (model has {len(named)}; include={include!r}, "
+                f"exclude={exclude!r})"
+            )
+        self._layer_numel = {name: full_numel(param) for name, param in self._params}
+        self.producer = producer
+        self.every_n_steps = math.lcm(own_n, int(producer_n))
+        self.host_numpy = host_numpy
+        self.next_step = 0
+        self.skipped_without_grad = 0
+        self.skipped_not_local = 0
+        self.steps_recorded = 0
+        self.steps_without_gradients = 0
+        self._handles: list[Any] = []
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Normalised names of the watched parameters, in model order."""
+        return [name for name, _ in self._params]
+
+    def layer_numel(self) -> dict[str, int]:
+        """Layer name -> full parameter size, in model order (the ``start_run`` argument).
+
+        Returns:
+            A new dict; a DTensor parameter counts its global size.
+        """
+        return dict(self._layer_numel)
+
+    def start_run(
+        self,
+        *,
+        vanishing_threshold: float = 1e-7,
+        exploding_threshold: float = 1e3,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Call ``producer.start_run`` with this tap's layer list.
+
+        Args:
+            vanishing_threshold: mean |g| below which a layer is vanishing.
+            exploding_threshold: max |g| above which a layer is exploding.
+            config: free-form JSON-serialisable run configuration.
+
+        Raises:
+            Whatever ``producer.start_run`` raises (e.g. RuntimeError if already started).
+        """
+        self.producer.start_run(
+            self.layer_numel(),
+            vanishing_threshold=vanishing_threshold,
+            exploding_threshold=exploding_threshold,
+            config=config,
+        )
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Take a summary in every ``optimizer.step()``, before it reads the gradients.
+
+        Registers ``optimizer.register_step_pre_hook``; the hook calls :meth:`step` with
+        the tap's own step counter (0, 1, 2, ... one per ``optimizer.step()``). When
+        ``step`` is given a closure (``LBFGS``, or any ``optimizer.step(closure)``), the
+        gradients do not exist yet when the pre-hook runs: the hook then wraps the closure
+        and takes the summary right after its first call (the gradient at the step's
+        starting point), once per ``optimizer.step()``. Attach one optimiser per tap; with
+        several optimisers call :meth:`step` by hand.
+
+        Args:
+            optimizer: a ``torch.optim.Optimizer`` (torch >= 2.0).
+
+        Returns:
+            The hook handle (``handle.remove()`` detaches it; :meth:`detach` removes all).
+
+        Raises:
+            TypeError: the optimiser has no ``register_step_pre_hook``.
+        """
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        if register is None:
+            raise TypeError(
+                f"{type(optimizer).__name__} has no register_step_pre_hook "
+                "(needs a torch.optim.Optimizer, torch >= 2.0); call tap.step() by hand"
+            )
+
+        def _pre_hook(hooked: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            # torch passes step()'s own positional arguments, which start with the optimiser.
+            pos = 1 if args and args[0] is hooked else 0
+            closure = kwargs.get("closure", args[pos] if len(args) > pos else None)
+            if closure is None:
+                self.step()
+                return None
+            fired = False
+
+            def summarising_closure() -> Any:
+                nonlocal fired
+                loss = closure()
+                if not fired:
+                    fired = True
+                    self.step()
+                return loss
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": summarising_closure}
+            return (*args[:pos], summarising_closure, *args[pos + 1 :]), kwargs
+
+        handle = register(_pre_hook)
+        self._handles.append(handle)
+        return handle
+
+    def detach(self) -> None:
+        """Remove every optimiser hook this tap registered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def step(self, step: int | None = None) -> LayerSummaries | None:
+        """Summarise the current ``.grad`` of the watched parameters for one optimiser step.
+
+        Call it after the last ``backward()`` of the step and before ``optimizer.step()``
+        (or let :meth:`attach_optimizer` do it).
+
+        Args:
+            step: the optimiser step number, >= 0; default :attr:`next_step`. Afterwards
+                :attr:`next_step` is ``step + 1``.
+
+        Returns:
+            The summaries handed to ``producer.record_summaries``, or ``None`` when the step
+            is not a multiple of ``every_n_steps`` or no watched parameter has a gradient.
+
+        Raises:
+            ValueError: a negative or non-integer step.
+            TypeError: a gradient of a non-floating-point dtype.
+            Whatever ``producer.record_summaries`` raises (e.g. RuntimeError before
+            ``start_run``).
+        """
+        if step is None:
+            step = self.next_step
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        step = int(step)
+        self.next_step = step + 1
+        if step % self.every_n_steps:
+            return None
+        grads: dict[str, Any] = {}
+        for name, param in self._params:
+            grad = param.grad
+            if grad is None:
+                self.skipped_without_grad += 1
+                continue
+            local = local_gradient(grad)
+            if local is None or local.numel() == 0:
+                self.skipped_not_local += 1
+                continue
+            grads[name] = local
+        if not grads:
+            self.steps_without_gradients += 1
+            return None
+        summaries = summarize_tensors(grads, host_numpy=self.host_numpy)
+        self.producer.record_summaries(step, summaries)
+        self.steps_recorded += 1
+        return summaries
+
+
+class _TapSession:
+    """Shared logic of the framework callbacks (Hugging Face, Lightning): build the tap at
+    train start, one summary per optimiser step, finish the run at train end."""
+
+    def __init__(
+        self,
+        producer: RunRecorder,
+        *,
+        every_n_steps: int | None,
+        include: str | Iterable[str] | None,
+        exclude: str | Iterable[str] | None,
+        name_fn: Callable[[str], str],
+        vanishing_threshold: float,
+        exploding_threshold: float,
+        config: Mapping[str, Any] | None,
+        finish_run: bool,
+        close_producer: bool,
+    ) -> None:
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
+        ):
+            raise TypeError(f"every_n_steps must be an int, got {every_n_steps!r}")
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.producer = producer
+        self.every_n_steps = every_n_steps
+        self.include = include
+        self.exclude = exclude
+        self.name_fn = name_fn
+        self.vanishing_threshold = vanishing_threshold
+        self.exploding_threshold = exploding_threshold
+        self.config = dict(config or {})
+        self.finish_run = finish_run
+        self.close_producer = close_producer
+        self.tap: GradientTap | None = None
+
+    def begin(
+        self, model: Any, *, rank: int, world_size: int, framework: Mapping[str, Any]
+    ) -> GradientTap:
+        if model is None:
+            raise ValueError("the trainer passed no model to the gradstream callback")
+        for what, mine, theirs in (
+            ("world_size", getattr(self.producer, "world_size", None), world_size),
+            ("rank", getattr(self.producer, "rank", None), rank),
+        ):
+            if mine is not None and int(mine) != int(theirs):
+                raise ValueError(
+                    f"the producer's {what} is {mine} but the trainer's is {theirs}: build "
+                    f"the GradientProducer with rank={rank}, world_size={world_size}"
+                )
+        if self.tap is not None:
+            raise RuntimeError("this gradstream callback already started a run; use one "
+                               "callback and one producer per training run")
+        tap = GradientTap(
+            model,
+            self.producer,
+            every_n_steps=self.every_n_steps,
+            include=self.include,
+            exclude=self.exclude,
+            name_fn=self.name_fn,
+        )
+        config = {"framework": dict(framework), **self.config}
+        tap.start_run(
+            vanishing_threshold=self.vanishing_threshold,
+            exploding_threshold=self.exploding_threshold,
+            config=config,
+        )
+        self.tap = tap
+        return tap
+
+    def step(self, step: int) -> LayerSummaries | None:
+        if self.tap is None:
+            raise RuntimeError("gradstream callback: optimiser step before the train start hook")
+        return self.tap.step(int(step))
+
+    def end(self) -> None:
+        if self.tap is None:
+            return
+        if self.finish_run:
+            self.producer.finish_run()
+        if self.close_producer:
+            self.producer.close()
