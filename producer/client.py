@@ -283,6 +283,7 @@ class GradientProducer:
                 tuple(n for n, k in zip(summaries.names, keep, strict=True) if k),
                 summaries.numel[keep], summaries.sum_abs[keep], summaries.sum_sq[keep],
                 summaries.max_abs[keep], summaries.nonfinite[keep],
+                None if summaries.exp_hist is None else summaries.exp_hist[keep],
             )
         self._queue_summaries(int(step), summaries, t0, None)
 
@@ -452,8 +453,12 @@ class GradientProducer:
                 if self._kafka is None:
                     self._busy = False
             if self._kafka is None and not self._connect():
+                # Back off for the full period: new summaries notify the condition, and
+                # waking on each would retry the connection (and take the GIL) every step.
+                retry_at = time.monotonic() + backoff
                 with self._cond:
-                    self._cond.wait(backoff)
+                    while not self._closing and time.monotonic() < retry_at:
+                        self._cond.wait(retry_at - time.monotonic())
                     if self._closing:
                         return
                 backoff = min(backoff * 2, 5.0)

@@ -18,9 +18,9 @@ Backends. The statistics are computed by one of two interchangeable implementati
   layer, float64 accumulation, GIL released. numba is imported and the kernels are compiled
   (or loaded from numba's on-disk cache) on the first summary, not at ``import producer``;
   call :func:`warmup` at start-up to pay that cost before the first training step.
-* ``"numpy"``: pure NumPy, several passes and a float64 copy per layer (about 5-7x the cost
-  of one read pass); used when numba is missing or fails to import or compile (a warning
-  is logged once), or when forced.
+* ``"numpy"``: pure NumPy, several passes over a reusable float64 chunk buffer (about
+  4-9x the cost of one read pass; the histogram ~10x more); used when numba is missing or
+  fails to import or compile (a warning is logged), or when forced.
 
 Choose with :func:`set_backend` or the environment variable
 ``GRADSTREAM_SUMMARY_BACKEND`` = ``auto`` (default) | ``numba`` | ``numpy``. Both backends
@@ -30,7 +30,7 @@ equal to within a few ulps (different summation order).
 Cost, measured by ``bench/producer_overhead.py`` on the 2-core development machine, in
 units of one ``np.add.reduce`` pass over the same float32 arrays (the floor): the numba
 backend 1.1-1.3x on one thread (100 x 500k and 1000 x 4k elements); the histogram adds
-1.2-1.5x; a step with NaN/Inf in every layer costs about 2.2-2.7x (masked re-run). The
+1.2-1.8x; a step with NaN/Inf in every layer costs about 2.2-2.9x (masked re-run). The
 first call in a process pays the numba import and JIT, ~3 s with an empty numba cache and
 ~0.5 s with a warm one (``cache=True``; see :func:`warmup`).
 """
@@ -76,13 +76,12 @@ _MAX_DOUBLE = float(np.finfo(np.float64).max)
 # Exponent histogram layout
 # ---------------------------------------------------------------------------------------
 
-#: Smallest binned base-2 exponent. -134 so that the underflow column holds exactly the
-#: magnitudes that round to zero in bfloat16 (below half its smallest subnormal, 2^-133).
-EXP_HIST_MIN = -134
-#: One past the largest binned exponent: magnitudes >= 2^EXP_HIST_MAX share the last column.
-EXP_HIST_MAX = 24
-#: Columns per layer: zeros, underflow, one per exponent in [MIN, MAX), overflow.
-EXP_HIST_BINS = EXP_HIST_MAX - EXP_HIST_MIN + 3
+# The layout is part of the wire contract (schemas.wire): EXP_HIST_MIN = -134, so that the
+# underflow column holds exactly the magnitudes that round to zero in bfloat16 (below half
+# its smallest subnormal, 2^-133); EXP_HIST_MAX = 24, magnitudes >= 2^24 share the last
+# column; EXP_HIST_BINS = MAX - MIN + 3 columns (zeros, underflow, one per exponent,
+# overflow).
+from schemas.wire import EXP_HIST_BINS, EXP_HIST_MAX, EXP_HIST_MIN  # noqa: E402
 
 
 def _exponent_lut(exp_bits: int, bias: int) -> np.ndarray:
@@ -492,38 +491,76 @@ def _summarize_numba(
 # -- pure NumPy backend -------------------------------------------------------------------
 
 
-def _summarize_one(flat: np.ndarray) -> tuple[float, float, float, int]:
-    """(sum_abs, sum_sq, max_abs, nonfinite) of one flat float array, float64 accumulation."""
-    x = flat.astype(np.float64, copy=False)
+_CHUNK = 1 << 16  # elements per NumPy chunk: 512 KiB of float64 scratch, cache-resident
+
+
+def _summarize_chunk(x: np.ndarray) -> tuple[float, float, float, int]:
+    """(sum_abs, sum_sq, max_abs, nonfinite) of a float64 chunk, unsaturated; x is clobbered."""
     with np.errstate(over="ignore", invalid="ignore"):
         sum_sq = float(np.dot(x, x))
     if np.isfinite(sum_sq):
-        # A NaN or Inf element would have made the sum of squares non-finite, and
-        # float16/32 squares cannot overflow a double: every element is finite.
-        absx = np.abs(x)
+        # A NaN or Inf element would have made the sum of squares non-finite (float16/32
+        # squares cannot overflow a double): every element is finite.
+        np.abs(x, out=x)
         with np.errstate(over="ignore"):
-            sum_abs = float(np.add.reduce(absx))
-        return min(sum_abs, _MAX_DOUBLE), sum_sq, float(absx.max()), 0
+            return float(np.add.reduce(x)), sum_sq, float(x.max()), 0
     finite = np.isfinite(x)
-    nonfinite = int(x.size - np.count_nonzero(finite))
     good = np.abs(x[finite])
+    nonfinite = int(x.size - good.size)
     if good.size == 0:
         return 0.0, 0.0, 0.0, nonfinite
     with np.errstate(over="ignore"):
-        sum_sq = float(np.dot(good, good))
-        sum_abs = float(np.add.reduce(good))
-    return min(sum_abs, _MAX_DOUBLE), min(sum_sq, _MAX_DOUBLE), float(good.max()), nonfinite
+        return float(np.add.reduce(good)), float(np.dot(good, good)), float(good.max()), nonfinite
+
+
+def _summarize_one(flat: np.ndarray) -> tuple[float, float, float, int]:
+    """(sum_abs, sum_sq, max_abs, nonfinite) of one flat float array, float64 accumulation.
+
+    Chunked through one reusable float64 buffer (no float64 copy of the whole layer);
+    sums saturate at the largest double.
+    """
+    sum_abs = sum_sq = max_abs = 0.0
+    nonfinite = 0
+    buf = np.empty(min(flat.size, _CHUNK), dtype=np.float64)
+    for lo in range(0, flat.size, _CHUNK):
+        chunk = flat[lo : lo + _CHUNK]
+        x = buf[: chunk.size]
+        np.copyto(x, chunk)  # exact widening to float64
+        a, q, m, bad = _summarize_chunk(x)
+        sum_abs += a  # Python floats: an overflow gives inf, saturated below
+        sum_sq += q
+        max_abs = max(max_abs, m)
+        nonfinite += bad
+    return min(sum_abs, _MAX_DOUBLE), min(sum_sq, _MAX_DOUBLE), max_abs, nonfinite
 
 
 def _exp_hist_one(flat: np.ndarray) -> np.ndarray:
-    """int64[EXP_HIST_BINS] exponent histogram of one flat float array (NumPy backend)."""
-    mag = np.abs(flat.astype(np.float64, copy=False))
-    finite = mag[np.isfinite(mag)]
-    nonzero = finite[finite > 0]
-    _, exp = np.frexp(nonzero)  # nonzero = m * 2^exp, 0.5 <= m < 1 -> k = exp - 1
-    counts = np.bincount(exp_hist_column(exp.astype(np.int64) - 1), minlength=EXP_HIST_BINS)
-    counts[0] = finite.size - nonzero.size
-    return counts.astype(np.int64, copy=False)
+    """int64[EXP_HIST_BINS] exponent histogram of one flat float array (NumPy backend).
+
+    Same method as the kernels: the column of each element is looked up from its sign and
+    biased exponent field (``bits >> significand bits``); elements with a zero field are
+    then split into zeros and subnormals, the latter binned from ``np.frexp``.
+    """
+    if flat.dtype == _F16:
+        flat = flat.astype(_F32)  # exact; float16 subnormals become float32 normals
+    flat = np.ascontiguousarray(flat)
+    if flat.dtype == _F32:
+        bits, lut, shift, exp_mask = flat.view(np.uint32), _LUT32, 23, 0x7F800000
+    else:
+        bits, lut, shift, exp_mask = flat.view(np.uint64), _LUT64, 52, 0x7FF0000000000000
+    counts = np.zeros(EXP_HIST_BINS + 2, dtype=np.int64)
+    for lo in range(0, bits.size, _CHUNK):
+        cols = lut[bits[lo : lo + _CHUNK] >> shift]
+        counts += np.bincount(cols, minlength=EXP_HIST_BINS + 2)
+    if counts[EXP_HIST_BINS + 1]:  # zero exponent field: zeros and subnormals
+        field0 = (bits & exp_mask) == 0
+        subnormal = np.abs(flat[field0 & (flat != 0)]).astype(np.float64)
+        _, exp = np.frexp(subnormal)  # subnormal = m * 2^exp, 0.5 <= m < 1 -> k = exp - 1
+        counts[: EXP_HIST_BINS] += np.bincount(
+            exp_hist_column(exp.astype(np.int64) - 1), minlength=EXP_HIST_BINS
+        )
+        counts[0] += counts[EXP_HIST_BINS + 1] - subnormal.size
+    return counts[:EXP_HIST_BINS]
 
 
 def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> LayerSummaries:
