@@ -201,13 +201,19 @@ class Worker:
         log.info("run %s started: %d layers, world size %d", msg.run_id, run.num_layers,
                  run.world_size)
 
-    def _on_step(self, msg: StepSummary, record: Any) -> None:
-        run = self.runs.get(msg.run_id)
+    def _known_run(self, run_id: str, record: Any) -> RunInfo | None:
+        """The run's RunInfo, or None after dead-lettering ``record`` (no RunStarted seen)."""
+        run = self.runs.get(run_id)
         if run is None:
             self._dead_letter(
-                record, f"unknown run_id {msg.run_id!r}: no RunStarted was seen for it",
+                record, f"unknown run_id {run_id!r}: no RunStarted was seen for it",
                 "unknown_run",
             )
+        return run
+
+    def _on_step(self, msg: StepSummary, record: Any) -> None:
+        run = self._known_run(msg.run_id, record)
+        if run is None:
             return
         if msg.world_size != run.world_size:
             self._dead_letter(
@@ -232,12 +238,8 @@ class Worker:
             self._emit(frame)
 
     def _on_finished(self, msg: RunFinished, record: Any) -> None:
-        run = self.runs.get(msg.run_id)
+        run = self._known_run(msg.run_id, record)
         if run is None:
-            self._dead_letter(
-                record, f"unknown run_id {msg.run_id!r}: no RunStarted was seen for it",
-                "unknown_run",
-            )
             return
         ranks = self._finished.setdefault(msg.run_id, set())
         ranks.add(msg.rank)

@@ -80,7 +80,7 @@ def _find_java() -> Path:
         candidate = Path(directory) / "java"
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate.resolve()
-    pytest.skip("java is not installed")
+    pytest.fail("java is not installed: apt-get install openjdk-17-jre-headless")
 
 
 def _cli_app() -> typer.Typer:

@@ -32,8 +32,6 @@ FLOATS = [np.float16, np.float32, np.float64]
 @pytest.fixture(autouse=True, params=["numba", "numpy"])
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run the test with the given backend, then go back to the default."""
-    if request.param == "numba":
-        pytest.importorskip("numba")
     assert set_backend(request.param) == request.param
     yield request.param
     set_backend(None)

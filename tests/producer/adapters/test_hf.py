@@ -7,17 +7,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# Installed by `make test` (requirements-frameworks.txt); a missing one fails, never skips.
+import accelerate  # noqa: F401
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from producer.summary import LayerSummaries, summarize
 from tests.producer.adapters import FakeProducer
 
-torch = pytest.importorskip("torch", reason="PyTorch not installed (pip install torch)")
-transformers = pytest.importorskip(
-    "transformers", reason="transformers not installed (pip install transformers accelerate)"
-)
-pytest.importorskip("accelerate", reason="accelerate not installed (pip install accelerate)")
 nn = torch.nn
 
 from producer.adapters.hf import GradstreamCallback  # noqa: E402 - after the importorskips

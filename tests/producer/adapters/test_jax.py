@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 import pytest
 
 from producer.summary import summarize
 
-jax = pytest.importorskip("jax", reason="JAX not installed (pip install 'jax[cpu]')")
 jnp = jax.numpy
 
 from producer.adapters.jax import (  # noqa: E402 - after the importorskip

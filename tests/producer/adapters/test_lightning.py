@@ -7,16 +7,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# Installed by `make test` (requirements-frameworks.txt); a missing one fails, never skips.
+import lightning.pytorch as pl
 import numpy as np
 import pytest
+import torch
 
 from producer.summary import LayerSummaries, summarize
 from tests.producer.adapters import FakeProducer
 
-torch = pytest.importorskip("torch", reason="PyTorch not installed (pip install torch)")
-pl = pytest.importorskip(
-    "lightning.pytorch", reason="Lightning not installed (pip install lightning)"
-)
 nn = torch.nn
 # Lightning 2.6 with torch 2.15 warns about torch's own pytree API; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated")

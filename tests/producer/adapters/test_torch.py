@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -20,7 +21,6 @@ from hypothesis.extra.numpy import arrays
 from producer.summary import LayerSummaries, summarize
 from tests.producer.adapters import FakeProducer, FakeSettings
 
-torch = pytest.importorskip("torch", reason="PyTorch not installed (pip install torch)")
 nn = torch.nn
 
 from producer.adapters.torch import (  # noqa: E402 - after the importorskip
