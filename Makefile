@@ -8,8 +8,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
 FRAMEWORKS := $(VENV)/.frameworks-stamp
+DEMO_PORT ?= 8765
 
-.PHONY: demo test install frameworks kafka lint bench clean
+.PHONY: demo test install frameworks kafka lint bench clean browser
 
 install: $(STAMP)
 
@@ -32,12 +33,21 @@ kafka: install
 	$(VENV)/bin/gradstream broker fetch
 
 demo: kafka
-	$(VENV)/bin/gradstream demo
+	$(VENV)/bin/gradstream demo --serve-port $(DEMO_PORT)
 
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: kafka frameworks lint
+# Debian's chromium for the dashboard and animation browser tests (Playwright drives
+# /usr/bin/chromium; it does not download browsers). Needs root or sudo when missing.
+browser:
+	@if [ ! -x /usr/bin/chromium ]; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y chromium chromium-driver; \
+	fi
+
+test: kafka frameworks lint browser
 	$(PY) -m pytest
 
 bench: kafka

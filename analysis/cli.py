@@ -1,4 +1,5 @@
-"""The ``report`` and ``export`` subcommands (added to the root app by ``register``).
+"""The ``report``, ``export``, ``plot`` and ``query`` subcommands, and ``serve`` (from
+:mod:`analysis.serve_cli`), added to the root app by ``register``.
 
 DuckDB and the analysis modules are imported inside the commands, so building the
 ``gradstream`` command (and ``--help``) stays fast. Errors are printed in red on stderr,
@@ -10,12 +11,17 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from analysis.dashboard.sidecar import ServeInfo
 
 DEFAULT_DB = "gradstream.duckdb"
 """Store file used when neither ``--db`` nor ``GRADSTREAM_DB`` is given."""
@@ -31,6 +37,16 @@ class ReportFormat(StrEnum):
 class ExportFormat(StrEnum):
     """File format of ``gradstream export``."""
 
+    CSV = "csv"
+    JSON = "json"
+    PARQUET = "parquet"
+    JSONL = "jsonl"
+
+
+class QueryFormat(StrEnum):
+    """Output of ``gradstream query``."""
+
+    TABLE = "table"
     CSV = "csv"
     JSON = "json"
 
@@ -72,6 +88,45 @@ ToOption = Annotated[
 def _fail(message: str) -> NoReturn:
     Console(stderr=True, highlight=False).print(f"error: {message}", style="bold red", markup=False)
     raise typer.Exit(code=1)
+
+
+@contextmanager
+def _progress_bar(description: str) -> Iterator[Callable[[float | None], None]]:
+    """A transient rich progress bar on stderr; yields its ``fraction | None`` callback."""
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+        TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(fraction: float | None) -> None:
+            if fraction is not None:
+                bar.update(task, total=1.0, completed=fraction)
+
+        yield update
+
+
+def _served_run(info: ServeInfo, run: str | None) -> str:
+    """``--run``, or the store's only run, asked of the serving process.
+
+    Raises:
+        StoreError: no run or several runs and no ``--run``.
+        QueryError: the server did not answer.
+    """
+    from analysis.query import query_server
+    from analysis.store import StoreError
+
+    if run is not None:
+        return run  # an unknown run is reported by the server
+    runs = query_server(info, "SELECT run_id FROM runs ORDER BY run_id").table.column(
+        "run_id").to_pylist()
+    if len(runs) != 1:
+        shown = ", ".join(repr(r) for r in runs[:20])
+        raise StoreError("the store holds no runs yet" if not runs else
+                         f"the store holds {len(runs)} runs, choose one with --run: {shown}")
+    return str(runs[0])
 
 
 def _safe_filename(run_id: str) -> str:
@@ -152,7 +207,11 @@ def export(
     run: RunOption = None,
     output_format: Annotated[
         ExportFormat,
-        typer.Option("--format", help="csv: one row per (step, layer); json: array of frames."),
+        typer.Option(
+            "--format",
+            help="csv: one row per (step, layer), seed columns; json: array of frames (seed); "
+            "parquet / jsonl: one row per (step, layer) with every stored column.",
+        ),
     ] = ExportFormat.CSV,
     output: Annotated[
         Path | None,
@@ -170,35 +229,152 @@ def export(
         typer.Option("--order", help="Layers within a step: by name (seed) or model order."),
     ] = LayerOrder.NAME,
 ) -> None:
-    """Export a run's per-layer gradient statistics to CSV or JSON (seed 001 formats)."""
+    """Export a run's per-layer gradient statistics: CSV or JSON (seed 001 formats), Parquet
+    or JSON Lines (every stored column). Streamed by DuckDB, with a progress bar. While
+    `gradstream serve` holds the store, the serving process writes the file."""
     import duckdb
 
-    from analysis.export import export_csv, export_json
+    from analysis.export import export_run
+    from analysis.query import QueryError
+    from analysis.store import StoreError, open_store, resolve_run
+
+    ext = output_format.value
+    try:
+        with _progress_bar(f"exporting {ext}") as on_progress:
+            try:
+                con = open_store(db)
+            except StoreError:
+                # Held by `gradstream serve`: the serving process runs the COPY for us.
+                from analysis.dashboard.client import fetch_export
+                from analysis.dashboard.sidecar import read_sidecar
+
+                info = read_sidecar(db) if db.exists() else None
+                if info is None:
+                    raise
+                run_id = _served_run(info, run)
+                target = output or Path("out") / f"{_safe_filename(run_id)}.{ext}"
+                count = fetch_export(info, run_id, ext, target, from_step, to_step,
+                                     order.value, on_progress)
+            else:
+                try:
+                    run_id = resolve_run(con, run)
+                    target = output or Path("out") / f"{_safe_filename(run_id)}.{ext}"
+                    count = export_run(
+                        con, run_id, target, ext, from_step, to_step, order.value, on_progress
+                    )
+                finally:
+                    con.close()
+    except (StoreError, QueryError, ValueError, duckdb.Error) as exc:
+        _fail(str(exc))
+    unit = "frames" if output_format is ExportFormat.JSON else "rows"
+    Console(stderr=True, highlight=False).print(
+        f"wrote {count} {unit} of run {run_id!r} to {os.fspath(target)}", markup=False
+    )
+
+
+def plot(
+    db: DbOption = Path(DEFAULT_DB),
+    run: RunOption = None,
+    out: Annotated[
+        Path,
+        typer.Option("--out", help="Directory for the pictures (created)."),
+    ] = Path("out"),
+    from_step: FromOption = None,
+    to_step: ToOption = None,
+    max_steps: Annotated[
+        int,
+        typer.Option("--max-steps", min=1,
+                     help="Most step columns in the PNGs; more steps are binned (max over "
+                     "each bin) and the picture says so."),
+    ] = 1200,
+    max_layers: Annotated[
+        int,
+        typer.Option("--max-layers", min=1,
+                     help="Most layer rows; more layers are binned (max over each bin)."),
+    ] = 200,
+    max_frames: Annotated[
+        int,
+        typer.Option("--max-frames", min=1,
+                     help="Most frames of the HTML animation (each covers a bin of steps)."),
+    ] = 500,
+    width: Annotated[int, typer.Option("--width", min=400, help="PNG width in pixels.")] = 1600,
+) -> None:
+    """Draw a run: PNG heatmap of log10 gradient norm (layers in model order x steps,
+    vanishing/exploding cells marked), PNG of per-layer norms over time, and the
+    gradient-flow animation as one offline HTML file (step slider, play button)."""
+    import duckdb
+
+    from analysis.plots.render import render_run
     from analysis.store import StoreError, open_store, resolve_run
 
     try:
         con = open_store(db)
         try:
             run_id = resolve_run(con, run)
-            ext = output_format.value
-            target = output or Path("out") / f"{_safe_filename(run_id)}.{ext}"
-            writer = export_csv if output_format is ExportFormat.CSV else export_json
-            count = writer(con, run_id, target, from_step, to_step, order.value)
+            with Console(stderr=True).status(f"drawing run {run_id}"):
+                files = render_run(
+                    con, run_id, out, _safe_filename(run_id), max_steps=max_steps,
+                    max_layers=max_layers, max_frames=max_frames, width_px=width,
+                    from_step=from_step, to_step=to_step,
+                )
         finally:
             con.close()
-    except (StoreError, ValueError, duckdb.Error) as exc:
+    except (StoreError, ValueError, OSError, duckdb.Error) as exc:
         _fail(str(exc))
-    unit = "rows" if output_format is ExportFormat.CSV else "frames"
-    Console(stderr=True, highlight=False).print(
-        f"wrote {count} {unit} of run {run_id!r} to {os.fspath(target)}", markup=False
-    )
+    console = Console(stderr=True, highlight=False)
+    console.print(f"run {run_id!r}: {files.heatmap_caption}", markup=False, soft_wrap=True)
+    for path in (files.heatmap, files.series, files.animation):
+        console.print(f"wrote {os.fspath(path)}", markup=False, soft_wrap=True)
+
+
+def query(
+    sql: Annotated[str, typer.Argument(help="One SQL statement, e.g. \"SELECT * FROM runs\".")],
+    db: DbOption = Path(DEFAULT_DB),
+    output_format: Annotated[
+        QueryFormat,
+        typer.Option("--format", help="table (for people), csv or json (array of objects)."),
+    ] = QueryFormat.TABLE,
+    timeout: Annotated[
+        float | None,
+        typer.Option("--timeout", min=0.001, help="Interrupt the query after this many seconds."),
+    ] = None,
+) -> None:
+    """Run one read-only SQL statement on the store, also while a worker writes it (through
+    `gradstream serve`). A statement that would write is refused. Tables: runs, layers,
+    layer_stats, frames, alerts, run_ranks, kafka_offsets."""
+    from analysis.query import QueryError, run_query
+    from analysis.query_output import to_csv, to_json, to_rich_table
+
+    try:
+        result = run_query(db, sql, timeout)
+    except QueryError as exc:
+        _fail(str(exc))
+    if output_format is QueryFormat.CSV:
+        typer.echo(to_csv(result.table), nl=False)
+    elif output_format is QueryFormat.JSON:
+        typer.echo(to_json(result.table), nl=False)
+    else:
+        Console(highlight=False).print(to_rich_table(result.table))
+        Console(stderr=True, highlight=False).print(
+            f"{result.table.num_rows} rows (via {result.via})", style="dim", markup=False
+        )
 
 
 def register(app: typer.Typer) -> None:
-    """Add the ``report`` and ``export`` commands to ``app`` (the ``gradstream`` root).
+    """Add ``report``, ``export``, ``plot``, ``query`` and ``serve`` to ``app`` (the
+    ``gradstream`` root).
 
     Args:
         app: the Typer application to extend; nothing else is modified.
     """
+    from analysis import analyze_cli, serve_cli
+
     app.command(name="report")(report)
-    app.command(name="export")(export)
+    app.command(name="export", short_help="Export a run (or steps of it) as CSV, JSON, "
+                "Parquet or JSON Lines.")(export)
+    app.command(name="plot", short_help="Draw a run: PNG heatmap, PNG norm series, offline "
+                "HTML animation.")(plot)
+    app.command(name="query", short_help="Read-only SQL over the store, also while a worker "
+                "writes it.")(query)
+    serve_cli.register(app)
+    analyze_cli.register(app)

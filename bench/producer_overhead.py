@@ -10,6 +10,11 @@ For each case it prints, measured in the same run and interleaved (best of ``--r
   ``&[f64]``) done as three separate float64 NumPy reductions after a float64 copy;
 * the extra cost of the exponent histogram (``summarize(histogram=True)`` minus
   ``summarize()``);
+* norms mode (``summarize(norms_only=True)``) and the encoded message size per step in full
+  and norms mode;
+* the weight statistics (``producer.weights.weight_statistics``: sum w^2 and the update
+  norm against a kept copy, power sums, extremes, exponent histogram of |w|), measured
+  on weights of the same sizes as the gradients (setting ``weight_stats``);
 * ``summarize()`` when every layer holds a NaN (the masked re-run path), and with the
   pure-NumPy fallback backend;
 * ``GradientProducer.record_step`` (summary + enqueue) with the producer pointed at an
@@ -50,6 +55,8 @@ if str(ROOT) not in sys.path:
 from producer import GradientProducer  # noqa: E402
 from producer import summary as summary_mod  # noqa: E402
 from producer.summary import summarize  # noqa: E402
+from producer.weights import weight_statistics  # noqa: E402
+from schemas.wire import StepSummary, encode_message  # noqa: E402
 
 _PROBE = r"""
 import sys, time
@@ -152,6 +159,16 @@ def _record_step_times(
     return result
 
 
+def _message_bytes(grads: dict[str, np.ndarray]) -> tuple[int, int]:
+    """Encoded size (bytes) of one rank's StepSummary of ``grads`` in full and norms mode."""
+    s = summarize(grads)
+    common = dict(run_id="bench", step=1, rank=0, world_size=1, wall_time=time.time(),
+                  layer_indices=list(range(len(s))), numel=s.numel.tolist(),
+                  sum_sq=s.sum_sq.tolist(), nonfinite=s.nonfinite.tolist())
+    full = StepSummary(**common, sum_abs=s.sum_abs.tolist(), max_abs=s.max_abs.tolist())
+    return len(encode_message(full)), len(encode_message(StepSummary(**common)))
+
+
 def _case(label: str, layers: int, numel: int, repeats: int) -> float:
     rng = np.random.default_rng(12345)
     grads = {
@@ -162,7 +179,10 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
     nan_grads = {name: g.copy() for name, g in grads.items()}
     for g in nan_grads.values():
         g[len(g) // 2] = np.nan
+    weights = {name: g * 1e3 + 0.5 for name, g in grads.items()}
+    previous = {name: w.copy() for name, w in weights.items()}
     # Warm-up (JIT/cache load and page faults excluded from the timings).
+    weight_statistics(weights, previous)
     summarize(grads)
     summarize(grads, histogram=True)
     summarize(nan_grads)
@@ -176,6 +196,8 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
             "seed": lambda: _seed_way(arrays),
             "hist": lambda: summarize(grads, histogram=True),
             "nan": lambda: summarize(nan_grads),
+            "norms": lambda: summarize(grads, norms_only=True),
+            "weights": lambda: weight_statistics(weights, previous),
             "numpy": lambda: _summarize_numpy_backend(grads),
         },
         repeats,
@@ -192,6 +214,8 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
         ("seed way: f64 copy + mean_abs, max_abs, l2 passes", best["seed"]),
         ("summarize(histogram=True)", best["hist"]),
         ("  histogram extra cost (hist - summary)", best["hist"] - best["summary"]),
+        ("summarize(norms_only=True) (norms mode)", best["norms"]),
+        ("weight statistics (weight_stats=True)", best["weights"]),
         ("summarize(), a NaN in every layer (masked re-run)", best["nan"]),
         ("summarize(), pure-NumPy fallback backend", best["numpy"]),
         ("record_step, no broker, back-to-back: best", rs["back_to_back"][0]),
@@ -201,6 +225,9 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
     ]
     for what, seconds in rows:
         print(f"  {what:<52} {seconds * 1e3:9.3f} {seconds / floor:8.2f}")
+    full_bytes, norms_bytes = _message_bytes(grads)
+    print(f"  encoded StepSummary: full mode {full_bytes} B, norms mode {norms_bytes} B "
+          f"({norms_bytes / full_bytes:.2f}x)")
     gbps = layers * numel * 4 / best["summary"] / 1e9
     print(f"  summarize() reads {gbps:.1f} GB/s; floor {layers * numel * 4 / floor / 1e9:.1f} GB/s")
     return best["summary"] / floor

@@ -12,6 +12,18 @@ semantics"), for layer l after merging every rank's shard:
 - ``is_exploding = max_abs_grad > exploding_threshold``
 - ``flow_intensity = clamp(grad_norm / max_l grad_norm, 0, 1)``, 0 when that max is 0.
 
+Norms mode (schema 1.2): when some shard of a layer came without ``sum_abs``/``max_abs``,
+those two and ``mean_abs_grad`` are unknown (NaN, stored as NULL), and the flags use the
+RMS ``rms = sqrt(sum_sq / numel)`` as a bound. Over the same n elements (non-finite ones
+counting 0), Cauchy-Schwarz gives ``mean |g| <= rms`` and the maximum is at least the
+quadratic mean, ``max |g| >= rms``; hence
+
+- ``is_vanishing = rms < vanishing_threshold`` (implies mean |g| < threshold),
+- ``is_exploding = rms > exploding_threshold`` (implies max |g| > threshold):
+
+every flag raised is one the full statistics would raise; a layer with a few elements
+above the exploding threshold but a smaller RMS is not flagged.
+
 Non-finite elements are left out of the sums by the producer and counted in
 ``nonfinite``; ``numel`` counts every element, as in the seed's ``values.len()``.
 """
@@ -36,6 +48,9 @@ class MergedShards:
         shards: int64[L], shards merged per layer.
         exp_hist: int64[L, EXP_HIST_BINS] summed exponent histograms, or None while no
             shard carried one; hist_shards: int64[L] shards that carried one.
+        abs_shards: int64[L] shards that carried ``sum_abs``/``max_abs`` (full mode); a
+            layer's sum_abs/max_abs are known only when every shard carried them.
+        weight_dist: merged weight-distribution statistics (schema 1.2) or None.
         weight_sum_sq, update_sum_sq: float64[L] or None; weight_shards, update_shards:
             int64[L] shards that carried them. A richer statistic of a layer is complete
             (and stored) only when every shard of that layer carried it.
@@ -53,6 +68,8 @@ class MergedShards:
     weight_shards: np.ndarray | None = None
     update_sum_sq: np.ndarray | None = None
     update_shards: np.ndarray | None = None
+    abs_shards: np.ndarray | None = None
+    weight_dist: WeightDistribution | None = None
 
     @classmethod
     def empty(cls, num_layers: int) -> MergedShards:
@@ -70,26 +87,31 @@ class MergedShards:
         self,
         layer_indices: np.ndarray,
         numel: np.ndarray,
-        sum_abs: np.ndarray,
+        sum_abs: np.ndarray | None,
         sum_sq: np.ndarray,
-        max_abs: np.ndarray,
+        max_abs: np.ndarray | None,
         nonfinite: np.ndarray,
     ) -> None:
         """Merge one shard in place: sums and counts add, maxima take the maximum.
 
         Args:
             layer_indices: int[k], unique indices into the run's layers.
-            numel, nonfinite: int[k]; sum_abs, sum_sq, max_abs: float[k] (aligned).
+            numel, nonfinite: int[k]; sum_sq: float[k]; sum_abs, max_abs: float[k], or
+                both None for a norms-mode shard (aligned).
         """
         idx = layer_indices
-        self.numel[idx] += numel
-        self.sum_abs[idx] += sum_abs
-        self.sum_sq[idx] += sum_sq
-        self.max_abs[idx] = np.maximum(self.max_abs[idx], max_abs)
-        self.nonfinite[idx] += nonfinite
         if self.shards is None:
             self.shards = np.zeros(len(self.numel), np.int64)
+        if self.abs_shards is None:
+            self.abs_shards = self.shards.copy()
+        self.numel[idx] += numel
+        self.sum_sq[idx] += sum_sq
+        self.nonfinite[idx] += nonfinite
         self.shards[idx] += 1
+        if sum_abs is not None and max_abs is not None:
+            self.sum_abs[idx] += sum_abs
+            self.max_abs[idx] = np.maximum(self.max_abs[idx], max_abs)
+            self.abs_shards[idx] += 1
 
     def add_histogram(
         self, layer_indices: np.ndarray, offsets: np.ndarray, columns: np.ndarray,
@@ -132,6 +154,53 @@ class MergedShards:
 
 
 @dataclass(slots=True)
+class WeightDistribution:
+    """Merged weight-distribution statistics over a run's L layers (schema 1.2).
+
+    Attributes:
+        sum, sum_cube, sum_quad: float64[L] power sums sum w, sum w^3, sum w^4 (add).
+        min, max: float64[L] extremes (+inf / -inf until a shard arrives).
+        nonfinite: int64[L] NaN/Inf weights (add).
+        exp_hist: int64[L, EXP_HIST_BINS] exponent histogram of |w| (add).
+        shards: int64[L] shards merged in.
+    """
+
+    sum: np.ndarray
+    sum_cube: np.ndarray
+    sum_quad: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+    nonfinite: np.ndarray
+    exp_hist: np.ndarray
+    shards: np.ndarray
+
+    @classmethod
+    def empty(cls, num_layers: int) -> WeightDistribution:
+        """Neutral elements for ``num_layers`` layers."""
+        zeros = np.zeros(num_layers)
+        return cls(zeros.copy(), zeros.copy(), zeros.copy(), np.full(num_layers, np.inf),
+                   np.full(num_layers, -np.inf), np.zeros(num_layers, np.int64),
+                   np.zeros((num_layers, EXP_HIST_BINS), np.int64),
+                   np.zeros(num_layers, np.int64))
+
+    def add(
+        self, idx: np.ndarray, power_sums: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+        nonfinite: np.ndarray, offsets: np.ndarray, columns: np.ndarray, counts: np.ndarray,
+    ) -> None:
+        """Merge one shard: power sums (float64[3, k]: sum, cube, quad), nonfinite and the
+        CSR histogram add; ``lo``/``hi`` (float64[k]) take min / max."""
+        self.sum[idx] += power_sums[0]
+        self.sum_cube[idx] += power_sums[1]
+        self.sum_quad[idx] += power_sums[2]
+        self.min[idx] = np.minimum(self.min[idx], lo)
+        self.max[idx] = np.maximum(self.max[idx], hi)
+        self.nonfinite[idx] += nonfinite
+        rows = np.repeat(idx, np.diff(offsets))
+        np.add.at(self.exp_hist, (rows, columns), counts)
+        self.shards[idx] += 1
+
+
+@dataclass(slots=True)
 class GradientFrame:
     """One frame (seed 001 ``GradientFrame``) in columnar form.
 
@@ -150,6 +219,13 @@ class GradientFrame:
             ``update_to_weight = sqrt(update_sum_sq / weight_sum_sq)``.
         exp_hist: int64[n, EXP_HIST_BINS] (rows of layers without a complete histogram are
             all -1), or None when no shard sent one.
+        weight_sum, weight_sum_cube, weight_sum_quad, weight_min, weight_max: float64[n]
+            and weight_nonfinite: int64[n] (-1 where unknown) with NaN where not every
+            shard sent the weight distribution; weight_exp_hist: int64[n, EXP_HIST_BINS]
+            (rows -1 where incomplete); all None when no shard sent it.
+
+    In norms mode ``sum_abs``, ``max_abs_grad`` and ``mean_abs_grad`` are NaN for the
+    layers where some shard lacked them (module docstring).
     """
 
     run_id: str
@@ -172,6 +248,13 @@ class GradientFrame:
     update_sum_sq: np.ndarray | None = None
     update_to_weight: np.ndarray | None = None
     exp_hist: np.ndarray | None = None
+    weight_sum: np.ndarray | None = None
+    weight_sum_cube: np.ndarray | None = None
+    weight_sum_quad: np.ndarray | None = None
+    weight_min: np.ndarray | None = None
+    weight_max: np.ndarray | None = None
+    weight_nonfinite: np.ndarray | None = None
+    weight_exp_hist: np.ndarray | None = None
 
     @property
     def complete(self) -> bool:
@@ -234,11 +317,18 @@ def compute_frame(
         hist = merged.exp_hist[present]
         hist[merged.hist_shards[present] != shards] = -1
     numel = merged.numel[present]
-    sum_abs = merged.sum_abs[present]
     sum_sq = merged.sum_sq[present]
-    max_abs = merged.max_abs[present]
+    nonfinite = merged.nonfinite[present]
+    has_abs = (merged.abs_shards[present] == shards) if merged.abs_shards is not None \
+        else np.ones(len(present), bool)
+    sum_abs = np.where(has_abs, merged.sum_abs[present], np.nan)
+    max_abs = np.where(has_abs, merged.max_abs[present], np.nan)
     mean_abs = sum_abs / numel
+    rms = np.sqrt(sum_sq / numel)
     norm = np.sqrt(sum_sq)
+    vanishing = np.where(has_abs, mean_abs < vanishing_threshold, rms < vanishing_threshold)
+    exploding = np.where(has_abs, max_abs > exploding_threshold, rms > exploding_threshold)
+    dist = _weight_distribution(merged.weight_dist, present, shards)
     top = float(norm.max()) if norm.size else 0.0
     if top > 0.0 and np.isfinite(top):
         intensity = np.clip(norm / top, 0.0, 1.0)
@@ -252,12 +342,12 @@ def compute_frame(
         sum_abs=sum_abs,
         sum_sq=sum_sq,
         max_abs_grad=max_abs,
-        nonfinite=merged.nonfinite[present],
+        nonfinite=nonfinite,
         mean_abs_grad=mean_abs,
         grad_norm=norm,
         flow_intensity=intensity,
-        is_vanishing=(mean_abs < vanishing_threshold) & (merged.nonfinite[present] == 0),
-        is_exploding=max_abs > exploding_threshold,
+        is_vanishing=vanishing & (nonfinite == 0),
+        is_exploding=exploding,
         ranks_seen=tuple(sorted(ranks_seen)),
         world_size=world_size,
         wall_time=wall_time,
@@ -265,4 +355,27 @@ def compute_frame(
         update_sum_sq=update,
         update_to_weight=ratio,
         exp_hist=hist,
+        **dist,
     )
+
+
+def _weight_distribution(
+    dist: WeightDistribution | None, present: np.ndarray, shards: np.ndarray | None,
+) -> dict[str, np.ndarray]:
+    """GradientFrame weight_* fields of the present layers; unknown where incomplete."""
+    if dist is None:
+        return {}
+    complete = dist.shards[present] == shards
+
+    def pick(values: np.ndarray) -> np.ndarray:
+        return np.where(complete, values[present], np.nan)
+
+    hist = dist.exp_hist[present]
+    hist[~complete] = -1
+    return {
+        "weight_sum": pick(dist.sum), "weight_sum_cube": pick(dist.sum_cube),
+        "weight_sum_quad": pick(dist.sum_quad), "weight_min": pick(dist.min),
+        "weight_max": pick(dist.max),
+        "weight_nonfinite": np.where(complete, dist.nonfinite[present], -1),
+        "weight_exp_hist": hist,
+    }

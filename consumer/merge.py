@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from consumer.frames import GradientFrame, MergedShards, compute_frame
+from consumer.frames import GradientFrame, MergedShards, WeightDistribution, compute_frame
 from consumer.runs import RunInfo
 from schemas.wire import StepSummary
 
@@ -126,7 +126,7 @@ class ShardMerger:
         if shard.rank in pending.ranks:
             self.duplicates += 1
             return None
-        _merge(pending.merged, shard)
+        merge_shard(pending.merged, shard)
         pending.ranks.add(shard.rank)
         pending.wall_time = max(pending.wall_time, shard.wall_time)
         if len(pending.ranks) < run.world_size:
@@ -147,7 +147,7 @@ class ShardMerger:
         if merged is None:
             merged = MergedShards.empty(run.num_layers)
             ranks = frozenset()
-        _merge(merged, shard)
+        merge_shard(merged, shard)
         new_ranks = ranks | {shard.rank}
         if len(new_ranks) == run.world_size:
             del record.partial[shard.step]
@@ -236,7 +236,9 @@ class ShardMerger:
         return len(self._pending)
 
 
-def _merge(merged: MergedShards, shard: StepSummary) -> None:
+def merge_shard(merged: MergedShards, shard: StepSummary) -> None:
+    """Merge one validated shard (or MergedFrame) into ``merged`` in place: every
+    statistic it carries (exactly mergeable: sums add, extremes min/max, counts add)."""
     idx = np.asarray(shard.layer_indices, dtype=np.int64)
     if shard.exp_hist_offsets is not None:
         merged.add_histogram(
@@ -250,11 +252,24 @@ def _merge(merged: MergedShards, shard: StepSummary) -> None:
             None if shard.weight_sum_sq is None else np.asarray(shard.weight_sum_sq),
             None if shard.update_sum_sq is None else np.asarray(shard.update_sum_sq),
         )
+    if shard.has_weight_distribution:
+        if merged.weight_dist is None:
+            merged.weight_dist = WeightDistribution.empty(len(merged.numel))
+        merged.weight_dist.add(
+            idx,
+            np.array([shard.weight_sum, shard.weight_sum_cube, shard.weight_sum_quad],
+                     np.float64),
+            np.asarray(shard.weight_min, np.float64), np.asarray(shard.weight_max, np.float64),
+            np.asarray(shard.weight_nonfinite, np.int64),
+            np.asarray(shard.weight_exp_hist_offsets, np.int64),
+            np.asarray(shard.weight_exp_hist_columns, np.int64),
+            np.asarray(shard.weight_exp_hist_counts, np.int64),
+        )
     merged.add(
         idx,
         np.asarray(shard.numel, dtype=np.int64),
-        np.asarray(shard.sum_abs, dtype=np.float64),
+        None if shard.sum_abs is None else np.asarray(shard.sum_abs, dtype=np.float64),
         np.asarray(shard.sum_sq, dtype=np.float64),
-        np.asarray(shard.max_abs, dtype=np.float64),
+        None if shard.max_abs is None else np.asarray(shard.max_abs, dtype=np.float64),
         np.asarray(shard.nonfinite, dtype=np.int64),
     )

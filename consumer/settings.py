@@ -3,10 +3,19 @@ environment variables, else these defaults."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
 
 from schemas.config import KafkaClientSettings
-from schemas.topics import DEFAULT_CONSUMER_GROUP, DEFAULT_DLQ_TOPIC, DEFAULT_SUMMARIES_TOPIC
+from schemas.topics import (
+    DEFAULT_ALERTS_TOPIC,
+    DEFAULT_CONSUMER_GROUP,
+    DEFAULT_DLQ_TOPIC,
+    DEFAULT_RUNS_TOPIC,
+    DEFAULT_SUMMARIES_TOPIC,
+)
 
 
 class ConsumerSettings(KafkaClientSettings):
@@ -23,6 +32,28 @@ class ConsumerSettings(KafkaClientSettings):
         poll_timeout_ms / max_poll_records: Kafka poll parameters.
         partitions: partitions of the topics when the worker creates them.
         replication_factor: replication of topics the worker creates.
+        metrics_port: serve Prometheus metrics (``consumer.metrics``) on this TCP port
+            (``GRADSTREAM_METRICS_PORT``); None or 0 = no endpoint.
+        group_instance_id: static group membership (Kafka KIP-345,
+            ``GRADSTREAM_GROUP_INSTANCE_ID``): a worker restarted with the same id takes its
+            partitions back at once instead of waiting ``session_timeout_ms`` for the
+            coordinator to drop its crashed predecessor. Unique per worker; None = dynamic.
+        session_timeout_ms: how long the coordinator waits for a silent worker before
+            reassigning its partitions (broker bounds: group.min/max.session.timeout.ms);
+            None = kafka-python's default (45 s).
+        frames_topic: scale-out mode when set (``GRADSTREAM_FRAMES_TOPIC``): the worker
+            writes no DuckDB file; it publishes each finished frame's merged sums to this
+            topic, where ``gradstream store`` reads them; ``db`` is unused.
+        runs_topic: compacted topic where scale-out workers keep every run's RunStarted,
+            so a worker that takes over a partition knows the runs on it.
+        alerts_topic: where alert events and run statuses are published (key = run id).
+        alert_rules: TOML/YAML rule file (``consumer.alerts.config``); None = defaults.
+        alert_set: ``RULE.FIELD=VALUE`` overrides applied over the rule file
+            (``GRADSTREAM_ALERT_SET``: comma-separated).
+        webhook_url: POST each alert event (Slack-compatible JSON) here; None = no webhook.
+        webhook_timeout_s / webhook_retries: per attempt timeout (s) and extra attempts.
+        alert_queue_size: events each queued sink (log, webhook) holds before dropping.
+        status_interval_s: at most one routine run-status record per run per interval.
     """
 
     topic: str = DEFAULT_SUMMARIES_TOPIC
@@ -38,3 +69,32 @@ class ConsumerSettings(KafkaClientSettings):
     max_partition_fetch_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     partitions: int = Field(default=4, gt=0)
     replication_factor: int = Field(default=1, gt=0)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    group_instance_id: str | None = Field(default=None, min_length=1)
+    session_timeout_ms: int | None = Field(default=None, gt=0)
+    # Scale-out mode (consumer.worker): publish merged frames instead of writing DuckDB.
+    frames_topic: str | None = None
+    runs_topic: str = DEFAULT_RUNS_TOPIC
+    # Alerting (consumer.alerts): rules, the alerts topic, the webhook.
+    alerts_topic: str = DEFAULT_ALERTS_TOPIC
+    alert_rules: str | None = None
+    alert_set: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    webhook_url: str | None = None
+    webhook_timeout_s: float = Field(default=5.0, gt=0)
+    webhook_retries: int = Field(default=3, ge=0)
+    alert_queue_size: int = Field(default=1000, gt=0)
+    status_interval_s: float = Field(default=1.0, gt=0)
+
+    def membership_kwargs(self) -> dict[str, Any]:
+        """``group_instance_id`` / ``session_timeout_ms`` for KafkaConsumer, when set."""
+        given = {"group_instance_id": self.group_instance_id,
+                 "session_timeout_ms": self.session_timeout_ms}
+        return {k: v for k, v in given.items() if v is not None}
+
+    @field_validator("alert_set", mode="before")
+    @classmethod
+    def _alert_set(cls, value: object) -> object:
+        """Accept a comma-separated string (``GRADSTREAM_ALERT_SET``) as well as a list."""
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +20,10 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from consumer.frames import GradientFrame, MergedShards
+from consumer.alerts.rows import write_alerts
+from consumer.frames import GradientFrame, MergedShards, WeightDistribution
 from consumer.runs import RunInfo
+from schemas.alert import Alert
 from schemas.tables import LAYER_STATS_COLUMNS, SCHEMA_DDL
 from schemas.wire import EXP_HIST_BINS, RunFinished, RunStarted
 
@@ -47,6 +50,7 @@ class SinkBatch:
             (run, step) replaces an earlier one.
         run_states: run id -> counters after this batch.
         offsets: (topic, partition) -> next offset to consume.
+        alerts: alert events (``schemas.alert.Alert``) raised by the frames of the batch.
     """
 
     runs_started: list[RunStarted] = field(default_factory=list)
@@ -54,11 +58,12 @@ class SinkBatch:
     frames: dict[tuple[str, int], tuple[GradientFrame, str]] = field(default_factory=dict)
     run_states: dict[str, RunState] = field(default_factory=dict)
     offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    alerts: list[Alert] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
             self.runs_started or self.runs_finished or self.frames or self.run_states
-            or self.offsets
+            or self.offsets or self.alerts
         )
 
     def layer_rows(self) -> int:
@@ -68,6 +73,8 @@ class SinkBatch:
 
 def _optional_floats(fs: list[GradientFrame], name: str) -> pa.Array:
     """float64 column of an optional per-layer field; NaN or absent -> NULL."""
+    if all(getattr(f, name) is None for f in fs):  # the common case: no frame has it
+        return pa.nulls(sum(len(f.layer_index) for f in fs), pa.float64())
     parts = [
         getattr(f, name) if getattr(f, name) is not None
         else np.full(len(f.layer_index), np.nan)
@@ -76,14 +83,42 @@ def _optional_floats(fs: list[GradientFrame], name: str) -> pa.Array:
     return pa.array(np.concatenate(parts), pa.float64(), from_pandas=True)
 
 
-def _histogram_columns(fs: list[GradientFrame]) -> tuple[pa.Array, pa.Array]:
-    """Sparse exponent histograms as (columns SMALLINT[], counts BIGINT[]) list columns;
-    NULL for layers without a complete histogram."""
+def _optional_ints(fs: list[GradientFrame], name: str) -> pa.Array:
+    """int64 column of an optional per-layer count; negative or absent -> NULL."""
+    if all(getattr(f, name) is None for f in fs):
+        return pa.nulls(sum(len(f.layer_index) for f in fs), pa.int64())
+    parts = [
+        getattr(f, name) if getattr(f, name) is not None
+        else np.full(len(f.layer_index), -1, np.int64)
+        for f in fs
+    ]
+    values = np.concatenate(parts).astype(np.int64)
+    return pa.array(values, pa.int64(), mask=values < 0)
+
+
+def _weight_zeros(fs: list[GradientFrame]) -> pa.Array:
+    """Exact-zero weights per layer (column 0 of the weight histogram); NULL if unknown."""
+    if all(f.weight_exp_hist is None for f in fs):
+        return pa.nulls(sum(len(f.layer_index) for f in fs), pa.int64())
+    parts = [
+        f.weight_exp_hist[:, 0] if f.weight_exp_hist is not None
+        else np.full(len(f.layer_index), -1, np.int64)
+        for f in fs
+    ]
+    values = np.concatenate(parts).astype(np.int64)
+    return pa.array(values, pa.int64(), mask=values < 0)
+
+
+def _histogram_columns(
+    fs: list[GradientFrame], name: str = "exp_hist"
+) -> tuple[pa.Array, pa.Array]:
+    """Sparse exponent histograms (frame field ``name``) as (columns SMALLINT[], counts
+    BIGINT[]) list columns; NULL for layers without a complete histogram."""
     total = sum(len(f.layer_index) for f in fs)
-    if all(f.exp_hist is None for f in fs):
+    if all(getattr(f, name) is None for f in fs):
         return (pa.nulls(total, pa.list_(pa.int16())), pa.nulls(total, pa.list_(pa.int64())))
     dense = np.concatenate([
-        f.exp_hist if f.exp_hist is not None
+        getattr(f, name) if getattr(f, name) is not None
         else np.full((len(f.layer_index), EXP_HIST_BINS), -1, np.int64)
         for f in fs
     ])
@@ -104,28 +139,123 @@ def _run_column(values: list[str], lengths: np.ndarray) -> pa.Array:
     return pa.DictionaryArray.from_arrays(pa.array(indices), pa.array(values, pa.string()))
 
 
+def _csr(tbl: pa.Table, columns: str, counts: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(offsets int64[n+1], columns int64[nnz], counts int64[nnz]) of two non-null list
+    columns of ``tbl``."""
+    lengths = pc_list_lengths(tbl[columns])
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    flat_cols = np.asarray(pa.concat_arrays([c.flatten() for c in tbl[columns].chunks]),
+                           np.int64)
+    flat_counts = np.asarray(pa.concat_arrays([c.flatten() for c in tbl[counts].chunks]),
+                             np.int64)
+    return offsets, flat_cols, flat_counts
+
+
+def pc_list_lengths(column: pa.ChunkedArray) -> np.ndarray:
+    """int64 lengths of the lists of a list column (nulls count 0)."""
+    import pyarrow.compute as pc
+
+    return np.asarray(pc.fill_null(pc.list_value_length(column), 0), np.int64)
+
+
+def _load_weight_distribution(tbl: pa.Table, idx: np.ndarray, merged: MergedShards) -> None:
+    """Restore a stored frame's weight distribution (layers where it is not NULL) into
+    ``merged`` as one shard."""
+    has = ~np.asarray(tbl["weight_sum"].is_null().to_numpy(zero_copy_only=False), bool)
+    if not has.any():
+        return
+    sub = tbl.filter(pa.array(has))
+    dist = WeightDistribution.empty(len(merged.numel))
+
+    def col(name: str) -> np.ndarray:
+        return sub[name].to_numpy(zero_copy_only=False).astype(np.float64)
+
+    offsets, columns, counts = _csr(sub, "weight_exp_hist_columns", "weight_exp_hist_counts")
+    dist.add(
+        idx[has], np.array([col("weight_sum"), col("weight_sum_cube"), col("weight_sum_quad")]),
+        col("weight_min"), col("weight_max"), col("weight_nonfinite").astype(np.int64),
+        offsets, columns, counts,
+    )
+    merged.weight_dist = dist
+
+
 class DuckDBSink:
     """Owns the DuckDB file (DuckDB allows one writing process).
 
     Args:
         path: the database file; created with the gradstream tables if absent.
+        write_behind: run each write's transaction on a writer thread (default), so the
+            caller decodes and merges the next batch while DuckDB inserts this one (DuckDB
+            releases the GIL while it executes; on 2 cores the two overlap). At most one
+            write is in flight; reads (:attr:`con`, ``load_*``) and :meth:`close` wait for
+            it, so they see every batch given to :meth:`write`. False: write in the
+            calling thread.
 
     Raises:
         duckdb.IOException: the file is locked by another process (a running worker).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, write_behind: bool = True) -> None:
         self.path = Path(path)
         if self.path.parent != Path(""):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.con = duckdb.connect(str(self.path))
+        self._con = duckdb.connect(str(self.path))
         for ddl in SCHEMA_DDL:
-            self.con.execute(ddl)
+            self._con.execute(ddl)
+        # The writer thread uses its own connection object to the same database instance.
+        self._wcon = self._con.cursor() if write_behind else self._con
+        self._writer = (ThreadPoolExecutor(1, thread_name_prefix="gradstream-sink")
+                        if write_behind else None)
+        self._pending: Future[None] | None = None
+        self._failed: BaseException | None = None
+
+    @property
+    def con(self) -> duckdb.DuckDBPyConnection:
+        """The connection, once the write in flight (if any) has committed.
+
+        Raises:
+            duckdb.Error: the last write failed (see :meth:`wait`).
+        """
+        self.wait()
+        return self._con
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) has committed.
+
+        Raises:
+            duckdb.Error: that write failed and was rolled back. The sink then refuses every
+                later write with the same error: a later batch's offsets would pass the
+                rows of the lost one (the caller restarts from the stored offsets).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException as exc:
+                self._failed = exc
+        if self._failed is not None:
+            raise self._failed
 
     def close(self) -> None:
-        """Checkpoint and close the file."""
-        self.con.execute("CHECKPOINT")
-        self.con.close()
+        """Wait for the write in flight, checkpoint and close the file.
+
+        Raises:
+            duckdb.Error: the write in flight failed (the file is closed all the same).
+        """
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._wcon.close()
+            self._con.execute("CHECKPOINT")
+            self._con.close()
+
+    def read_cursor(self) -> duckdb.DuckDBPyConnection:
+        """A new connection to this sink's database instance, for readers on other threads
+        (the dashboard of ``gradstream serve``); it sees committed rows. The caller closes
+        it before :meth:`close`."""
+        return self._con.cursor()
 
     # -- reads used on start-up and for late shards ---------------------------------------
 
@@ -175,7 +305,9 @@ class DuckDBSink:
         """The stored merged sums of frame (run, step), or None if it is not stored."""
         tbl = self.con.sql(
             "SELECT layer_index, numel, sum_abs, sum_sq, max_abs_grad, nonfinite, "
-            "weight_sum_sq, update_sum_sq, exp_hist_columns, exp_hist_counts "
+            "weight_sum_sq, update_sum_sq, exp_hist_columns, exp_hist_counts, weight_sum, "
+            "weight_sum_cube, weight_sum_quad, weight_min, weight_max, weight_nonfinite, "
+            "weight_exp_hist_columns, weight_exp_hist_counts "
             "FROM layer_stats WHERE run_id = $1 AND step = $2",
             params=[run.run_id, step],
         ).to_arrow_table()
@@ -184,12 +316,17 @@ class DuckDBSink:
         merged = MergedShards.empty(run.num_layers)
         idx = tbl["layer_index"].to_numpy().astype(np.int64)
         merged.numel[idx] = tbl["numel"].to_numpy()
-        merged.sum_abs[idx] = tbl["sum_abs"].to_numpy()
+        has_abs = ~np.asarray(tbl["sum_abs"].is_null().to_numpy(zero_copy_only=False), bool)
+        merged.sum_abs[idx] = np.nan_to_num(tbl["sum_abs"].to_numpy(zero_copy_only=False))
         merged.sum_sq[idx] = tbl["sum_sq"].to_numpy()
-        merged.max_abs[idx] = tbl["max_abs_grad"].to_numpy()
+        merged.max_abs[idx] = np.nan_to_num(
+            tbl["max_abs_grad"].to_numpy(zero_copy_only=False))
         merged.nonfinite[idx] = tbl["nonfinite"].to_numpy()
         assert merged.shards is not None
         merged.shards[idx] = 1  # the stored frame counts as one shard of each layer
+        merged.abs_shards = np.zeros(run.num_layers, np.int64)
+        merged.abs_shards[idx[has_abs]] = 1
+        _load_weight_distribution(tbl, idx, merged)
         for name in ("weight_sum_sq", "update_sum_sq"):
             column = tbl[name]
             has = ~np.asarray(column.is_null().to_numpy(zero_copy_only=False), bool)
@@ -229,14 +366,25 @@ class DuckDBSink:
     def write(self, batch: SinkBatch, group: str) -> None:
         """Write a batch in one transaction (all of it or nothing).
 
+        With write-behind, returns once the previous batch has committed and this one is
+        handed to the writer thread (the caller must not change ``batch`` afterwards).
+
         Args:
             batch: rows and offsets to write.
             group: consumer group the offsets belong to.
 
         Raises:
-            duckdb.Error: the transaction failed and was rolled back.
+            duckdb.Error: the transaction failed and was rolled back (with write-behind:
+                the previous transaction, or any earlier one).
         """
-        con = self.con
+        self.wait()
+        if self._writer is None:
+            self._write_now(batch, group)
+        else:
+            self._pending = self._writer.submit(self._write_now, batch, group)
+
+    def _write_now(self, batch: SinkBatch, group: str) -> None:
+        con = self._wcon
         con.begin()
         try:
             if batch.runs_started:
@@ -247,6 +395,8 @@ class DuckDBSink:
                 self._write_states(batch.run_states)
             if batch.runs_finished:
                 self._write_finished(batch.runs_finished)
+            if batch.alerts:
+                write_alerts(con, batch.alerts)
             if batch.offsets:
                 keys = list(batch.offsets)
                 offsets = pa.table({
@@ -283,7 +433,7 @@ class DuckDBSink:
             "name": pa.array([n for m in started for n in m.layer_names], pa.string()),
             "numel": pa.array(np.concatenate([np.asarray(m.numel, np.int64) for m in started])),
         })
-        con = self.con
+        con = self._wcon
         con.register("gs_runs", runs)
         con.register("gs_layers", layers)
         con.execute(
@@ -309,11 +459,11 @@ class DuckDBSink:
             "step": pa.array(np.repeat(np.array([f.step for f in fs], np.int64), lengths)),
             "layer_index": pa.array(cat("layer_index")),
             "numel": pa.array(cat("numel")),
-            "sum_abs": pa.array(cat("sum_abs")),
+            "sum_abs": pa.array(cat("sum_abs"), from_pandas=True),
             "sum_sq": pa.array(cat("sum_sq")),
-            "max_abs_grad": pa.array(cat("max_abs_grad")),
+            "max_abs_grad": pa.array(cat("max_abs_grad"), from_pandas=True),
             "nonfinite": pa.array(cat("nonfinite")),
-            "mean_abs_grad": pa.array(cat("mean_abs_grad")),
+            "mean_abs_grad": pa.array(cat("mean_abs_grad"), from_pandas=True),
             "grad_norm": pa.array(cat("grad_norm")),
             "flow_intensity": pa.array(cat("flow_intensity")),
             "is_vanishing": pa.array(cat("is_vanishing")),
@@ -325,6 +475,14 @@ class DuckDBSink:
         hist_columns, hist_counts = _histogram_columns(fs)
         stats = stats.append_column("exp_hist_columns", hist_columns)
         stats = stats.append_column("exp_hist_counts", hist_counts)
+        for name in ("weight_sum", "weight_sum_cube", "weight_sum_quad", "weight_min",
+                     "weight_max"):
+            stats = stats.append_column(name, _optional_floats(fs, name))
+        stats = stats.append_column("weight_zeros", _weight_zeros(fs))
+        stats = stats.append_column("weight_nonfinite", _optional_ints(fs, "weight_nonfinite"))
+        w_columns, w_counts = _histogram_columns(fs, "weight_exp_hist")
+        stats = stats.append_column("weight_exp_hist_columns", w_columns)
+        stats = stats.append_column("weight_exp_hist_counts", w_counts)
         now = time.time()
         frame_rows = pa.table({
             "run_id": pa.array(run_ids, pa.string()),
@@ -341,7 +499,7 @@ class DuckDBSink:
             "wall_time": pa.array([f.wall_time for f in fs], pa.float64()),
             "finalized_at": pa.array(np.full(len(fs), now)),
         })
-        con = self.con
+        con = self._wcon
         con.register("gs_stats", stats)
         con.register("gs_frames", frame_rows)
         # A rewritten frame may report fewer layers than before: clear its old rows first.
@@ -369,13 +527,13 @@ class DuckDBSink:
                 [states[r].first_nonfinite_step for r in ids], pa.int64()
             ),
         })
-        self.con.register("gs_states", tbl)
-        self.con.execute(
+        self._wcon.register("gs_states", tbl)
+        self._wcon.execute(
             "UPDATE runs SET health = s.health, frames = s.frames, issue_frames = "
             "s.issue_frames, last_step = s.last_step, first_nonfinite_step = "
             "s.first_nonfinite_step FROM gs_states s WHERE runs.run_id = s.run_id"
         )
-        self.con.unregister("gs_states")
+        self._wcon.unregister("gs_states")
 
     def _write_finished(self, finished: list[RunFinished]) -> None:
         tbl = pa.table({
@@ -386,11 +544,11 @@ class DuckDBSink:
             "dropped": pa.array([m.dropped for m in finished], pa.int64()),
             "end_time": pa.array([m.end_time for m in finished], pa.float64()),
         })
-        self.con.register("gs_finished", tbl)
-        self.con.execute("INSERT OR REPLACE INTO run_ranks SELECT * FROM gs_finished")
-        self.con.execute(
+        self._wcon.register("gs_finished", tbl)
+        self._wcon.execute("INSERT OR REPLACE INTO run_ranks SELECT * FROM gs_finished")
+        self._wcon.execute(
             "UPDATE runs SET end_time = r.end_time FROM (SELECT run_id, max(end_time) AS "
             "end_time, count(*) AS n FROM run_ranks GROUP BY run_id) r "
             "WHERE runs.run_id = r.run_id AND r.n >= runs.world_size"
         )
-        self.con.unregister("gs_finished")
+        self._wcon.unregister("gs_finished")

@@ -15,15 +15,20 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kafka import ConsumerRebalanceListener
 
+from consumer.alerts.rows import load_active_incidents
+from consumer.alerts.service import AlertService
 from consumer.dlq import dead_letter_headers, dead_letter_value
+from consumer.frame_publisher import FramePublisher, load_runs_topic
 from consumer.frames import GradientFrame
 from consumer.health import RunHealthTracker, restore_tracker
 from consumer.merge import PartitionKey, ShardMerger
+from consumer.metrics import WorkerMetrics
 from consumer.runs import RunInfo
 from consumer.settings import ConsumerSettings
 from consumer.sink import DuckDBSink, RunState, SinkBatch
@@ -58,13 +63,18 @@ class Worker:
 
     Args:
         settings: ConsumerSettings (bootstrap servers, topics, group, DB path, timeouts).
+        on_open: called on the worker thread with the DuckDBSink right after the store is
+            opened, before consuming (``gradstream serve`` takes a read cursor there).
 
     Use ``run()`` (blocks until ``stop()``), typically on the main thread of
     ``gradstream consume`` or on a background thread in the demo and tests.
     """
 
-    def __init__(self, settings: ConsumerSettings) -> None:
+    def __init__(
+        self, settings: ConsumerSettings, on_open: Callable[[DuckDBSink], None] | None = None
+    ) -> None:
         self.settings = settings
+        self._on_open = on_open
         self.counters = WorkerCounters()
         self.runs: dict[str, RunInfo] = {}
         self.trackers: dict[str, RunHealthTracker] = {}
@@ -77,10 +87,13 @@ class Worker:
         self._stored_positions: dict[PartitionKey, int] = {}
         self._last_flush = time.monotonic()
         self._sink: DuckDBSink | None = None
+        self._frames_out: FramePublisher | None = None  # scale-out mode
         self._consumer: Any = None
         self._dlq: Any = None
         self._merger: ShardMerger | None = None
         self.error: BaseException | None = None
+        self.alerts: AlertService | None = None  # rules + sinks, built in _run
+        self.metrics = WorkerMetrics(lambda: self._merger.pending_count if self._merger else 0)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -109,15 +122,39 @@ class Worker:
         from kafka import KafkaConsumer, KafkaProducer
 
         s = self.settings
-        self._sink = DuckDBSink(s.db)
+        scale_out = s.frames_topic is not None
+        self._sink = None if scale_out else DuckDBSink(s.db)
         try:
-            self._merger = ShardMerger(s.shard_timeout_s, self._sink.load_sums)
-            self._restore()
-            ensure_topics(s, [s.topic, s.dlq_topic])
+            if self._on_open is not None and self._sink is not None:
+                self._on_open(self._sink)
+            if self._sink is not None:
+                self._merger = ShardMerger(s.shard_timeout_s, self._sink.load_sums)
+                self._restore()
+            else:
+                # Scale-out: no store in this process; a late shard whose partial frame
+                # left the cache is published alone and merged by the store.
+                self._merger = ShardMerger(s.shard_timeout_s, lambda _run, _step: None)
+            self.metrics.serve(s.metrics_port)
+            topics = [s.topic, s.dlq_topic, s.alerts_topic]
+            ensure_topics(s, topics + ([s.frames_topic] if scale_out else []))
+            if scale_out:
+                ensure_topics(s, [s.runs_topic], compacted=True)
+                self._frames_out = FramePublisher(s)
             self._dlq = KafkaProducer(**s.kafka_kwargs(), acks=-1, linger_ms=0,
                                       max_request_size=2 * 1024 * 1024 + 65536)
+            self.alerts = AlertService.from_settings(
+                s, active=load_active_incidents(self._sink.con) if self._sink else None,
+                is_finished=lambda r: len(self._finished.get(r, ())) >= self.runs[r].world_size,
+            )
+            self.alerts.start()
         except BaseException:
-            self._sink.close()
+            self.metrics.close()
+            if self._dlq is not None:
+                self._dlq.close(timeout=5)
+            if self._frames_out is not None:
+                self._frames_out.close()
+            if self._sink is not None:
+                self._sink.close()
             raise
         self._consumer = KafkaConsumer(
             **s.kafka_kwargs(),
@@ -127,9 +164,11 @@ class Worker:
             max_poll_records=s.max_poll_records,
             max_partition_fetch_bytes=s.max_partition_fetch_bytes,
             fetch_max_bytes=max(s.max_partition_fetch_bytes, 64 * 1024 * 1024),
+            **s.membership_kwargs(),
         )
         self._consumer.subscribe([s.topic], listener=_Rebalance(self))
-        log.info("worker joined group %s on %s, writing %s", s.group_id, s.topic, s.db)
+        log.info("worker joined group %s on %s, %s", s.group_id, s.topic,
+                 f"publishing frames to {s.frames_topic}" if scale_out else f"writing {s.db}")
         try:
             while not self._stop.is_set():
                 records = self._consumer.poll(timeout_ms=s.poll_timeout_ms)
@@ -137,7 +176,10 @@ class Worker:
                     for batch in records.values():
                         for record in batch:
                             self._handle(record)
+                    self.metrics.on_poll(records, self._consumer)  # messages; lag <= 1/s
                     self._expire()
+                    if self.alerts is not None:  # stalled / finished runs
+                        self._batch.alerts.extend(self.alerts.tick())
                     if self._due():
                         self._flush()
         finally:
@@ -146,8 +188,14 @@ class Worker:
             try:
                 self._consumer.close()
             finally:
+                if self.alerts is not None:
+                    self.alerts.close()
+                self.metrics.close()
                 self._dlq.close(timeout=10)
-                self._sink.close()
+                if self._frames_out is not None:
+                    self._frames_out.close()
+                if self._sink is not None:
+                    self._sink.close()
             log.info(
                 "worker stopped: %d messages, %d frames (%d partial), %d dead letters",
                 self.counters.messages, self.counters.frames,
@@ -194,12 +242,16 @@ class Worker:
             if conflict:
                 self._dead_letter(record, conflict, "conflicting_run")
             return
-        run = RunInfo.from_message(msg)
-        self.runs[msg.run_id] = run
-        self.trackers[msg.run_id] = RunHealthTracker(run.num_layers, self.settings.max_frames)
+        run = self._register_run(msg)
         self._batch.runs_started.append(msg)
         log.info("run %s started: %d layers, world size %d", msg.run_id, run.num_layers,
                  run.world_size)
+
+    def _register_run(self, msg: RunStarted) -> RunInfo:
+        run = RunInfo.from_message(msg)
+        self.runs[msg.run_id] = run
+        self.trackers[msg.run_id] = RunHealthTracker(run.num_layers, self.settings.max_frames)
+        return run
 
     def _known_run(self, run_id: str, record: Any) -> RunInfo | None:
         """The run's RunInfo, or None after dead-lettering ``record`` (no RunStarted seen)."""
@@ -231,6 +283,8 @@ class Worker:
             return
         self.counters.step_summaries += 1
         assert self._merger is not None
+        if self.alerts is not None:
+            self.alerts.note_shard(run, msg)  # which rank's shard holds NaN/Inf
         frame = self._merger.add(
             run, msg, (record.topic, record.partition), record.offset, time.monotonic()
         )
@@ -265,7 +319,11 @@ class Worker:
             health.value, tracker.frames, tracker.issue_frames, tracker.last_step,
             tracker.first_nonfinite_step,
         )
+        if self.alerts is not None:  # published now; stored with this batch
+            self._batch.alerts.extend(self.alerts.on_frame(frame, self.runs[frame.run_id],
+                                                           tracker))
         self.counters.frames += 1
+        self.metrics.observe_frame(frame)
         self.counters.layer_rows += len(frame.layer_index)
         if not frame.complete:
             self.counters.partial_frames += 1
@@ -275,6 +333,7 @@ class Worker:
 
     def _dead_letter(self, record: Any, reason: str, error: str) -> None:
         self.counters.dead_letters += 1
+        self.metrics.dead_letter(error)
         if len(self.counters.dead_letter_reasons) < 100:
             self.counters.dead_letter_reasons.append(reason)
         log.warning("dead letter %s[%d]@%d: %s", record.topic, record.partition,
@@ -311,7 +370,7 @@ class Worker:
 
     def _flush(self, force: bool = False) -> None:
         self._last_flush = time.monotonic()
-        if self._sink is None:
+        if self._sink is None and self._frames_out is None:
             return
         offsets = self._offsets_to_store()
         batch = self._batch
@@ -320,6 +379,17 @@ class Worker:
             return
         if self.counters.dead_letters and self._dlq is not None:
             self._dlq.flush(timeout=30)  # dead letters durable before offsets pass them
+        if self._frames_out is not None:
+            # Scale-out: frames durable on the frames topic, then the offsets committed
+            # to Kafka (the source of truth of this group's positions in this mode).
+            self._frames_out.publish(batch)
+            self._stored_positions.update(offsets)
+            self.counters.writes += 1
+            self._batch = SinkBatch()
+            if offsets and self._consumer is not None:
+                self._commit_to_kafka(offsets, sync=True)
+            return
+        assert self._sink is not None
         self._sink.write(batch, self.settings.group_id)
         self._stored_positions.update(offsets)
         self.counters.writes += 1
@@ -327,24 +397,46 @@ class Worker:
         if offsets and self._consumer is not None:
             self._commit_to_kafka(offsets)
 
-    def _commit_to_kafka(self, offsets: dict[PartitionKey, int]) -> None:
-        """Mirror the stored offsets into Kafka (for lag monitoring only; DuckDB is the
-        source of truth on restart)."""
+    def _commit_to_kafka(self, offsets: dict[PartitionKey, int], sync: bool = False) -> None:
+        """Commit offsets to Kafka: in single-process mode a mirror of the offsets stored in
+        DuckDB (for lag monitoring; DuckDB is the source of truth on restart), in scale-out
+        mode (``sync``) the group's positions themselves.
+
+        Raises:
+            kafka.errors.KafkaError: a synchronous commit failed (scale-out mode); the
+                frames are on the frames topic already, so a replay only republishes them.
+        """
         from kafka import OffsetAndMetadata, TopicPartition
 
+        commit = {
+            TopicPartition(t, p): OffsetAndMetadata(o, "", -1) for (t, p), o in offsets.items()
+        }
+        if sync:
+            self._consumer.commit(commit)
+            return
         try:
-            self._consumer.commit_async({
-                TopicPartition(t, p): OffsetAndMetadata(o, "", -1)
-                for (t, p), o in offsets.items()
-            })
+            self._consumer.commit_async(commit)
         except Exception as exc:  # informational commit: never stop the worker for it
             log.debug("offset commit to Kafka failed: %s", exc)
 
     # -- rebalance -----------------------------------------------------------------------
 
     def on_assigned(self, partitions: list[Any]) -> None:
-        """Seek every newly assigned partition to its stored offset (or the beginning)."""
+        """Seek every newly assigned partition to its stored offset (or the beginning).
+
+        In scale-out mode the group's committed Kafka offsets are the positions (the
+        consumer starts there by itself); the runs of the new partitions are loaded from
+        the compacted runs topic.
+        """
         with self._lock:
+            if self._frames_out is not None:
+                for message in load_runs_topic(self.settings):
+                    if message.run_id not in self.runs:
+                        self._register_run(message)
+                log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
+                if partitions:
+                    self._ready.set()
+                return
             assert self._sink is not None
             stored = {}
             for topic in {tp.topic for tp in partitions}:
@@ -416,8 +508,11 @@ class _Rebalance(ConsumerRebalanceListener):
         self.worker.on_revoked(lost)
 
 
-def ensure_topics(settings: ConsumerSettings, topics: list[str]) -> None:
-    """Create ``topics`` with ``settings.partitions`` partitions if they do not exist.
+def ensure_topics(
+    settings: ConsumerSettings, topics: list[str], compacted: bool = False
+) -> None:
+    """Create ``topics`` with ``settings.partitions`` partitions if they do not exist
+    (``compacted``: with ``cleanup.policy=compact``, one retained record per key).
 
     Raises:
         kafka.errors.KafkaError: the cluster cannot be reached or refuses.
@@ -433,7 +528,8 @@ def ensure_topics(settings: ConsumerSettings, topics: list[str]) -> None:
         if missing:
             with contextlib.suppress(TopicAlreadyExistsError):
                 admin.create_topics([
-                    NewTopic(t, settings.partitions, settings.replication_factor)
+                    NewTopic(t, settings.partitions, settings.replication_factor,
+                             topic_configs={"cleanup.policy": "compact"} if compacted else {})
                     for t in missing
                 ])
     finally:

@@ -26,11 +26,14 @@ app = typer.Typer(
 
 def _register_all() -> None:
     from analysis import cli as analysis_cli
+    from consumer import alerts_cli, dlq_cli
     from consumer import cli as consumer_cli
     from deploy import broker_cli, demo_cli
 
     broker_cli.register(app)
     consumer_cli.register(app)
+    alerts_cli.register(app)
+    dlq_cli.register(app)
     analysis_cli.register(app)
     demo_cli.register(app)
 

@@ -76,6 +76,17 @@ def demo(
                                  "Default: $KAFKA_BOOTSTRAP_SERVERS.")
     ] = None,
     heatmap: Annotated[bool, typer.Option(help="Print each run's ASCII heatmap too.")] = True,
+    webhook: Annotated[
+        str | None, typer.Option("--webhook", metavar="URL",
+                                 help="POST the worker's alert events (Slack-compatible JSON) "
+                                 "to this URL, e.g. a Slack incoming webhook.")
+    ] = None,
+    serve_port: Annotated[
+        int | None,
+        typer.Option(metavar="PORT", help="Serve the live dashboard (the demo's worker owns "
+                     "the DuckDB file, so it serves the page) on 127.0.0.1:PORT while training "
+                     "runs; 0 = any free port. Default: off."),
+    ] = None,
 ) -> None:
     """Train an MLP on the digits dataset, data-parallel, in three scenarios, and watch
     gradstream catch vanishing and exploding gradients end to end (Kafka -> worker ->
@@ -103,7 +114,7 @@ def demo(
         with kafka_for_demo(bootstrap_servers) as bootstrap:
             console.print(f"Kafka bootstrap servers: [bold]{bootstrap}[/]")
             run_ids = _train_and_consume(
-                console, bootstrap, db, chosen, ranks, steps, stamp,
+                console, bootstrap, db, chosen, ranks, steps, stamp, webhook, serve_port,
                 Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                          TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
                          console=console),
@@ -116,10 +127,12 @@ def demo(
 
 def _train_and_consume(
     console: Console, bootstrap: str, db: Path, chosen: list[str], ranks: int,
-    steps: int | None, stamp: str, progress: Progress,
+    steps: int | None, stamp: str, webhook: str | None, serve_port: int | None,
+    progress: Progress,
 ) -> list[str]:
-    """Run a worker in a thread, train each chosen scenario through Kafka, and wait until
-    every run is stored. Returns the run ids."""
+    """Run a worker in a thread (with the live dashboard when ``serve_port`` is given),
+    train each chosen scenario through Kafka, and wait until every run is stored. Returns
+    the run ids."""
     from consumer.settings import ConsumerSettings
     from consumer.worker import Worker
     from deploy.demo.training import SCENARIOS, kafka_telemetry, run_data_parallel
@@ -127,11 +140,20 @@ def _train_and_consume(
     settings = ConsumerSettings(
         bootstrap_servers=bootstrap, db=str(db), topic=f"gradstream.demo-{stamp}.summaries",
         dlq_topic=f"gradstream.demo-{stamp}.dlq", group_id=f"gradstream-demo-{stamp}",
-        shard_timeout_s=10.0,
+        shard_timeout_s=10.0, webhook_url=webhook,
     )
-    worker = Worker(settings)
-    thread = threading.Thread(target=worker.run, name="gradstream-worker", daemon=True)
-    thread.start()
+    served = None
+    if serve_port is not None:
+        from analysis.serve_cli import ServedWorker
+
+        served = ServedWorker(settings, port=serve_port)
+        console.print(f"Live dashboard: [bold]{served.start()}/[/] (while the demo runs)")
+        assert served.worker is not None
+        worker = served.worker
+    else:
+        worker = Worker(settings)
+        thread = threading.Thread(target=worker.run, name="gradstream-worker", daemon=True)
+        thread.start()
     run_ids: list[str] = []
     try:
         if not worker.wait_ready(60):
@@ -156,12 +178,19 @@ def _train_and_consume(
         if not worker.wait_for_runs(run_ids, 120):
             raise RuntimeError(f"the worker did not store all runs in time: {worker.error}")
     finally:
-        worker.stop()
-        thread.join(60)
+        if served is not None:
+            served.stop()
+        else:
+            worker.stop()
+            thread.join(60)
     console.print(
         f"Worker: {worker.counters.messages} messages, {worker.counters.frames} frames, "
         f"{worker.counters.dead_letters} dead letters -> {db}"
     )
+    if worker.alerts is not None:
+        fired = worker.alerts.engine.counters.fired
+        console.print(f"Alerts: {fired} incident(s) fired (topic {settings.alerts_topic}); "
+                      f"list them: gradstream alerts --db {db}")
     return run_ids
 
 

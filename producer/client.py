@@ -24,6 +24,7 @@ import numpy as np
 
 from producer.settings import ProducerSettings
 from producer.summary import LayerSummaries, summarize, warmup
+from producer.weights import WeightStatistics, weight_statistics
 from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
 
 log = logging.getLogger("gradstream.producer")
@@ -225,15 +226,16 @@ class GradientProducer:
         watched = {n: g for n, g in gradients.items() if n in self._layer_index}
         if not watched:
             return
-        summaries = summarize(watched, histogram=self.settings.exp_histogram)
+        summaries = summarize(watched, histogram=self.settings.exp_histogram,
+                              norms_only=self.settings.mode == "norms")
         extra = self._weight_stats(watched, weights) if self.settings.weight_stats else None
         self._queue_summaries(int(step), summaries, t0, extra)
 
     def _weight_stats(
         self, watched: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray] | None
-    ) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """(weight_sum_sq float64[k], update_sum_sq float64[k] or None) for the watched
-        layers, updating the kept copy of the previous weights."""
+    ) -> WeightStatistics | None:
+        """Weight statistics of the watched layers (:mod:`producer.weights`), updating the
+        kept float32 copy of the previous weights; None without ``weights``."""
         if weights is None:
             return None
         missing = [n for n in watched if n not in weights]
@@ -245,14 +247,9 @@ class GradientProducer:
                 raise ValueError(
                     f"weights of {name!r} have shape {w.shape}, gradient {np.shape(watched[name])}"
                 )
-        weight_sq = summarize(current).sum_sq
-        update_sq = None
-        if self._previous_weights is not None and self._previous_weights.keys() == current.keys():
-            update_sq = summarize({
-                n: w.astype(np.float32) - self._previous_weights[n] for n, w in current.items()
-            }).sum_sq
+        stats = weight_statistics(current, self._previous_weights)
         self._previous_weights = {n: w.astype(np.float32, copy=True) for n, w in current.items()}
-        return weight_sq, update_sq
+        return stats
 
     def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
         """Queue statistics already computed elsewhere (e.g. on a GPU by a framework
@@ -274,17 +271,18 @@ class GradientProducer:
                            count=len(summaries))
         if not keep.any():
             return
+        if (summaries.sum_abs is None) != (summaries.max_abs is None):
+            raise ValueError("sum_abs and max_abs go together: give both or neither")
         for field_name in ("sum_abs", "sum_sq", "max_abs"):
             values = getattr(summaries, field_name)
+            if values is None:
+                continue
             if not np.all(np.isfinite(values)) or np.any(values < 0):
                 raise ValueError(f"{field_name} must be finite and >= 0 for every layer")
         if not keep.all():
-            summaries = LayerSummaries(
-                tuple(n for n, k in zip(summaries.names, keep, strict=True) if k),
-                summaries.numel[keep], summaries.sum_abs[keep], summaries.sum_sq[keep],
-                summaries.max_abs[keep], summaries.nonfinite[keep],
-                None if summaries.exp_hist is None else summaries.exp_hist[keep],
-            )
+            summaries = summaries.select(keep)
+        if self.settings.mode == "norms":
+            summaries = summaries.norms_only()
         self._queue_summaries(int(step), summaries, t0, None)
 
     def _check_step(self, step: object, names: Mapping[str, object]) -> bool:
@@ -306,7 +304,7 @@ class GradientProducer:
 
     def _queue_summaries(
         self, step: int, summaries: LayerSummaries, t0: float,
-        extra: tuple[np.ndarray, np.ndarray | None] | None,
+        extra: WeightStatistics | None,
     ) -> None:
         indices = np.fromiter(
             (self._layer_index[n] for n in summaries.names), dtype=np.int64, count=len(summaries)
@@ -509,17 +507,17 @@ class GradientProducer:
         optional: dict[str, Any] = {}
         hist = getattr(summaries, "exp_hist", None)
         if hist is not None:
-            rows, cols = np.nonzero(hist)
-            offsets = np.zeros(len(summaries) + 1, np.int64)
-            np.cumsum(np.bincount(rows, minlength=len(summaries)), out=offsets[1:])
-            optional.update(
-                exp_hist_offsets=offsets.tolist(), exp_hist_columns=cols.tolist(),
-                exp_hist_counts=hist[rows, cols].tolist(),
-            )
+            optional.update(_sparse_histogram("exp_hist", hist))
         if extra is not None:
-            optional["weight_sum_sq"] = extra[0].tolist()
-            if extra[1] is not None:
-                optional["update_sum_sq"] = extra[1].tolist()
+            optional.update(
+                weight_sum_sq=extra.sum_sq.tolist(), weight_sum=extra.sum.tolist(),
+                weight_sum_cube=extra.sum_cube.tolist(), weight_sum_quad=extra.sum_quad.tolist(),
+                weight_min=extra.min.tolist(), weight_max=extra.max.tolist(),
+                weight_nonfinite=extra.nonfinite.tolist(),
+                **_sparse_histogram("weight_exp_hist", extra.exp_hist),
+            )
+            if extra.update_sum_sq is not None:
+                optional["update_sum_sq"] = extra.update_sum_sq.tolist()
         return StepSummary(
             run_id=self.run_id,
             step=step,
@@ -528,9 +526,9 @@ class GradientProducer:
             wall_time=wall_time,
             layer_indices=indices.tolist(),
             numel=summaries.numel.tolist(),
-            sum_abs=summaries.sum_abs.tolist(),
+            sum_abs=None if summaries.sum_abs is None else summaries.sum_abs.tolist(),
             sum_sq=summaries.sum_sq.tolist(),
-            max_abs=summaries.max_abs.tolist(),
+            max_abs=None if summaries.max_abs is None else summaries.max_abs.tolist(),
             nonfinite=summaries.nonfinite.tolist(),
             **optional,
         )
@@ -559,3 +557,14 @@ class GradientProducer:
         with self._cond:
             self._failed += 1
             self._in_flight -= 1
+
+
+def _sparse_histogram(prefix: str, hist: np.ndarray) -> dict[str, list[int]]:
+    """CSR wire form (``<prefix>_offsets/_columns/_counts``) of an int64[k, B] histogram."""
+    rows, cols = np.nonzero(hist)
+    offsets = np.zeros(hist.shape[0] + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=hist.shape[0]), out=offsets[1:])
+    return {
+        f"{prefix}_offsets": offsets.tolist(), f"{prefix}_columns": cols.tolist(),
+        f"{prefix}_counts": hist[rows, cols].tolist(),
+    }

@@ -27,6 +27,15 @@ class ProducerSettings(KafkaClientSettings):
     by n. From the environment, patterns are comma-separated:
     ``GRADSTREAM_INCLUDE="encoder.*,decoder.*"``.
 
+    ``mode``: ``"full"`` (default) sends per layer sum |g|, sum g^2, max |g| and the
+    non-finite count; ``"norms"`` (``GRADSTREAM_MODE=norms``) sends only sum g^2 and the
+    non-finite count: 40% fewer bytes per layer and, with the PyTorch adapter, one norm
+    kernel per layer instead of three. In norms mode the consumer flags a layer vanishing
+    when its RMS ``sqrt(sum g^2 / numel)`` is below the vanishing threshold (then
+    mean |g| <= RMS is too) and exploding when its RMS exceeds the exploding threshold
+    (then max |g| >= RMS does too): every flag is certain, but a layer whose few large
+    elements cross the threshold while its RMS does not is missed (``consumer.frames``).
+
     Richer statistics, off by default (their cost is measured by
     ``bench/producer_overhead.py``): ``exp_histogram`` sends each layer's base-2 exponent
     histogram (how much of the gradient would underflow in fp16/bf16); ``weight_stats``
@@ -51,6 +60,7 @@ class ProducerSettings(KafkaClientSettings):
     include: Annotated[list[str], NoDecode] = Field(default_factory=list)
     exclude: Annotated[list[str], NoDecode] = Field(default_factory=list)
     every_n_steps: int = Field(default=1, gt=0)
+    mode: Literal["full", "norms"] = "full"
     exp_histogram: bool = False
     weight_stats: bool = False
 

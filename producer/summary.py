@@ -257,10 +257,12 @@ class LayerSummaries:
         names: layer names, length L, in the order of the input mapping.
         numel: int64[L], elements per layer (finite or not).
         sum_abs: float64[L], sum of |g| over finite elements (saturates at the largest
-            finite double instead of overflowing to inf; only float64 input can get there).
+            finite double instead of overflowing to inf; only float64 input can get there);
+            None in norms mode (``summarize(..., norms_only=True)``).
         sum_sq: float64[L], sum of g^2 over finite elements (saturates at the largest
             finite double instead of overflowing to inf).
-        max_abs: float64[L], max |g| over finite elements (0.0 when there are none).
+        max_abs: float64[L], max |g| over finite elements (0.0 when there are none); None
+            in norms mode.
         nonfinite: int64[L], count of NaN/+-Inf elements.
         exp_hist: int64[L, EXP_HIST_BINS] exponent histogram of the finite elements (layout
             in :func:`exp_hist_edges`; each row sums to numel - nonfinite), or None when not
@@ -269,14 +271,31 @@ class LayerSummaries:
 
     names: tuple[str, ...]
     numel: np.ndarray
-    sum_abs: np.ndarray
+    sum_abs: np.ndarray | None
     sum_sq: np.ndarray
-    max_abs: np.ndarray
+    max_abs: np.ndarray | None
     nonfinite: np.ndarray
     exp_hist: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def norms_only(self) -> LayerSummaries:
+        """The same summaries without ``sum_abs`` and ``max_abs`` (the producer's norms
+        mode: only the gradient norm and the non-finite count leave the rank)."""
+        return LayerSummaries(self.names, self.numel, None, self.sum_sq, None, self.nonfinite,
+                              self.exp_hist)
+
+    def select(self, keep: np.ndarray) -> LayerSummaries:
+        """The layers where the bool[L] mask ``keep`` is True, in the same order."""
+        def pick(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[keep]
+
+        return LayerSummaries(
+            tuple(n for n, k in zip(self.names, keep, strict=True) if k), self.numel[keep],
+            pick(self.sum_abs), self.sum_sq[keep], pick(self.max_abs), self.nonfinite[keep],
+            pick(self.exp_hist),
+        )
 
 
 # -- backend selection --------------------------------------------------------------------
@@ -395,7 +414,9 @@ def _as_float_array(name: str, value: object) -> np.ndarray:
     return arr
 
 
-def summarize(gradients: Mapping[str, np.ndarray], *, histogram: bool = False) -> LayerSummaries:
+def summarize(
+    gradients: Mapping[str, np.ndarray], *, histogram: bool = False, norms_only: bool = False,
+) -> LayerSummaries:
     """Summarise a mapping of layer name -> gradient array.
 
     Statistics per layer (DESIGN.md "Wire contract"): ``numel``; over the finite elements,
@@ -409,6 +430,10 @@ def summarize(gradients: Mapping[str, np.ndarray], *, histogram: bool = False) -
             arrays are copied once, float16 layers are converted to float32 (exact).
         histogram: also fill ``exp_hist`` (int64[L, EXP_HIST_BINS], see
             :func:`exp_hist_edges`); off by default, it costs about one more read pass.
+        norms_only: return ``sum_abs`` and ``max_abs`` as None (the producer's norms
+            mode). On the CPU the fused pass reads each element once whichever statistics
+            are kept, so this saves message bytes, not summary time; on a GPU the PyTorch
+            adapter then runs one norm kernel per layer instead of three.
 
     Returns:
         LayerSummaries with one entry per layer, in the mapping's order.
@@ -421,12 +446,15 @@ def summarize(gradients: Mapping[str, np.ndarray], *, histogram: bool = False) -
     if not gradients:
         raise ValueError("no gradients to summarise (empty mapping)")
     kernels = _kernels()
+    result: LayerSummaries | None = None
     if kernels is not None:
         try:
-            return _summarize_numba(kernels, gradients, histogram)
+            result = _summarize_numba(kernels, gradients, histogram)
         except _KernelError as exc:
             _kernel_failed(exc)  # re-raises when numba was forced
-    return _summarize_numpy(gradients, histogram)
+    if result is None:
+        result = _summarize_numpy(gradients, histogram)
+    return result.norms_only() if norms_only else result
 
 
 class _KernelError(RuntimeError):

@@ -4,6 +4,15 @@ Every other package imports this one; it imports none of them. It stays light (p
 only) because the producer SDK loads it inside users' training jobs.
 """
 
+from schemas.alert import (
+    Alert,
+    AlertRule,
+    AlertSeverity,
+    AlertState,
+    RunStatus,
+    decode_alert_record,
+    encode_alert_record,
+)
 from schemas.topics import (
     DEFAULT_ALERTS_TOPIC,
     DEFAULT_CONSUMER_GROUP,
@@ -30,12 +39,19 @@ __all__ = [
     "DEFAULT_SUMMARIES_TOPIC",
     "SCHEMA_MAJOR",
     "SCHEMA_VERSION",
+    "Alert",
+    "AlertRule",
+    "AlertSeverity",
+    "AlertState",
     "GradientHealth",
     "Message",
     "RunFinished",
     "RunStarted",
+    "RunStatus",
     "StepSummary",
     "WireError",
+    "decode_alert_record",
     "decode_message",
+    "encode_alert_record",
     "encode_message",
 ]

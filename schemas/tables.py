@@ -22,12 +22,20 @@ layer_stats
     (sum (w_t - w_{t-1})^2), ``update_to_weight = sqrt(update_sum_sq / weight_sum_sq)``
     (the update-to-weight norm ratio), and the exponent histogram of the finite gradient
     elements as sparse ``exp_hist_columns`` / ``exp_hist_counts`` (column layout in
-    ``schemas.wire``: EXP_HIST_MIN, EXP_HIST_MAX, EXP_HIST_BINS).
+    ``schemas.wire``: EXP_HIST_MIN, EXP_HIST_MAX, EXP_HIST_BINS). ``sum_abs``,
+    ``max_abs_grad`` and ``mean_abs_grad`` are NULL for a layer some rank sent in norms
+    mode. The weight distribution over the finite weights (schema 1.2; NULL unless every
+    shard sent it): ``weight_sum`` = sum w, ``weight_sum_cube`` = sum w^3,
+    ``weight_sum_quad`` = sum w^4, ``weight_min``, ``weight_max``, ``weight_zeros`` (exact
+    zeros), ``weight_nonfinite`` and the exponent histogram of |w|
+    (``weight_exp_hist_columns`` / ``weight_exp_hist_counts``, same layout).
 frames
     One row per (run, step): run health after this frame, per-frame counts, whether every
     rank reported (``complete``), the ranks seen and missing.
 alerts
-    Alert events raised by workers.
+    Alert events raised by workers (``schemas.alert.Alert``): one row per firing or
+    resolved event, keyed by ``alert_id``; the two events of an incident share
+    ``incident_id``; ``frame_values`` (JSON) holds the frame values behind the event.
 kafka_offsets
     Next Kafka offset to consume per (consumer group, topic, partition), written in the
     same transaction as the rows it covers (exactly-once into the store).
@@ -78,11 +86,11 @@ SCHEMA_DDL: tuple[str, ...] = (
         step           BIGINT NOT NULL,
         layer_index    INTEGER NOT NULL,
         numel          BIGINT NOT NULL,
-        sum_abs        DOUBLE NOT NULL,
+        sum_abs        DOUBLE,
         sum_sq         DOUBLE NOT NULL,
-        max_abs_grad   DOUBLE NOT NULL,
+        max_abs_grad   DOUBLE,
         nonfinite      BIGINT NOT NULL,
-        mean_abs_grad  DOUBLE NOT NULL,
+        mean_abs_grad  DOUBLE,
         grad_norm      DOUBLE NOT NULL,
         flow_intensity DOUBLE NOT NULL,
         is_vanishing   BOOLEAN NOT NULL,
@@ -101,6 +109,21 @@ SCHEMA_DDL: tuple[str, ...] = (
     "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS update_to_weight DOUBLE",
     "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS exp_hist_columns SMALLINT[]",
     "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS exp_hist_counts BIGINT[]",
+    # Schema 1.2: norms mode leaves sum_abs, max_abs_grad, mean_abs_grad NULL; the weight
+    # distribution (power sums, extremes, zeros, exponent histogram of |w|) is NULL unless
+    # the producer sent it.
+    "ALTER TABLE layer_stats ALTER COLUMN sum_abs DROP NOT NULL",
+    "ALTER TABLE layer_stats ALTER COLUMN max_abs_grad DROP NOT NULL",
+    "ALTER TABLE layer_stats ALTER COLUMN mean_abs_grad DROP NOT NULL",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_cube DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_quad DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_min DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_max DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_zeros BIGINT",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_nonfinite BIGINT",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_columns SMALLINT[]",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_counts BIGINT[]",
     """
     CREATE TABLE IF NOT EXISTS frames (
         run_id           VARCHAR NOT NULL,
@@ -132,6 +155,12 @@ SCHEMA_DDL: tuple[str, ...] = (
         created_at DOUBLE NOT NULL
     )
     """,
+    # Alert events (schemas.alert.Alert): the incident they belong to, the step it began,
+    # the frame values behind the event (JSON) and the producer wall time of that frame.
+    "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS incident_id VARCHAR",
+    "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS first_step BIGINT",
+    "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS frame_values JSON",
+    "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS wall_time DOUBLE",
     """
     CREATE TABLE IF NOT EXISTS kafka_offsets (
         consumer_group VARCHAR NOT NULL,
@@ -147,7 +176,9 @@ LAYER_STATS_COLUMNS: tuple[str, ...] = (
     "run_id", "step", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs_grad",
     "nonfinite", "mean_abs_grad", "grad_norm", "flow_intensity", "is_vanishing",
     "is_exploding", "weight_sum_sq", "update_sum_sq", "update_to_weight",
-    "exp_hist_columns", "exp_hist_counts",
+    "exp_hist_columns", "exp_hist_counts", "weight_sum", "weight_sum_cube", "weight_sum_quad",
+    "weight_min", "weight_max", "weight_zeros", "weight_nonfinite", "weight_exp_hist_columns",
+    "weight_exp_hist_counts",
 )
 """Column order of ``layer_stats`` (the sink's bulk inserts follow it)."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -30,11 +31,15 @@ from pydantic import (
 )
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1
+SCHEMA_MINOR = 2
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """1.0: per-layer numel, sum_abs, sum_sq, max_abs, nonfinite. 1.1 adds the optional richer
 statistics (exponent histogram, weight and update norms); 1.0 messages still parse (the new
-fields default to None) and 1.0 consumers ignore the new fields."""
+fields default to None) and 1.0 consumers ignore the new fields. 1.2 makes ``sum_abs`` and
+``max_abs`` optional together (the producer's "norms" mode sends only ``sum_sq`` and
+``nonfinite``) and adds the weight-distribution statistics (power sums, extremes, exponent
+histogram of the weights). A 1.2 message in full mode still parses in a 1.1 consumer; a
+norms-mode message does not (1.1 requires ``sum_abs``) and goes to its dead-letter topic."""
 
 EXP_HIST_MIN = -134
 """Smallest binned base-2 exponent: |g| in [2^k, 2^(k+1)) goes to column k - MIN + 2.
@@ -83,6 +88,7 @@ _SEVERITY = {
 }
 
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(gt=0)]
 RunId = Annotated[str, Field(min_length=1, max_length=MAX_RUN_ID_LENGTH)]
@@ -155,6 +161,9 @@ class StepSummary(_Wire):
     ``sum_sq`` = sum g^2 over the finite elements (float64, >= 0), ``max_abs`` = max |g|
     over the finite elements (0 when none), ``nonfinite`` = count of NaN/+-Inf elements.
     ``wall_time`` is the producer's unix time (s) when the step was recorded.
+    ``sum_abs`` and ``max_abs`` are both present (full mode) or both None (norms mode,
+    schema 1.2): the consumer then bounds mean |g| and max |g| by the RMS
+    (``consumer.frames``).
 
     Optional (schema 1.1, off by default in the producer), all exactly mergeable by
     addition across ranks:
@@ -165,6 +174,14 @@ class StepSummary(_Wire):
       layer sum to ``numel - nonfinite``;
     - ``weight_sum_sq``: sum of w^2 of the layer's weights (this rank's shard);
     - ``update_sum_sq``: sum of (w_t - w_{t-1})^2, the squared norm of the last update.
+
+    Weight distribution (schema 1.2, sent with ``weight_sum_sq``), over the finite weights
+    of this rank's shard; power sums add across ranks, extremes take min / max:
+    ``weight_sum`` = sum w, ``weight_sum_cube`` = sum w^3, ``weight_sum_quad`` = sum w^4,
+    ``weight_min`` / ``weight_max`` (0 when no finite weight), ``weight_nonfinite`` = count
+    of NaN/Inf weights, and the exponent histogram of |w| in the same CSR layout as the
+    gradient's (``weight_exp_hist_*``; a layer's counts sum to numel - weight_nonfinite;
+    column 0 counts exact zeros).
     """
 
     type: Literal["step_summary"] = "step_summary"
@@ -175,72 +192,128 @@ class StepSummary(_Wire):
     wall_time: WallTime
     layer_indices: list[NonNegInt] = Field(min_length=1)
     numel: list[PosInt]
-    sum_abs: list[NonNegFloat]
+    sum_abs: list[NonNegFloat] | None = None
     sum_sq: list[NonNegFloat]
-    max_abs: list[NonNegFloat]
+    max_abs: list[NonNegFloat] | None = None
     nonfinite: list[NonNegInt]
     exp_hist_offsets: list[NonNegInt] | None = None
     exp_hist_columns: list[Annotated[int, Field(ge=0, lt=EXP_HIST_BINS)]] | None = None
     exp_hist_counts: list[PosInt] | None = None
     weight_sum_sq: list[NonNegFloat] | None = None
     update_sum_sq: list[NonNegFloat] | None = None
+    weight_sum: list[FiniteFloat] | None = None
+    weight_sum_cube: list[FiniteFloat] | None = None
+    weight_sum_quad: list[NonNegFloat] | None = None
+    weight_min: list[FiniteFloat] | None = None
+    weight_max: list[FiniteFloat] | None = None
+    weight_nonfinite: list[NonNegInt] | None = None
+    weight_exp_hist_offsets: list[NonNegInt] | None = None
+    weight_exp_hist_columns: list[Annotated[int, Field(ge=0, lt=EXP_HIST_BINS)]] | None = None
+    weight_exp_hist_counts: list[PosInt] | None = None
+
+    @property
+    def has_abs(self) -> bool:
+        """True when the message carries ``sum_abs`` and ``max_abs`` (full mode)."""
+        return self.sum_abs is not None
+
+    @property
+    def has_weight_distribution(self) -> bool:
+        """True when the message carries the weight-distribution statistics (1.2)."""
+        return self.weight_sum is not None
 
     @model_validator(mode="after")
     def _aligned(self) -> StepSummary:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        if (self.sum_abs is None) != (self.max_abs is None):
+            raise ValueError("sum_abs and max_abs go together: send both (full mode) or "
+                             "neither (norms mode)")
         n = len(self.layer_indices)
         for name in ("numel", "sum_abs", "sum_sq", "max_abs", "nonfinite"):
-            got = len(getattr(self, name))
+            values = getattr(self, name)
+            if values is None:
+                continue
+            got = len(values)
             if got != n:
                 raise ValueError(
                     f"{name} has {got} entries but layer_indices has {n}: arrays must be aligned"
                 )
         if len(set(self.layer_indices)) != n:
             raise ValueError("layer_indices must be unique within one summary")
-        for i, (count, bad) in enumerate(zip(self.numel, self.nonfinite, strict=True)):
-            if bad > count:
-                raise ValueError(
-                    f"nonfinite[{i}]={bad} exceeds numel[{i}]={count}"
-                )
-        for name in ("weight_sum_sq", "update_sum_sq"):
+        if any(map(operator.gt, self.nonfinite, self.numel)):  # C-level scan, hot path
+            i = next(i for i, x in enumerate(self.nonfinite) if x > self.numel[i])
+            raise ValueError(
+                f"nonfinite[{i}]={self.nonfinite[i]} exceeds numel[{i}]={self.numel[i]}"
+            )
+        for name in ("weight_sum_sq", "update_sum_sq", *_WEIGHT_DISTRIBUTION):
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} entries but layer_indices has {n}")
-        self._check_histogram(n)
+        given = [getattr(self, name) is not None for name in _WEIGHT_DISTRIBUTION]
+        if any(given) and not (all(given) and self.weight_exp_hist_offsets is not None
+                               and self.weight_sum_sq is not None):
+            raise ValueError(
+                "the weight distribution goes together: weight_sum_sq, "
+                + ", ".join(_WEIGHT_DISTRIBUTION) + " and weight_exp_hist_*"
+            )
+        if any(given) and any(
+            lo > hi for lo, hi in zip(self.weight_min, self.weight_max, strict=True)  # type: ignore[arg-type]
+        ):
+            raise ValueError("weight_min must be <= weight_max for every layer")
+        self._check_histogram(
+            n, "exp_hist", (self.exp_hist_offsets, self.exp_hist_columns, self.exp_hist_counts),
+            self.nonfinite,
+        )
+        if self.weight_exp_hist_offsets is not None and self.weight_nonfinite is None:
+            raise ValueError("weight_exp_hist_* needs the rest of the weight distribution")
+        self._check_histogram(
+            n, "weight_exp_hist",
+            (self.weight_exp_hist_offsets, self.weight_exp_hist_columns,
+             self.weight_exp_hist_counts),
+            self.weight_nonfinite or [],
+        )
         return self
 
-    def _check_histogram(self, n: int) -> None:
-        parts = (self.exp_hist_offsets, self.exp_hist_columns, self.exp_hist_counts)
+    def _check_histogram(
+        self, n: int, prefix: str, parts: tuple[list[int] | None, ...], nonfinite: list[int],
+    ) -> None:
         if all(p is None for p in parts):
             return
         offsets, columns, counts = parts
         if offsets is None or columns is None or counts is None:
-            raise ValueError("exp_hist_offsets, exp_hist_columns and exp_hist_counts go together")
+            raise ValueError(
+                f"{prefix}_offsets, {prefix}_columns and {prefix}_counts go together"
+            )
         if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != len(columns):
             raise ValueError(
-                f"exp_hist_offsets must have {n + 1} entries from 0 to len(exp_hist_columns)"
+                f"{prefix}_offsets must have {n + 1} entries from 0 to len({prefix}_columns)"
             )
         if len(counts) != len(columns):
-            raise ValueError("exp_hist_counts and exp_hist_columns must have equal lengths")
+            raise ValueError(f"{prefix}_counts and {prefix}_columns must have equal lengths")
         off = np.asarray(offsets, dtype=np.int64)
         if np.any(np.diff(off) < 0):
-            raise ValueError("exp_hist_offsets must be non-decreasing")
+            raise ValueError(f"{prefix}_offsets must be non-decreasing")
         cols = np.asarray(columns, dtype=np.int64)
         starts = np.zeros(len(cols), dtype=bool)
         starts[off[:-1][off[:-1] < len(cols)]] = True
         if np.any((np.diff(cols) <= 0) & ~starts[1:]):
-            raise ValueError("exp_hist_columns must be strictly ascending within each layer")
+            raise ValueError(f"{prefix}_columns must be strictly ascending within each layer")
         cum = np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64))))
         per_layer = cum[off[1:]] - cum[off[:-1]]
-        expected = np.asarray(self.numel, np.int64) - np.asarray(self.nonfinite, np.int64)
+        expected = np.asarray(self.numel, np.int64) - np.asarray(nonfinite, np.int64)
         bad = np.flatnonzero(per_layer != expected)
         if bad.size:
             i = int(bad[0])
             raise ValueError(
-                f"exp_hist_counts of layer {i} sum to {per_layer[i]}, expected "
+                f"{prefix}_counts of layer {i} sum to {per_layer[i]}, expected "
                 f"numel - nonfinite = {expected[i]}"
             )
+
+
+_WEIGHT_DISTRIBUTION = (
+    "weight_sum", "weight_sum_cube", "weight_sum_quad", "weight_min", "weight_max",
+    "weight_nonfinite",
+)
 
 
 class RunFinished(_Wire):
@@ -263,8 +336,38 @@ class RunFinished(_Wire):
         return self
 
 
+class MergedFrame(StepSummary):
+    """A finished frame in scale-out mode: the merged sums of every rank of one (run, step),
+    published by a worker to the frames topic and stored by ``gradstream store``.
+
+    The per-layer arrays have the meaning of :class:`StepSummary`'s, summed (maxima: max)
+    over the ranks in ``ranks_seen``; ``rank`` is the smallest of them. An optional
+    statistic is sent only when every rank of every layer carried it. Frames merge like
+    shards when their rank sets are disjoint (a late rank), which is what the store does.
+    """
+
+    type: Literal["merged_frame"] = "merged_frame"  # type: ignore[assignment]
+    ranks_seen: list[NonNegInt] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _ranks(self) -> MergedFrame:
+        if sorted(set(self.ranks_seen)) != self.ranks_seen:
+            raise ValueError("ranks_seen must be strictly ascending")
+        if self.ranks_seen[-1] >= self.world_size:
+            raise ValueError(f"ranks_seen reach {self.ranks_seen[-1]} >= world_size")
+        if self.rank != self.ranks_seen[0]:
+            raise ValueError("rank must be the smallest of ranks_seen")
+        return self
+
+
 Message = Annotated[RunStarted | StepSummary | RunFinished, Field(discriminator="type")]
 _ADAPTER: TypeAdapter[RunStarted | StepSummary | RunFinished] = TypeAdapter(Message)
+FrameTopicMessage = Annotated[
+    RunStarted | MergedFrame | RunFinished, Field(discriminator="type")
+]
+_FRAME_ADAPTER: TypeAdapter[RunStarted | MergedFrame | RunFinished] = TypeAdapter(
+    FrameTopicMessage
+)
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -293,6 +396,22 @@ def decode_message(raw: bytes | str) -> RunStarted | StepSummary | RunFinished:
         raise WireError(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
     try:
         return _ADAPTER.validate_json(raw)
+    except ValidationError as exc:
+        raise WireError(_first_error(exc)) from None
+
+
+def decode_frame_message(raw: bytes | str) -> RunStarted | MergedFrame | RunFinished:
+    """Parse and validate one message of the frames topic (scale-out mode).
+
+    Raises:
+        WireError: as :func:`decode_message`.
+    """
+    if raw is None:
+        raise WireError("empty message (no value)")
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        return _FRAME_ADAPTER.validate_json(raw)
     except ValidationError as exc:
         raise WireError(_first_error(exc)) from None
 

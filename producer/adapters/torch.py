@@ -192,12 +192,19 @@ def _norms(tensors: Sequence[torch.Tensor], ord_: float, torch: Any) -> list[tor
     return [torch.linalg.vector_norm(t, ord_, dtype=torch.float64) for t in tensors]
 
 
-def _stats_on_device(tensors: Sequence[torch.Tensor], torch: Any) -> np.ndarray:
-    """float64[k, 3] host array of (sum |g|, sqrt(sum g^2), max |g|) for k same-device tensors."""
+def _stats_on_device(
+    tensors: Sequence[torch.Tensor], torch: Any, norms_only: bool = False
+) -> np.ndarray:
+    """float64[k, 3] host array of (sum |g|, sqrt(sum g^2), max |g|) for k same-device
+    tensors; with ``norms_only`` only the L2 norm is computed (one batched norm kernel
+    instead of three) and columns 0 and 2 are NaN."""
+    l2 = torch.stack(_norms(tensors, 2.0, torch))
+    if norms_only:
+        nan = torch.full_like(l2, math.nan)
+        return torch.stack([nan, l2, nan], dim=1).cpu().numpy()
     l1 = _norms(tensors, 1.0, torch)
-    l2 = _norms(tensors, 2.0, torch)
     linf = _norms(tensors, math.inf, torch)
-    stacked = torch.stack([torch.stack(l1), torch.stack(l2), torch.stack(linf)], dim=1)
+    stacked = torch.stack([torch.stack(l1), l2, torch.stack(linf)], dim=1)
     return stacked.cpu().numpy()
 
 
@@ -223,7 +230,7 @@ def _finite_stats_on_device(tensors: Sequence[torch.Tensor], torch: Any) -> np.n
 
 
 def summarize_tensors(
-    gradients: Mapping[str, torch.Tensor], *, host_numpy: bool = True
+    gradients: Mapping[str, torch.Tensor], *, host_numpy: bool = True, norms_only: bool = False,
 ) -> LayerSummaries:
     """Summarise torch gradients where they live; the torch twin of ``summarize``.
 
@@ -246,6 +253,8 @@ def summarize_tensors(
             into their local part first (:func:`local_gradient`).
         host_numpy: summarise dense CPU tensors with NumPy (default True); False uses
             the torch reductions for CPU tensors too.
+        norms_only: the producer's norms mode: only ``sum_sq`` and ``nonfinite`` (one norm
+            kernel per device batch instead of three); ``sum_abs``/``max_abs`` are None.
 
     Returns:
         LayerSummaries aligned with the mapping's order (int64 ``numel``/``nonfinite``,
@@ -308,8 +317,9 @@ def summarize_tensors(
             nonempty = [i for i in idx if values[i].numel() > 0]
             if not nonempty:
                 continue
-            stats = _stats_on_device([values[i] for i in nonempty], torch)
-            bad = ~np.isfinite(stats).all(axis=1)
+            stats = _stats_on_device([values[i] for i in nonempty], torch, norms_only)
+            bad = ~np.isfinite(stats[:, 1] if norms_only else stats).reshape(len(nonempty), -1)
+            bad = bad.any(axis=1)
             if bad.any():
                 redo = np.flatnonzero(bad)
                 again = _finite_stats_on_device([values[nonempty[j]] for j in redo], torch)
@@ -320,7 +330,8 @@ def summarize_tensors(
             with np.errstate(over="ignore"):
                 sum_sq[sel] = np.minimum(stats[:, 1] * stats[:, 1], _MAX_DOUBLE)
             max_abs[sel] = stats[:, 2]
-    return LayerSummaries(names, numel, sum_abs, sum_sq, max_abs, nonfinite)
+    result = LayerSummaries(names, numel, sum_abs, sum_sq, max_abs, nonfinite)
+    return result.norms_only() if norms_only else result
 
 
 class GradientTap:
@@ -566,7 +577,9 @@ class GradientTap:
         if not grads:
             self.steps_without_gradients += 1
             return None
-        summaries = summarize_tensors(grads, host_numpy=self.host_numpy)
+        settings = getattr(self.producer, "settings", None)
+        norms_only = getattr(settings, "mode", "full") == "norms"
+        summaries = summarize_tensors(grads, host_numpy=self.host_numpy, norms_only=norms_only)
         self.producer.record_summaries(step, summaries)
         self.steps_recorded += 1
         return summaries

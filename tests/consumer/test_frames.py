@@ -105,3 +105,69 @@ def test_all_nan_layer_is_nonfinite_not_vanishing():
     f = _frame_of({"nan": np.full(4, np.nan), "tiny": np.full(4, 1e-9)})
     assert f.is_vanishing.tolist() == [False, True]
     assert f.nonfinite.tolist() == [4, 0] and f.mean_abs_grad[0] == 0.0
+
+
+def _norms_frame(grads, van=1e-7, exp=1e3, full_ranks=()):
+    """Frame of one shard per layer-dict rank; ranks not in full_ranks send norms only."""
+    names = list(grads[0])
+    merged = MergedShards.empty(len(names))
+    for rank, g in enumerate(grads):
+        s = summarize(g, norms_only=rank not in full_ranks)
+        merged.add(np.arange(len(s)), s.numel, s.sum_abs, s.sum_sq, s.max_abs, s.nonfinite)
+    return compute_frame("r", 0, merged, vanishing_threshold=van, exploding_threshold=exp,
+                         ranks_seen=tuple(range(len(grads))), world_size=len(grads),
+                         wall_time=0.0)
+
+
+def test_norms_mode_flags_use_the_rms_bounds():
+    # rms of "spike" = sqrt(2000^2 / 100) = 200 < 1e3 although max |g| = 2000: not flagged
+    # (the bound is one-sided); rms of "big" = 2000 > 1e3: exploding for certain.
+    spike = np.zeros(100)
+    spike[0] = 2000.0
+    grads = {"tiny": np.full(4, 1e-8), "edge": np.full(4, 1e-7), "spike": spike,
+             "big": np.full(4, 2000.0)}
+    f = _norms_frame([grads])
+    assert np.isnan(f.mean_abs_grad).all() and np.isnan(f.max_abs_grad).all()
+    assert np.isnan(f.sum_abs).all()
+    assert f.grad_norm.tolist() == pytest.approx([2e-8, 2e-7, 2000.0, 4000.0])
+    assert f.is_vanishing.tolist() == [True, False, False, False]
+    assert f.is_exploding.tolist() == [False, False, False, True]
+    full = _frame_of(grads)
+    assert full.is_exploding.tolist() == [False, False, True, True]
+    # Every norms-mode flag is one the full statistics raise too.
+    assert not (f.is_vanishing & ~full.is_vanishing).any()
+    assert not (f.is_exploding & ~full.is_exploding).any()
+
+
+def test_mixed_modes_across_ranks_leave_abs_statistics_unknown():
+    g = {"a": np.array([3.0, -4.0])}
+    mixed = _norms_frame([g, g], full_ranks=(0,))
+    assert np.isnan(mixed.mean_abs_grad[0]) and mixed.grad_norm[0] == pytest.approx(50 ** 0.5)
+    full = _norms_frame([g, g], full_ranks=(0, 1))
+    assert full.mean_abs_grad.tolist() == [3.5] and full.max_abs_grad.tolist() == [4.0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 2**31))
+def test_weight_distribution_merges_exactly_across_ranks(ranks, seed):
+    from consumer.frames import WeightDistribution
+    from producer.weights import weight_statistics
+
+    rng = np.random.default_rng(seed)
+    parts = [rng.standard_normal(int(rng.integers(1, 50))).astype(np.float32) for _ in range(ranks)]
+    parts[0][0] = 0.0
+    dist = WeightDistribution.empty(1)
+    for p in parts:
+        w = weight_statistics({"w": p})
+        off = np.array([0, int((w.exp_hist > 0).sum())])
+        cols = np.flatnonzero(w.exp_hist[0])
+        dist.add(np.array([0]), np.array([w.sum, w.sum_cube, w.sum_quad]), w.min, w.max,
+                 w.nonfinite, off, cols, w.exp_hist[0, cols])
+    whole = weight_statistics({"w": np.concatenate(parts)})
+    x = np.concatenate(parts).astype(np.float64)
+    assert dist.sum[0] == pytest.approx(x.sum(), rel=1e-9, abs=1e-9)
+    assert dist.sum_cube[0] == pytest.approx((x ** 3).sum(), rel=1e-9, abs=1e-9)
+    assert dist.sum_quad[0] == pytest.approx((x ** 4).sum(), rel=1e-12)
+    assert dist.min[0] == x.min() and dist.max[0] == x.max()
+    assert dist.exp_hist[0].tolist() == whole.exp_hist[0].tolist()
+    assert dist.exp_hist[0, 0] >= 1  # the exact zero

@@ -102,3 +102,62 @@ def test_histograms_and_weight_norms_merge_across_ranks(kafka_bootstrap, tmp_pat
             delta = w - prev.astype(np.float64)
             assert usq == pytest.approx(float(delta @ delta), rel=1e-6)
             assert ratio == pytest.approx(np.sqrt(usq / wsq), rel=1e-12)
+
+
+def test_norms_mode_and_weight_distribution_end_to_end(kafka_bootstrap, tmp_path, unique_name):
+    """Schema 1.2: a norms-mode run stores NULL mean/max |g| and RMS-bounded flags; the
+    weight distribution of two ranks is stored as the statistics of the whole tensor."""
+    settings = ConsumerSettings(
+        bootstrap_servers=kafka_bootstrap, topic=f"norms-{unique_name}",
+        dlq_topic=f"norms-dlq-{unique_name}", group_id=f"norms-{unique_name}",
+        db=str(tmp_path / "norms.duckdb"),
+    )
+    worker = Worker(settings)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    run_id = f"norms-{unique_name}"
+    grads = {"big": np.full(10, 5000.0, np.float32), "tiny": np.full(10, 1e-9, np.float32)}
+    rng = np.random.default_rng(0)
+    w = {r: {"big": rng.standard_normal(10).astype(np.float32),
+             "tiny": rng.standard_normal(10).astype(np.float32)} for r in range(WORLD)}
+    try:
+        assert worker.wait_ready(60)
+        producers = [
+            GradientProducer(run_id, rank=r, world_size=WORLD, bootstrap_servers=kafka_bootstrap,
+                             topic=settings.topic, mode="norms", weight_stats=True)
+            for r in range(WORLD)
+        ]
+        for p in producers:
+            p.start_run({"big": 20, "tiny": 20})
+        for r, p in enumerate(producers):
+            p.record_step(0, grads, weights=w[r])
+        for p in producers:
+            p.finish_run()
+            p.close()
+        assert worker.wait_for_runs([run_id], 60)
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert worker.counters.dead_letters == 0
+    con = duckdb.connect(settings.db, read_only=True)
+    rows = con.execute(
+        "SELECT layer_index, sum_abs, max_abs_grad, mean_abs_grad, grad_norm, is_vanishing, "
+        "is_exploding, weight_sum, weight_sum_sq, weight_sum_cube, weight_sum_quad, "
+        "weight_min, weight_max, weight_zeros, weight_nonfinite, weight_exp_hist_counts "
+        "FROM layer_stats WHERE run_id = ? ORDER BY layer_index", [run_id],
+    ).fetchall()
+    con.close()
+    assert len(rows) == 2
+    for layer, (_idx, sabs, mx, mean, norm, van, exp, ws, wsq, wc, wq, lo, hi, zeros, bad,
+                counts) in zip(["big", "tiny"], rows, strict=True):
+        assert (sabs, mx, mean) == (None, None, None)
+        g = np.concatenate([grads[layer]] * WORLD).astype(np.float64)
+        assert norm == pytest.approx(float(np.sqrt(g @ g)), rel=1e-12)
+        assert (van, exp) == ((False, True) if layer == "big" else (True, False))
+        x = np.concatenate([w[r][layer] for r in range(WORLD)]).astype(np.float64)
+        assert ws == pytest.approx(x.sum(), rel=1e-9, abs=1e-12)
+        assert wsq == pytest.approx((x ** 2).sum(), rel=1e-12)
+        assert wc == pytest.approx((x ** 3).sum(), rel=1e-9, abs=1e-12)
+        assert wq == pytest.approx((x ** 4).sum(), rel=1e-12)
+        assert (lo, hi) == (x.min(), x.max())
+        assert (zeros, bad, sum(counts)) == (0, 0, 20)

@@ -51,6 +51,12 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRADSTREAM_EVERY_N_STEPS", "0")
     with pytest.raises(ValueError, match="every_n_steps"):
         ProducerSettings()
+    monkeypatch.setenv("GRADSTREAM_EVERY_N_STEPS", "1")
+    monkeypatch.setenv("GRADSTREAM_MODE", "norms")
+    assert ProducerSettings().mode == "norms"
+    monkeypatch.setenv("GRADSTREAM_MODE", "fast")
+    with pytest.raises(ValueError, match="mode"):
+        ProducerSettings()
 
 
 def test_record_step_errors_name_the_problem() -> None:

@@ -137,3 +137,53 @@ def test_schema_1_1_bad_richer_statistics(override, reason):
     with pytest.raises(WireError) as err:
         decode_message(_with_hist(**override))
     assert reason in err.value.reason
+
+
+def test_schema_1_2_norms_mode_message_parses_without_abs_statistics():
+    msg = decode_message(_raw(schema_version="1.2", sum_abs=None, max_abs=None))
+    assert isinstance(msg, StepSummary)
+    assert not msg.has_abs and msg.sum_abs is None and msg.max_abs is None
+    d = _summary(schema_version="1.2")
+    del d["sum_abs"], d["max_abs"]
+    assert not decode_message(json.dumps({**d, "type": "step_summary"})).has_abs
+
+
+@pytest.mark.parametrize("missing", ["sum_abs", "max_abs"])
+def test_abs_statistics_go_together(missing):
+    with pytest.raises(WireError, match="go together"):
+        decode_message(_raw(schema_version="1.2", **{missing: None}))
+
+
+def _weights(**over):
+    d = dict(
+        weight_sum_sq=[1.0, 2.0], weight_sum=[0.5, -1.0], weight_sum_cube=[0.1, -0.2],
+        weight_sum_quad=[0.3, 0.4], weight_min=[-1.0, -2.0], weight_max=[1.0, 0.5],
+        weight_nonfinite=[0, 2], weight_exp_hist_offsets=[0, 2, 3],
+        weight_exp_hist_columns=[0, 130, 134], weight_exp_hist_counts=[1, 3, 6],
+    )
+    d.update(over)
+    return d
+
+
+def test_weight_distribution_validates():
+    msg = decode_message(_raw(schema_version="1.2", **_weights()))
+    assert msg.has_weight_distribution and msg.weight_nonfinite == [0, 2]
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ({"weight_sum": None}, "goes together"),
+        ({"weight_exp_hist_offsets": None, "weight_exp_hist_columns": None,
+          "weight_exp_hist_counts": None}, "goes together"),
+        ({"weight_min": [2.0, -2.0]}, "weight_min must be <= weight_max"),
+        ({"weight_exp_hist_counts": [1, 3, 7]}, "weight_exp_hist_counts of layer 1 sum to 7"),
+        ({"weight_sum_quad": [-1.0, 0.0]}, "weight_sum_quad"),
+        ({"weight_sum": [float("nan"), 0.0]}, "weight_sum"),
+    ],
+)
+def test_bad_weight_distribution(override, reason):
+    raw = json.loads(_raw(schema_version="1.2", **_weights()))
+    raw.update(override)
+    with pytest.raises(WireError, match=reason):
+        decode_message(json.dumps(raw))

@@ -16,6 +16,7 @@ class FakeSettings:
     every_n_steps: int = 1
     include: list[str] = field(default_factory=list)
     exclude: list[str] = field(default_factory=list)
+    mode: str = "full"
 
 
 @dataclass

@@ -618,3 +618,28 @@ def test_tap_through_real_gradient_producer_and_kafka(
             np.asarray(message.max_abs), np.asarray(message.nonfinite, dtype=np.int64),
         )
         assert_same(got, want)
+
+
+@pytest.mark.parametrize("host_numpy", [True, False])
+def test_norms_mode_sends_only_the_norm_and_nonfinite(host_numpy: bool) -> None:
+    g = torch.tensor([3.0, -4.0, float("nan"), 0.0])
+    got = summarize_tensors({"g": g}, host_numpy=host_numpy, norms_only=True)
+    assert got.sum_abs is None and got.max_abs is None
+    assert got.sum_sq.tolist() == pytest.approx([25.0], rel=1e-12)
+    assert got.nonfinite.tolist() == [1]
+    clean = summarize_tensors({"g": torch.tensor([1.0, 2.0])}, host_numpy=host_numpy,
+                              norms_only=True)
+    assert clean.sum_sq.tolist() == pytest.approx([5.0], rel=1e-12)
+    assert clean.nonfinite.tolist() == [0]
+
+
+def test_tap_follows_the_producers_norms_mode() -> None:
+    model = mlp()
+    producer = FakeProducer(settings=FakeSettings(mode="norms"))
+    tap = GradientTap(model, producer)
+    tap.start_run()
+    model(torch.ones(2, 6)).sum().backward()
+    tap.step(0)
+    (_, summaries), = producer.steps
+    assert summaries.sum_abs is None and summaries.max_abs is None
+    assert (summaries.sum_sq > 0).all()

@@ -1,0 +1,419 @@
+"""Report models of the seed 002 gradient flow visualisation data (``visualization.rs``).
+
+Field names follow the seed; the formula of every field is in its class docstring and in
+:mod:`analysis.flow`. Collections keyed by layer name in the seed (``HashMap``) are lists in
+model order here, each entry carrying its ``layer_name``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class GradientDirection(_Model):
+    """One sample of a layer's gradient flow.
+
+    - ``step``: optimiser step of the sample.
+    - ``magnitude``: ``grad_norm`` (L2 norm of the layer's finite gradient elements, merged
+      over ranks).
+    - ``consistency_score``: ``1 - |n_t - n_{t-1}| / (n_t + n_{t-1})`` against the layer's
+      previous sample (seed 002); 1.0 for the first sample in the range and for two zeros.
+
+    The seed's ``direction_vector`` is left out: it is a placeholder (``vec![norm]``) and a
+    gradient's direction needs the gradient vectors (or inner products between steps),
+    which per-layer telemetry does not carry.
+    """
+
+    step: int
+    magnitude: float
+    consistency_score: float
+
+
+class GradientLayerFlow(_Model):
+    """Gradient flow of one layer over the step range (seed 002 ``GradientLayerFlow``).
+
+    With ``n_1..n_N`` the layer's norms in step order:
+
+    - ``gradient_magnitudes`` / ``gradient_directions``: the last ``temporal_window``
+      samples (the visualisation window of the config; the statistics below use all N).
+    - ``flow_consistency``: ``1 / (1 + mean_t |n_t - n_{t-1}| / n_{t-1})`` (seed 002; a
+      zero followed by non-zero counts as an infinite change, zero-to-zero as none); 1.0
+      for N < 2.
+    - ``bottleneck_score``: ``1 - min(min_t n_t / mean_t n_t, 1)``; 1.0 if the mean is 0.
+    - ``information_flow_rate``: ``sum_t |n_t - n_{t-1}| / N`` (norm units per step).
+    - ``samples``: N; ``layer_index``: model-order index.
+    """
+
+    layer_name: str
+    layer_index: int
+    samples: int
+    gradient_magnitudes: list[float]
+    gradient_directions: list[GradientDirection]
+    flow_consistency: float
+    bottleneck_score: float
+    information_flow_rate: float
+
+
+class FlowDirection(StrEnum):
+    """Where a layer's gradient magnitude is heading over the temporal window.
+
+    Tested in this order; each layer at level ``alpha / L`` (Bonferroni over the L
+    layers, so that the chance of any noise-only class in the whole model is ``alpha``):
+
+    - ``Oscillating``: more direction reversals than an i.i.d. series would show
+      (turning-point test, ``z`` above the two-sided critical value); an alternating
+      series is the extreme.
+    - ``Forward``: the least-squares slope of the norm against the step is significantly
+      positive (t-test): the flow is strengthening (the seed's ``trend > 0``).
+    - ``Backward``: significantly negative: the flow is weakening.
+    - ``Stagnant``: neither: no reversal pattern and no trend beyond noise (including a
+      constant, e.g. all-zero, layer, and windows of fewer than 3 samples).
+    """
+
+    FORWARD = "Forward"
+    BACKWARD = "Backward"
+    OSCILLATING = "Oscillating"
+    STAGNANT = "Stagnant"
+
+
+class TemporalGradientFlow(_Model):
+    """A layer's latest flow state (seed 002 ``TemporalGradientFlow``).
+
+    - ``step``: the layer's last step in the range; ``gradient_magnitude``: its norm there.
+    - ``flow_direction``: :class:`FlowDirection` over the last ``temporal_window`` samples.
+    - ``stability_score``: ``1 / (1 + std / mean)`` of the norm over the window (one over
+      one plus the coefficient of variation; the seed's ``1 / (1 + variance)`` depends on
+      the units of the norm); 1.0 for a constant window.
+    """
+
+    step: int
+    layer_name: str
+    gradient_magnitude: float
+    flow_direction: FlowDirection
+    stability_score: float
+
+
+class NodeType(StrEnum):
+    """Role of a layer in the flow network (first match wins).
+
+    Gains are per-element: ``rms = grad_norm / sqrt(numel)``, edge gain
+    ``g_t = rms_to / rms_from`` along backpropagation. With the edges' mean log gains
+    and their Tukey fences (Q1 - 1.5 IQR, Q3 + 1.5 IQR):
+
+    - ``Bottleneck``: the edge into this layer is Blocked or its mean log gain is below
+      the lower fence: the gradient shrinks here far more than across other edges.
+    - ``Amplifier``: the mean log gain into this layer is above the upper fence.
+    - ``Source``: no incoming edge: the last layer in model order, where backpropagation
+      starts.
+    - ``Sink``: no outgoing edge: the first layer in model order, where it ends.
+    - ``Normal``: otherwise.
+    """
+
+    SOURCE = "Source"
+    SINK = "Sink"
+    BOTTLENECK = "Bottleneck"
+    AMPLIFIER = "Amplifier"
+    NORMAL = "Normal"
+
+
+class FlowNode(_Model):
+    """One layer as a node (seed 002 ``FlowNode``).
+
+    - ``gradient_strength``: mean of the layer's norms over the range (seed).
+    - ``connectivity``: edges of the flow network touching the node (its degree: 1 at the
+      ends of the chain, 2 inside, 0 for a one-layer network); the seed's placeholder is
+      the number of layers.
+    - ``influence_score``: ``gradient_strength x flow_consistency`` (seed).
+    """
+
+    layer_name: str
+    layer_index: int
+    node_type: NodeType
+    gradient_strength: float
+    connectivity: int
+    influence_score: float
+
+
+class EdgeType(StrEnum):
+    """Kind of an edge (first match wins):
+
+    - ``Blocked``: the receiving layer's gradient is exactly zero in at least half of the
+      steps both layers report: no gradient passes this edge.
+    - ``Intermittent``: ``flow_consistency < 1/2``, i.e. the per-step gain's standard
+      deviation exceeds its mean: transmission comes and goes.
+    - ``Strong``: ``flow_strength >= 1``: the per-element gradient does not shrink across
+      the edge.
+    - ``Weak``: ``flow_strength < 1``: it shrinks.
+    """
+
+    STRONG = "Strong"
+    WEAK = "Weak"
+    INTERMITTENT = "Intermittent"
+    BLOCKED = "Blocked"
+
+
+class FlowEdge(_Model):
+    """Edge between consecutive layers in backpropagation order (reverse model order):
+    ``from_layer`` is layer ``i + 1``, ``to_layer`` layer ``i``.
+
+    Over the steps where both layers report and have a non-zero gradient, with the
+    per-element gain ``g_t = (n_to,t / sqrt(numel_to)) / (n_from,t / sqrt(numel_from))``:
+
+    - ``flow_strength``: geometric mean of ``g_t`` (0.0 when no such step).
+    - ``flow_consistency``: ``1 / (1 + std(g) / mean(g))`` (0.0 when no such step).
+    - ``edge_type``: :class:`EdgeType`.
+    - ``blocked_fraction``: share of the common steps with ``n_to = 0``.
+    """
+
+    from_layer: str
+    to_layer: str
+    flow_strength: float
+    flow_consistency: float
+    edge_type: EdgeType
+    blocked_fraction: float
+
+
+class NetworkMetrics(_Model):
+    """Network-level flow metrics (seed 002 ``NetworkMetrics``).
+
+    - ``overall_flow_efficiency``: mean ``flow_strength`` of the edges (seed); 0 without.
+    - ``network_connectivity``: share of edges that are not Blocked (the seed's
+      ``edges / (n (n-1))`` is a constant ``1 / n`` for a chain); 0 without edges.
+    - ``bottleneck_density``: Bottleneck nodes / nodes (seed).
+    - ``flow_stability``: mean ``flow_consistency`` of the edges (seed); 0 without.
+    - ``information_propagation_speed``: ``overall_flow_efficiency x
+      network_connectivity`` (seed's product, now of measured factors).
+    """
+
+    overall_flow_efficiency: float
+    network_connectivity: float
+    bottleneck_density: float
+    flow_stability: float
+    information_propagation_speed: float
+
+
+class GradientFlowNetwork(_Model):
+    """Nodes (model order), edges (backpropagation order) and their metrics."""
+
+    nodes: list[FlowNode]
+    edges: list[FlowEdge]
+    network_metrics: NetworkMetrics
+
+
+class CriticalGradientPath(_Model):
+    """A maximal run of consecutive non-Strong edges (Weak, Intermittent or Blocked) along
+    backpropagation: a stretch where the gradient loses strength.
+
+    - ``layers``: the layers along the path in backpropagation order;
+      ``path_length``: their count.
+    - ``total_flow_strength``: product of the edges' ``flow_strength``: the end-to-end
+      per-element gain across the path (the seed sums them).
+    - ``bottleneck_layers``: Bottleneck nodes on the path.
+    - ``criticality_score``: ``1 - min(total_flow_strength, 1)``: the share of the
+      per-element gradient magnitude lost across the path (seed placeholder: 0.8).
+    - ``optimization_potential``: parameters (``numel``) of the path's layers / all
+      parameters of the layers analysed: the share of the model a fix would reach.
+    """
+
+    path_id: str
+    layers: list[str]
+    path_length: int
+    total_flow_strength: float
+    bottleneck_layers: list[str]
+    criticality_score: float
+    optimization_potential: float
+
+
+class RegionExtent(_Model):
+    """Where a region lies: first and last layer (model order), parameters of its layers
+    (sum of ``numel`` from RunStarted; the seed's placeholder is 1000) and
+    ``duration_steps`` (definition per region kind)."""
+
+    start_layer: str
+    end_layer: str
+    affected_parameters: int
+    duration_steps: int
+
+
+class VanishingSeverity(StrEnum):
+    """Orders of magnitude the region's typical per-element gradient lies below the run's
+    vanishing threshold: ``d = log10(threshold / typical)``, Mild ``d < 1``, Moderate
+    ``d < 2``, Severe ``d < 3``, Critical ``d >= 3`` or gradients exactly zero."""
+
+    MILD = "Mild"
+    MODERATE = "Moderate"
+    SEVERE = "Severe"
+    CRITICAL = "Critical"
+
+
+class ExplodingSeverity(StrEnum):
+    """Orders of magnitude the region's largest gradient element lies above the run's
+    exploding threshold: ``d = log10(peak / threshold)``, Mild ``d < 1``, Moderate
+    ``d < 2``, Severe ``d < 3``, Critical ``d >= 3`` or any NaN/Inf gradient."""
+
+    MILD = "Mild"
+    MODERATE = "Moderate"
+    SEVERE = "Severe"
+    CRITICAL = "Critical"
+
+
+class VanishingRegion(_Model):
+    """Adjacent layers (model order) each vanishing in at least half of its steps (a step
+    vanishes when ``mean_abs_grad < vanishing_threshold`` with no NaN/Inf, the run's frame
+    rule). ``severity_level`` from the median over the layers of their geometric-mean
+    per-element magnitude; ``extent.duration_steps``: steps at which every layer of the
+    region that reported was vanishing."""
+
+    region_id: str
+    affected_layers: list[str]
+    severity_level: VanishingSeverity
+    extent: RegionExtent
+    mitigation_suggestions: list[str]
+
+
+class ExplodingRegion(_Model):
+    """Adjacent layers (model order) each exploding (``max_abs_grad >
+    exploding_threshold``) or non-finite in at least one step. ``severity_level`` from the
+    region's largest gradient element; ``extent.duration_steps``: steps at which at least
+    one layer of the region exploded or was non-finite."""
+
+    region_id: str
+    affected_layers: list[str]
+    severity_level: ExplodingSeverity
+    extent: RegionExtent
+    mitigation_suggestions: list[str]
+
+
+class RecoveryPotential(StrEnum):
+    """Whether a dead zone shows signs of coming back ("alive" = some layer of the zone
+    has a non-zero gradient at that step):
+
+    - ``High``: alive at the zone's last step in the range (it recovered on its own).
+    - ``Medium``: dead at the last step but alive at some step of the later half of the
+      range.
+    - ``Low``: alive only in the earlier half.
+    - ``None``: never alive in the range.
+    """
+
+    HIGH = "High"
+    MEDIUM = "Medium"
+    LOW = "Low"
+    NONE = "None"
+
+
+class GradientDeadZone(_Model):
+    """Adjacent layers each with an exactly zero gradient (``grad_norm = 0``, no NaN/Inf)
+    in at least half of its steps.
+
+    - ``dead_duration``: steps at which every layer of the zone that reported was dead.
+    - ``recovery_potential``: :class:`RecoveryPotential`.
+    - ``intervention_required``: the zone is dead at its last step (not High).
+    - ``affected_parameters``: sum of the layers' ``numel``.
+    """
+
+    zone_id: str
+    affected_layers: list[str]
+    dead_duration: int
+    recovery_potential: RecoveryPotential
+    intervention_required: bool
+    affected_parameters: int
+
+
+class ColorScheme(StrEnum):
+    """Colour scheme of renderings (seed 002)."""
+
+    DEFAULT = "Default"
+    HIGH_CONTRAST = "HighContrast"
+    COLOR_BLIND = "ColorBlind"
+    MONOCHROME = "Monochrome"
+
+
+class GradientVisualizationConfig(_Model):
+    """How the visualisation data is computed and drawn (seed 002 defaults).
+
+    - ``show_temporal_flows`` / ``show_critical_paths`` / ``show_problem_regions``: compute
+      (and draw) those sections; a hidden section is an empty list.
+    - ``color_scheme``: :class:`ColorScheme`; ``palette`` gives its colours (hex) for
+      node types, edge types and severities. ColorBlind is the Okabe-Ito palette (Okabe &
+      Ito 2008, "Color Universal Design").
+    - ``temporal_window``: samples per layer in ``gradient_magnitudes`` /
+      ``gradient_directions`` and behind each ``flow_direction`` / ``stability_score``.
+    - ``flow_threshold``: drawing cut-off: nodes whose ``gradient_strength`` is below this
+      fraction of the strongest node's are drawn dimmed.
+    - ``alpha``: significance level of the statistical tests (direction classes).
+    """
+
+    show_temporal_flows: bool = True
+    show_critical_paths: bool = True
+    show_problem_regions: bool = True
+    color_scheme: ColorScheme = ColorScheme.DEFAULT
+    temporal_window: int = Field(default=50, ge=1)
+    flow_threshold: float = Field(default=0.01, ge=0.0, le=1.0)
+    alpha: float = Field(default=0.01, gt=0.0, lt=1.0)
+
+    @property
+    def palette(self) -> dict[str, str]:
+        """Colour (``#rrggbb``) per category name of the chosen scheme."""
+        return PALETTES[self.color_scheme]
+
+
+_CATEGORIES = (
+    "Source", "Sink", "Bottleneck", "Amplifier", "Normal",
+    "Strong", "Weak", "Intermittent", "Blocked",
+    "Mild", "Moderate", "Severe", "Critical",
+)
+
+PALETTES: dict[ColorScheme, dict[str, str]] = {
+    ColorScheme.DEFAULT: dict(zip(_CATEGORIES, (
+        "#1f77b4", "#7f7f7f", "#d62728", "#ff7f0e", "#2ca02c",
+        "#2ca02c", "#bcbd22", "#ff7f0e", "#d62728",
+        "#bcbd22", "#ff7f0e", "#d62728", "#8c0000",
+    ), strict=True)),
+    ColorScheme.HIGH_CONTRAST: dict(zip(_CATEGORIES, (
+        "#0000ff", "#808080", "#ff0000", "#ff00ff", "#00ff00",
+        "#00ff00", "#ffff00", "#ff00ff", "#ff0000",
+        "#ffff00", "#ff8000", "#ff0000", "#ff0000",
+    ), strict=True)),
+    ColorScheme.COLOR_BLIND: dict(zip(_CATEGORIES, (
+        "#0072b2", "#999999", "#d55e00", "#e69f00", "#009e73",
+        "#009e73", "#f0e442", "#e69f00", "#d55e00",
+        "#f0e442", "#e69f00", "#d55e00", "#cc79a7",
+    ), strict=True)),
+    ColorScheme.MONOCHROME: dict(zip(_CATEGORIES, (
+        "#ffffff", "#808080", "#404040", "#e0e0e0", "#c0c0c0",
+        "#ffffff", "#a0a0a0", "#808080", "#404040",
+        "#c0c0c0", "#a0a0a0", "#808080", "#606060",
+    ), strict=True)),
+}
+"""Colours of every :class:`ColorScheme` for the categories of node types, edge types and
+severities."""
+
+
+class GradientFlowVisualization(_Model):
+    """Seed 002 ``GradientFlowVisualization`` of one run over an inclusive step range.
+
+    ``layer_flows`` and ``flow_network.nodes`` are in model order (``layer_index``),
+    ``temporal_flows`` too; ``flow_network.edges`` in backpropagation order; regions and
+    zones in model order of their first layer; critical paths by decreasing criticality.
+    ``steps``: steps with data; ``layers``: layers with data in the range.
+    """
+
+    run_id: str
+    from_step: int | None
+    to_step: int | None
+    steps: int
+    layers: int
+    layer_flows: list[GradientLayerFlow]
+    temporal_flows: list[TemporalGradientFlow]
+    flow_network: GradientFlowNetwork
+    critical_paths: list[CriticalGradientPath]
+    vanishing_regions: list[VanishingRegion]
+    exploding_regions: list[ExplodingRegion]
+    dead_zones: list[GradientDeadZone]
+    visualization_config: GradientVisualizationConfig

@@ -1,0 +1,388 @@
+"""One run's gradient history, loaded from the store into dense NumPy arrays.
+
+The seeds keep a ``HashMap<String, GradientHistory>`` per process and iterate it in hash
+order. Here a run's ``layer_stats`` rows in a step range become ``layers x steps`` arrays in
+**model order** (``layers.layer_index`` from RunStarted), read in one SQL pass plus one
+per-layer aggregate (both O(rows), run by DuckDB on every core).
+
+Per (layer, step) flags (:data:`FLAG_VANISHING` ...) are computed in SQL with the run's own
+thresholds and DESIGN.md's frame semantics, so that the analyses agree with the frames and
+alerts of the run. They only need ``grad_norm``, ``numel`` and ``nonfinite``: when a
+producer sent norms only (``mean_abs_grad`` / ``max_abs_grad`` NULL), the per-element root
+mean square ``rms = grad_norm / sqrt(numel - nonfinite)`` stands in, in the direction that
+never raises a false flag: ``mean|g| <= rms <= max|g|`` (Cauchy-Schwarz), so
+``rms < vanishing_threshold`` implies ``mean|g| < vanishing_threshold`` and
+``rms > exploding_threshold`` implies ``max|g| > exploding_threshold``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from analysis.store import StoreError, require_run, stats_params
+
+if TYPE_CHECKING:
+    import duckdb
+
+FLAG_VANISHING = 1
+"""``nonfinite = 0`` and ``coalesce(mean_abs_grad, rms) < vanishing_threshold``."""
+FLAG_EXPLODING = 2
+"""``coalesce(max_abs_grad, rms) > exploding_threshold``."""
+FLAG_NONFINITE = 4
+"""``nonfinite > 0``: some gradient element was NaN or +-Inf."""
+FLAG_DEAD = 8
+"""``nonfinite = 0`` and ``grad_norm = 0``: every gradient element exactly zero."""
+FLAG_ISSUE = FLAG_VANISHING | FLAG_EXPLODING | FLAG_NONFINITE | FLAG_DEAD
+"""Any of the flags above."""
+
+_RMS = "s.grad_norm / sqrt(greatest(s.numel - s.nonfinite, 1))"
+
+_ROWS_SQL = f"""
+    SELECT s.layer_index, s.step, s.grad_norm,
+           (CASE WHEN s.nonfinite > 0 THEN {FLAG_NONFINITE} ELSE 0 END
+            + CASE WHEN s.nonfinite = 0
+                        AND coalesce(s.mean_abs_grad, {_RMS}) < $van THEN {FLAG_VANISHING}
+                   ELSE 0 END
+            + CASE WHEN coalesce(s.max_abs_grad, {_RMS}) > $exp THEN {FLAG_EXPLODING} ELSE 0 END
+            + CASE WHEN s.nonfinite = 0 AND s.grad_norm = 0 THEN {FLAG_DEAD} ELSE 0 END
+           )::UTINYINT AS flags
+    FROM layer_stats AS s
+    WHERE s.run_id = $run_id
+      AND ($from_step IS NULL OR s.step >= $from_step)
+      AND ($to_step IS NULL OR s.step <= $to_step)
+"""
+
+_LAYER_SQL = f"""
+    WITH s AS (
+        SELECT s.*, {_RMS} AS rms,
+               CASE WHEN s.exp_hist_columns IS NOT NULL AND s.numel > s.nonfinite THEN
+                   1.0 - (CASE WHEN s.exp_hist_columns[1] = 0 THEN s.exp_hist_counts[1]
+                          ELSE 0 END) / (s.numel - s.nonfinite)
+               END AS active_fraction
+        FROM layer_stats AS s
+        WHERE s.run_id = $run_id
+          AND ($from_step IS NULL OR s.step >= $from_step)
+          AND ($to_step IS NULL OR s.step <= $to_step)
+    ),
+    a AS (
+        SELECT layer_index,
+               count(*) AS rows,
+               avg(ln(coalesce(mean_abs_grad, rms)))
+                   FILTER (WHERE nonfinite = 0 AND coalesce(mean_abs_grad, rms) > 0) AS log_mag,
+               max(coalesce(max_abs_grad, rms)) AS peak_mag,
+               avg(active_fraction) AS active_fraction,
+               avg(update_to_weight) AS update_to_weight,
+               max(numel) AS max_row_numel
+        FROM s GROUP BY layer_index
+    )
+    SELECT a.*, l.name, l.numel
+    FROM a LEFT JOIN layers AS l ON l.run_id = $run_id AND l.layer_index = a.layer_index
+    ORDER BY a.layer_index
+"""
+
+_RUN_SQL = """
+    SELECT vanishing_threshold, exploding_threshold, world_size, num_layers,
+           (SELECT min(step) FROM layer_stats WHERE run_id = $run_id) AS first_step
+    FROM runs WHERE run_id = $run_id
+"""
+
+_STEPS_SQL = """
+    SELECT DISTINCT step FROM layer_stats
+    WHERE run_id = $run_id
+      AND ($from_step IS NULL OR step >= $from_step)
+      AND ($to_step IS NULL OR step <= $to_step)
+    ORDER BY step
+"""
+
+_UPDATE_SQL = """
+    SELECT step, sqrt(sum(update_sum_sq) / sum(weight_sum_sq)) AS ratio
+    FROM layer_stats
+    WHERE run_id = $run_id
+      AND ($from_step IS NULL OR step >= $from_step)
+      AND ($to_step IS NULL OR step <= $to_step)
+      AND update_sum_sq IS NOT NULL AND weight_sum_sq IS NOT NULL
+    GROUP BY step HAVING sum(weight_sum_sq) > 0
+    ORDER BY step
+"""
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Per-layer series right-aligned: row ``l`` holds layer ``l``'s usable samples (rows
+    with a finite norm) in step order in its last ``counts[l]`` columns, NaN (values,
+    steps) or 0 (flags) before them.
+
+    With every layer present at every step this is the history itself; otherwise a layer
+    recorded only every n-th step still has consecutive samples next to each other, so
+    "consecutive" always means "consecutive samples of that layer" (as in the seeds'
+    per-layer ``VecDeque``).
+
+    Attributes:
+        values: float64 ``[L, W]`` gradient norms (``W = max(counts)``).
+        steps: float64 ``[L, W]`` optimiser steps of the samples.
+        flags: uint8 ``[L, W]`` the ``FLAG_*`` bits of the samples.
+        counts: int64 ``[L]`` samples per layer (0 for a layer whose every row held
+            NaN/Inf).
+    """
+
+    values: np.ndarray
+    steps: np.ndarray
+    flags: np.ndarray
+    counts: np.ndarray
+
+    def window(self, size: int) -> Packed:
+        """The last ``size`` samples of every layer (fewer where a layer has fewer).
+
+        Args:
+            size: window length (>= 1).
+
+        Returns:
+            A :class:`Packed` of width ``min(size, W)``.
+        """
+        width = min(max(size, 1), self.values.shape[1])
+        return Packed(
+            self.values[:, -width:],
+            self.steps[:, -width:],
+            self.flags[:, -width:],
+            np.minimum(self.counts, width),
+        )
+
+
+@dataclass(frozen=True)
+class GradientHistory:
+    """A run's per-layer gradient norms over a step range, in model order.
+
+    Only layers with at least one ``layer_stats`` row in the range are included.
+
+    Attributes:
+        run_id: the run.
+        names: ``[L]`` layer names (``layers.name``; ``layer[i]`` if the name is missing).
+        layer_index: int64 ``[L]`` ascending model-order indices.
+        numel: int64 ``[L]`` parameters per layer (``layers.numel`` from RunStarted; the
+            largest merged row ``numel`` if the layer row is missing).
+        row_numel: int64 ``[L]`` largest ``layer_stats.numel`` of the layer in the range:
+            the gradient elements merged over ranks (``world_size x numel`` for
+            data-parallel replicas), the count behind ``grad_norm``.
+        steps: int64 ``[T]`` ascending optimiser steps with at least one row.
+        norms: float64 ``[L, T]`` ``grad_norm`` (L2 norm of the gradient, merged over
+            ranks); NaN where the layer has no row at that step, and where the row holds
+            NaN/Inf elements (its ``grad_norm`` then covers only the finite part, which is
+            not the layer's gradient norm; the row still counts through its flags).
+        flags: uint8 ``[L, T]`` ``FLAG_*`` bits; 0 where absent.
+        present: bool ``[L, T]`` the layer has a row at that step.
+        valid: bool ``[L, T]`` ``norms`` is a number there (present and finite).
+        log_magnitude: float64 ``[L]`` mean over finite steps with a non-zero gradient of
+            ``ln(mean_abs_grad)`` (``ln(rms)`` for norms-only rows): the log of the layer's
+            geometric-mean per-element gradient magnitude; NaN if every such step was zero.
+        peak_magnitude: float64 ``[L]`` largest ``max_abs_grad`` (``rms`` for norms-only
+            rows) in the range.
+        active_fraction: float64 ``[L]`` mean over steps with an exponent histogram of the
+            fraction of finite gradient elements that are non-zero; NaN without histograms.
+        update_to_weight: float64 ``[L]`` mean ``update_to_weight`` (NaN without weight
+            statistics).
+        update_ratio_steps, update_ratio: int64/float64 ``[U]`` steps and network-wide
+            update-to-weight ratio ``sqrt(sum_l update_sum_sq / sum_l weight_sum_sq)``
+            at the steps where some layer sent both.
+        vanishing_threshold, exploding_threshold: the run's thresholds (RunStarted).
+        world_size: ranks of the run.
+        run_first_step: the first step of the whole run (``None`` without rows).
+        from_step, to_step: the inclusive range requested (``None`` = open).
+    """
+
+    run_id: str
+    names: list[str]
+    layer_index: np.ndarray
+    numel: np.ndarray
+    row_numel: np.ndarray
+    steps: np.ndarray
+    norms: np.ndarray
+    flags: np.ndarray
+    present: np.ndarray
+    valid: np.ndarray
+    log_magnitude: np.ndarray
+    peak_magnitude: np.ndarray
+    active_fraction: np.ndarray
+    update_to_weight: np.ndarray
+    update_ratio_steps: np.ndarray
+    update_ratio: np.ndarray
+    vanishing_threshold: float
+    exploding_threshold: float
+    world_size: int
+    run_first_step: int | None = None
+    from_step: int | None = None
+    to_step: int | None = None
+    _cache: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_layers(self) -> int:
+        """``L``, the layers with data in the range."""
+        return len(self.names)
+
+    @property
+    def num_steps(self) -> int:
+        """``T``, the steps with data in the range."""
+        return int(self.steps.size)
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step with data, or ``None`` for an empty history."""
+        return int(self.steps[-1]) if self.steps.size else None
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """int64 ``[L]`` samples per layer: rows with a usable norm (``valid``)."""
+        return self.valid.sum(axis=1).astype(np.int64)
+
+    @cached_property
+    def rows(self) -> np.ndarray:
+        """int64 ``[L]`` rows per layer in the range (``present``), the denominator of
+        the flag fractions."""
+        return self.present.sum(axis=1).astype(np.int64)
+
+    @cached_property
+    def packed(self) -> Packed:
+        """The right-aligned per-layer series (see :class:`Packed`); no copy when every
+        layer has a row at every step, else one stable O(L x T) radix sort of the
+        presence mask."""
+        steps = np.broadcast_to(self.steps.astype(np.float64), self.norms.shape)
+        if self.valid.all():
+            return Packed(self.norms, steps, self.flags, self.counts)
+        order = np.argsort(self.valid.view(np.uint8), axis=1, kind="stable")
+        width = int(self.counts.max(initial=0))
+        order = order[:, order.shape[1] - width :]
+        return Packed(
+            np.take_along_axis(self.norms, order, axis=1),
+            np.where(
+                np.take_along_axis(self.valid, order, axis=1),
+                np.take_along_axis(steps, order, axis=1),
+                np.nan,
+            ),
+            np.take_along_axis(self.flags, order, axis=1),
+            self.counts,
+        )
+
+    @cached_property
+    def global_norm(self) -> np.ndarray:
+        """float64 ``[T]`` the whole-model gradient norm per step,
+        ``sqrt(sum_l grad_norm[l, t]^2)`` over the layers with a usable norm (what
+        ``torch.nn.utils.clip_grad_norm_`` measures); NaN at a step without any."""
+        total = np.sqrt(np.nansum(np.square(self.norms), axis=0))
+        return np.where(self.valid.any(axis=0), total, np.nan)
+
+
+def load_history(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> GradientHistory:
+    """Read one run's gradient history in an inclusive step range.
+
+    Args:
+        con: a connection from :func:`analysis.store.open_store`.
+        run_id: the run.
+        from_step: first step (inclusive), ``None`` = from the start.
+        to_step: last step (inclusive), ``None`` = to the end.
+
+    Returns:
+        The :class:`GradientHistory` (possibly with ``L = T = 0``).
+
+    Raises:
+        StoreError: unknown run, invalid step range.
+    """
+    params = stats_params(run_id, from_step, to_step)
+    require_run(con, run_id)
+    run_rows = con.execute(_RUN_SQL, {"run_id": run_id}).fetchall()
+    # The run exists (checked by require_run).
+    van, exp, world, _num_layers, run_first_step = run_rows[0]
+    rows = con.sql(_ROWS_SQL, params={**params, "van": van, "exp": exp}).fetchnumpy()
+    steps = np.asarray(con.sql(_STEPS_SQL, params=params).fetchnumpy()["step"], dtype=np.int64)
+    layers = con.sql(_LAYER_SQL, params=params).fetchnumpy()
+    update = con.sql(_UPDATE_SQL, params=params).fetchnumpy()
+
+    layer_index = np.asarray(layers["layer_index"], dtype=np.int64)
+    count = layer_index.size
+    position = np.full(int(layer_index.max(initial=-1)) + 1, -1, dtype=np.int64)
+    position[layer_index] = np.arange(count)
+    row_layer = position[np.asarray(rows["layer_index"], dtype=np.int64)]
+    row_step = np.asarray(rows["step"], dtype=np.int64)
+    if steps.size and steps[-1] - steps[0] + 1 == steps.size:
+        row_pos = row_step - steps[0]
+    else:
+        row_pos = np.searchsorted(steps, row_step)
+    norms = np.full((count, steps.size), np.nan)
+    flags = np.zeros((count, steps.size), dtype=np.uint8)
+    present = np.zeros((count, steps.size), dtype=bool)
+    norms[row_layer, row_pos] = np.asarray(rows["grad_norm"], dtype=np.float64)
+    flags[row_layer, row_pos] = np.asarray(rows["flags"], dtype=np.uint8)
+    present[row_layer, row_pos] = True
+    if np.isnan(norms[present]).any():
+        raise StoreError(f"run {run_id!r} has NULL or NaN grad_norm values in layer_stats")
+    norms[(flags & FLAG_NONFINITE) != 0] = np.nan
+    valid = ~np.isnan(norms)
+
+    names = [
+        name if name is not None else f"layer[{index}]"
+        for name, index in zip(_column(layers, "name"), layer_index.tolist(), strict=True)
+    ]
+    numel = np.where(
+        _masked(layers["numel"]),
+        np.asarray(_filled(layers["max_row_numel"], 0), dtype=np.int64),
+        np.asarray(_filled(layers["numel"], 0), dtype=np.int64),
+    )
+    return GradientHistory(
+        run_id=run_id,
+        names=names,
+        layer_index=layer_index,
+        numel=numel.astype(np.int64),
+        row_numel=np.asarray(_filled(layers["max_row_numel"], 0), dtype=np.int64),
+        steps=steps,
+        norms=norms,
+        flags=flags,
+        present=present,
+        valid=valid,
+        log_magnitude=_floats(layers["log_mag"]),
+        peak_magnitude=_floats(layers["peak_mag"]),
+        active_fraction=_floats(layers["active_fraction"]),
+        update_to_weight=_floats(layers["update_to_weight"]),
+        update_ratio_steps=np.asarray(update["step"], dtype=np.int64),
+        update_ratio=_floats(update["ratio"]),
+        vanishing_threshold=float(van),
+        exploding_threshold=float(exp),
+        world_size=int(world),
+        run_first_step=None if run_first_step is None else int(run_first_step),
+        from_step=from_step,
+        to_step=to_step,
+    )
+
+
+def _masked(column: np.ndarray) -> np.ndarray:
+    """bool mask of the NULL entries of a fetchnumpy column (masked array when NULLs)."""
+    if np.ma.isMaskedArray(column):
+        return np.ma.getmaskarray(column)
+    return np.zeros(np.shape(column), dtype=bool)
+
+
+def _filled(column: np.ndarray, fill: object) -> np.ndarray:
+    if np.ma.isMaskedArray(column):
+        return column.filled(fill)
+    return column
+
+
+def _floats(column: np.ndarray) -> np.ndarray:
+    """A DuckDB numeric column as float64 with NULL -> NaN."""
+    if np.ma.isMaskedArray(column):
+        return column.astype(np.float64).filled(np.nan)
+    return np.asarray(column, dtype=np.float64)
+
+
+def _column(table: dict[str, np.ndarray], name: str) -> list[object]:
+    column = table[name]
+    if np.ma.isMaskedArray(column):
+        mask = np.ma.getmaskarray(column)
+        return [None if m else v for v, m in zip(column.data.tolist(), mask.tolist(), strict=True)]
+    return list(column.tolist())

@@ -1,0 +1,57 @@
+"""Small helpers shared by the terminal renderings of the analyses (rich)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+ROWS_IN_TABLE = 20
+"""Rows shown per table before "... and N more" (the JSON output has every row)."""
+
+
+def show_name(name: str) -> str:
+    """A layer name as printed in a table: verbatim when printable, else ``repr()``."""
+    return name if name and name.isprintable() else repr(name)
+
+
+def names_text(names: Sequence[str], limit: int = 6) -> Text:
+    """Up to ``limit`` layer names joined by ", " (plain text, never rich markup)."""
+    if not names:
+        return Text("none", style="dim")
+    text = Text(", ".join(show_name(n) for n in names[:limit]))
+    if len(names) > limit:
+        text.append(f", ... and {len(names) - limit} more", style="dim")
+    return text
+
+
+def num(value: float | None, digits: int = 3) -> str:
+    """A number for a table cell: ``-`` for None/NaN, general format otherwise."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}g}"
+
+
+def table(title: str, columns: Sequence[str], numeric: Sequence[bool] | None = None) -> Table:
+    """A compact rich table (no vertical rules, so that about ten columns fit in 80
+    characters) with a bold title and the given column headers; numeric columns are
+    right-aligned."""
+    out = Table(title=title, title_style="bold", title_justify="left", header_style="bold",
+                box=box.SIMPLE_HEAD, pad_edge=False)
+    flags = numeric or [False] * len(columns)
+    for name, is_num in zip(columns, flags, strict=True):
+        if is_num:  # numbers keep their width; the text columns fold around them
+            out.add_column(name, justify="right", no_wrap=True)
+        else:
+            out.add_column(name, justify="left", overflow="fold", min_width=len(name))
+    return out
+
+
+def add_more_row(out: Table, total: int, shown: int) -> None:
+    """Note in the table's caption how many rows were cut (the JSON output has them all)."""
+    if total > shown:
+        out.caption = f"{shown} of {total} rows shown; --format json has every row"
+        out.caption_justify = "left"

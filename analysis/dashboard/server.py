@@ -1,0 +1,479 @@
+"""The dashboard's HTTP server (stdlib ``ThreadingHTTPServer``, one thread per request).
+
+Routes (all reads go through :class:`~analysis.dashboard.cursors.ReadCursors`, a fresh
+read-only cursor per request):
+
+=====================  ==============================================================
+``GET /``              the dashboard page (``static/index.html``)
+``GET /static/<f>``    its script and style sheet, and the shared ``heatmap.js``
+``GET /api/status``    store path, whether this process writes it, worker counters
+``GET /api/runs``      runs with health, frames, issue ratio, alert counts
+``GET /api/grid``      ``run``, ``max_steps``, ``max_layers``, ``from_step``, ``to_step``:
+                       the downsampled heatmap grid (:mod:`analysis.plots.grid`)
+``GET /api/layer``     ``run``, ``layer``, ``max_points``: one layer's norm series
+``GET /api/alerts``    ``run`` (optional), ``limit``: newest alerts first
+``GET /api/export``    ``run``, ``format`` (csv/json/parquet/jsonl), ``from_step``,
+                       ``to_step``, ``order``: a download, written by DuckDB ``COPY``
+                       (header ``X-Gradstream-Rows``: rows written)
+``POST /api/query``    JSON ``{"sql": ..., "timeout_s": ...}`` with ``Authorization:
+                       Bearer <token>``: one read-only statement, Arrow IPC stream back
+=====================  ==============================================================
+
+Errors are JSON ``{"error": message, "kind": ...}`` with 400 (bad argument), 401 (token),
+403 (write refused, or a foreign Host/Origin), 404, 413, 503 (store closed).
+
+Served on loopback by default. With a loopback bind the server also rejects requests
+whose ``Host`` header is not a loopback name (DNS-rebinding defence) and cross-origin
+POSTs; pages get a Content-Security-Policy allowing only their own scripts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote, urlsplit
+
+from analysis.dashboard import api
+from analysis.dashboard.cursors import ReadCursors, StoreClosedError
+from analysis.export import EXPORT_FORMATS, export_run
+from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, norm_palette
+from analysis.query import ARROW_STREAM, QueryError, ReadOnlyViolationError, execute_read_only
+from analysis.store import StoreError
+
+log = logging.getLogger("gradstream.dashboard")
+
+LIMITS: dict[str, tuple[int, int]] = {
+    "max_steps": (1, 8192),
+    "max_layers": (1, 4096),
+    "max_points": (1, 8192),
+    "limit": (1, 1000),
+}
+"""Accepted ranges of the size parameters (a canvas is at most a few thousand device
+pixels wide; larger requests would only cost the writer's process time)."""
+
+MAX_QUERY_BODY = 1 << 20
+"""Largest accepted ``/api/query`` request body, bytes."""
+
+CACHE_ENTRIES = 64
+"""Grid and layer responses kept (a few per open page); each is recomputed only when its
+run's frames change (see :meth:`Dashboard.cached`)."""
+
+_FINGERPRINT_SQL = """
+    SELECT count(*), max(step), sum(finalized_at) FROM frames WHERE run_id = $run_id
+"""
+
+_STATIC = {
+    "dashboard.js": ("analysis.dashboard.static", "text/javascript; charset=utf-8"),
+    "dashboard.css": ("analysis.dashboard.static", "text/css; charset=utf-8"),
+    "heatmap.js": ("analysis.plots", "text/javascript; charset=utf-8"),
+}
+_MEDIA = {
+    "csv": "text/csv; charset=utf-8",
+    "json": "application/json",
+    "parquet": "application/vnd.apache.parquet",
+    "jsonl": "application/x-ndjson",
+}
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: HTTPStatus, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+def _is_loopback(host: str) -> bool:
+    if host in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _safe_stem(run_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip("._") or "run"
+
+
+class Dashboard:
+    """The dashboard application: routes requests to read-only cursors.
+
+    Args:
+        cursors: provider of read-only cursors on the store.
+        token: secret required by ``POST /api/query``.
+        refresh_s: polling interval of the page, seconds.
+        query_timeout_s: longest ``/api/query`` run, seconds (then interrupted).
+        status: returns extra JSON for ``/api/status`` (e.g. the worker's counters).
+    """
+
+    def __init__(
+        self,
+        cursors: ReadCursors,
+        token: str,
+        refresh_s: float = 1.0,
+        query_timeout_s: float = 120.0,
+        status: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.cursors = cursors
+        self.token = token
+        self.refresh_s = refresh_s
+        self.query_timeout_s = query_timeout_s
+        self.status = status
+        self._cache: OrderedDict[tuple[object, ...], tuple[tuple[object, ...], bytes]] = (
+            OrderedDict()
+        )
+        self._cache_lock = threading.Lock()
+
+    def cached(
+        self, cur: Any, run_id: str, key: tuple[object, ...], compute: Callable[[], object]
+    ) -> bytes:
+        """The JSON body for ``key``, recomputed only when the run's frames changed.
+
+        The fingerprint is (frames stored, last step, sum of ``frames.finalized_at``): a new
+        frame changes the count, a rewritten frame (late shard) gets a new
+        ``finalized_at``, so the sum changes; both are written in the same transaction as
+        the frame's ``layer_stats`` rows, so a fingerprint always matches its rows. A
+        finished run costs one small aggregate per poll instead of a scan of its history.
+        """
+        fingerprint = tuple(cur.execute(_FINGERPRINT_SQL, {"run_id": run_id}).fetchone() or ())
+        with self._cache_lock:
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] == fingerprint:
+                self._cache.move_to_end(key)
+                return hit[1]
+        body = json.dumps(compute(), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        with self._cache_lock:
+            self._cache[key] = (fingerprint, body)
+            self._cache.move_to_end(key)
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return body
+
+    def index_html(self) -> bytes:
+        """The page with its configuration (colours, refresh interval) embedded as JSON."""
+        from analysis.plots.animation import script_safe_json
+
+        template = resources.files("analysis.dashboard.static").joinpath(
+            "index.html").read_text(encoding="utf-8")
+        config = {
+            "palette": list(norm_palette()),
+            "flag_colors": FLAG_COLORS,
+            "health_colors": HEALTH_COLORS,
+            "refresh_ms": round(self.refresh_s * 1000),
+            "db": str(self.cursors.db),
+            "writer": self.cursors.writer,
+            "export_formats": list(EXPORT_FORMATS),
+        }
+        return template.replace("__CONFIG_JSON__", script_safe_json(config)).encode("utf-8")
+
+
+class DashboardServer:
+    """A :class:`Dashboard` served over HTTP on a background thread.
+
+    Args:
+        app: the application.
+        host: address to bind (loopback by default).
+        port: TCP port; 0 picks a free one (see :attr:`url`).
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+    """
+
+    def __init__(self, app: Dashboard, host: str = "127.0.0.1", port: int = 8765) -> None:
+        self.app = app
+        handler = type("Handler", (_Handler,), {"app": app, "loopback": _is_loopback(host)})
+        family_server = _server_class(host)
+        self.httpd = family_server((host, port), handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8765`` (IPv6 hosts in brackets)."""
+        host, port = self.httpd.server_address[:2]
+        host = str(host)
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}"
+
+    def start(self) -> None:
+        """Serve on a daemon thread (returns at once)."""
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, name="gradstream-dashboard", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving, wait for the thread, close the socket."""
+        self.httpd.shutdown()
+        if self._thread is not None:
+            self._thread.join(10)
+        self.httpd.server_close()
+
+
+def _server_class(host: str) -> type[ThreadingHTTPServer]:
+    import socket
+
+    if ":" in host:
+        return type("V6Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6,
+                                                         "daemon_threads": True})
+    return type("V4Server", (ThreadingHTTPServer,), {"daemon_threads": True})
+
+
+class _Handler(BaseHTTPRequestHandler):
+    app: Dashboard
+    loopback: bool
+    server_version = "gradstream-dashboard"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    def _send(self, status: int, body: bytes, content_type: str,
+              extra: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Cache-Control", "no-store")
+        for key, value in (extra or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, payload: object, status: int = 200) -> None:
+        body = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        self._send(status, body, "application/json; charset=utf-8")
+
+    def _error(self, exc: _HTTPError) -> None:
+        self._json({"error": str(exc), "kind": exc.kind}, exc.status)
+
+    def _check_host(self) -> None:
+        if not self.loopback:
+            return
+        host = self.headers.get("Host", "")
+        name = urlsplit(f"//{host}").hostname or ""
+        if not _is_loopback(name):
+            raise _HTTPError(HTTPStatus.FORBIDDEN, f"Host {host!r} is not a loopback name",
+                             "forbidden")
+        origin = self.headers.get("Origin")
+        if origin and origin != "null":
+            origin_host = urlsplit(origin).hostname or ""
+            if not _is_loopback(origin_host):
+                raise _HTTPError(HTTPStatus.FORBIDDEN, f"cross-origin request from {origin}",
+                                 "forbidden")
+
+    def _params(self) -> dict[str, str]:
+        query = urlsplit(self.path).query
+        return {k: v[-1] for k, v in parse_qs(query, keep_blank_values=False).items()}
+
+    @staticmethod
+    def _int(params: dict[str, str], name: str, default: int | None) -> int | None:
+        raw = params.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer, got {raw!r}",
+                             "invalid") from None
+        if name in LIMITS:
+            low, high = LIMITS[name]
+            value = min(max(value, low), high)
+        return value
+
+    @staticmethod
+    def _run(params: dict[str, str]) -> str:
+        run = params.get("run")
+        if not run:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, "the run parameter is required", "invalid")
+        return run
+
+    # -- dispatch ----------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        try:
+            self._check_host()
+            path = urlsplit(self.path).path
+            if path in ("/", "/index.html"):
+                self._send(200, self.app.index_html(), "text/html; charset=utf-8",
+                           {"Content-Security-Policy": _CSP})
+            elif path.startswith("/static/"):
+                self._static(path.removeprefix("/static/"))
+            elif path == "/api/status":
+                self._status()
+            elif path.startswith("/api/"):
+                self._api(path.removeprefix("/api/"), self._params())
+            else:
+                raise _HTTPError(HTTPStatus.NOT_FOUND, f"no page {path}", "not_found")
+        except _HTTPError as exc:
+            self._error(exc)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def do_POST(self) -> None:
+        try:
+            self._check_host()
+            if urlsplit(self.path).path != "/api/query":
+                raise _HTTPError(HTTPStatus.NOT_FOUND, "POST is only accepted on /api/query",
+                                 "not_found")
+            self._query()
+        except _HTTPError as exc:
+            self._error(exc)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _static(self, name: str) -> None:
+        entry = _STATIC.get(name)
+        if entry is None:
+            raise _HTTPError(HTTPStatus.NOT_FOUND, f"no file {name}", "not_found")
+        package, media = entry
+        body = resources.files(package).joinpath(name).read_bytes()
+        self._send(200, body, media)
+
+    def _status(self) -> None:
+        payload: dict[str, Any] = {
+            "db": str(self.app.cursors.db),
+            "writer": self.app.cursors.writer,
+            "pid": os.getpid(),
+        }
+        if self.app.status is not None:
+            payload.update(self.app.status())
+        self._json(payload)
+
+    def _api(self, name: str, params: dict[str, str]) -> None:
+        try:
+            with self.app.cursors.cursor() as cur:
+                if name == "runs":
+                    self._json(api.runs(cur))
+                elif name == "alerts":
+                    self._json(api.alerts(cur, params.get("run") or None,
+                                          self._int(params, "limit", 50) or 50))
+                elif name == "grid":
+                    run = self._run(params)
+                    args = (self._int(params, "max_steps", 1000) or 1000,
+                            self._int(params, "max_layers", 400) or 400,
+                            self._int(params, "from_step", None),
+                            self._int(params, "to_step", None))
+                    body = self.app.cached(cur, run, ("grid", run, *args),
+                                           lambda: api.grid(cur, run, *args))
+                    self._send(200, body, "application/json; charset=utf-8")
+                elif name == "layer":
+                    run = self._run(params)
+                    layer = self._int(params, "layer", None)
+                    if layer is None:
+                        raise _HTTPError(HTTPStatus.BAD_REQUEST, "the layer parameter is required",
+                                         "invalid")
+                    args = (layer, self._int(params, "max_points", 1000) or 1000,
+                            self._int(params, "from_step", None),
+                            self._int(params, "to_step", None))
+                    body = self.app.cached(cur, run, ("layer", run, *args),
+                                           lambda: api.layer(cur, run, *args))
+                    self._send(200, body, "application/json; charset=utf-8")
+                elif name == "export":
+                    self._export(cur, params)
+                else:
+                    raise _HTTPError(HTTPStatus.NOT_FOUND, f"no endpoint /api/{name}", "not_found")
+        except StoreClosedError as exc:
+            raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "closed") from None
+        except StoreError as exc:
+            status = HTTPStatus.NOT_FOUND if "unknown run" in str(exc) else HTTPStatus.BAD_REQUEST
+            raise _HTTPError(status, str(exc), "invalid") from None
+        except ValueError as exc:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid") from None
+
+    def _export(self, cur: Any, params: dict[str, str]) -> None:
+        run = self._run(params)
+        fmt = params.get("format", "csv")
+        if fmt not in EXPORT_FORMATS:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST,
+                             f"format must be one of {', '.join(EXPORT_FORMATS)}", "invalid")
+        order = params.get("order", "name")
+        start, end = self._int(params, "from_step", None), self._int(params, "to_step", None)
+        with tempfile.TemporaryDirectory(prefix="gradstream-export-") as tmp:
+            target = Path(tmp) / f"export.{fmt}"
+            rows = export_run(cur, run, target, fmt, start, end, order)  # type: ignore[arg-type]
+            size = target.stat().st_size
+            name = f"{_safe_stem(run)}.{fmt}"
+            self.send_response(200)
+            self.send_header("Content-Type", _MEDIA[fmt])
+            self.send_header("Content-Length", str(size))
+            self.send_header("X-Gradstream-Rows", str(rows))
+            self.send_header("Content-Disposition",
+                             f"attachment; filename=\"{name}\"; filename*=UTF-8''{quote(name)}")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.end_headers()
+            with target.open("rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    self.wfile.write(chunk)
+
+    def _query(self) -> None:
+        supplied = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(supplied.encode(), self.app.token.encode()):
+            raise _HTTPError(HTTPStatus.UNAUTHORIZED,
+                             "missing or wrong token (see the server's <db>.serve.json)",
+                             "unauthorized")
+        if self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
+            raise _HTTPError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                             "send the query as application/json", "invalid")
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_QUERY_BODY:
+            raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"query body over {MAX_QUERY_BODY} bytes", "invalid")
+        try:
+            request = json.loads(self.rfile.read(length).decode("utf-8"))
+            sql = request["sql"]
+            wanted = request.get("timeout_s")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, 'send {"sql": "..."}', "invalid") from None
+        if not isinstance(sql, str):
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, "sql must be a string", "invalid")
+        timeout = self.app.query_timeout_s
+        if isinstance(wanted, int | float) and math.isfinite(wanted) and wanted > 0:
+            timeout = min(timeout, float(wanted))
+        try:
+            with self.app.cursors.cursor() as cur:
+                table = execute_read_only(cur, sql, timeout)
+        except StoreClosedError as exc:
+            raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "closed") from None
+        except ReadOnlyViolationError as exc:
+            raise _HTTPError(HTTPStatus.FORBIDDEN, str(exc), "read_only") from None
+        except QueryError as exc:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid") from None
+        import pyarrow as pa
+
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        self._send(200, sink.getvalue().to_pybytes(), ARROW_STREAM)
+
+
+@contextlib.contextmanager
+def serving(app: Dashboard, host: str = "127.0.0.1", port: int = 8765):  # type: ignore[no-untyped-def]
+    """Context manager: a started :class:`DashboardServer`, stopped on exit."""
+    server = DashboardServer(app, host, port)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,121 @@
+"""The sidecar file by which ``gradstream serve`` advertises itself next to its store.
+
+``<db>.serve.json`` (e.g. ``gradstream.duckdb.serve.json``) holds the server's URL, its
+process id and host, the store's absolute path, and a random token that ``/api/query``
+requires (``Authorization: Bearer <token>``). It is written atomically with mode 0600
+(only the store's owner can read the token) once the server listens, and removed when
+the server stops. :func:`read_sidecar` ignores a sidecar whose process is gone (a server
+that was killed) or that names another file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SUFFIX = ".serve.json"
+"""Appended to the store's file name."""
+
+
+@dataclass(frozen=True)
+class ServeInfo:
+    """Contents of a sidecar.
+
+    Attributes:
+        url: base URL, e.g. ``http://127.0.0.1:8765``.
+        pid: process id of the server; host: its host name.
+        db: absolute path of the store it owns.
+        token: secret required by ``/api/query``.
+        writer: whether the server also writes the store (runs the consumer worker).
+        started_at: unix time (s) the server started listening.
+    """
+
+    url: str
+    pid: int
+    host: str
+    db: str
+    token: str
+    writer: bool
+    started_at: float
+
+
+def sidecar_path(db: str | os.PathLike[str]) -> Path:
+    """``<db>.serve.json`` for the store ``db``."""
+    path = Path(db)
+    return path.with_name(path.name + SUFFIX)
+
+
+def new_token() -> str:
+    """A random URL-safe token (32 bytes from :mod:`secrets`)."""
+    return secrets.token_urlsafe(32)
+
+
+def write_sidecar(db: str | os.PathLike[str], url: str, token: str, writer: bool) -> Path:
+    """Write the sidecar of this process for store ``db`` (atomic rename, mode 0600).
+
+    Returns:
+        The sidecar's path.
+
+    Raises:
+        OSError: the directory is not writable.
+    """
+    target = sidecar_path(db)
+    info = ServeInfo(
+        url=url, pid=os.getpid(), host=socket.gethostname(), db=str(Path(db).resolve()),
+        token=token, writer=writer, started_at=time.time(),
+    )
+    temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(asdict(info), fh, indent=2)
+    os.replace(temp, target)
+    return target
+
+
+def remove_sidecar(db: str | os.PathLike[str]) -> None:
+    """Delete this process's sidecar of ``db`` (a sidecar of another process is kept)."""
+    target = sidecar_path(db)
+    info = _load(target)
+    if info is not None and info.pid == os.getpid() and info.host == socket.gethostname():
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()
+
+
+def _load(path: Path) -> ServeInfo | None:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return ServeInfo(**raw)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def read_sidecar(db: str | os.PathLike[str]) -> ServeInfo | None:
+    """The live server of store ``db``, or ``None``.
+
+    ``None`` when there is no readable sidecar, it names another store file, or its process
+    (on this host) no longer exists. A sidecar from another host is trusted as is.
+    """
+    info = _load(sidecar_path(db))
+    if info is None:
+        return None
+    if Path(info.db) != Path(db).resolve():
+        return None
+    if info.host == socket.gethostname() and not _alive(info.pid):
+        return None
+    return info

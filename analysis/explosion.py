@@ -1,0 +1,344 @@
+"""Seed 004 gradient explosion analysis (``WeightAnalyzer::detect_gradient_explosion``)
+over any step range of a stored run.
+
+The seed looks at one set of gradient tensors; here each layer contributes its largest
+L2 norm (``grad_norm``) in the range, and everything is two SQL aggregates over
+``layer_stats`` (per layer, per step): O(rows), run by DuckDB on every core.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from analysis.analyses.render import ROWS_IN_TABLE, add_more_row, num, show_name, table
+from analysis.store import StoreError, require_run, stats_params
+
+if TYPE_CHECKING:
+    import duckdb
+
+__all__ = [
+    "ExplodingLayer",
+    "ExplosionSeverity",
+    "GradientExplosionAnalysis",
+    "build_explosion_analysis",
+    "render_explosion",
+]
+
+
+class ExplosionSeverity(StrEnum):
+    """Severity from the ratio ``r = norm / threshold`` (seed 004's multiples of the
+    threshold): ``Critical`` if r > 10 or any NaN/Inf gradient, ``High`` if r > 5,
+    ``Medium`` if r > 2, ``Low`` otherwise."""
+
+    LOW = "Low"
+    MEDIUM = "Medium"
+    HIGH = "High"
+    CRITICAL = "Critical"
+
+
+def classify_severity(ratio: float, nonfinite: bool) -> ExplosionSeverity:
+    """:class:`ExplosionSeverity` of a norm-to-threshold ratio.
+
+    Args:
+        ratio: ``norm / threshold`` (>= 0).
+        nonfinite: NaN/Inf gradients were seen.
+    """
+    if nonfinite or ratio > 10:
+        return ExplosionSeverity.CRITICAL
+    if ratio > 5:
+        return ExplosionSeverity.HIGH
+    if ratio > 2:
+        return ExplosionSeverity.MEDIUM
+    return ExplosionSeverity.LOW
+
+
+class ExplodingLayer(BaseModel):
+    """A layer whose gradient norm exceeded the threshold, or held NaN/Inf, in the range.
+
+    - ``gradient_norm``: its largest ``grad_norm`` in the range; ``step``: where (the
+      earliest such step on ties).
+    - ``exploding_steps``: steps with ``grad_norm > threshold``; ``nonfinite_steps``:
+      steps with NaN/Inf gradient elements (``grad_norm`` covers the finite ones only);
+      ``first_step``: the first step with either.
+    - ``severity``: :func:`classify_severity` of ``gradient_norm / threshold`` (the seed
+      compares with the mean norm of the layers iterated so far, which depends on the
+      iteration order).
+    - ``recommended_action``: advice for that severity.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    layer_index: int
+    layer_name: str
+    gradient_norm: float
+    step: int
+    exploding_steps: int
+    nonfinite_steps: int
+    first_step: int
+    severity: ExplosionSeverity
+    recommended_action: str
+
+
+class GradientExplosionAnalysis(BaseModel):
+    """Seed 004 ``GradientExplosionAnalysis`` of one run over an inclusive step range.
+
+    - ``threshold``: the L2-norm threshold used (default: the run's exploding threshold;
+      as ``max|g| <= ||g||_2``, every layer the run's frames flag as exploding also
+      exceeds it here).
+    - ``exploding_layers``: :class:`ExplodingLayer` in model order.
+    - ``max_gradient_norm``, ``mean_gradient_norm``, ``std_gradient_norm``: maximum, mean
+      and population standard deviation of ``grad_norm`` over every (layer, step) row.
+    - ``explosion_ratio``: exploding layers / layers with rows in the range (seed).
+    - ``overall_severity`` (seed 004 rule, plus NaN/Inf): Critical if any NaN/Inf, ratio
+      > 0.5 or max > 10 x threshold; High if ratio > 0.3 or max > 5 x threshold; Medium
+      if ratio > 0.1 or max > 2 x threshold; else Low.
+    - ``first_explosion_step``: first step with any layer above the threshold or NaN/Inf.
+    - ``clip_norm_suggestion``: the largest whole-model gradient norm
+      ``sqrt(sum_l grad_norm^2)`` over the steps before ``first_explosion_step`` (a clip
+      value training never needed to exceed while it was healthy); ``None`` without an
+      explosion or without earlier steps.
+    - ``mitigation_recommendations``: advice derived from the figures above.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    run_id: str
+    from_step: int | None
+    to_step: int | None
+    threshold: float
+    steps: int
+    layers: int
+    exploding_layers: list[ExplodingLayer]
+    max_gradient_norm: float
+    mean_gradient_norm: float
+    std_gradient_norm: float
+    explosion_ratio: float
+    overall_severity: ExplosionSeverity
+    first_explosion_step: int | None
+    clip_norm_suggestion: float | None
+    mitigation_recommendations: list[str]
+
+
+_LAYERS_SQL = """
+    WITH s AS (
+        SELECT * FROM layer_stats
+        WHERE run_id = $run_id
+          AND ($from_step IS NULL OR step >= $from_step)
+          AND ($to_step IS NULL OR step <= $to_step)
+    )
+    SELECT s.layer_index,
+           coalesce(any_value(l.name), 'layer[' || CAST(s.layer_index AS VARCHAR) || ']'),
+           max(s.grad_norm) AS peak,
+           min(s.step) FILTER (WHERE s.grad_norm = peak_norm) AS peak_step,
+           count(*) FILTER (WHERE s.grad_norm > $threshold) AS exploding_steps,
+           count(*) FILTER (WHERE s.nonfinite > 0) AS nonfinite_steps,
+           min(s.step) FILTER (WHERE s.grad_norm > $threshold OR s.nonfinite > 0) AS first_step
+    FROM s
+    JOIN (SELECT layer_index, max(grad_norm) AS peak_norm FROM s GROUP BY layer_index) AS p
+      USING (layer_index)
+    LEFT JOIN layers AS l ON l.run_id = $run_id AND l.layer_index = s.layer_index
+    GROUP BY s.layer_index
+    ORDER BY s.layer_index
+"""
+
+_TOTALS_SQL = """
+    WITH s AS (
+        SELECT * FROM layer_stats
+        WHERE run_id = $run_id
+          AND ($from_step IS NULL OR step >= $from_step)
+          AND ($to_step IS NULL OR step <= $to_step)
+    ),
+    per_step AS (
+        SELECT step, sqrt(sum(sum_sq)) AS global_norm,
+               bool_or(grad_norm > $threshold OR nonfinite > 0) AS bad
+        FROM s GROUP BY step
+    ),
+    first_bad AS (SELECT min(step) AS step FROM per_step WHERE bad)
+    SELECT (SELECT max(grad_norm) FROM s),
+           (SELECT avg(grad_norm) FROM s),
+           (SELECT stddev_pop(grad_norm) FROM s),
+           (SELECT count(*) FROM per_step),
+           (SELECT step FROM first_bad),
+           (SELECT max(global_norm) FROM per_step WHERE step < (SELECT step FROM first_bad))
+"""
+
+
+def _layer_action(severity: ExplosionSeverity, nonfinite: bool) -> str:
+    if nonfinite:
+        return ("NaN/Inf gradients: skip optimiser steps whose gradients are not finite, "
+                "then lower the learning rate and clip the gradient norm.")
+    return {
+        ExplosionSeverity.CRITICAL: "Lower the learning rate by an order of magnitude and "
+        "clip the gradient norm.",
+        ExplosionSeverity.HIGH: "Lower the learning rate and clip the gradient norm.",
+        ExplosionSeverity.MEDIUM: "Clip the gradient norm or lower the learning rate.",
+        ExplosionSeverity.LOW: "Just above the threshold: watch this layer's norm.",
+    }[severity]
+
+
+def build_explosion_analysis(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    threshold: float | None = None,
+) -> GradientExplosionAnalysis:
+    """Seed 004 ``detect_gradient_explosion`` over a step range of a stored run.
+
+    Args:
+        con: a connection from :func:`analysis.store.open_store`.
+        run_id: the run.
+        from_step, to_step: inclusive step range (``None`` = open).
+        threshold: L2-norm threshold (> 0); ``None`` = the run's exploding threshold.
+
+    Returns:
+        The :class:`GradientExplosionAnalysis`.
+
+    Raises:
+        StoreError: unknown run, invalid step range, no rows in the range.
+        ValueError: a non-positive threshold.
+    """
+    params = stats_params(run_id, from_step, to_step)
+    require_run(con, run_id)
+    if threshold is None:
+        rows = con.execute(
+            "SELECT exploding_threshold FROM runs WHERE run_id = $run_id", {"run_id": run_id}
+        ).fetchall()
+        threshold = float(rows[0][0])
+    if not threshold > 0:
+        raise ValueError(f"threshold must be > 0, got {threshold}")
+    params = {**params, "threshold": threshold}
+    layers = con.execute(_LAYERS_SQL, params).fetchall()
+    if not layers:
+        raise StoreError(f"run {run_id!r} has no gradient rows in the step range")
+    top, mean, std, steps, first_bad, clip = con.execute(_TOTALS_SQL, params).fetchall()[0]
+    exploding = []
+    any_nonfinite = False
+    for index, name, peak, peak_step, n_exp, n_nonfinite, first in layers:
+        if n_exp == 0 and n_nonfinite == 0:
+            continue
+        any_nonfinite |= n_nonfinite > 0
+        severity = classify_severity(peak / threshold, n_nonfinite > 0)
+        exploding.append(
+            ExplodingLayer(
+                layer_index=index, layer_name=name, gradient_norm=peak, step=peak_step,
+                exploding_steps=n_exp, nonfinite_steps=n_nonfinite, first_step=first,
+                severity=severity, recommended_action=_layer_action(severity, n_nonfinite > 0),
+            )
+        )
+    ratio = len(exploding) / len(layers)
+    if any_nonfinite or ratio > 0.5 or top > 10 * threshold:
+        overall = ExplosionSeverity.CRITICAL
+    elif ratio > 0.3 or top > 5 * threshold:
+        overall = ExplosionSeverity.HIGH
+    elif ratio > 0.1 or top > 2 * threshold:
+        overall = ExplosionSeverity.MEDIUM
+    else:
+        overall = ExplosionSeverity.LOW
+    return GradientExplosionAnalysis(
+        run_id=run_id,
+        from_step=from_step,
+        to_step=to_step,
+        threshold=threshold,
+        steps=steps,
+        layers=len(layers),
+        exploding_layers=exploding,
+        max_gradient_norm=top,
+        mean_gradient_norm=mean,
+        std_gradient_norm=std or 0.0,
+        explosion_ratio=ratio,
+        overall_severity=overall,
+        first_explosion_step=first_bad,
+        clip_norm_suggestion=clip,
+        mitigation_recommendations=_recommendations(
+            ratio, top, threshold, any_nonfinite, first_bad, clip, len(exploding)
+        ),
+    )
+
+
+def _recommendations(
+    ratio: float, top: float, threshold: float, nonfinite: bool, first_bad: int | None,
+    clip: float | None, count: int,
+) -> list[str]:
+    if count == 0:
+        return [f"No layer's gradient norm exceeded {threshold:g}; nothing to mitigate."]
+    recs = []
+    if ratio > 0.3:
+        recs.append(
+            f"{ratio:.0%} of the layers exploded: the cause is global, lower the learning "
+            "rate substantially (or lengthen its warm-up) rather than treating layers."
+        )
+    if clip is not None:
+        recs.append(
+            f"Clip the global gradient norm at about {clip:.3g}: the largest whole-model "
+            f"norm before the first explosion at step {first_bad}."
+        )
+    else:
+        recs.append("Clip the global gradient norm (torch.nn.utils.clip_grad_norm_).")
+    if nonfinite:
+        recs.append(
+            "Gradients reached NaN/Inf: skip non-finite optimiser steps and, with mixed "
+            "precision, use dynamic loss scaling."
+        )
+    if top > 10 * threshold:
+        recs.append(
+            f"The largest layer norm ({top:.3g}) is {top / threshold:.0f}x the threshold: "
+            "check normalisation layers and weight initialisation of the layers listed."
+        )
+    return recs
+
+
+_SEVERITY_STYLE = {
+    ExplosionSeverity.LOW: "yellow", ExplosionSeverity.MEDIUM: "dark_orange",
+    ExplosionSeverity.HIGH: "red", ExplosionSeverity.CRITICAL: "bold red",
+}
+
+
+def render_explosion(report: GradientExplosionAnalysis) -> RenderableType:
+    """The explosion analysis as terminal tables (summary, exploding layers, advice).
+
+    Args:
+        report: from :func:`build_explosion_analysis`.
+
+    Returns:
+        A rich renderable.
+    """
+    head = Text("gradient explosion analysis of run ", style="bold")
+    head.append(show_name(report.run_id))
+    head.append(f"  ({report.layers} layers, {report.steps} steps)", style="dim")
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    grid.add_row("severity", Text(report.overall_severity.value,
+                                  style=_SEVERITY_STYLE[report.overall_severity]))
+    grid.add_row("threshold (L2 norm)", num(report.threshold))
+    grid.add_row("exploding layers", f"{len(report.exploding_layers)} "
+                 f"({report.explosion_ratio:.1%} of layers)")
+    grid.add_row("layer norms", f"max {num(report.max_gradient_norm)}, mean "
+                 f"{num(report.mean_gradient_norm)}, std {num(report.std_gradient_norm)}")
+    if report.first_explosion_step is not None:
+        grid.add_row("first explosion", f"step {report.first_explosion_step}")
+    layers = table("exploding layers (model order)",
+                   ["layer", "severity", "peak norm", "at step", "steps above", "NaN/Inf steps",
+                    "first"],
+                   [False, False, True, True, True, True, True])
+    for x in report.exploding_layers[:ROWS_IN_TABLE]:
+        layers.add_row(show_name(x.layer_name),
+                       Text(x.severity.value, style=_SEVERITY_STYLE[x.severity]),
+                       num(x.gradient_norm), str(x.step), str(x.exploding_steps),
+                       str(x.nonfinite_steps), str(x.first_step))
+    add_more_row(layers, len(report.exploding_layers), ROWS_IN_TABLE)
+    advice = Text()
+    for k, rec in enumerate(report.mitigation_recommendations):
+        advice.append(("\n" if k else "") + f"• {rec}")
+    parts: list[RenderableType] = [head, grid]
+    if report.exploding_layers:
+        parts.append(layers)
+    parts += [Text("Recommendations", style="bold underline"), advice]
+    return Group(*parts)

@@ -1,0 +1,617 @@
+"""Seed 002 gradient flow visualisation data, computed from the stored history of a run.
+
+:func:`build_flow_visualization` loads the run once (:func:`load_history`) and derives
+every section with NumPy passes over the ``layers x steps`` arrays, O(layers x steps) in
+total. The report models and the formula of every field are in
+:mod:`analysis.analyses.flow_models`; the seed placeholders replaced here are
+``direction_vector = [norm]`` (left out: needs gradient vectors), ``connectivity = number
+of layers`` (node degree), edges between hash-order neighbours (consecutive layers in
+backpropagation order), edge types falling through to ``Blocked`` (Blocked = the receiving
+layer's gradient is exactly zero), ``criticality_score 0.8`` (share of gradient lost along
+the path) and ``affected_parameters 1000`` (sum of the layers' ``numel``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from analysis.analyses import series
+from analysis.analyses.flow_models import (
+    PALETTES,
+    ColorScheme,
+    CriticalGradientPath,
+    EdgeType,
+    ExplodingRegion,
+    ExplodingSeverity,
+    FlowDirection,
+    FlowEdge,
+    FlowNode,
+    GradientDeadZone,
+    GradientDirection,
+    GradientFlowNetwork,
+    GradientFlowVisualization,
+    GradientLayerFlow,
+    GradientVisualizationConfig,
+    NetworkMetrics,
+    NodeType,
+    RecoveryPotential,
+    RegionExtent,
+    TemporalGradientFlow,
+    VanishingRegion,
+    VanishingSeverity,
+)
+from analysis.analyses.history import (
+    FLAG_DEAD,
+    FLAG_EXPLODING,
+    FLAG_NONFINITE,
+    FLAG_VANISHING,
+    GradientHistory,
+    Packed,
+    load_history,
+)
+from analysis.analyses.regions import adjacent_runs, steps_all, steps_any
+from analysis.analyses.render import (
+    ROWS_IN_TABLE,
+    add_more_row,
+    num,
+    show_name,
+    table,
+)
+from analysis.analyses.stats import family_alpha, tukey_fences
+from analysis.store import StoreError
+
+if TYPE_CHECKING:
+    import duckdb
+
+__all__ = [
+    "ColorScheme",
+    "GradientFlowVisualization",
+    "GradientVisualizationConfig",
+    "build_flow_visualization",
+    "flow_from_history",
+    "render_flow",
+]
+
+_SEVERITY_ORDER = ("Mild", "Moderate", "Severe", "Critical")
+
+
+def build_flow_visualization(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    config: GradientVisualizationConfig | None = None,
+) -> GradientFlowVisualization:
+    """Seed 002 ``generate_visualization`` over one run's stored history.
+
+    Args:
+        con: a connection from :func:`analysis.store.open_store`.
+        run_id: the run.
+        from_step, to_step: inclusive step range (``None`` = open).
+        config: window, significance level, colour scheme, sections; seed defaults.
+
+    Returns:
+        The :class:`GradientFlowVisualization`.
+
+    Raises:
+        StoreError: unknown run, invalid step range, or no gradient rows in the range.
+    """
+    history = load_history(con, run_id, from_step, to_step)
+    return flow_from_history(history, config)
+
+
+def flow_from_history(
+    history: GradientHistory, config: GradientVisualizationConfig | None = None
+) -> GradientFlowVisualization:
+    """Compute the visualisation data from a loaded history (see the module docstring).
+
+    Args:
+        history: from :func:`analysis.analyses.history.load_history`.
+        config: see :func:`build_flow_visualization`.
+
+    Returns:
+        The :class:`GradientFlowVisualization`.
+
+    Raises:
+        StoreError: the history has no rows.
+    """
+    cfg = config or GradientVisualizationConfig()
+    if history.num_layers == 0:
+        raise StoreError(f"run {history.run_id!r} has no gradient rows in the step range")
+    packed = history.packed
+    x, n = packed.values, packed.counts
+    mom = series.moments(x)
+    consistency = series.flow_consistency(x)
+    bottleneck = series.bottleneck_score(x, mom.mean)
+    flow_rate = series.information_flow_rate(x, n)
+    window = packed.window(cfg.temporal_window)
+    step_scores = series.step_consistency(x)[:, -window.values.shape[1] :]
+
+    layer_flows = [
+        _layer_flow(history, i, window, step_scores[i], consistency, bottleneck, flow_rate)
+        for i in range(history.num_layers)
+    ]
+    temporal = _temporal_flows(history, window, cfg) if cfg.show_temporal_flows else []
+    network = _network(history, mom.mean, consistency)
+    paths = _critical_paths(history, network) if cfg.show_critical_paths else []
+    regions = cfg.show_problem_regions
+    return GradientFlowVisualization(
+        run_id=history.run_id,
+        from_step=history.from_step,
+        to_step=history.to_step,
+        steps=history.num_steps,
+        layers=history.num_layers,
+        layer_flows=layer_flows,
+        temporal_flows=temporal,
+        flow_network=network,
+        critical_paths=paths,
+        vanishing_regions=_vanishing_regions(history) if regions else [],
+        exploding_regions=_exploding_regions(history) if regions else [],
+        dead_zones=_dead_zones(history) if regions else [],
+        visualization_config=cfg,
+    )
+
+
+def _layer_flow(
+    history: GradientHistory,
+    i: int,
+    window: Packed,
+    scores: np.ndarray,
+    consistency: np.ndarray,
+    bottleneck: np.ndarray,
+    flow_rate: np.ndarray,
+) -> GradientLayerFlow:
+    keep = ~np.isnan(window.values[i])
+    values = window.values[i][keep].tolist()
+    steps = window.steps[i][keep].astype(np.int64).tolist()
+    cons = scores[keep].tolist()
+    return GradientLayerFlow(
+        layer_name=history.names[i],
+        layer_index=int(history.layer_index[i]),
+        samples=int(history.counts[i]),
+        gradient_magnitudes=values,
+        gradient_directions=[
+            GradientDirection(step=s, magnitude=v, consistency_score=c)
+            for s, v, c in zip(steps, values, cons, strict=True)
+        ],
+        flow_consistency=float(consistency[i]),
+        bottleneck_score=float(bottleneck[i]),
+        information_flow_rate=float(flow_rate[i]),
+    )
+
+
+def _temporal_flows(
+    history: GradientHistory, window: Packed, cfg: GradientVisualizationConfig
+) -> list[TemporalGradientFlow]:
+    values, steps, counts = window.values, window.steps, window.counts
+    per_layer = family_alpha(cfg.alpha, history.num_layers)
+    turning = series.turning_points(values, counts, per_layer)
+    fit = series.trend(values, steps, per_layer)
+    mom = series.moments(values)
+    stable = series.stability(mom.std, mom.mean)
+    out = []
+    for i in range(history.num_layers):
+        if counts[i] == 0:
+            continue  # every row of the layer held NaN/Inf: no magnitude to follow
+        if turning.oscillating[i]:
+            direction = FlowDirection.OSCILLATING
+        elif fit.significant[i] and fit.slope[i] > 0:
+            direction = FlowDirection.FORWARD
+        elif fit.significant[i] and fit.slope[i] < 0:
+            direction = FlowDirection.BACKWARD
+        else:
+            direction = FlowDirection.STAGNANT
+        out.append(
+            TemporalGradientFlow(
+                step=int(steps[i, -1]),
+                layer_name=history.names[i],
+                gradient_magnitude=float(values[i, -1]),
+                flow_direction=direction,
+                stability_score=float(stable[i]),
+            )
+        )
+    return out
+
+
+def _edge_arrays(history: GradientHistory) -> dict[str, np.ndarray]:
+    """Per edge ``e`` (from layer ``e + 1`` to layer ``e``, model positions) over the
+    aligned steps: flow strength, consistency, blocked fraction, mean log gain."""
+    norms = history.norms
+    count = max(history.num_layers - 1, 0)
+    rms = norms / np.sqrt(np.maximum(history.numel, 1).astype(np.float64))[:, None]
+    src, dst = rms[1:], rms[:-1]
+    both = history.valid[1:] & history.valid[:-1]
+    common = both.sum(axis=1)
+    blocked = (both & (norms[:-1] == 0)).sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gain = dst / src
+        valid = both & (src > 0) & (dst > 0)
+        log_gain = np.where(valid, np.log(np.where(valid, gain, 1.0)), np.nan)
+        gm = series.moments(np.where(valid, gain, np.nan))
+        mean_log = np.nansum(log_gain, axis=1) / gm.n
+    strength = np.where(gm.n > 0, np.exp(mean_log), 0.0)
+    consistency = np.where(gm.n > 0, series.stability(gm.std, gm.mean), 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        blocked_fraction = np.where(common > 0, blocked / common, 0.0)
+    assert strength.shape == (count,)
+    return {
+        "strength": strength,
+        "consistency": consistency,
+        "blocked_fraction": blocked_fraction,
+        "mean_log_gain": np.where(gm.n > 0, mean_log, np.nan),
+    }
+
+
+def _network(
+    history: GradientHistory, strength: np.ndarray, consistency: np.ndarray
+) -> GradientFlowNetwork:
+    count = history.num_layers
+    edges_data = _edge_arrays(history)
+    blocked = edges_data["blocked_fraction"] >= 0.5
+    edge_types: list[EdgeType] = []
+    for e in range(count - 1):
+        if blocked[e]:
+            edge_types.append(EdgeType.BLOCKED)
+        elif edges_data["consistency"][e] < 0.5:
+            edge_types.append(EdgeType.INTERMITTENT)
+        elif edges_data["strength"][e] >= 1.0:
+            edge_types.append(EdgeType.STRONG)
+        else:
+            edge_types.append(EdgeType.WEAK)
+    low, high = tukey_fences(edges_data["mean_log_gain"])
+    nodes = []
+    for i in range(count):
+        incoming = i if i < count - 1 else None  # edge from layer i+1 into layer i
+        node_type = NodeType.NORMAL
+        if incoming is not None:
+            gain = edges_data["mean_log_gain"][incoming]
+            if edge_types[incoming] is EdgeType.BLOCKED or gain < low:
+                node_type = NodeType.BOTTLENECK
+            elif gain > high:
+                node_type = NodeType.AMPLIFIER
+        if node_type is NodeType.NORMAL and count > 1:
+            if incoming is None:
+                node_type = NodeType.SOURCE
+            elif i == 0:
+                node_type = NodeType.SINK
+        degree = (1 if i > 0 else 0) + (1 if i < count - 1 else 0)
+        nodes.append(
+            FlowNode(
+                layer_name=history.names[i],
+                layer_index=int(history.layer_index[i]),
+                node_type=node_type,
+                gradient_strength=float(strength[i]),
+                connectivity=degree,
+                influence_score=float(strength[i] * consistency[i]),
+            )
+        )
+    edges = [
+        FlowEdge(
+            from_layer=history.names[e + 1],
+            to_layer=history.names[e],
+            flow_strength=float(edges_data["strength"][e]),
+            flow_consistency=float(edges_data["consistency"][e]),
+            edge_type=edge_types[e],
+            blocked_fraction=float(edges_data["blocked_fraction"][e]),
+        )
+        for e in range(count - 2, -1, -1)
+    ]
+    n_edges = len(edges)
+    efficiency = float(edges_data["strength"].mean()) if n_edges else 0.0
+    connectivity = float(1.0 - blocked.mean()) if n_edges else 0.0
+    metrics = NetworkMetrics(
+        overall_flow_efficiency=efficiency,
+        network_connectivity=connectivity,
+        bottleneck_density=(
+            sum(n.node_type is NodeType.BOTTLENECK for n in nodes) / count if count else 0.0
+        ),
+        flow_stability=float(edges_data["consistency"].mean()) if n_edges else 0.0,
+        information_propagation_speed=efficiency * connectivity,
+    )
+    return GradientFlowNetwork(nodes=nodes, edges=edges, network_metrics=metrics)
+
+
+def _critical_paths(
+    history: GradientHistory, network: GradientFlowNetwork
+) -> list[CriticalGradientPath]:
+    edges = network.edges  # backpropagation order
+    weak = np.array([e.edge_type is not EdgeType.STRONG for e in edges], dtype=bool)
+    node_type = {n.layer_name: n.node_type for n in network.nodes}
+    numel_of = dict(zip(history.names, history.numel.tolist(), strict=True))
+    total_params = max(int(history.numel.sum()), 1)
+    paths = []
+    for start, end in adjacent_runs(weak):
+        run = edges[start : end + 1]
+        layers = [run[0].from_layer] + [e.to_layer for e in run]
+        total = math.prod(e.flow_strength for e in run)
+        paths.append(
+            CriticalGradientPath(
+                path_id="",
+                layers=layers,
+                path_length=len(layers),
+                total_flow_strength=total,
+                bottleneck_layers=[n for n in layers if node_type[n] is NodeType.BOTTLENECK],
+                criticality_score=1.0 - min(total, 1.0),
+                optimization_potential=sum(numel_of[n] for n in layers) / total_params,
+            )
+        )
+    paths.sort(key=lambda p: -p.criticality_score)
+    return [p.model_copy(update={"path_id": f"path_{k + 1}"}) for k, p in enumerate(paths)]
+
+
+def _extent(history: GradientHistory, start: int, end: int, duration: int) -> RegionExtent:
+    return RegionExtent(
+        start_layer=history.names[start],
+        end_layer=history.names[end],
+        affected_parameters=int(history.numel[start : end + 1].sum()),
+        duration_steps=duration,
+    )
+
+
+def _severity(d: float) -> str:
+    """Mild / Moderate / Severe / Critical for ``d`` orders of magnitude (d < 1, < 2, < 3,
+    >= 3; NaN or inf -> Critical)."""
+    if not math.isfinite(d) or d >= 3:
+        return "Critical"
+    return _SEVERITY_ORDER[max(math.floor(d), 0)]
+
+
+def _fraction(history: GradientHistory, bits: int) -> np.ndarray:
+    """Share of each layer's samples with any of ``bits`` set, float64 ``[L]``."""
+    hits = ((history.flags & bits) != 0).sum(axis=1)
+    return hits / np.maximum(history.rows, 1)
+
+
+def _vanishing_regions(history: GradientHistory) -> list[VanishingRegion]:
+    flagged = (history.flags & FLAG_VANISHING) != 0
+    member = _fraction(history, FLAG_VANISHING) >= 0.5
+    thr = history.vanishing_threshold
+    # Orders of magnitude below the threshold of each layer's geometric-mean magnitude.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        below = np.where(
+            np.isnan(history.log_magnitude),
+            np.inf,
+            (math.log(thr) - history.log_magnitude) / math.log(10.0),
+        )
+    regions = []
+    for k, (start, end) in enumerate(adjacent_runs(member)):
+        severity = VanishingSeverity(_severity(float(np.median(below[start : end + 1]))))
+        duration = int(steps_all(flagged, history.present, start, end).sum())
+        regions.append(
+            VanishingRegion(
+                region_id=f"vanishing_{k + 1}",
+                affected_layers=history.names[start : end + 1],
+                severity_level=severity,
+                extent=_extent(history, start, end, duration),
+                mitigation_suggestions=_vanishing_advice(history, start, end, severity),
+            )
+        )
+    return regions
+
+
+def _vanishing_advice(
+    history: GradientHistory, start: int, end: int, severity: VanishingSeverity
+) -> list[str]:
+    advice = []
+    if start == 0:
+        advice.append(
+            "The region reaches the input end of the model, the farthest from the loss: "
+            "add residual (skip) connections or normalisation layers so the gradient has a "
+            "short path back to these layers."
+        )
+    else:
+        advice.append(
+            "Gradients fade inside the model: check the activations feeding this region "
+            "for saturation (sigmoid/tanh) and consider residual connections around it."
+        )
+    if severity in (VanishingSeverity.SEVERE, VanishingSeverity.CRITICAL):
+        advice.append(
+            "Gradients here are orders of magnitude below the threshold: re-initialise "
+            "with a scheme matched to the activation (He/Kaiming for ReLU-like units, "
+            "Xavier/Glorot for tanh or sigmoid)."
+        )
+    if end - start + 1 > 1:
+        advice.append(
+            f"{end - start + 1} adjacent layers vanish together: a per-layer (layer-wise "
+            "adaptive) optimiser such as Adam or LAMB rescales their updates."
+        )
+    return advice
+
+
+def _exploding_regions(history: GradientHistory) -> list[ExplodingRegion]:
+    bits = FLAG_EXPLODING | FLAG_NONFINITE
+    flagged = (history.flags & bits) != 0
+    member = flagged.any(axis=1)
+    nonfinite = ((history.flags & FLAG_NONFINITE) != 0).any(axis=1)
+    thr = history.exploding_threshold
+    regions = []
+    for k, (start, end) in enumerate(adjacent_runs(member)):
+        peak = float(np.nanmax(history.peak_magnitude[start : end + 1]))
+        if nonfinite[start : end + 1].any():
+            severity = ExplodingSeverity.CRITICAL
+        else:
+            severity = ExplodingSeverity(_severity(math.log10(peak / thr) if peak > 0 else 0.0))
+        duration = int(steps_any(flagged, start, end).sum())
+        regions.append(
+            ExplodingRegion(
+                region_id=f"exploding_{k + 1}",
+                affected_layers=history.names[start : end + 1],
+                severity_level=severity,
+                extent=_extent(history, start, end, duration),
+                mitigation_suggestions=_exploding_advice(
+                    bool(nonfinite[start : end + 1].any()), peak, thr
+                ),
+            )
+        )
+    return regions
+
+
+def _exploding_advice(nonfinite: bool, peak: float, threshold: float) -> list[str]:
+    advice = [
+        "Clip the global gradient norm before each optimiser step "
+        "(torch.nn.utils.clip_grad_norm_) so one bad batch cannot blow up the weights.",
+        f"The largest gradient element reached {peak:.3g} (threshold {threshold:.3g}): "
+        "lower the learning rate or lengthen its warm-up.",
+    ]
+    if nonfinite:
+        advice.append(
+            "Gradients overflowed to NaN/Inf: skip optimiser steps with non-finite "
+            "gradients and, with mixed precision, use dynamic loss scaling."
+        )
+    return advice
+
+
+def _dead_zones(history: GradientHistory) -> list[GradientDeadZone]:
+    dead = (history.flags & FLAG_DEAD) != 0
+    member = _fraction(history, FLAG_DEAD) >= 0.5
+    half = history.num_steps // 2  # steps[half:] is the later half of the range
+    zones = []
+    for k, (start, end) in enumerate(adjacent_runs(member)):
+        present = history.present[start : end + 1]
+        alive = (history.valid[start : end + 1] & ~dead[start : end + 1]).any(axis=0)
+        reported = np.flatnonzero(present.any(axis=0))
+        last = int(reported[-1])
+        if alive[last]:
+            potential = RecoveryPotential.HIGH
+        elif alive[half:].any():
+            potential = RecoveryPotential.MEDIUM
+        elif alive.any():
+            potential = RecoveryPotential.LOW
+        else:
+            potential = RecoveryPotential.NONE
+        zones.append(
+            GradientDeadZone(
+                zone_id=f"dead_zone_{k + 1}",
+                affected_layers=history.names[start : end + 1],
+                dead_duration=int(steps_all(dead, history.present, start, end).sum()),
+                recovery_potential=potential,
+                intervention_required=potential is not RecoveryPotential.HIGH,
+                affected_parameters=int(history.numel[start : end + 1].sum()),
+            )
+        )
+    return zones
+
+
+# -- terminal rendering -------------------------------------------------------------------
+
+
+def render_flow(report: GradientFlowVisualization) -> RenderableType:
+    """Tables of the visualisation data for a terminal: network metrics, nodes and edges
+    (at most ``ROWS_IN_TABLE`` each), critical paths, problem regions and latest flow
+    directions, coloured with the report's colour scheme.
+
+    Args:
+        report: from :func:`build_flow_visualization`.
+
+    Returns:
+        A rich renderable.
+    """
+    cfg = report.visualization_config
+    palette = PALETTES[cfg.color_scheme]
+    parts: list[RenderableType] = []
+    head = Text("gradient flow of run ", style="bold")
+    head.append(show_name(report.run_id))
+    head.append(f"  ({report.layers} layers, {report.steps} steps)", style="dim")
+    parts.append(head)
+    m = report.flow_network.network_metrics
+    metrics = table("network", ["metric", "value"], [False, True])
+    for name, value in m.model_dump().items():
+        metrics.add_row(name, num(value))
+    parts.append(metrics)
+
+    strongest = max((n.gradient_strength for n in report.flow_network.nodes), default=0.0)
+    flows = {f.layer_name: f for f in report.layer_flows}
+    latest = {t.layer_name: t for t in report.temporal_flows}
+    nodes = table(
+        "layers (model order)",
+        ["layer", "node", "mean norm", "consist.", "bneck", "direction", "stab."],
+        [False, False, True, True, True, False, True],
+    )
+    for node in report.flow_network.nodes[:ROWS_IN_TABLE]:
+        dim = strongest > 0 and node.gradient_strength < cfg.flow_threshold * strongest
+        flow = flows[node.layer_name]
+        temporal = latest.get(node.layer_name)
+        nodes.add_row(
+            Text(show_name(node.layer_name), style="dim" if dim else ""),
+            Text(node.node_type.value, style=palette[node.node_type.value]),
+            num(node.gradient_strength),
+            num(flow.flow_consistency),
+            num(flow.bottleneck_score),
+            temporal.flow_direction.value if temporal else "-",
+            num(temporal.stability_score) if temporal else "-",
+        )
+    add_more_row(nodes, len(report.flow_network.nodes), ROWS_IN_TABLE)
+    parts.append(nodes)
+
+    edges = table(
+        "edges (backpropagation order)",
+        ["from", "to", "type", "gain", "consist.", "blocked"],
+        [False, False, False, True, True, True],
+    )
+    for edge in report.flow_network.edges[:ROWS_IN_TABLE]:
+        edges.add_row(
+            show_name(edge.from_layer), show_name(edge.to_layer),
+            Text(edge.edge_type.value, style=palette[edge.edge_type.value]),
+            num(edge.flow_strength), num(edge.flow_consistency),
+            f"{edge.blocked_fraction:.0%}",
+        )
+    add_more_row(edges, len(report.flow_network.edges), ROWS_IN_TABLE)
+    if report.flow_network.edges:
+        parts.append(edges)
+
+    if report.critical_paths:
+        paths = table(
+            "critical paths (stretches of non-Strong edges, backpropagation order)",
+            ["path", "from", "to", "layers", "gain", "lost", "params", "bneck"],
+            [False, False, False, True, True, True, True, True],
+        )
+        for path in report.critical_paths[:ROWS_IN_TABLE]:
+            paths.add_row(
+                path.path_id, show_name(path.layers[0]), show_name(path.layers[-1]),
+                str(path.path_length), num(path.total_flow_strength, 2),
+                f"{path.criticality_score:.0%}", f"{path.optimization_potential:.0%}",
+                str(len(path.bottleneck_layers)),
+            )
+        add_more_row(paths, len(report.critical_paths), ROWS_IN_TABLE)
+        parts.append(paths)
+
+    problems = table(
+        "problem regions (adjacent layers, model order)",
+        ["region", "severity", "first layer", "last layer", "layers", "params", "steps"],
+        [False, False, False, False, True, True, True],
+    )
+    advice = Text()
+    regions: list[VanishingRegion | ExplodingRegion] = [
+        *report.vanishing_regions, *report.exploding_regions
+    ]
+    for region in regions:
+        severity = region.severity_level.value
+        layers = region.affected_layers
+        problems.add_row(
+            region.region_id, Text(severity, style=palette[severity]),
+            show_name(layers[0]), show_name(layers[-1]), str(len(layers)),
+            str(region.extent.affected_parameters), str(region.extent.duration_steps),
+        )
+        for line in region.mitigation_suggestions:
+            advice.append(("\n" if advice.plain else "") + f"• {region.region_id}: {line}")
+    for zone in report.dead_zones:
+        layers = zone.affected_layers
+        problems.add_row(
+            zone.zone_id, f"recovery {zone.recovery_potential.value}",
+            show_name(layers[0]), show_name(layers[-1]), str(len(layers)),
+            str(zone.affected_parameters), str(zone.dead_duration),
+        )
+        if zone.intervention_required:
+            advice.append(("\n" if advice.plain else "")
+                          + f"• {zone.zone_id}: no gradient reaches these layers; check that "
+                          "they are connected to the loss and that their units are not dead.")
+    if regions or report.dead_zones:
+        parts += [problems, advice]
+    else:
+        parts.append(Text("no vanishing or exploding regions, no dead zones", style="green"))
+    return Group(*parts)

@@ -1,0 +1,16 @@
+"""Pictures of a run's gradient flow, drawn from the store (``gradstream plot``).
+
+Modules, one job each:
+
+- :mod:`analysis.plots.grid`: DuckDB SQL that reduces ``layer_stats`` to a bounded
+  layers x steps grid (downsampling large runs in SQL, and saying so) and one layer's
+  norm series.
+- :mod:`analysis.plots.png`: matplotlib PNGs: the heatmap (log10 gradient norm, vanishing
+  and exploding cells marked) and the per-layer norm time series.
+- :mod:`analysis.plots.animation`: the seed-001 gradient-flow animation as one offline
+  HTML file (embedded data and JavaScript, step slider and play button).
+- :mod:`analysis.plots.colors`: the colour map shared by the PNGs, the animation and the
+  dashboard.
+
+Nothing here is imported by ``analysis/__init__``; matplotlib loads only when drawing.
+"""

@@ -1,0 +1,447 @@
+"""A run's layers x steps grid and one layer's series, downsampled by DuckDB in SQL.
+
+Every picture and the dashboard draw from these two reductions of ``layer_stats``:
+
+- :func:`load_grid`: rows are layers in model order (``layer_index``), columns are the
+  recorded frames in step order. When a run has more frames than ``max_steps`` (or more
+  layers than ``max_layers``), consecutive frames (layers) are grouped into bins of
+  ``k = ceil(frames / max_steps)`` (``m = ceil(layers / max_layers)``) and each cell keeps
+  the **maximum** gradient norm and flow intensity over its bin, and a flag when **any**
+  entry of the bin was vanishing, exploding or non-finite. The SQL returns at most
+  ``max_steps x max_layers`` cells, so the work in Python is bounded whatever the run's
+  length. :meth:`GradientGrid.caption` says how the grid was downsampled; every picture
+  prints it.
+- :func:`load_layer_series`: one layer's norms over its recorded steps, binned the same
+  way (maximum and minimum per bin).
+
+Bins are taken over recorded frames, not step numbers, so a run that logs every 10th step
+has no empty columns. Maximum over a bin (not mean) keeps a single exploding step visible
+after downsampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from analysis.store import StoreError, require_run, stats_params
+
+if TYPE_CHECKING:
+    import duckdb
+
+FLAG_VANISHING = 1
+"""Cell flag bit: some entry of the cell had ``is_vanishing`` (mean |g| < threshold)."""
+FLAG_EXPLODING = 2
+"""Cell flag bit: some entry of the cell had ``is_exploding`` (max |g| > threshold)."""
+FLAG_NONFINITE = 4
+"""Cell flag bit: some entry of the cell had NaN/Inf gradient elements (``nonfinite > 0``)."""
+FLAG_NO_DATA = 8
+"""Cell flag bit: the layer has no ``layer_stats`` row in the cell's frames."""
+FLAG_ZERO = 16
+"""Cell flag bit: the cell's maximum gradient norm is exactly 0 (log10 undefined)."""
+
+_RANGE = """
+    run_id = $run_id
+    AND ($from_step IS NULL OR step >= $from_step)
+    AND ($to_step IS NULL OR step <= $to_step)
+"""
+
+_GRID_SQL = f"""
+    WITH s AS (
+        SELECT step, layer_index, grad_norm, flow_intensity, is_vanishing, is_exploding,
+               nonfinite
+        FROM layer_stats WHERE {_RANGE}
+    ),
+    ranked AS (
+        SELECT step,
+               row_number() OVER (ORDER BY step) - 1 AS frame_no,
+               count(*) OVER () AS n_frames
+        FROM (SELECT DISTINCT step FROM s)
+    ),
+    k AS (SELECT coalesce(ceil(max(n_frames) / $max_steps)::BIGINT, 1) AS k FROM ranked)
+    SELECT s.layer_index // $layers_per_row AS row_no,
+           r.frame_no // k.k AS col_no,
+           max(s.grad_norm) AS max_norm,
+           max(s.flow_intensity) AS max_flow,
+           bool_or(s.is_vanishing) AS vanishing,
+           bool_or(s.is_exploding) AS exploding,
+           bool_or(s.nonfinite > 0) AS nonfinite,
+           min(s.step) AS first_step,
+           max(s.step) AS last_step,
+           any_value(r.n_frames) AS n_frames,
+           any_value(k.k) AS k
+    FROM s JOIN ranked AS r USING (step) CROSS JOIN k
+    GROUP BY row_no, col_no
+"""
+
+_SERIES_SQL = f"""
+    WITH s AS (
+        SELECT step, grad_norm, mean_abs_grad, max_abs_grad, is_vanishing, is_exploding,
+               nonfinite,
+               row_number() OVER (ORDER BY step) - 1 AS n,
+               count(*) OVER () AS total
+        FROM layer_stats WHERE {_RANGE} AND layer_index = $layer_index
+    ),
+    k AS (SELECT coalesce(ceil(max(total) / $max_points)::BIGINT, 1) AS k FROM s)
+    SELECT s.n // k.k AS bin,
+           min(step) AS first_step, max(step) AS last_step,
+           max(grad_norm) AS max_norm, min(grad_norm) AS min_norm,
+           max(mean_abs_grad) AS max_mean_abs, max(max_abs_grad) AS max_abs,
+           bool_or(is_vanishing) AS vanishing, bool_or(is_exploding) AS exploding,
+           bool_or(nonfinite > 0) AS nonfinite,
+           any_value(total) AS total, any_value(k.k) AS k
+    FROM s CROSS JOIN k
+    GROUP BY bin ORDER BY bin
+"""
+
+
+def _f64(column: object) -> np.ndarray:
+    """A fetched DuckDB column as float64 with NULL -> NaN (``fetchnumpy`` returns a masked
+    array for a column with NULLs; a plain conversion would turn them into 0)."""
+    return np.ma.filled(np.ma.asarray(column, dtype=np.float64), np.nan)
+
+
+def _bins(count: int, limit: int) -> int:
+    """Smallest bin size ``b`` with ``ceil(count / b) <= limit`` (1 when it already fits)."""
+    return max(1, -(-count // limit))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """A run's layer names in model order and its thresholds (from ``runs``, ``layers``)."""
+
+    run_id: str
+    layer_names: list[str]
+    vanishing_threshold: float
+    exploding_threshold: float
+
+
+def load_run_shape(con: duckdb.DuckDBPyConnection, run_id: str) -> RunShape:
+    """Layer names (model order; ``layer[i]`` where a name is missing) and thresholds.
+
+    Raises:
+        StoreError: unknown run.
+    """
+    require_run(con, run_id)
+    row = con.execute(
+        "SELECT num_layers, vanishing_threshold, exploding_threshold FROM runs "
+        "WHERE run_id = $run_id",
+        {"run_id": run_id},
+    ).fetchone()
+    assert row is not None  # require_run checked it
+    num_layers, van, exp = int(row[0]), float(row[1]), float(row[2])
+    names = [f"layer[{i}]" for i in range(num_layers)]
+    for index, name in con.execute(
+        "SELECT layer_index, name FROM layers WHERE run_id = $run_id", {"run_id": run_id}
+    ).fetchall():
+        if 0 <= index < num_layers:
+            names[index] = name
+    return RunShape(run_id, names, van, exp)
+
+
+@dataclass(frozen=True)
+class GradientGrid:
+    """A run's gradient flow as a layers x steps grid (``R`` rows, ``C`` columns).
+
+    Attributes:
+        run_id: the run drawn.
+        row_labels: str[R], the layer name, or ``"first … last"`` for a bin of layers.
+        row_first_layer / row_last_layer: int64[R], model-order indices each row covers.
+        col_first_step / col_last_step: int64[C], optimiser steps each column covers.
+        col_frames: int64[C], recorded frames in each column.
+        max_norm: float64[R, C], maximum L2 gradient norm over the cell (NaN: no data).
+        max_flow: float64[R, C], maximum flow intensity (grad_norm / max over layers of
+            the step, in [0, 1]; seed 001) over the cell (NaN: no data).
+        flags: uint8[R, C], bit set of FLAG_VANISHING, FLAG_EXPLODING, FLAG_NONFINITE,
+            FLAG_NO_DATA, FLAG_ZERO.
+        steps_per_col: frames per column ``k`` (1 = every recorded step shown).
+        layers_per_row: layers per row ``m`` (1 = every layer shown).
+        n_frames / n_layers: recorded frames in the range, layers of the run.
+        vanishing_threshold / exploding_threshold: the run's thresholds.
+    """
+
+    run_id: str
+    row_labels: list[str]
+    row_first_layer: np.ndarray
+    row_last_layer: np.ndarray
+    col_first_step: np.ndarray
+    col_last_step: np.ndarray
+    col_frames: np.ndarray
+    max_norm: np.ndarray
+    max_flow: np.ndarray
+    flags: np.ndarray
+    steps_per_col: int
+    layers_per_row: int
+    n_frames: int
+    n_layers: int
+    vanishing_threshold: float
+    exploding_threshold: float
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, columns)."""
+        return (len(self.row_labels), len(self.col_first_step))
+
+    @property
+    def downsampled(self) -> bool:
+        """Whether a column or a row covers more than one frame or layer."""
+        return self.steps_per_col > 1 or self.layers_per_row > 1
+
+    def log_norm(self) -> np.ndarray:
+        """float64[R, C]: log10 of :attr:`max_norm`; NaN where there is no data or the
+        norm is 0 (see FLAG_NO_DATA, FLAG_ZERO)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = np.log10(self.max_norm)
+        out[~np.isfinite(out)] = np.nan
+        return out
+
+    def caption(self) -> str:
+        """One line saying what the grid shows and how it was downsampled, e.g.
+        ``"2000 steps x 12 layers; downsampled: each column = max over 10 consecutive
+        recorded steps (200 columns)"``."""
+        rows, cols = self.shape
+        head = f"{_plural(self.n_frames, 'recorded step')} x {_plural(self.n_layers, 'layer')}"
+        if not self.downsampled:
+            return f"{head}; every step and every layer shown"
+        parts = []
+        if self.steps_per_col > 1:
+            parts.append(
+                f"each column = max over {self.steps_per_col} consecutive recorded steps "
+                f"({_plural(cols, 'column')})"
+            )
+        if self.layers_per_row > 1:
+            parts.append(
+                f"each row = max over {self.layers_per_row} consecutive layers "
+                f"({_plural(rows, 'row')})"
+            )
+        return f"{head}; downsampled: " + "; ".join(parts) + "; flags: any in bin"
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready dict for the dashboard and the animation: NaN becomes ``None``;
+        ``log_norm`` is rounded to 4 decimals (1e-4 in log10 is a 0.02% norm change)."""
+        log = np.round(self.log_norm(), 4)
+        flow = np.round(self.max_flow, 4)
+        return {
+            "run_id": self.run_id,
+            "rows": self.row_labels,
+            "row_first_layer": self.row_first_layer.tolist(),
+            "row_last_layer": self.row_last_layer.tolist(),
+            "col_first_step": self.col_first_step.tolist(),
+            "col_last_step": self.col_last_step.tolist(),
+            "col_frames": self.col_frames.tolist(),
+            "log_norm": _nan_to_none(log),
+            "flow": _nan_to_none(flow),
+            "flags": self.flags.tolist(),
+            "steps_per_col": self.steps_per_col,
+            "layers_per_row": self.layers_per_row,
+            "n_frames": self.n_frames,
+            "n_layers": self.n_layers,
+            "vanishing_threshold": self.vanishing_threshold,
+            "exploding_threshold": self.exploding_threshold,
+            "caption": self.caption(),
+        }
+
+
+def _nan_to_none(values: np.ndarray) -> list[list[float | None]]:
+    obj = values.astype(object)
+    obj[np.isnan(values)] = None
+    return obj.tolist()
+
+
+def load_grid(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    max_steps: int = 1000,
+    max_layers: int = 400,
+    *,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> GradientGrid:
+    """Reduce a run's ``layer_stats`` to at most ``max_layers x max_steps`` cells, in SQL.
+
+    Args:
+        con: a DuckDB connection to the store (read-only connection or cursor).
+        run_id: the run.
+        max_steps: most columns (>= 1); more recorded frames are binned by ``k =
+            ceil(frames / max_steps)`` consecutive frames (maximum over the bin).
+        max_layers: most rows (>= 1); more layers are binned by ``m = ceil(layers /
+            max_layers)`` consecutive layers in model order.
+        from_step / to_step: inclusive optimiser-step range, ``None`` = unbounded.
+
+    Returns:
+        The :class:`GradientGrid`; with no frame in the range it has 0 columns.
+
+    Raises:
+        ValueError: ``max_steps`` or ``max_layers`` < 1.
+        StoreError: unknown run or invalid step range.
+    """
+    if max_steps < 1 or max_layers < 1:
+        raise ValueError(f"max_steps and max_layers must be >= 1, got {max_steps}, {max_layers}")
+    params = stats_params(run_id, from_step, to_step)
+    shape = load_run_shape(con, run_id)
+    n_layers = len(shape.layer_names)
+    m = _bins(n_layers, max_layers)
+    cells = con.execute(
+        _GRID_SQL, params | {"max_steps": max_steps, "layers_per_row": m}
+    ).fetchnumpy()
+    n_rows = -(-n_layers // m) if n_layers else 0
+    row_first = np.arange(n_rows, dtype=np.int64) * m
+    row_last = np.minimum(row_first + m, n_layers) - 1
+    labels = [
+        shape.layer_names[a] if a == b else f"{shape.layer_names[a]} … {shape.layer_names[b]}"
+        for a, b in zip(row_first.tolist(), row_last.tolist(), strict=True)
+    ]
+    if len(cells["row_no"]) == 0:
+        empty = np.zeros((n_rows, 0))
+        return GradientGrid(
+            run_id, labels, row_first, row_last, np.zeros(0, np.int64), np.zeros(0, np.int64),
+            np.zeros(0, np.int64), empty, empty.copy(), np.zeros((n_rows, 0), np.uint8), 1, m,
+            0, n_layers, shape.vanishing_threshold, shape.exploding_threshold,
+        )
+    n_frames, k = int(cells["n_frames"][0]), int(cells["k"][0])
+    n_cols = -(-n_frames // k)
+    rows = np.asarray(cells["row_no"], dtype=np.int64)
+    cols = np.asarray(cells["col_no"], dtype=np.int64)
+    if rows.max() >= n_rows:
+        raise StoreError(f"run {run_id!r} has layer_stats rows beyond its {n_layers} layers")
+    max_norm = np.full((n_rows, n_cols), np.nan)
+    max_flow = np.full((n_rows, n_cols), np.nan)
+    max_norm[rows, cols] = _f64(cells["max_norm"])
+    max_flow[rows, cols] = _f64(cells["max_flow"])
+    flags = np.full((n_rows, n_cols), FLAG_NO_DATA, dtype=np.uint8)
+    flags[rows, cols] = (
+        np.asarray(cells["vanishing"], bool) * FLAG_VANISHING
+        | np.asarray(cells["exploding"], bool) * FLAG_EXPLODING
+        | np.asarray(cells["nonfinite"], bool) * FLAG_NONFINITE
+    ).astype(np.uint8)
+    flags[max_norm == 0] |= FLAG_ZERO
+    first_step = np.full(n_cols, np.iinfo(np.int64).max, dtype=np.int64)
+    last_step = np.full(n_cols, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(first_step, cols, np.asarray(cells["first_step"], dtype=np.int64))
+    np.maximum.at(last_step, cols, np.asarray(cells["last_step"], dtype=np.int64))
+    col_frames = np.minimum(k, n_frames - np.arange(n_cols, dtype=np.int64) * k)
+    return GradientGrid(
+        run_id, labels, row_first, row_last, first_step, last_step, col_frames, max_norm,
+        max_flow, flags, k, m, n_frames, n_layers, shape.vanishing_threshold,
+        shape.exploding_threshold,
+    )
+
+
+@dataclass(frozen=True)
+class LayerSeries:
+    """One layer's gradient statistics over its recorded steps, binned (``B`` bins).
+
+    Attributes:
+        run_id / layer_index / layer_name: which layer.
+        first_step / last_step: int64[B], steps each bin covers.
+        max_norm / min_norm: float64[B], max and min L2 gradient norm over the bin.
+        max_mean_abs / max_abs: float64[B], max of mean |g| and of max |g| over the bin
+            (NaN when the run sends norms only: ``mean_abs_grad`` / ``max_abs_grad`` NULL).
+        flags: uint8[B], FLAG_VANISHING | FLAG_EXPLODING | FLAG_NONFINITE (any in bin).
+        steps_per_bin: recorded steps per bin (1 = every step).
+        total: recorded steps of the layer in the range.
+    """
+
+    run_id: str
+    layer_index: int
+    layer_name: str
+    first_step: np.ndarray
+    last_step: np.ndarray
+    max_norm: np.ndarray
+    min_norm: np.ndarray
+    max_mean_abs: np.ndarray
+    max_abs: np.ndarray
+    flags: np.ndarray
+    steps_per_bin: int
+    total: int
+
+    def caption(self) -> str:
+        """What the series shows and how it was downsampled."""
+        head = f"{_plural(self.total, 'recorded step')}"
+        if self.steps_per_bin == 1:
+            return f"{head}; every step shown"
+        return (
+            f"{head}; downsampled: each point = max (band: min) over {self.steps_per_bin} "
+            f"consecutive recorded steps ({_plural(len(self.first_step), 'point')})"
+        )
+
+    def to_json(self) -> dict[str, object]:
+        """JSON-ready dict (non-finite floats become ``None``)."""
+
+        def floats(a: np.ndarray) -> list[float | None]:
+            obj = a.astype(object)
+            obj[~np.isfinite(a)] = None
+            return obj.tolist()
+
+        return {
+            "run_id": self.run_id,
+            "layer_index": self.layer_index,
+            "layer_name": self.layer_name,
+            "first_step": self.first_step.tolist(),
+            "last_step": self.last_step.tolist(),
+            "max_norm": floats(self.max_norm),
+            "min_norm": floats(self.min_norm),
+            "max_mean_abs": floats(self.max_mean_abs),
+            "max_abs": floats(self.max_abs),
+            "flags": self.flags.tolist(),
+            "steps_per_bin": self.steps_per_bin,
+            "total": self.total,
+            "caption": self.caption(),
+        }
+
+
+def load_layer_series(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    layer_index: int,
+    max_points: int = 1000,
+    *,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> LayerSeries:
+    """One layer's norm series, at most ``max_points`` bins of consecutive recorded steps.
+
+    Args:
+        con: a DuckDB connection to the store.
+        run_id: the run.
+        layer_index: the layer, in model order (0-based).
+        max_points: most bins (>= 1).
+        from_step / to_step: inclusive step range, ``None`` = unbounded.
+
+    Raises:
+        ValueError: ``max_points`` < 1.
+        StoreError: unknown run, layer index outside the run, or invalid step range.
+    """
+    if max_points < 1:
+        raise ValueError(f"max_points must be >= 1, got {max_points}")
+    params = stats_params(run_id, from_step, to_step)
+    shape = load_run_shape(con, run_id)
+    if not 0 <= layer_index < len(shape.layer_names):
+        raise StoreError(
+            f"run {run_id!r} has {len(shape.layer_names)} layers; no layer index {layer_index}"
+        )
+    cols = con.execute(
+        _SERIES_SQL, params | {"layer_index": layer_index, "max_points": max_points}
+    ).fetchnumpy()
+    n = len(cols["bin"])
+
+    def f64(name: str) -> np.ndarray:
+        return _f64(cols[name])
+
+    flags = (
+        np.asarray(cols["vanishing"], bool) * FLAG_VANISHING
+        | np.asarray(cols["exploding"], bool) * FLAG_EXPLODING
+        | np.asarray(cols["nonfinite"], bool) * FLAG_NONFINITE
+    ).astype(np.uint8)
+    return LayerSeries(
+        run_id, layer_index, shape.layer_names[layer_index],
+        np.asarray(cols["first_step"], np.int64), np.asarray(cols["last_step"], np.int64),
+        f64("max_norm"), f64("min_norm"), f64("max_mean_abs"), f64("max_abs"), flags,
+        int(cols["k"][0]) if n else 1, int(cols["total"][0]) if n else 0,
+    )

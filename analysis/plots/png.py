@@ -1,0 +1,290 @@
+"""matplotlib PNGs of a :class:`~analysis.plots.grid.GradientGrid`.
+
+- :func:`plot_heatmap`: layers (model order, top to bottom) x steps, colour = log10 of the
+  gradient L2 norm; vanishing, exploding and non-finite cells marked in colours outside the
+  norm scale (hollow squares when cells are large enough to keep the norm colour visible,
+  solid cells otherwise); the grid's downsampling caption under the title.
+- :func:`plot_series`: one line per row (layer, or bin of layers) of the maximum gradient
+  norm over each column's steps, log scale, flagged points marked.
+
+Drawn with the non-interactive Agg backend; layer names are shown literally (``$`` escaped
+so no mathtext, control characters escaped).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from analysis.plots.colors import FLAG_COLORS, NORM_CMAP
+from analysis.plots.grid import (
+    FLAG_EXPLODING,
+    FLAG_NO_DATA,
+    FLAG_NONFINITE,
+    FLAG_VANISHING,
+    FLAG_ZERO,
+    GradientGrid,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from matplotlib.axes import Axes
+
+DPI = 100
+"""Pixels per inch of the PNGs (figure sizes are given in pixels)."""
+
+MIN_MARK_PX = 6.0
+"""Cells at least this many pixels wide and tall get hollow marks (the norm colour stays
+visible inside); smaller cells are filled with the flag colour, which a 1-2 px outline
+could not show."""
+
+ROW_PX = 16
+"""Height of one heatmap row when there are few rows (8-point labels need ~11 px)."""
+
+LABELED_ROWS = 60
+"""Most y tick labels drawn; with more rows, labels are thinned evenly."""
+
+_MARK_ORDER = (  # later marks are drawn over earlier ones
+    (FLAG_ZERO, "zero"),
+    (FLAG_VANISHING, "vanishing"),
+    (FLAG_EXPLODING, "exploding"),
+    (FLAG_NONFINITE, "nonfinite"),
+)
+
+
+def display_name(name: str) -> str:
+    """A layer name as matplotlib text: on one line (control characters escaped as ``repr``
+    does), ``""`` for the empty name, ``$`` escaped so it never starts mathtext."""
+    if not name:
+        return '""'
+    shown = name if name.isprintable() else repr(name)[1:-1]
+    return shown.replace("$", r"\$")
+
+
+@contextmanager
+def _figure_context() -> Iterator[None]:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    with plt.rc_context({"font.size": 9}), warnings.catch_warnings():
+        # Layer names may hold characters the bundled font lacks (CJK, emoji): drawn as boxes.
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font")
+        warnings.filterwarnings("ignore", message="Matplotlib currently does not support")
+        yield
+
+
+def _legend_handles(grid: GradientGrid) -> list[object]:
+    from matplotlib.patches import Patch
+
+    labels = {
+        "vanishing": f"vanishing (mean |g| < {grid.vanishing_threshold:g})",
+        "exploding": f"exploding (max |g| > {grid.exploding_threshold:g})",
+        "nonfinite": "non-finite (NaN/Inf elements)",
+        "zero": "norm = 0",
+        "no_data": "no data",
+    }
+    present = {
+        "vanishing": FLAG_VANISHING, "exploding": FLAG_EXPLODING, "nonfinite": FLAG_NONFINITE,
+        "zero": FLAG_ZERO, "no_data": FLAG_NO_DATA,
+    }
+    return [
+        Patch(facecolor=FLAG_COLORS[key], edgecolor="black", linewidth=0.5, label=text)
+        for key, text in labels.items()
+        if key in ("vanishing", "exploding") or (grid.flags & present[key]).any()
+    ]
+
+
+def _step_axis(ax: Axes, grid: GradientGrid) -> None:
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    first = grid.col_first_step
+
+    def label(x: float, _pos: int) -> str:
+        col = round(x)
+        return str(int(first[col])) if 0 <= col < len(first) else ""
+
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(label))
+    ax.set_xlabel("optimiser step" + (" (first step of each column)" if grid.steps_per_col > 1
+                                      else ""))
+
+
+def _title(ax: Axes, text: str, grid: GradientGrid) -> None:
+    ax.set_title(f"{text}\n{grid.caption()}", fontsize=10, loc="left")
+
+
+def plot_heatmap(
+    grid: GradientGrid,
+    path: str | os.PathLike[str],
+    width_px: int = 1600,
+    height_px: int | None = None,
+) -> Path:
+    """Draw the layers x steps heatmap of log10 gradient norm to a PNG.
+
+    Args:
+        grid: from :func:`analysis.plots.grid.load_grid`.
+        path: the PNG to write (parent directories are created).
+        width_px: image width in pixels.
+        height_px: image height; default ``240 + ROW_PX x rows``, at most 2400.
+
+    Returns:
+        The written path.
+
+    Raises:
+        ValueError: the grid has no column (no frame recorded in the range).
+        OSError: the file cannot be written.
+    """
+    rows, cols = grid.shape
+    if cols == 0 or rows == 0:
+        raise ValueError(f"run {grid.run_id!r} has no gradient frame to draw")
+    target = _prepare(path)
+    height_px = height_px or min(2400, 240 + ROW_PX * rows)
+    with _figure_context():
+        import matplotlib
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(width_px / DPI, height_px / DPI), dpi=DPI,
+                               layout="constrained")
+        try:
+            log = grid.log_norm()
+            finite = log[np.isfinite(log)]
+            vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0, 1)
+            if vmin == vmax:
+                vmin, vmax = vmin - 0.5, vmax + 0.5
+            cmap = matplotlib.colormaps[NORM_CMAP].with_extremes(bad=FLAG_COLORS["no_data"])
+            image = ax.imshow(np.ma.masked_invalid(log), aspect="auto", interpolation="nearest",
+                              cmap=cmap, vmin=vmin, vmax=vmax)
+            fig.colorbar(image, ax=ax, label="log10 gradient L2 norm", pad=0.01)
+            fig.canvas.draw()
+            box = ax.get_window_extent()
+            _mark_cells(ax, grid, box.width / cols, box.height / rows)
+            _step_axis(ax, grid)
+            ticks = np.unique(np.linspace(0, rows - 1, min(rows, LABELED_ROWS)).round()
+                              .astype(int))
+            ax.set_yticks(ticks, [display_name(grid.row_labels[i]) for i in ticks])
+            ax.set_ylabel("layer (model order)" + (
+                f", {grid.layers_per_row} per row" if grid.layers_per_row > 1 else ""))
+            _title(ax, f"Gradient flow of run {display_name(grid.run_id)}", grid)
+            fig.legend(handles=_legend_handles(grid), loc="outside lower left", ncol=5,
+                       fontsize=8, frameon=False)
+            fig.savefig(target, dpi=DPI)
+        finally:
+            plt.close(fig)
+    return target
+
+
+def _mark_cells(ax: Axes, grid: GradientGrid, cell_w: float, cell_h: float) -> None:
+    """Mark flagged cells: hollow squares on large cells, solid colour on small ones.
+
+    A cell whose norm is 0 has no colour on the log scale: it is always filled (black)."""
+    from matplotlib.colors import to_rgba
+
+    hollow = min(cell_w, cell_h) >= MIN_MARK_PX
+    overlay = np.zeros((*grid.shape, 4))
+    for bit, key in _MARK_ORDER:
+        if bit == FLAG_ZERO or not hollow:
+            overlay[(grid.flags & bit) > 0] = to_rgba(FLAG_COLORS[key])
+    ax.imshow(overlay, aspect="auto", interpolation="nearest")
+    if not hollow:
+        return
+    side_pt = 0.8 * min(cell_w, cell_h) * 72 / DPI
+    for bit, key in _MARK_ORDER:
+        if bit == FLAG_ZERO:
+            continue
+        r, c = np.nonzero(grid.flags & bit)
+        if len(r):
+            ax.scatter(c, r, marker="s", s=side_pt**2, facecolors="none",
+                       edgecolors=FLAG_COLORS[key], linewidths=max(1.0, side_pt / 8))
+
+
+def plot_series(
+    grid: GradientGrid,
+    path: str | os.PathLike[str],
+    width_px: int = 1600,
+    height_px: int = 800,
+) -> Path:
+    """Draw each row's maximum gradient norm per column against the step, log scale.
+
+    Up to 10 rows get a legend with their names (``tab10`` colours); more rows are coloured
+    by model depth (``plasma``, with a colour bar of the layer index). Flagged points are
+    marked (exploding: red x, vanishing: blue v). Steps with non-finite gradient elements
+    in any row get a magenta * on the top edge (their norm, over finite elements only, may
+    be 0 or meaningless). Norms of 0 cannot be drawn on a log axis and are left out.
+
+    Args:
+        grid: from :func:`analysis.plots.grid.load_grid`.
+        path: the PNG to write (parent directories are created).
+        width_px / height_px: image size in pixels.
+
+    Returns:
+        The written path.
+
+    Raises:
+        ValueError: the grid has no column.
+        OSError: the file cannot be written.
+    """
+    rows, cols = grid.shape
+    if cols == 0 or rows == 0:
+        raise ValueError(f"run {grid.run_id!r} has no gradient frame to draw")
+    target = _prepare(path)
+    with _figure_context():
+        import matplotlib
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(width_px / DPI, height_px / DPI), dpi=DPI,
+                               layout="constrained")
+        try:
+            x = grid.col_first_step.astype(np.float64)
+            y = np.where(grid.max_norm > 0, grid.max_norm, np.nan)
+            few = rows <= 10
+            cmap = matplotlib.colormaps["tab10" if few else "plasma"]
+            colors = cmap(np.arange(rows) if few else np.linspace(0, 1, rows))
+            for r in range(rows):
+                ax.plot(x, y[r], color=colors[r], linewidth=1.0,
+                        label=display_name(grid.row_labels[r]) if few else None)
+            marks = ((FLAG_VANISHING, "vanishing", "v"), (FLAG_EXPLODING, "exploding", "x"))
+            for bit, key, marker in marks:
+                r, c = np.nonzero((grid.flags & bit) > 0)
+                ok = np.isfinite(y[r, c])
+                if ok.any():
+                    ax.scatter(x[c[ok]], y[r[ok], c[ok]], marker=marker, s=30, zorder=3,
+                               color=FLAG_COLORS[key], label=key)
+            bad_cols = np.flatnonzero(((grid.flags & FLAG_NONFINITE) > 0).any(axis=0))
+            if len(bad_cols):
+                ax.scatter(x[bad_cols], np.ones(len(bad_cols)), marker="*", s=40, zorder=3,
+                           color=FLAG_COLORS["nonfinite"], clip_on=False,
+                           transform=ax.get_xaxis_transform(),
+                           label="non-finite elements (any layer)")
+            ax.set_yscale("log")
+            span = max(float(x[-1] - x[0]), 1.0)  # all steps, also those without a norm
+            ax.set_xlim(x[0] - 0.02 * span, x[-1] + 0.02 * span)
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+            ax.set_xlabel("optimiser step" + (" (first step of each point's bin)"
+                                              if grid.steps_per_col > 1 else ""))
+            ax.set_ylabel("gradient L2 norm" + (" (max over bin)" if grid.downsampled else ""))
+            ax.grid(True, which="major", alpha=0.3)
+            if few or (grid.flags & (FLAG_VANISHING | FLAG_EXPLODING | FLAG_NONFINITE)).any():
+                ax.legend(fontsize=8, loc="best")
+            if not few:
+                mappable = matplotlib.cm.ScalarMappable(
+                    norm=matplotlib.colors.Normalize(0, grid.n_layers - 1), cmap=cmap)
+                fig.colorbar(mappable, ax=ax, label="layer index (model order)", pad=0.01)
+            _title(ax, f"Per-layer gradient norm of run {display_name(grid.run_id)}", grid)
+            fig.savefig(target, dpi=DPI)
+        finally:
+            plt.close(fig)
+    return target
+
+
+def _prepare(path: str | os.PathLike[str]) -> Path:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target

@@ -1,0 +1,84 @@
+"""``gradstream plot``'s work: the three pictures of one run, written to a directory."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from analysis.plots.animation import write_animation
+from analysis.plots.grid import load_grid
+from analysis.plots.png import plot_heatmap, plot_series
+from analysis.store import StoreError
+
+if TYPE_CHECKING:
+    import duckdb
+
+
+@dataclass(frozen=True)
+class PlotFiles:
+    """Files written by :func:`render_run` and the captions of their grids."""
+
+    heatmap: Path
+    series: Path
+    animation: Path
+    heatmap_caption: str
+    animation_caption: str
+
+
+def render_run(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    out_dir: str | os.PathLike[str],
+    stem: str,
+    *,
+    max_steps: int = 1200,
+    max_layers: int = 200,
+    max_frames: int = 500,
+    width_px: int = 1600,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> PlotFiles:
+    """Write ``<stem>-heatmap.png``, ``<stem>-norms.png`` and ``<stem>-animation.html``.
+
+    Args:
+        con: a read-only connection to the store.
+        run_id: the run.
+        out_dir: directory for the files (created).
+        stem: file-name stem (e.g. the run id made file-name safe).
+        max_steps: most heatmap / time-series columns; the default is about one column per
+            pixel of a 1600 px wide image's plot area, so nothing finer could be seen.
+        max_layers: most heatmap rows (bins of consecutive layers beyond).
+        max_frames: most animation frames (each frame then covers several steps).
+        width_px: width of the PNGs.
+        from_step / to_step: inclusive step range.
+
+    Returns:
+        The paths and the downsampling captions.
+
+    Raises:
+        StoreError: unknown run, invalid range, or no frame recorded in the range.
+        ValueError: a limit < 1.
+        OSError: a file cannot be written.
+    """
+    grid = load_grid(con, run_id, max_steps, max_layers, from_step=from_step, to_step=to_step)
+    if grid.n_frames == 0:
+        raise StoreError(f"run {run_id!r} has no gradient frame in the requested steps")
+    frames = (
+        grid
+        if max_frames >= grid.shape[1]
+        else load_grid(con, run_id, max_frames, max_layers, from_step=from_step, to_step=to_step)
+    )
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create the output directory {str(out)!r}: {exc}") from None
+    return PlotFiles(
+        heatmap=plot_heatmap(grid, out / f"{stem}-heatmap.png", width_px=width_px),
+        series=plot_series(grid, out / f"{stem}-norms.png", width_px=width_px),
+        animation=write_animation(frames, out / f"{stem}-animation.html"),
+        heatmap_caption=grid.caption(),
+        animation_caption=frames.caption(),
+    )

@@ -1,0 +1,14 @@
+"""Alerting on gradient health: rules evaluated incrementally by the workers, incident
+deduplication (fire once, resolve once), and sinks (alerts topic, DuckDB, webhook, log).
+
+Modules: ``config`` (rules and thresholds, rule files), ``robust`` (rolling modified
+z-scores), ``incident`` (the fire/resolve state machine), ``rules`` (the conditions),
+``engine`` (all runs of a worker), ``sinks`` (Kafka, webhook, log), ``rows`` (the DuckDB
+``alerts`` table), ``service`` (what a worker holds), ``feed`` (reading the alerts topic)
+and ``watch`` (the live terminal view).
+"""
+
+from consumer.alerts.config import AlertConfigError, AlertRulesConfig, load_alert_rules
+from consumer.alerts.engine import AlertEngine
+
+__all__ = ["AlertConfigError", "AlertEngine", "AlertRulesConfig", "load_alert_rules"]

@@ -1,0 +1,148 @@
+"""AlertService: a worker's alert engine wired to its sinks.
+
+The worker owns one: it calls :meth:`AlertService.note_shard`, :meth:`AlertService.on_frame`
+and :meth:`AlertService.tick` on its own thread and puts the returned events in its DuckDB
+batch. Events are published to the alerts topic as soon as the frame is finalised (not
+after the DuckDB flush) and queued for the other sinks. An exception inside the engine is
+logged and counted, never raised: alerting must not stop frames from being stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from consumer.alerts.config import load_alert_rules
+from consumer.alerts.engine import AlertEngine
+from consumer.alerts.incident import ActiveIncident
+from consumer.alerts.sinks import KafkaAlertSink, LogSink, QueuedSink, WebhookSink
+from consumer.frames import GradientFrame
+from consumer.health import RunHealthTracker
+from consumer.runs import RunInfo
+from schemas.alert import Alert
+from schemas.wire import StepSummary
+
+if TYPE_CHECKING:
+    from consumer.settings import ConsumerSettings
+
+log = logging.getLogger("gradstream.alerts")
+
+TICK_INTERVAL_S = 0.1
+"""Stall checks run at most this often (s): the worker's poll loop may spin faster."""
+
+
+class AlertService:
+    """Engine plus sinks.
+
+    Args:
+        engine: the rules. kafka: the alerts-topic sink (None: not published, tests).
+        sinks: queued sinks (log, webhook).
+    """
+
+    def __init__(self, engine: AlertEngine, kafka: KafkaAlertSink | None,
+                 sinks: list[QueuedSink]) -> None:
+        self.engine = engine
+        self.kafka = kafka
+        self.sinks = sinks
+        self.engine_errors = 0
+        self._last_tick = 0.0
+
+    @classmethod
+    def from_settings(
+        cls, settings: ConsumerSettings, *, is_finished: Callable[[str], bool],
+        active: list[ActiveIncident] | None = None,
+    ) -> AlertService:
+        """Build from a worker's settings: rules from ``alert_rules`` / ``alert_set``, the
+        alerts topic, the log, and the webhook when ``webhook_url`` is set.
+
+        Raises:
+            consumer.alerts.config.AlertConfigError: invalid rule file or override.
+            kafka.errors.KafkaError: the cluster cannot be reached.
+        """
+        rules = load_alert_rules(settings.alert_rules, settings.alert_set)
+        engine = AlertEngine(rules, status_interval_s=settings.status_interval_s,
+                             is_finished=is_finished)
+        engine.restore(active or [])
+        sinks: list[QueuedSink] = [LogSink(settings.alert_queue_size)]
+        if settings.webhook_url:
+            sinks.append(WebhookSink(
+                settings.webhook_url, timeout_s=settings.webhook_timeout_s,
+                retries=settings.webhook_retries, queue_size=settings.alert_queue_size,
+            ))
+        kafka = KafkaAlertSink(settings, settings.alerts_topic)
+        return cls(engine, kafka, sinks)
+
+    def start(self) -> None:
+        """Start the sinks' delivery threads."""
+        for sink in self.sinks:
+            sink.start()
+
+    def note_shard(self, run: RunInfo, shard: StepSummary) -> None:
+        """See :meth:`AlertEngine.note_shard`."""
+        try:
+            self.engine.note_shard(run, shard)
+        except Exception:
+            self._engine_error("note_shard")
+
+    def on_frame(self, frame: GradientFrame, run: RunInfo,
+                 tracker: RunHealthTracker) -> list[Alert]:
+        """Evaluate a finalised frame, publish its events; returns them (for DuckDB)."""
+        try:
+            alerts = self.engine.on_frame(frame, run, tracker)
+        except Exception:
+            self._engine_error("on_frame")
+            return []
+        self._publish(alerts)
+        return alerts
+
+    def tick(self) -> list[Alert]:
+        """Stall and finish checks (at most every ``TICK_INTERVAL_S``); publishes and
+        returns the events."""
+        now = time.monotonic()
+        if now - self._last_tick < TICK_INTERVAL_S:
+            return []
+        self._last_tick = now
+        try:
+            alerts = self.engine.tick(now)
+        except Exception:
+            self._engine_error("tick")
+            return []
+        self._publish(alerts)
+        return alerts
+
+    def _engine_error(self, where: str) -> None:
+        self.engine_errors += 1
+        log.exception("alert engine error in %s (frames are still stored)", where)
+
+    def _publish(self, alerts: list[Alert]) -> None:
+        for alert in alerts:
+            if self.kafka is not None:
+                self.kafka.publish(alert)
+            for sink in self.sinks:
+                sink.submit(alert)
+        statuses = self.engine.take_statuses()
+        if self.kafka is not None:
+            for status in statuses:
+                self.kafka.publish(status)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush the alerts topic and give each queued sink at most ``timeout`` seconds to
+        deliver what it holds."""
+        if self.kafka is not None:
+            self.kafka.close(timeout)
+        for sink in self.sinks:
+            sink.close(timeout)
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """Counters per sink (``kafka``, ``log``, ``webhook``) and of the engine."""
+        out = {s.name: asdict(s.counters) for s in self.sinks}
+        if self.kafka is not None:
+            out["kafka"] = asdict(self.kafka.counters)
+        e = self.engine.counters
+        out["engine"] = {"frames": e.frames, "skipped": e.skipped, "fired": e.fired,
+                         "resolved": e.resolved, "errors": self.engine_errors}
+        return out
+

@@ -1,0 +1,264 @@
+"""``gradstream dlq``: list the dead letters of the dead-letter topic, or tail them.
+
+A dead letter is a record a worker could not use (``consumer.dlq``): the original key and
+value (cut at ``DLQ_VALUE_LIMIT`` bytes, header ``truncated``) with headers ``reason``,
+``error`` (error class: invalid, unknown_run, conflicting_run), ``source_topic``,
+``source_partition`` and ``source_offset``. The topic is read without a consumer group
+(every partition assigned, nothing committed), so listing never disturbs the workers.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from consumer.dlq import decode_headers
+
+if TYPE_CHECKING:
+    from consumer.settings import ConsumerSettings
+
+PREVIEW_CHARS = 80
+"""Characters of the original value shown in the table (the JSON output has all of it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One dead-letter record, decoded.
+
+    Attributes:
+        partition, offset: where it sits in the dead-letter topic.
+        timestamp: when it was dead-lettered (unix s, the record timestamp).
+        key: the original key (run id) as text, or None.
+        value: the original value (bytes; the first ``DLQ_VALUE_LIMIT`` bytes if truncated).
+        headers: every header as text (``reason``, ``error``, ``source_*``, ``truncated``).
+    """
+
+    partition: int
+    offset: int
+    timestamp: float
+    key: str | None
+    value: bytes
+    headers: dict[str, str]
+
+    @classmethod
+    def from_record(cls, record: Any) -> DeadLetter:
+        """From a kafka-python ConsumerRecord of the dead-letter topic."""
+        key = None if record.key is None else record.key.decode(errors="replace")
+        return cls(record.partition, record.offset, record.timestamp / 1000.0, key,
+                   record.value or b"", decode_headers(record.headers))
+
+    @property
+    def source(self) -> str:
+        """``topic[partition]@offset`` of the original message ("?" for a missing header)."""
+        h = self.headers
+        return (f"{h.get('source_topic', '?')}[{h.get('source_partition', '?')}]"
+                f"@{h.get('source_offset', '?')}")
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict: positions, headers and the value (``value`` as text when it is
+        UTF-8, else ``value_base64``)."""
+        h = self.headers
+        out: dict[str, Any] = {
+            "dlq_partition": self.partition, "dlq_offset": self.offset,
+            "timestamp": self.timestamp, "key": self.key,
+            "error": h.get("error"), "reason": h.get("reason"),
+            "source_topic": h.get("source_topic"),
+            "source_partition": _int_or_none(h.get("source_partition")),
+            "source_offset": _int_or_none(h.get("source_offset")),
+            "truncated": h.get("truncated") == "true", "value_bytes": len(self.value),
+        }
+        try:
+            out["value"] = self.value.decode()
+        except UnicodeDecodeError:
+            out["value_base64"] = base64.b64encode(self.value).decode()
+        return out
+
+    def preview(self) -> str:
+        """The start of the value as one line of text."""
+        text = self.value[: PREVIEW_CHARS * 4].decode(errors="replace")
+        text = " ".join(text.split())
+        return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 3] + "..."
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return None if text is None else int(text)
+    except ValueError:
+        return None
+
+
+class TopicMissingError(RuntimeError):
+    """The dead-letter topic does not exist (no worker created it yet)."""
+
+
+class DeadLetterReader:
+    """Reads every partition of a dead-letter topic without a consumer group.
+
+    Args:
+        settings: connection settings (bootstrap servers, security).
+        topic: the dead-letter topic.
+        last: start at the last ``last`` records of each partition (0 = from the
+            beginning), which holds the newest ``last`` records of the topic overall.
+
+    Raises:
+        TopicMissingError: the topic does not exist.
+        kafka.errors.KafkaError: the cluster cannot be reached.
+    """
+
+    def __init__(self, settings: ConsumerSettings, topic: str, last: int = 0) -> None:
+        from kafka import KafkaConsumer, TopicPartition
+
+        self.topic = topic
+        self._consumer = KafkaConsumer(
+            **settings.kafka_kwargs(), group_id=None, enable_auto_commit=False,
+            auto_offset_reset="earliest", fetch_max_bytes=64 * 1024 * 1024,
+        )
+        try:
+            parts = self._consumer.partitions_for_topic(topic)
+            if not parts:
+                raise TopicMissingError(
+                    f"the dead-letter topic {topic!r} does not exist on "
+                    f"{settings.bootstrap_servers}: no worker has created it yet (start "
+                    "`gradstream consume`), or pass --topic"
+                )
+            self.partitions = [TopicPartition(topic, p) for p in sorted(parts)]
+            self._consumer.assign(self.partitions)
+            begin = self._consumer.beginning_offsets(self.partitions)
+            self.end = self._consumer.end_offsets(self.partitions)
+            self._carry: list[DeadLetter] = []  # read past ``end`` by read_to_end
+            for tp in self.partitions:
+                start = begin[tp] if last <= 0 else max(begin[tp], self.end[tp] - last)
+                self._consumer.seek(tp, start)
+        except BaseException:
+            self._consumer.close()
+            raise
+
+    def poll(self, timeout_ms: int = 200) -> list[DeadLetter]:
+        """Records that arrived since the last call, partition by partition."""
+        carried, self._carry = self._carry, []
+        batches = self._consumer.poll(timeout_ms=timeout_ms)
+        return carried + [DeadLetter.from_record(r) for b in batches.values() for r in b]
+
+    def read_to_end(self, timeout_s: float = 60.0) -> list[DeadLetter]:
+        """Every record from the start position to the end offsets taken at construction,
+        ordered by (timestamp, partition, offset).
+
+        Raises:
+            TimeoutError: the end was not reached within ``timeout_s``.
+        """
+        out: list[DeadLetter] = []
+        deadline = time.monotonic() + timeout_s
+        while any(self._consumer.position(tp) < self.end[tp] for tp in self.partitions):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading the dead-letter topic {self.topic!r} took over "
+                                   f"{timeout_s:.0f} s")
+            out.extend(self.poll(200))
+        end = {tp.partition: off for tp, off in self.end.items()}
+        self._carry = [d for d in out if d.offset >= end[d.partition]]
+        out = [d for d in out if d.offset < end[d.partition]]
+        return sorted(out, key=lambda d: (d.timestamp, d.partition, d.offset))
+
+    def close(self) -> None:
+        """Close the Kafka consumer."""
+        self._consumer.close()
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    Console(stderr=True, highlight=False).print(f"error: {message}", style="bold red",
+                                                markup=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _print_line(console: Console, letter: DeadLetter, fmt: str) -> None:
+    if fmt == "json":
+        print(json.dumps(letter.to_json(), ensure_ascii=False), flush=True)
+        return
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(letter.timestamp))
+    console.print(f"{stamp}  {letter.headers.get('error', '?'):<15} {letter.source}  "
+                  f"key={letter.key}\n    {letter.headers.get('reason', '')}", markup=False,
+                  highlight=False)
+
+
+def _table(letters: list[DeadLetter], topic: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"{len(letters)} dead letter(s) in {topic}", title_justify="left")
+    for column in ("time", "error", "reason", "source", "key", "bytes", "value"):
+        table.add_column(column, overflow="fold")
+    for d in letters:
+        size = f"{len(d.value)}" + ("+ (truncated)" if d.headers.get("truncated") else "")
+        table.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.timestamp)),
+                      d.headers.get("error", "?"), d.headers.get("reason", ""), d.source,
+                      d.key or "-", size, d.preview())
+    return table
+
+
+def dlq(
+    topic: Annotated[str | None, typer.Option(
+        "--topic", help="Dead-letter topic. Default: $GRADSTREAM_DLQ_TOPIC or gradstream.dlq.")
+    ] = None,
+    limit: Annotated[int, typer.Option(
+        min=0, help="Show the newest N dead letters (0 = all of them).")] = 50,
+    follow: Annotated[bool, typer.Option(
+        "--follow", "-f", help="After the newest --limit, keep printing new dead letters "
+        "until Ctrl-C.")] = False,
+    fmt: Annotated[str, typer.Option(
+        "--format", help="'table', or 'json' (one object per line with the headers and the "
+        "original value).")] = "table",
+    bootstrap_servers: Annotated[str | None, typer.Option(
+        help="Kafka bootstrap servers host:port[,...]. Default: $KAFKA_BOOTSTRAP_SERVERS or "
+        "127.0.0.1:9092.")] = None,
+    duration: Annotated[float | None, typer.Option(
+        min=0, help="With --follow: stop after this many seconds (default: until Ctrl-C).")
+    ] = None,
+) -> None:
+    """List the messages workers could not use (undecodable, invalid, unknown schema
+    version, oversized, unknown run) with the reason and where each was read (source
+    topic, partition, offset). Reads the dead-letter topic without joining a consumer
+    group, so it is safe while workers run."""
+    from kafka.errors import KafkaError
+
+    from consumer.settings import ConsumerSettings
+
+    if fmt not in ("table", "json"):
+        _fail(f"--format must be 'table' or 'json', not {fmt!r}", 2)
+    given = {"bootstrap_servers": bootstrap_servers, "dlq_topic": topic}
+    settings = ConsumerSettings(**{k: v for k, v in given.items() if v is not None})
+    console = Console(highlight=False)
+    try:
+        reader = DeadLetterReader(settings, settings.dlq_topic, last=limit)
+    except (TopicMissingError, KafkaError) as exc:
+        _fail(str(exc))
+    try:
+        letters = reader.read_to_end()
+        if limit:
+            letters = letters[-limit:]
+        if fmt == "json" or follow:
+            for letter in letters:
+                _print_line(console, letter, fmt)
+        elif letters:
+            console.print(_table(letters, settings.dlq_topic))
+        else:
+            console.print(f"no dead letters in {settings.dlq_topic}")
+        deadline = None if duration is None else time.monotonic() + duration
+        while follow and (deadline is None or time.monotonic() < deadline):
+            for letter in reader.poll(200):
+                _print_line(console, letter, fmt)
+    except KeyboardInterrupt:
+        pass
+    except (KafkaError, TimeoutError) as exc:
+        _fail(f"{exc} (is the broker at {settings.bootstrap_servers} up?)")
+    finally:
+        reader.close()
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``dlq`` to the root application."""
+    app.command("dlq", help=dlq.__doc__,
+                short_help="List dead letters (unusable messages) with their reasons.")(dlq)

@@ -1,0 +1,77 @@
+"""Frames on the wire (scale-out mode): GradientFrame -> MergedFrame -> MergedShards.
+
+A worker publishes each finished frame as its merged sums (:class:`schemas.wire.MergedFrame`)
+rather than its derived fields, so that the store can recompute the seed-001 fields with
+:func:`consumer.frames.compute_frame` (identical to what a single-process worker stores) and
+can merge a late rank's frame into a stored partial one exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from consumer.frames import GradientFrame, MergedShards
+from consumer.merge import merge_shard
+from schemas.wire import MergedFrame
+
+
+def _csr(hist: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+    """(offsets, columns, counts) of an int64[n, B] histogram."""
+    rows, cols = np.nonzero(hist)
+    offsets = np.zeros(hist.shape[0] + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=hist.shape[0]), out=offsets[1:])
+    return offsets.tolist(), cols.tolist(), hist[rows, cols].tolist()
+
+
+def _all_known(values: np.ndarray | None) -> bool:
+    return values is not None and not np.isnan(values).any()
+
+
+def frame_to_message(frame: GradientFrame) -> MergedFrame:
+    """The merged sums of ``frame`` as a MergedFrame.
+
+    An optional statistic (sum_abs/max_abs, histogram, weight norms, weight distribution)
+    is included only when it is known for every layer of the frame; otherwise it is left
+    out for the whole frame (a layer-mixed frame only arises when ranks of one run use
+    different producer settings).
+
+    Raises:
+        pydantic.ValidationError: the frame violates the wire contract (a bug upstream).
+    """
+    optional: dict[str, object] = {}
+    if _all_known(frame.sum_abs) and _all_known(frame.max_abs_grad):
+        optional.update(sum_abs=frame.sum_abs.tolist(), max_abs=frame.max_abs_grad.tolist())
+    if frame.exp_hist is not None and (frame.exp_hist[:, 0] >= 0).all():
+        off, cols, counts = _csr(frame.exp_hist)
+        optional.update(exp_hist_offsets=off, exp_hist_columns=cols, exp_hist_counts=counts)
+    if _all_known(frame.weight_sum_sq):
+        optional["weight_sum_sq"] = frame.weight_sum_sq.tolist()  # type: ignore[union-attr]
+        if _all_known(frame.update_sum_sq):
+            optional["update_sum_sq"] = frame.update_sum_sq.tolist()  # type: ignore[union-attr]
+        if _all_known(frame.weight_sum) and frame.weight_exp_hist is not None:
+            off, cols, counts = _csr(frame.weight_exp_hist)
+            optional.update(
+                weight_sum=frame.weight_sum.tolist(),  # type: ignore[union-attr]
+                weight_sum_cube=frame.weight_sum_cube.tolist(),  # type: ignore[union-attr]
+                weight_sum_quad=frame.weight_sum_quad.tolist(),  # type: ignore[union-attr]
+                weight_min=frame.weight_min.tolist(),  # type: ignore[union-attr]
+                weight_max=frame.weight_max.tolist(),  # type: ignore[union-attr]
+                weight_nonfinite=frame.weight_nonfinite.tolist(),  # type: ignore[union-attr]
+                weight_exp_hist_offsets=off, weight_exp_hist_columns=cols,
+                weight_exp_hist_counts=counts,
+            )
+    ranks = sorted(frame.ranks_seen)
+    return MergedFrame(
+        run_id=frame.run_id, step=frame.step, rank=ranks[0], world_size=frame.world_size,
+        wall_time=frame.wall_time, ranks_seen=ranks,
+        layer_indices=frame.layer_index.tolist(), numel=frame.numel.tolist(),
+        sum_sq=frame.sum_sq.tolist(), nonfinite=frame.nonfinite.tolist(), **optional,
+    )
+
+
+def message_to_merged(message: MergedFrame, num_layers: int) -> MergedShards:
+    """The MergedShards of a MergedFrame over a run's ``num_layers`` layers (the frame
+    counts as one shard of each of its layers)."""
+    merged = MergedShards.empty(num_layers)
+    merge_shard(merged, message)
+    return merged

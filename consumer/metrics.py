@@ -1,0 +1,208 @@
+"""Prometheus metrics of a consumer worker, served over HTTP (``--metrics-port``).
+
+Every :class:`WorkerMetrics` has its own ``CollectorRegistry``, so several workers in one
+process (tests, ``--workers``) keep separate figures and each can serve its own port.
+
+Exposed series (Prometheus naming: ``_total`` counters, base units seconds):
+
+- ``gradstream_messages_total{topic, partition}``: records read from Kafka (counter; rate()
+  gives messages per second).
+- ``gradstream_frames_total{complete}``: frames finalised (``complete="false"``: partial,
+  a rank missing after ``shard_timeout``; a late shard's rewrite counts again).
+- ``gradstream_layer_rows_total``: layer rows of finalised frames, i.e. rows written to
+  ``layer_stats`` (counter; rate() gives layer-rows per second).
+- ``gradstream_dead_letters_total{reason}``: records sent to the dead-letter topic, by
+  error class (``invalid``, ``unknown_run``, ``conflicting_run``; the ``error`` header of
+  ``consumer.dlq``).
+- ``gradstream_consumer_lag{topic, partition}``: log end offset minus the consumer's
+  position (records not read yet), refreshed at most once per ``lag_interval_s``.
+- ``gradstream_pending_frames``: frames waiting for ranks (read at scrape time).
+- ``gradstream_frame_latency_seconds``: histogram of ``now - frame.wall_time`` when a frame
+  is finalised, ``wall_time`` being the latest producer wall clock among its shards
+  (includes clock skew between hosts).
+- ``process_*`` / ``python_*``: the standard process and platform collectors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+log = logging.getLogger("gradstream.consumer")
+
+LATENCY_BUCKETS: tuple[float, ...] = tuple(2.0**k for k in range(-8, 8))
+"""Upper bounds (s) of the frame-latency histogram: powers of two from 1/256 s (4 ms,
+about one poll round trip on a loopback broker) to 128 s (four times the default
+``shard_timeout_s`` of 30 s, the latest a partial frame is normally finalised); the
+``+Inf`` bucket catches the rest. Doubling buckets give a constant relative resolution,
+the usual choice for latencies spanning orders of magnitude."""
+
+
+class WorkerMetrics:
+    """Counters, gauges and the latency histogram of one worker.
+
+    Args:
+        pending_frames: called at scrape time; returns the number of frames waiting for
+            ranks (the worker's ``ShardMerger.pending_count``).
+        lag_interval_s: smallest interval (s) between two lag refreshes in
+            :meth:`on_poll` (each may cost one ListOffsets round trip to the broker).
+        clock: wall clock in unix seconds (``time.time``), used for frame latency.
+
+    The hooks (:meth:`on_poll`, :meth:`observe_frame`, :meth:`dead_letter`) are called on
+    the worker thread; the HTTP server reads on its own thread (prometheus_client metrics
+    are thread-safe).
+    """
+
+    def __init__(
+        self,
+        pending_frames: Callable[[], int] = lambda: 0,
+        *,
+        lag_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.lag_interval_s = lag_interval_s
+        self._clock = clock
+        self._last_lag = float("-inf")
+        self._lag_keys: set[tuple[str, str]] = set()
+        self._server: Any = None
+        self._thread: Any = None
+        self.port: int | None = None
+        reg = self.registry
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+        self.messages = Counter(
+            "gradstream_messages", "Records read from Kafka.", ["topic", "partition"],
+            registry=reg,
+        )
+        self.frames = Counter(
+            "gradstream_frames", "Frames finalised (complete=false: ranks missing).",
+            ["complete"], registry=reg,
+        )
+        self.layer_rows = Counter(
+            "gradstream_layer_rows", "Layer rows of finalised frames (layer_stats rows).",
+            registry=reg,
+        )
+        self.dead_letters = Counter(
+            "gradstream_dead_letters", "Records sent to the dead-letter topic, by error class.",
+            ["reason"], registry=reg,
+        )
+        self.lag = Gauge(
+            "gradstream_consumer_lag",
+            "Log end offset minus consumer position per assigned partition (records).",
+            ["topic", "partition"], registry=reg,
+        )
+        self.pending = Gauge(
+            "gradstream_pending_frames", "Frames waiting for ranks.", registry=reg,
+        )
+        self.pending.set_function(pending_frames)
+        self.frame_latency = Histogram(
+            "gradstream_frame_latency_seconds",
+            "Seconds from the producer's wall time of a frame to its finalisation.",
+            buckets=LATENCY_BUCKETS, registry=reg,
+        )
+        for complete in ("true", "false"):  # both series exist from the start (rate() = 0)
+            self.frames.labels(complete=complete)
+
+    # -- HTTP endpoint -------------------------------------------------------------------
+
+    def serve(self, port: int | None, addr: str = "0.0.0.0") -> int | None:
+        """Start the HTTP endpoint (any path answers, e.g. ``/metrics``) on a daemon thread.
+
+        Args:
+            port: TCP port; None or 0 leaves the endpoint off.
+            addr: interface to bind (all interfaces by default, for a Prometheus server on
+                another host).
+
+        Returns:
+            The port served, or None when off.
+
+        Raises:
+            OSError: the port is taken (the message says which).
+        """
+        if not port:
+            return None
+        try:
+            self._server, self._thread = start_http_server(port, addr, registry=self.registry)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror} "
+                          "(another worker on this port? pass another --metrics-port)") from exc
+        self.port = port
+        log.info("metrics on http://%s:%d/metrics", addr, port)
+        return port
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint (if started)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+            if self._thread is not None:
+                self._thread.join(5)
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    def on_poll(self, records: Mapping[Any, Sequence[Any]], consumer: Any) -> None:
+        """Count the records of one ``KafkaConsumer.poll`` result (TopicPartition ->
+        records) and refresh the lag if ``lag_interval_s`` has passed."""
+        for tp, batch in records.items():
+            if batch:
+                self.messages.labels(tp.topic, str(tp.partition)).inc(len(batch))
+        now = time.monotonic()
+        if now - self._last_lag >= self.lag_interval_s:
+            self._last_lag = now
+            self.refresh_lag(consumer)
+
+    def refresh_lag(self, consumer: Any) -> None:
+        """Set ``gradstream_consumer_lag`` for every partition assigned to ``consumer``
+        (a kafka-python KafkaConsumer): end offset - position, both "next offset" values.
+
+        The end offset is the highwater of the last fetch response (no round trip); for
+        partitions not fetched yet, one ListOffsets request (``end_offsets``). Series of
+        partitions no longer assigned are removed. Kafka errors are logged, not raised
+        (metrics never stop the worker).
+        """
+        try:
+            assigned = list(consumer.assignment() or ())
+            ends: dict[Any, int | None] = {tp: consumer.highwater(tp) for tp in assigned}
+            missing = [tp for tp, end in ends.items() if end is None]
+            if missing:
+                ends.update(consumer.end_offsets(missing, timeout_ms=2000))
+            keys = set()
+            for tp in assigned:
+                position = consumer.position(tp, timeout_ms=2000)
+                end = ends.get(tp)
+                if position is None or end is None:
+                    continue
+                key = (tp.topic, str(tp.partition))
+                keys.add(key)
+                self.lag.labels(*key).set(max(0, end - position))
+        except Exception as exc:  # e.g. broker restarting: keep the last figures
+            log.debug("consumer lag refresh failed: %s", exc)
+            return
+        for key in self._lag_keys - keys:
+            self.lag.remove(*key)
+        self._lag_keys = keys
+
+    def observe_frame(self, frame: Any) -> None:
+        """Count one finalised ``GradientFrame`` (frames, layer rows) and observe its
+        latency ``clock() - frame.wall_time`` (s; negative skew is clamped to 0)."""
+        self.frames.labels("true" if frame.complete else "false").inc()
+        self.layer_rows.inc(len(frame.layer_index))
+        self.frame_latency.observe(max(0.0, self._clock() - frame.wall_time))
+
+    def dead_letter(self, error: str) -> None:
+        """Count one dead letter of error class ``error`` (e.g. ``invalid``)."""
+        self.dead_letters.labels(error).inc()

@@ -1,0 +1,226 @@
+"""Crafted gradient histories written into a real DuckDB store, for the analysis tests.
+
+:func:`write_history` takes per-(layer, step) arrays and writes ``runs``, ``layers``,
+``layer_stats`` and ``frames`` rows with ``schemas.tables.SCHEMA_DDL`` in bulk (Arrow),
+deriving the stored frame fields as the consumer does (``sum_sq = grad_norm^2``,
+``mean_abs_grad = sum_abs / numel``, the run's thresholds for the flags). Weight
+statistics are computed from raw weight arrays with NumPy, the way the producer defines
+them (power sums, extremes, zeros, base-2 exponent histogram over the finite weights).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from schemas.tables import SCHEMA_DDL
+from schemas.wire import EXP_HIST_BINS, EXP_HIST_MAX, EXP_HIST_MIN
+
+WEIGHT_DDL: tuple[str, ...] = (
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_cube DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_quad DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_min DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_max DOUBLE",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_zeros BIGINT",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_nonfinite BIGINT",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_columns SMALLINT[]",
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_counts BIGINT[]",
+)
+"""The weight-distribution columns (schema 1.2), added here if the DDL lacks them."""
+
+
+def exp_hist(values: np.ndarray) -> tuple[list[int], list[int]]:
+    """Sparse base-2 exponent histogram of the finite ``values`` (layout of
+    ``schemas.wire``: column 0 exact zeros, 1 underflow, ``k - EXP_HIST_MIN + 2`` for
+    ``|v|`` in ``[2^k, 2^(k+1))``, the last column overflow).
+
+    Returns:
+        ``(columns ascending, counts)``.
+    """
+    v = np.abs(np.asarray(values, dtype=np.float64))
+    v = v[np.isfinite(v)]
+    _, exponent = np.frexp(v)  # v = m 2^e, m in [0.5, 1): floor(log2 v) = e - 1
+    col = np.clip(exponent - 1 - EXP_HIST_MIN + 2, 1, EXP_HIST_BINS - 1)
+    col[v >= 2.0**EXP_HIST_MAX] = EXP_HIST_BINS - 1
+    col[v == 0] = 0
+    cols, counts = np.unique(col, return_counts=True)
+    return cols.tolist(), counts.tolist()
+
+
+def weight_row(w: np.ndarray) -> dict[str, object]:
+    """The ``layer_stats`` weight columns of one layer's weights ``w`` (any shape)."""
+    flat = np.asarray(w, dtype=np.float64).ravel()
+    finite = flat[np.isfinite(flat)]
+    cols, counts = exp_hist(finite)
+    return {
+        "weight_sum_sq": float(np.sum(finite**2)),
+        "weight_sum": float(np.sum(finite)),
+        "weight_sum_cube": float(np.sum(finite**3)),
+        "weight_sum_quad": float(np.sum(finite**4)),
+        "weight_min": float(finite.min()) if finite.size else 0.0,
+        "weight_max": float(finite.max()) if finite.size else 0.0,
+        "weight_zeros": int(np.sum(finite == 0)),
+        "weight_nonfinite": int(flat.size - finite.size),
+        "weight_exp_hist_columns": cols,
+        "weight_exp_hist_counts": counts,
+    }
+
+
+def write_history(
+    path: str | os.PathLike[str],
+    norms: np.ndarray,
+    *,
+    run_id: str = "r",
+    names: Sequence[str] | None = None,
+    numel: Sequence[int] | None = None,
+    steps: Sequence[int] | None = None,
+    mean_abs: np.ndarray | None = None,
+    max_abs: np.ndarray | None = None,
+    nonfinite: np.ndarray | None = None,
+    norms_only: bool = False,
+    vanishing_threshold: float = 1e-7,
+    exploding_threshold: float = 1e3,
+    world_size: int = 1,
+    weights: Mapping[tuple[int, int], np.ndarray] | None = None,
+    update_sum_sq: np.ndarray | None = None,
+    grad_hist: Mapping[tuple[int, int], tuple[list[int], list[int]]] | None = None,
+) -> Path:
+    """Write one run into the store at ``path`` (created if absent; other runs are kept).
+
+    Args:
+        path: DuckDB file.
+        norms: float64 ``[L, T]`` gradient L2 norms; NaN = the layer has no row at that step.
+        run_id: the run.
+        names: layer names in model order (default ``layer0..``).
+        numel: parameters per layer (default 100 each).
+        steps: the T optimiser steps (default ``0..T-1``).
+        mean_abs: ``[L, T]`` mean |g| (default ``norm / sqrt(numel)``, i.e. equal magnitudes).
+        max_abs: ``[L, T]`` max |g| (default equal to ``mean_abs``).
+        nonfinite: ``[L, T]`` NaN/Inf element counts (default 0).
+        norms_only: leave ``sum_abs``, ``max_abs_grad``, ``mean_abs_grad`` NULL (the
+            producer's norms mode).
+        vanishing_threshold, exploding_threshold, world_size: the run's settings.
+        weights: ``(layer, step) -> raw weights`` for the weight statistics.
+        update_sum_sq: ``[L, T]`` squared update norms (NaN = NULL).
+        grad_hist: ``(layer, step) -> (columns, counts)`` gradient exponent histograms.
+
+    Returns:
+        ``path``.
+    """
+    norms = np.asarray(norms, dtype=np.float64)
+    count, length = norms.shape
+    names = list(names) if names is not None else [f"layer{i}" for i in range(count)]
+    numel_arr = np.asarray(numel if numel is not None else [100] * count, dtype=np.int64)
+    step_arr = np.asarray(steps if steps is not None else range(length), dtype=np.int64)
+    root = np.sqrt(numel_arr.astype(np.float64))[:, None]
+    mean = np.asarray(mean_abs, np.float64) if mean_abs is not None else norms / root
+    peak = np.asarray(max_abs, np.float64) if max_abs is not None else mean
+    bad = (np.asarray(nonfinite, np.int64) if nonfinite is not None
+           else np.zeros(norms.shape, np.int64))
+    present = ~np.isnan(norms)
+    li, ti = np.nonzero(present)
+    rows: dict[str, object] = {
+        "run_id": [run_id] * li.size,
+        "step": step_arr[ti],
+        "layer_index": li.astype(np.int32),
+        "numel": numel_arr[li],
+        "sum_sq": norms[li, ti] ** 2,
+        "nonfinite": bad[li, ti],
+        "grad_norm": norms[li, ti],
+    }
+    frame_max = np.nanmax(np.where(present, norms, 0.0), axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rows["flow_intensity"] = np.where(
+            frame_max[ti] > 0, np.clip(norms[li, ti] / frame_max[ti], 0, 1), 0.0
+        )
+    mean_v, peak_v = mean[li, ti], peak[li, ti]
+    rows["is_vanishing"] = (mean_v < vanishing_threshold) & (bad[li, ti] == 0)
+    rows["is_exploding"] = peak_v > exploding_threshold
+    if norms_only:
+        for key in ("sum_abs", "max_abs_grad", "mean_abs_grad"):
+            rows[key] = pa.nulls(li.size, pa.float64())
+    else:
+        rows["sum_abs"] = mean_v * numel_arr[li]
+        rows["max_abs_grad"] = peak_v
+        rows["mean_abs_grad"] = mean_v
+    if update_sum_sq is not None:
+        upd = np.asarray(update_sum_sq, np.float64)[li, ti]
+        rows["update_sum_sq"] = pa.array(upd, pa.float64(), from_pandas=True)
+    extra: list[dict[str, object]] = [{} for _ in range(li.size)]
+    position = {(int(a), int(b)): k for k, (a, b) in enumerate(zip(li, ti, strict=True))}
+    for (layer, t), w in (weights or {}).items():
+        extra[position[(layer, t)]] = weight_row(w)
+    for (layer, t), (cols, counts) in (grad_hist or {}).items():
+        extra[position[(layer, t)]].update(exp_hist_columns=cols, exp_hist_counts=counts)
+    for k, e in enumerate(extra):
+        if update_sum_sq is not None and "weight_sum_sq" in e:
+            upd = float(np.asarray(update_sum_sq, np.float64)[li[k], ti[k]])
+            if math.isfinite(upd) and e["weight_sum_sq"] > 0:  # type: ignore[operator]
+                e["update_to_weight"] = math.sqrt(upd / e["weight_sum_sq"])  # type: ignore[operator]
+    table = pa.table(rows)
+    extra_keys = sorted({k for e in extra for k in e})
+    for key in extra_keys:
+        values = [e.get(key) for e in extra]
+        if key.endswith("_columns"):
+            column = pa.array(values, pa.list_(pa.int16()))
+        elif key.endswith("_counts"):
+            column = pa.array(values, pa.list_(pa.int64()))
+        elif key in ("weight_zeros", "weight_nonfinite"):
+            column = pa.array(values, pa.int64())
+        else:
+            column = pa.array(values, pa.float64())
+        table = table.append_column(key, column)
+
+    con = duckdb.connect(str(path))
+    try:
+        for ddl in (*SCHEMA_DDL, *WEIGHT_DDL):
+            con.execute(ddl)
+        con.execute(
+            "INSERT INTO runs (run_id, world_size, num_layers, vanishing_threshold, "
+            "exploding_threshold, host, start_time) VALUES (?, ?, ?, ?, ?, 'test', 0)",
+            [run_id, world_size, count, vanishing_threshold, exploding_threshold],
+        )
+        layers = pa.table({
+            "run_id": [run_id] * count,
+            "layer_index": pa.array(range(count), pa.int32()),
+            "name": names,
+            "numel": pa.array(numel_arr, pa.int64()),
+        })
+        con.register("layers_in", layers)
+        con.execute("INSERT INTO layers SELECT * FROM layers_in")
+        con.register("stats_in", table)
+        con.execute("INSERT INTO layer_stats BY NAME SELECT * FROM stats_in")
+        seen = np.flatnonzero(present.any(axis=0))
+        frames = pa.table({
+            "run_id": [run_id] * seen.size,
+            "step": step_arr[seen],
+            "health": ["Healthy"] * seen.size,
+            "num_layers": pa.array(present[:, seen].sum(axis=0), pa.int32()),
+            "vanishing_layers": pa.array(np.zeros(seen.size), pa.int32()),
+            "exploding_layers": pa.array(np.zeros(seen.size), pa.int32()),
+            "nonfinite_layers": pa.array(np.zeros(seen.size), pa.int32()),
+            "complete": [True] * seen.size,
+            "ranks_seen": [list(range(world_size))] * seen.size,
+            "missing_ranks": [[]] * seen.size,
+            "wall_time": 1.7e9 + step_arr[seen].astype(np.float64),
+            "finalized_at": 1.7e9 + step_arr[seen].astype(np.float64),
+        })
+        con.register("frames_in", frames)
+        con.execute("INSERT INTO frames BY NAME SELECT * FROM frames_in")
+    finally:
+        con.close()
+    return Path(path)
+
+
+def open_read(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
+    """The store opened read-only through :func:`analysis.store.open_store`."""
+    from analysis.store import open_store
+
+    return open_store(path)

@@ -1,0 +1,171 @@
+"""Seed 004 weight distribution and drift from weight statistics in a real DuckDB file."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from analysis.analyses.stats import max_normal_z
+from analysis.store import StoreError
+from analysis.weights import (
+    DistributionHealthStatus,
+    OutlierSeverity,
+    WeightAnalysisReport,
+    WeightDriftSeverity,
+    build_weight_analysis,
+)
+from tests.analysis.crafted import open_read, write_history
+
+
+def weights_of(path: Path, run: str = "r", **kw: object) -> WeightAnalysisReport:
+    con = open_read(path)
+    try:
+        return build_weight_analysis(con, run, **kw)  # type: ignore[arg-type]
+    finally:
+        con.close()
+
+
+def central(w: np.ndarray) -> tuple[float, float, float, float]:
+    """Population mean, std, skewness, excess kurtosis, directly from the weights."""
+    mean = w.mean()
+    d = w - mean
+    m2 = (d**2).mean()
+    return mean, math.sqrt(m2), (d**3).mean() / m2**1.5, (d**4).mean() / m2**2 - 3
+
+
+def store(tmp_path: Path, layers: list[np.ndarray], name: str = "s.duckdb",
+          steps: int = 1, at: tuple[int, ...] = (0,), **kw: object) -> Path:
+    norms = np.ones((len(layers), steps))
+    weights = {(i, t): w for t in at for i, w in enumerate(layers)}
+    numel = [w.size for w in layers]
+    return write_history(tmp_path / name, norms, numel=numel, weights=weights, **kw)
+
+
+def test_statistics_from_power_sums_by_hand(tmp_path: Path) -> None:
+    """w = 0, 0.5, 0.75, 2, 3: mean 1.25, var 13.8125/5 - 1.5625 = 1.2; binades {0},
+    [0.5, 1) x 2, [2, 4) x 2 -> entropy -(0.2 log2 0.2 + 2 x 0.4 log2 0.4) bits."""
+    w = np.array([0.0, 0.5, 0.75, 2.0, 3.0])
+    report = weights_of(store(tmp_path, [w]))
+    s = report.distribution.layer_analyses[0].statistics
+    _, _, skew, kurt = central(w)
+    assert (s.mean, s.std_dev) == pytest.approx((1.25, math.sqrt(1.2)))
+    assert (s.skewness, s.kurtosis) == pytest.approx((skew, kurt))
+    assert s.entropy == pytest.approx(-(0.2 * math.log2(0.2) + 0.8 * math.log2(0.4)))
+    assert (s.min, s.max, s.zero_fraction, s.count) == (0.0, 3.0, 0.2, 5)
+    assert report.distribution.step == 0 and report.drift is None
+
+
+def test_one_binade_has_zero_entropy(tmp_path: Path) -> None:
+    report = weights_of(store(tmp_path, [np.array([1.0, 1.25, 1.5, 1.75])]))
+    assert report.distribution.layer_analyses[0].statistics.entropy == 0.0
+
+
+def test_health_score_deductions(tmp_path: Path) -> None:
+    """Zero-heavy [0 x 8, 1, -1]: kurtosis 2, 80 % zeros -> 70. Skewed [0 x 9, 10]: skew
+    8/3, kurtosis 657/81 - 3, 90 % zeros -> 55. Neither extreme is an outlier (z <=
+    3 < the bound for 10 normal samples)."""
+    zero_heavy = np.r_[np.zeros(8), 1.0, -1.0]
+    skewed = np.r_[np.zeros(9), 10.0]
+    report = weights_of(store(tmp_path, [zero_heavy, skewed]))
+    first, second = report.distribution.layer_analyses
+    assert first.statistics.kurtosis == pytest.approx(2.0)
+    assert first.health_score == 70
+    assert first.issues == ["80% of the weights are exactly zero"]
+    assert second.statistics.skewness == pytest.approx(8 / 3)
+    assert second.statistics.kurtosis == pytest.approx(657 / 81 - 3)
+    assert second.health_score == 55
+    assert len(second.issues) == len(second.recommendations) == 2
+    assert report.distribution.outlier_detection == []
+
+
+def test_outliers_from_extreme_value_bounds(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    clean = rng.normal(0.0, 1.0, 100_000)
+    base = rng.normal(0.0, 1.0, 999)
+
+    def with_extreme(z_target: float) -> np.ndarray:
+        lo, hi = 0.0, 100.0  # z of the added value grows with it: bisect
+        for _ in range(100):
+            v = (lo + hi) / 2
+            w = np.r_[base, v]
+            z = (v - w.mean()) / w.std()
+            lo, hi = (v, hi) if z < z_target else (lo, v)
+        return np.r_[base, (lo + hi) / 2]
+
+    medium, high = with_extreme(4.8), with_extreme(20.0)
+    total = clean.size + medium.size + high.size
+    assert max_normal_z(1000) < 4.8 < max_normal_z(total)
+    report = weights_of(store(tmp_path, [clean, medium, high]))
+    outliers = report.distribution.outlier_detection
+    assert [(o.layer_index, o.side, o.severity) for o in outliers] == [
+        (1, "max", OutlierSeverity.MEDIUM), (2, "max", OutlierSeverity.HIGH)]
+    assert outliers[0].z_score == pytest.approx(4.8, rel=1e-6)
+    assert outliers[0].value == pytest.approx(medium.max())
+    healths = [x.health_score for x in report.distribution.layer_analyses]
+    assert healths[0] == 100 and healths[1] <= 80 and healths[2] <= 80
+
+
+def test_pooled_statistics_equal_those_of_all_weights(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    layers = [rng.normal(0.1, 0.5, 300), rng.laplace(0.0, 2.0, 700), np.zeros(50)]
+    report = weights_of(store(tmp_path, layers))
+    everything = np.concatenate(layers)
+    o = report.distribution.overall_statistics
+    mean, std, skew, kurt = central(everything)
+    assert (o.mean, o.std_dev, o.skewness, o.kurtosis) == pytest.approx((mean, std, skew, kurt))
+    assert (o.min, o.max) == (everything.min(), everything.max())
+    assert o.zero_fraction == pytest.approx(50 / 1050)
+    _, exponents = np.frexp(np.abs(everything[everything != 0]))
+    _, counts = np.unique(np.r_[exponents, np.full(50, -999)], return_counts=True)
+    p = counts / counts.sum()
+    assert o.entropy == pytest.approx(-(p * np.log2(p)).sum())
+    health = report.distribution.distribution_health
+    assert health.score == 100 - (15 if kurt > 5 else 0) - (15 if abs(skew) > 1 else 0) - (
+        20 if report.distribution.outlier_detection else 0)
+    assert health.status in DistributionHealthStatus
+
+
+def test_drift_between_two_steps(tmp_path: Path) -> None:
+    """Layer 0 is scaled by 1.2 (norm +20 %: High) with recorded update norms; layer 1 does
+    not move; layer 2 moves by 0.5 % but one of its update norms is missing."""
+    rng = np.random.default_rng(2)
+    w0, w1, w2 = rng.normal(0.2, 1.0, 500), rng.normal(0.0, 0.1, 200), rng.normal(0, 1, 100)
+    weights = {(0, 0): w0, (1, 0): w1, (2, 0): w2,
+               (0, 5): 1.2 * w0, (1, 5): w1, (2, 5): 1.005 * w2}
+    update = np.full((3, 6), 1e-4)
+    update[:, 0] = np.nan
+    update[0, 1:] = [1.0, 4.0, 9.0, 16.0, 25.0]  # path 1 + 2 + 3 + 4 + 5 = 15
+    update[2, 3] = np.nan
+    path = write_history(tmp_path / "s.duckdb", np.ones((3, 6)), numel=[500, 200, 100],
+                         weights=weights, update_sum_sq=update)
+    report = weights_of(path)
+    assert report.distribution.step == 5
+    drift = report.drift
+    assert drift is not None and (drift.from_step, drift.to_step) == (0, 5)
+    first, second, third = drift.layer_drifts
+    assert first.relative_norm_change == pytest.approx(0.2)
+    mean, std, _, _ = central(w0)
+    assert first.mean_shift == pytest.approx(0.2 * mean / std)
+    assert first.std_ratio == pytest.approx(1.2)
+    assert first.relative_path_length == pytest.approx(15 / np.linalg.norm(w0))
+    assert second.relative_norm_change == pytest.approx(0.0, abs=1e-12)
+    assert second.relative_path_length == pytest.approx(5 * 1e-2 / np.linalg.norm(w1))
+    assert third.relative_norm_change == pytest.approx(0.005)
+    assert third.relative_path_length is None
+    assert drift.max_drift == pytest.approx(0.2)
+    assert drift.mean_drift == pytest.approx((0.2 + 0.0 + 0.005) / 3)
+    assert drift.severity is WeightDriftSeverity.HIGH
+    assert drift.affected_layers == [0] and drift.affected_layer_names == ["layer0"]
+    early = weights_of(path, to_step=4)  # only step 0 has weights up to here
+    assert early.distribution.step == 0 and early.drift is None
+
+
+def test_missing_weight_statistics_say_how_to_get_them(tmp_path: Path) -> None:
+    path = write_history(tmp_path / "s.duckdb", np.ones((2, 3)))
+    with pytest.raises(StoreError, match="weight_stats=True"):
+        weights_of(path)
+    with pytest.raises(StoreError, match="unknown run"):
+        weights_of(path, run="other")

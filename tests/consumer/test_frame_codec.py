@@ -1,0 +1,54 @@
+"""GradientFrame -> MergedFrame -> MergedShards recomputes the same frame (scale-out mode)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from consumer.frame_codec import frame_to_message, message_to_merged
+from consumer.frames import MergedShards, compute_frame
+from consumer.merge import merge_shard
+from producer.summary import summarize
+from schemas.wire import MergedFrame, StepSummary, decode_frame_message, encode_message
+
+
+def _frame(norms_only: bool, histogram: bool):
+    rng = np.random.default_rng(1)
+    merged = MergedShards.empty(3)
+    for rank in range(2):
+        g = {f"l{i}": rng.standard_normal(20 + i).astype(np.float32) * 10.0 ** (i - 1)
+             for i in range(3)}
+        g["l2"][3] = np.nan
+        s = summarize(g, histogram=histogram, norms_only=norms_only)
+        rows, cols = np.nonzero(s.exp_hist) if histogram else (None, None)
+        hist = {}
+        if histogram:
+            off = np.concatenate(([0], np.cumsum(np.bincount(rows, minlength=3))))
+            hist = dict(exp_hist_offsets=off.tolist(), exp_hist_columns=cols.tolist(),
+                        exp_hist_counts=s.exp_hist[rows, cols].tolist())
+        merge_shard(merged, StepSummary(
+            run_id="r", step=2, rank=rank, world_size=2, wall_time=3.0,
+            layer_indices=[0, 1, 2], numel=s.numel.tolist(), sum_sq=s.sum_sq.tolist(),
+            nonfinite=s.nonfinite.tolist(),
+            sum_abs=None if norms_only else s.sum_abs.tolist(),
+            max_abs=None if norms_only else s.max_abs.tolist(), **hist,
+        ))
+    return compute_frame("r", 2, merged, vanishing_threshold=1e-3, exploding_threshold=1.0,
+                         ranks_seen=(0, 1), world_size=2, wall_time=3.0)
+
+
+@pytest.mark.parametrize(("norms_only", "histogram"), [(False, False), (True, True)])
+def test_round_trip_recomputes_the_same_frame(norms_only, histogram):
+    frame = _frame(norms_only, histogram)
+    message = decode_frame_message(encode_message(frame_to_message(frame)))
+    assert isinstance(message, MergedFrame) and message.ranks_seen == [0, 1]
+    assert (message.sum_abs is None) == norms_only
+    again = compute_frame("r", 2, message_to_merged(message, 3), vanishing_threshold=1e-3,
+                          exploding_threshold=1.0, ranks_seen=(0, 1), world_size=2,
+                          wall_time=3.0)
+    for name in ("numel", "sum_sq", "grad_norm", "flow_intensity", "nonfinite",
+                 "is_vanishing", "is_exploding"):
+        assert np.array_equal(getattr(again, name), getattr(frame, name)), name
+    np.testing.assert_array_equal(again.mean_abs_grad, frame.mean_abs_grad)
+    if histogram:
+        assert np.array_equal(again.exp_hist, frame.exp_hist)

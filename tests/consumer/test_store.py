@@ -1,0 +1,96 @@
+"""Store reconciliation of republished, replayed and late frames (consumer.store), on a real
+DuckDB file; records are fed to the store's handler directly (no broker needed for the rules)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import duckdb
+import numpy as np
+import pytest
+
+from consumer.frame_codec import frame_to_message
+from consumer.frames import MergedShards, compute_frame
+from consumer.sink import DuckDBSink
+from consumer.store import Store
+from consumer.store_settings import StoreSettings
+from schemas.wire import RunStarted, StepSummary, encode_message
+
+Record = namedtuple("Record", "topic partition offset value key")
+
+
+def shard(rank: int) -> StepSummary:
+    return StepSummary(run_id="r", step=5, rank=rank, world_size=3, wall_time=10.0 + rank,
+                       layer_indices=[0, 1], numel=[4, 6], sum_abs=[1.0 + rank, 2.0],
+                       sum_sq=[0.5, 1.0 + rank], max_abs=[0.25 * (rank + 1), 0.5],
+                       nonfinite=[0, rank])
+
+
+def frame_of(ranks: list[int]):
+    merged = MergedShards.empty(2)
+    for r in ranks:
+        s = shard(r)
+        merged.add(np.array([0, 1]), np.asarray(s.numel), np.asarray(s.sum_abs),
+                   np.asarray(s.sum_sq), np.asarray(s.max_abs), np.asarray(s.nonfinite))
+    return compute_frame("r", 5, merged, vanishing_threshold=1e-7, exploding_threshold=1e3,
+                         ranks_seen=tuple(ranks), world_size=3, wall_time=12.0)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(StoreSettings(db=str(tmp_path / "s.duckdb")))
+    s._sink = DuckDBSink(s.settings.db)
+    offset = iter(range(10**6))
+
+    def feed(message) -> None:
+        s._handle(Record("frames", 0, next(offset), encode_message(message), b"r"))
+        s._flush()
+
+    feed(RunStarted(run_id="r", world_size=3, layer_names=["a", "b"], numel=[12, 18],
+                    start_time=1.0))
+    yield s, feed
+    s._sink.close()
+
+
+def stored(store: Store):
+    con: duckdb.DuckDBPyConnection = store._sink.con
+    rows = con.execute("SELECT numel, sum_abs, sum_sq, max_abs_grad, nonfinite FROM layer_stats "
+                       "ORDER BY layer_index").fetchall()
+    ranks = con.execute("SELECT ranks_seen, complete FROM frames").fetchall()
+    return rows, ranks
+
+
+def expected(ranks: list[int]):
+    f = frame_of(ranks)
+    return [(int(f.numel[i]), f.sum_abs[i], f.sum_sq[i], f.max_abs_grad[i],
+             int(f.nonfinite[i])) for i in range(2)]
+
+
+def test_late_rank_is_merged_and_replays_are_ignored(store):
+    s, feed = store
+    feed(frame_to_message(frame_of([0, 2])))
+    assert stored(s) == (expected([0, 2]), [([0, 2], False)])
+    feed(frame_to_message(frame_of([1])))  # a late rank: disjoint, merged exactly
+    assert stored(s) == (expected([0, 1, 2]), [([0, 1, 2], True)])
+    assert s.counters.merged_late == 1
+    feed(frame_to_message(frame_of([2])))  # a replayed subset: ignored
+    assert stored(s) == (expected([0, 1, 2]), [([0, 1, 2], True)])
+    feed(frame_to_message(frame_of([0, 1, 2])))  # republished: same values
+    assert stored(s) == (expected([0, 1, 2]), [([0, 1, 2], True)])
+    assert s.counters.ignored_replays == 1
+    assert s._sink.con.execute("SELECT count(*) FROM layer_stats").fetchone() == (2,)
+
+
+def test_late_rank_merges_with_a_frame_stored_before_a_restart(store, tmp_path):
+    s, feed = store
+    feed(frame_to_message(frame_of([1])))
+    s._sink.close()
+    again = Store(StoreSettings(db=s.settings.db))  # a restarted store: state from DuckDB
+    again._sink = DuckDBSink(again.settings.db)
+    again._restore()
+    again._handle(Record("frames", 0, 99, encode_message(frame_to_message(frame_of([0, 2]))),
+                         b"r"))
+    again._flush()
+    assert stored(again) == (expected([0, 1, 2]), [([0, 1, 2], True)])
+    again._sink.close()
+    s._sink = DuckDBSink(s.settings.db)  # for the fixture's teardown

@@ -1,0 +1,182 @@
+"""The live dashboard end to end in headless chromium while a run streams through Kafka.
+
+Two ranks send gradient summaries of a 4-layer model step by step through the real
+broker; ``ServedWorker`` (what ``gradstream serve`` runs) consumes them into a real DuckDB
+file and serves the page from the same process. The browser must show the run with its
+health, a heatmap that grows while steps arrive, the alert raised by the worker when a
+NaN gradient is injected (and the health badge turning Critical), a layer's series on
+click, and export links whose Parquet equals the stored table. A screenshot is saved and
+checked non-blank.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+import urllib.request
+
+import duckdb
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from analysis.serve_cli import ServedWorker
+from consumer.settings import ConsumerSettings
+from producer import GradientProducer
+from tests.chromium import chromium_page, image_stats
+
+WORLD = 2
+LAYERS = {"embed": 64, "block.0": 32, 'attn "q", k': 48, "head ünï": 16}
+STEPS = 120
+NAN_STEP = 70
+STEP_PAUSE_S = 0.05
+
+
+def gradients(step: int, rank: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step * 10 + rank)
+    out = {
+        name: rng.standard_normal(n).astype(np.float32) * np.float32(10.0 ** -(i + 1))
+        for i, (name, n) in enumerate(LAYERS.items())
+    }
+    if step >= NAN_STEP and rank == 1:
+        out["block.0"][0] = np.nan
+    return out
+
+
+def stream(bootstrap: str, topic: str, run_id: str, errors: list[BaseException]) -> None:
+    try:
+        producers = [
+            GradientProducer(run_id, rank=r, world_size=WORLD, bootstrap_servers=bootstrap,
+                             topic=topic)
+            for r in range(WORLD)
+        ]
+        for p in producers:
+            p.start_run({k: v * WORLD for k, v in LAYERS.items()})
+        for step in range(STEPS):
+            for rank, p in enumerate(producers):
+                p.record_step(step, gradients(step, rank))
+            if step % 5 == 4:
+                for p in producers:
+                    p.flush(10)
+            time.sleep(STEP_PAUSE_S)
+        for p in producers:
+            p.finish_run()
+            p.close()
+    except BaseException as exc:  # reported by the test
+        errors.append(exc)
+
+
+@pytest.fixture
+def settings(kafka_bootstrap, tmp_path, unique_name) -> ConsumerSettings:
+    return ConsumerSettings(
+        bootstrap_servers=kafka_bootstrap, topic=f"dash-{unique_name}",
+        dlq_topic=f"dash-dlq-{unique_name}", alerts_topic=f"dash-alerts-{unique_name}",
+        group_id=f"dash-{unique_name}", db=str(tmp_path / "live.duckdb"), shard_timeout_s=30.0,
+    )
+
+
+def frames_shown(page) -> int:  # type: ignore[no-untyped-def]
+    return int(page.get_attribute("#heatmap", "data-frames") or 0)
+
+
+def test_dashboard_live_in_chromium(settings, tmp_path, unique_name) -> None:
+    run_id = f"live/{unique_name}"
+    served = ServedWorker(settings, port=0, refresh_s=0.25)
+    url = served.start()
+    errors: list[BaseException] = []
+    producer = threading.Thread(
+        target=stream, args=(settings.bootstrap_servers, settings.topic, run_id, errors),
+        daemon=True,
+    )
+    try:
+        assert served.worker is not None and served.worker.wait_ready(60), served.worker.error
+        with chromium_page() as page:
+            page.goto(url + "/")
+            assert page.title() == "gradstream dashboard"
+            page.wait_for_selector("#status.ok", timeout=20_000)
+            assert "live" in page.inner_text("#status")
+            producer.start()
+
+            # The run appears with a health badge matching the store.
+            row = f'#runs li[data-run-id="{run_id}"]'
+            page.wait_for_selector(row, timeout=60_000)
+            page.wait_for_function("() => Number(document.querySelector('#heatmap')"
+                                   ".dataset.frames) >= 5", timeout=60_000)
+            early = frames_shown(page)
+            health = page.get_attribute(row, "data-health")
+            assert health in ("Healthy", "MinorIssues", "ProblemsDetected", "Critical")
+            assert page.inner_text(f"{row} .badge") == health
+            assert page.get_attribute("#heatmap", "data-rows") == str(len(LAYERS))
+
+            # The heatmap grows while the run streams (before the producer is done).
+            page.wait_for_function(
+                f"() => Number(document.querySelector('#heatmap').dataset.frames) >= {early + 10}",
+                timeout=60_000,
+            )
+            assert producer.is_alive() or frames_shown(page) > early
+
+            # The NaN injected at NAN_STEP raises the worker's non-finite alert; the run's
+            # badge turns Critical.
+            alert = f'#alerts li[data-run-id="{run_id}"][data-rule="nonfinite"]'
+            page.wait_for_selector(alert, timeout=90_000)
+            text = page.inner_text(alert)
+            assert "nonfinite" in text.lower() and "block.0" in text
+            page.wait_for_selector(f'{row}[data-health="Critical"]', timeout=30_000)
+            assert page.inner_text(f"{row} .badge") == "Critical"
+
+            # Drill-down: clicking the second heatmap row shows that layer's series.
+            box = page.locator("#heatmap").bounding_box()
+            area = page.evaluate("() => { const a = document.querySelector('#heatmap')"
+                                 ".gradstreamArea; return [a.x / a.ratio, a.y / a.ratio, "
+                                 "a.w / a.ratio, a.h / a.ratio]; }")
+            assert box is not None
+            page.mouse.click(box["x"] + area[0] + area[2] / 2,
+                             box["y"] + area[1] + area[3] * 1.5 / len(LAYERS))
+            page.wait_for_selector('#layer-panel[data-layer-index="1"]', timeout=10_000)
+            page.wait_for_function("() => Number(document.querySelector('#series')"
+                                   ".dataset.points) > 0", timeout=10_000)
+            assert "block.0" in page.inner_text("#series-caption")
+
+            # Every frame stored; the page shows all of them.
+            producer.join(120)
+            assert not errors, errors
+            assert served.worker.wait_for_runs([run_id], 60), served.worker.error
+            page.wait_for_function(
+                f"() => Number(document.querySelector('#heatmap').dataset.frames) === {STEPS}",
+                timeout=30_000,
+            )
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+            heat = tmp_path / "heatmap.png"
+            page.locator("#heatmap").screenshot(path=str(heat))
+
+            # The export link serves the run as Parquet, equal to the stored rows.
+            href = page.get_attribute('a.export[data-format="parquet"]', "href")
+            assert href is not None
+            with urllib.request.urlopen(url + href, timeout=30) as response:
+                exported = pq.read_table(io.BytesIO(response.read()))
+    finally:
+        served.stop()
+        producer.join(5)
+
+    assert shot.stat().st_size > 10_000
+    std, colours = image_stats(shot)
+    assert std > 0.05 and colours > 50, (std, colours)
+    std, colours = image_stats(heat)
+    assert std > 0.02 and colours >= 4, (std, colours)
+
+    con = duckdb.connect(settings.db, read_only=True)
+    stored = con.execute(
+        "SELECT s.step, l.name AS layer, s.grad_norm, s.nonfinite FROM layer_stats s "
+        "JOIN layers l USING (run_id, layer_index) WHERE run_id = ? ORDER BY step, layer",
+        [run_id],
+    ).fetchall()
+    alerts = con.execute("SELECT count(*) FROM alerts WHERE run_id = ? AND rule = 'nonfinite'",
+                         [run_id]).fetchone()
+    con.close()
+    assert alerts is not None and alerts[0] >= 1
+    rows = sorted(zip(*(exported.column(c).to_pylist()
+                        for c in ("step", "layer", "grad_norm", "nonfinite")), strict=True))
+    assert rows == sorted(stored)
+    assert len(rows) == STEPS * len(LAYERS)
