@@ -43,6 +43,43 @@ import numpy as np
 LOCAL_BROKER_TIMEOUT_S = 180.0
 
 
+def _proc_cpu_seconds(pid: int | None) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` (Linux /proc); 0 when
+    unknown (e.g. a remote broker)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Span:
+    """Wall seconds and CPU seconds (this process, all threads; the broker JVM) between
+    :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, broker_pid: int | None) -> None:
+        self.broker_pid = broker_pid
+        self.wall = self.cpu = self.broker_cpu = 0.0
+
+    def start(self) -> None:
+        self._t = (time.perf_counter(), time.process_time(), _proc_cpu_seconds(self.broker_pid))
+
+    def stop(self) -> None:
+        wall, cpu, broker = self._t
+        self.wall = time.perf_counter() - wall
+        self.cpu = time.process_time() - cpu
+        self.broker_cpu = _proc_cpu_seconds(self.broker_pid) - broker
+
+    def describe(self, rows: int) -> str:
+        """CPU per layer-row and average busy cores."""
+        per_row = f"{self.cpu / rows * 1e6:.2f} µs CPU/layer-row in this process"
+        if self.broker_pid is not None:
+            per_row += f", {self.broker_cpu / rows * 1e6:.2f} in the broker"
+        return f"{per_row}; {(self.cpu + self.broker_cpu) / self.wall:.2f} cores busy"
+
+
 def _produce_rank(bootstrap: str, topic: str, run_id: str, rank: int, ranks: int,
                   layers: int, steps: int, replicated: bool) -> tuple[int, float]:
     """Child process: one rank's producer. Returns (messages sent, seconds)."""
@@ -89,11 +126,12 @@ def produce(bootstrap: str, topic: str, run_ids: list[str], ranks: int, layers: 
     return sum(sent for sent, _ in results), time.perf_counter() - start
 
 
-def consume_floor(settings: object, topic: str) -> tuple[int, int, float]:
-    """Read every record of ``topic`` with a bare KafkaConsumer and discard them.
+def consume_floor(settings: object, topic: str, span: Span) -> tuple[int, int]:
+    """Read every record of ``topic`` with a bare KafkaConsumer and discard them; ``span``
+    times it from assignment to the last record.
 
     Returns:
-        (records, value bytes, seconds from assignment to the last record).
+        (records, value bytes).
     """
     from kafka import KafkaConsumer, TopicPartition
 
@@ -109,7 +147,7 @@ def consume_floor(settings: object, topic: str) -> tuple[int, int, float]:
         end = consumer.end_offsets(parts)
         consumer.seek_to_beginning(*parts)
         records = size = 0
-        start = time.perf_counter()
+        span.start()
         remaining = {tp for tp in parts if end[tp] > 0}
         while remaining:
             for tp, batch in consumer.poll(timeout_ms=500).items():
@@ -117,33 +155,36 @@ def consume_floor(settings: object, topic: str) -> tuple[int, int, float]:
                 size += sum(len(r.value) for r in batch)
                 if batch[-1].offset + 1 >= end[tp]:
                     remaining.discard(tp)
-        return records, size, time.perf_counter() - start
+        span.stop()
+        return records, size
     finally:
         consumer.close()
 
 
-def run_pipeline(settings: object, run_ids: list[str], rows: int, profile: str | None) -> float:
-    """Run one worker on this thread until ``rows`` layer rows are committed; seconds from
-    partition assignment to that commit (seen through a read cursor on the worker's own
-    DuckDB instance). With ``profile``, pyinstrument samples the worker thread and writes
-    an HTML profile there (and a text summary to stdout)."""
+def run_pipeline(settings: object, run_ids: list[str], rows: int, span: Span,
+                 profile: str | None) -> None:
+    """Run one worker on this thread until ``rows`` layer rows are committed; ``span``
+    times it from partition assignment to that commit (seen through a read cursor on the
+    worker's own DuckDB instance). With ``profile``, pyinstrument samples the worker thread
+    and writes an HTML profile there (and a text summary to stdout)."""
     from consumer.worker import Worker
 
     cursors = []
     worker = Worker(settings, on_open=lambda sink: cursors.append(sink.read_cursor()))
-    times: dict[str, float] = {}
+    done = threading.Event()
 
     def watch() -> None:
         if not worker.wait_ready(120):
             worker.stop()
             return
-        times["start"] = time.perf_counter()
+        span.start()
         cursor = cursors[0]
         try:
             while worker.error is None:
                 stored = cursor.execute("SELECT count(*) FROM layer_stats").fetchone()[0]
                 if stored >= rows and worker.runs_done(run_ids):
-                    times["end"] = time.perf_counter()
+                    span.stop()
+                    done.set()
                     break
                 time.sleep(0.005)
         finally:
@@ -164,13 +205,12 @@ def run_pipeline(settings: object, run_ids: list[str], rows: int, profile: str |
         if profiler is not None:
             profiler.stop()
     watcher.join(10)
-    if "end" not in times:
+    if not done.is_set():
         raise RuntimeError(f"the worker did not finish: {worker.error}")
     if profiler is not None:
         Path(profile).write_text(profiler.output_html())
         print(profiler.output_text(unicode=False, color=False, show_all=False,
                                    time="percent_of_total")[:6000])
-    return times["end"] - times["start"]
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -223,14 +263,17 @@ def main() -> None:
               f"{args.steps} steps, {args.layers} layers each, "
               f"{'replicated' if args.replicated else 'sharded'}) in {produce_s:.1f} s "
               f"({messages / produce_s:.0f} msg/s, {args.ranks * args.runs} processes)")
-        records, size, floor_s = consume_floor(settings, settings.topic)
+        broker_pid = broker.status().pid if broker is not None else None
+        floors = [Span(broker_pid), Span(broker_pid)]
+        records, size = consume_floor(settings, settings.topic, floors[0])
         assert records == messages, f"floor read {records} of {messages} records"
         print(f"floor 1: bare consumer read {records} records, {size / 2**20:.0f} MiB of JSON, "
-              f"in {floor_s:.2f} s")
-        pipeline_s = run_pipeline(settings, run_ids, rows, args.profile)
-        _, _, floor2_s = consume_floor(settings, settings.topic)
-        print(f"floor 2: {floor2_s:.2f} s")
-        floor_s = min(floor_s, floor2_s)
+              f"in {floors[0].wall:.2f} s")
+        pipeline = Span(broker_pid)
+        run_pipeline(settings, run_ids, rows, pipeline, args.profile)
+        consume_floor(settings, settings.topic, floors[1])
+        print(f"floor 2: {floors[1].wall:.2f} s")
+        floor = min(floors, key=lambda f: f.wall)
 
         import duckdb
 
@@ -240,12 +283,14 @@ def main() -> None:
         ).fetchone()
         con.close()
         assert stored == rows and frames == args.runs * args.steps, (stored, rows, frames)
-        pipeline_rate = rows / pipeline_s
-        floor_rate = rows / floor_s
-        print(f"pipeline: {rows} layer-rows ({frames} frames) stored in {pipeline_s:.2f} s = "
-              f"{pipeline_rate:,.0f} layer-rows/s ({messages / pipeline_s:,.0f} msg/s, "
-              f"{size / pipeline_s / 2**20:.0f} MiB/s)")
-        print(f"floor:    {floor_rate:,.0f} layer-rows/s ({size / floor_s / 2**20:.0f} MiB/s)")
+        pipeline_rate = rows / pipeline.wall
+        floor_rate = rows / floor.wall
+        print(f"pipeline: {rows} layer-rows ({frames} frames) stored in {pipeline.wall:.2f} s = "
+              f"{pipeline_rate:,.0f} layer-rows/s ({messages / pipeline.wall:,.0f} msg/s, "
+              f"{size / pipeline.wall / 2**20:.0f} MiB/s)\n"
+              f"          {pipeline.describe(rows)}")
+        print(f"floor:    {floor_rate:,.0f} layer-rows/s ({size / floor.wall / 2**20:.0f} MiB/s)"
+              f"\n          {floor.describe(rows)}")
         print(f"ratio pipeline / floor: {pipeline_rate / floor_rate:.2f}")
         print(f"pipeline_rows_per_s={pipeline_rate:.0f} "
               f"ratio_to_consume_floor={pipeline_rate / floor_rate:.2f}")

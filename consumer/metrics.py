@@ -170,19 +170,19 @@ class WorkerMetrics:
         (a kafka-python KafkaConsumer): end offset - position, both "next offset" values.
 
         The end offset is the highwater of the last fetch response (no round trip); for
-        partitions not fetched yet, one ListOffsets request (``end_offsets``). Series of
-        partitions no longer assigned are removed. Kafka errors are logged, not raised
-        (metrics never stop the worker).
+        partitions not fetched yet, one ListOffsets request (``end_offsets``, at most
+        0.5 s). Series of partitions no longer assigned are removed. Kafka errors are
+        logged, not raised (metrics never stop the worker); the last figures stay.
         """
         try:
             assigned = list(consumer.assignment() or ())
             ends: dict[Any, int | None] = {tp: consumer.highwater(tp) for tp in assigned}
             missing = [tp for tp, end in ends.items() if end is None]
             if missing:
-                ends.update(consumer.end_offsets(missing, timeout_ms=2000))
+                ends.update(consumer.end_offsets(missing, timeout_ms=500))
             keys = set()
             for tp in assigned:
-                position = consumer.position(tp, timeout_ms=2000)
+                position = consumer.position(tp, timeout_ms=500)
                 end = ends.get(tp)
                 if position is None or end is None:
                     continue

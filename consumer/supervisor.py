@@ -31,6 +31,8 @@ def child_environment(settings: ConsumerSettings, index: int) -> dict[str, str]:
             continue
         if name == "metrics_port" and value:
             value = int(value) + index
+        if name == "group_instance_id":  # static membership: one id per process
+            value = f"{value}-{index}"
         text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
         env[f"GRADSTREAM_{name.upper()}"] = text
     env["KAFKA_BOOTSTRAP_SERVERS"] = settings.bootstrap_servers
