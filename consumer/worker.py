@@ -512,10 +512,14 @@ def ensure_topics(
     settings: ConsumerSettings, topics: list[str], compacted: bool = False
 ) -> None:
     """Create ``topics`` with ``settings.partitions`` partitions if they do not exist
-    (``compacted``: with ``cleanup.policy=compact``, one retained record per key).
+    (``compacted``: with ``cleanup.policy=compact``, one retained record per key), and
+    return only once the new topics are in the brokers' metadata with a leader for every
+    partition: a consumer subscribing earlier would be assigned no partitions and keep
+    that empty assignment until its next metadata refresh (minutes).
 
     Raises:
         kafka.errors.KafkaError: the cluster cannot be reached or refuses.
+        kafka.errors.KafkaTimeoutError: a topic has no leader after 30 s.
     """
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
@@ -532,5 +536,6 @@ def ensure_topics(
                              topic_configs={"cleanup.policy": "compact"} if compacted else {})
                     for t in missing
                 ])
+        admin.wait_for_topics(topics, timeout_ms=30_000)
     finally:
         admin.close()
