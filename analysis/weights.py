@@ -8,6 +8,14 @@ sums over the finite weights (``layer_stats``: ``weight_sum`` = sum w, ``weight_
 weight_nonfinite`` finite weights. Everything here is computed from those, in SQL over
 at most two steps plus one pass over the update norms in between.
 
+Replicated parameters. Ranks merge like gradients: a tensor sharded over the ranks (FSDP)
+is summed shard by shard into the whole tensor, while a data-parallel replica (DDP: every
+rank holds the whole tensor) is summed once per rank, so a row then holds ``R`` identical
+copies, ``R = numel / full numel`` (``numel`` of ``layer_stats`` against ``layers``). Every
+sum is divided by ``R`` here, which gives one copy's statistics exactly (moments, count,
+zero fraction, norms; the histogram's entropy does not change). A row of a sharded tensor
+has ``R = 1``.
+
 From the power sums ``S_k = sum w^k`` of ``n`` weights (central moments by the binomial
 expansion): ``mean = S1 / n``, ``var = S2 / n - mean^2``, ``m3 = S3 / n - 3 mean S2 / n +
 2 mean^3``, ``m4 = S4 / n - 4 mean S3 / n + 6 mean^2 S2 / n - 3 mean^4``; ``skewness = m3 /
@@ -60,6 +68,10 @@ class WeightStatistics(_Model):
     underflow and overflow): ``-sum_k p_k log2 p_k``. 0 when every weight lies in one
     binade; each doubling of the number of binades used adds up to one bit. ``None``
     without a histogram. (The seed's ``log2(std)`` is a scale, not an entropy.)
+
+    ``nonfinite``: NaN/Inf weights, which none of the other fields include (the seed's
+    statistics would all be NaN). With no finite weight (``count = 0``) every statistic is
+    NaN (``null`` in JSON).
     """
 
     mean: float
@@ -71,6 +83,7 @@ class WeightStatistics(_Model):
     max: float
     zero_fraction: float
     count: int
+    nonfinite: int
 
 
 class OutlierSeverity(StrEnum):
@@ -106,8 +119,9 @@ class LayerWeightAnalysis(_Model):
     ``health_score`` (seed 004 ``compute_weight_health_score``): 100, minus 20 if the
     layer has an outlier (the seed: ``|min|`` or ``|max| > 10``, a scale-dependent
     constant), minus 30 if ``zero_fraction > 0.5``, minus 15 if ``|skewness| > 2``, minus
-    15 if ``kurtosis > 10``; at least 0. ``issues`` / ``recommendations``: one line per
-    deduction.
+    15 if ``kurtosis > 10``; at least 0. A layer with any NaN/Inf weight scores 0 (beyond
+    the seed, whose statistics turn NaN there): the layer no longer computes anything.
+    ``issues`` / ``recommendations``: one line per deduction.
     """
 
     layer_index: int
@@ -132,7 +146,8 @@ class DistributionHealthStatus(StrEnum):
 class DistributionHealth(_Model):
     """Seed 004 ``assess_distribution_health`` of the pooled statistics: 100, minus 25 if
     ``zero_fraction > 0.3``, minus 15 if ``|skewness| > 1``, minus 15 if ``kurtosis > 5``,
-    minus 20 if any layer has an outlier (the seed: pooled ``|min|`` or ``|max| > 5``)."""
+    minus 20 if any layer has an outlier (the seed: pooled ``|min|`` or ``|max| > 5``);
+    0 (Critical) if any weight is NaN/Inf."""
 
     score: float
     status: DistributionHealthStatus
@@ -175,6 +190,16 @@ class LayerWeightDrift(_Model):
     - ``relative_path_length``: ``sum_t ||w_t - w_prev|| / ||w_A||`` over the recorded
       steps in (A, B] (from ``update_sum_sq``): an upper bound of the true relative drift;
       ``None`` unless every such step of the layer carries an update norm.
+    - ``mean_update_ratio``: mean over the recorded steps in (A, B] of the per-step
+      update-to-weight ratio ``||w_t - w_prev|| / ||w_prev||`` (``update_to_weight``; a
+      common rule of thumb puts healthy training near 1e-3, CS231n "Neural Networks 3");
+      ``None`` without update norms.
+    - ``stalled``: ``mean_update_ratio`` is below float32's machine epsilon 2^-23 (IEEE
+      754 binary32): a typical element moves by less than one unit in the last place of
+      its own float32 value per step, so the layer's weights barely train at all (what
+      vanishing gradients do to the layers far from the loss).
+    - ``nonfinite``: the layer has NaN/Inf weights at B; its other fields are then
+      ``None`` (the norms, mean and std of a diverged tensor mean nothing).
     """
 
     layer_index: int
@@ -183,17 +208,23 @@ class LayerWeightDrift(_Model):
     mean_shift: float | None
     std_ratio: float | None
     relative_path_length: float | None
+    mean_update_ratio: float | None
+    stalled: bool
+    nonfinite: bool
 
 
 class WeightDriftAnalysis(_Model):
     """Seed 004 ``WeightDriftAnalysis`` between two steps with weight statistics.
 
-    With ``d_l = |relative_norm_change|`` per layer (layers with ``||w_A|| > 0``):
-    ``mean_drift`` = mean of ``d_l``, ``max_drift`` = max, ``severity`` =
-    :class:`WeightDriftSeverity` of ``max_drift``, ``affected_layers``: model-order indices
-    of the layers whose own ``d_l`` is Medium or High (``affected_layer_names`` their
-    names). The true drift needs the inner product of w_A and w_B, which per-layer sums
-    do not carry; ``d_l`` and ``relative_path_length`` bracket it.
+    With ``d_l = |relative_norm_change|`` per layer (layers with ``||w_A|| > 0`` and
+    finite weights at B): ``mean_drift`` = mean of ``d_l``, ``max_drift`` = max,
+    ``severity`` = :class:`WeightDriftSeverity` of ``max_drift``, High if any layer's
+    weights became NaN/Inf; ``affected_layers``: model-order indices of the layers whose
+    own ``d_l`` is Medium or High or whose weights became NaN/Inf (``affected_layer_names``
+    their names); ``stalled_layers`` / ``stalled_layer_names``: the layers marked
+    ``stalled`` (:class:`LayerWeightDrift`). The true drift needs the inner product of
+    w_A and w_B, which per-layer sums do not carry; ``d_l`` and ``relative_path_length``
+    bracket it.
     """
 
     from_step: int
@@ -203,17 +234,24 @@ class WeightDriftAnalysis(_Model):
     severity: WeightDriftSeverity
     affected_layers: list[int]
     affected_layer_names: list[str]
+    stalled_layers: list[int]
+    stalled_layer_names: list[str]
     layer_drifts: list[LayerWeightDrift]
 
 
 class WeightAnalysisReport(_Model):
     """The weight distribution at the last step with weight statistics in the range, and
-    the drift from the first such step to it (``None`` with a single such step)."""
+    the drift from the first such step to it (``None`` with a single such step).
+    ``first_nonfinite_step``: the first step in the range at which some layer had NaN/Inf
+    weights (``None`` if none did), with those layers in ``first_nonfinite_layers``
+    (names, model order)."""
 
     run_id: str
     from_step: int | None
     to_step: int | None
     alpha: float
+    first_nonfinite_step: int | None
+    first_nonfinite_layers: list[str]
     distribution: WeightDistributionAnalysis
     drift: WeightDriftAnalysis | None
 
@@ -270,17 +308,32 @@ _ENTROPY = (
     " END"
 )
 
+_REPLICAS = (
+    "CASE WHEN {l}.numel > 0 AND {s}.numel >= {l}.numel AND {s}.numel % {l}.numel = 0 "
+    "THEN ({s}.numel // {l}.numel)::DOUBLE ELSE 1.0 END"
+)
+"""Copies of the tensor merged into a ``layer_stats`` row (SQL over aliases ``s``/``l``):
+``numel`` over the layer's full ``numel`` from ``RunStarted`` when that is a whole number,
+else 1 (a sharded tensor, or a partial frame of one)."""
+
 _STEP_SQL = f"""
-    SELECT s.layer_index,
-           coalesce(l.name, 'layer[' || CAST(s.layer_index AS VARCHAR) || ']') AS name,
-           (s.numel - coalesce(s.weight_nonfinite, 0))::DOUBLE AS n,
-           s.weight_sum, s.weight_sum_sq, s.weight_sum_cube, s.weight_sum_quad,
-           s.weight_min, s.weight_max, coalesce(s.weight_zeros, 0)::DOUBLE AS zeros,
-           {_ENTROPY.format(c="s.weight_exp_hist_counts")} AS entropy
-    FROM layer_stats AS s
-    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
-    WHERE s.run_id = $run_id AND s.step = $step AND s.weight_sum IS NOT NULL
-    ORDER BY s.layer_index
+    WITH r AS (
+        SELECT s.*, l.name, {_REPLICAS.format(s="s", l="l")} AS replicas
+        FROM layer_stats AS s
+        LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+        WHERE s.run_id = $run_id AND s.step = $step AND s.weight_sum IS NOT NULL
+    )
+    SELECT layer_index,
+           coalesce(name, 'layer[' || CAST(layer_index AS VARCHAR) || ']') AS name,
+           (numel - coalesce(weight_nonfinite, 0))::DOUBLE / replicas AS n,
+           weight_sum / replicas AS weight_sum, weight_sum_sq / replicas AS weight_sum_sq,
+           weight_sum_cube / replicas AS weight_sum_cube,
+           weight_sum_quad / replicas AS weight_sum_quad,
+           weight_min, weight_max, coalesce(weight_zeros, 0)::DOUBLE / replicas AS zeros,
+           coalesce(weight_nonfinite, 0)::DOUBLE / replicas AS nonfinite,
+           {_ENTROPY.format(c="weight_exp_hist_counts")} AS entropy
+    FROM r
+    ORDER BY layer_index
 """
 
 _POOLED_HIST_SQL = """
@@ -292,13 +345,36 @@ _POOLED_HIST_SQL = """
     SELECT sum(cnt)::DOUBLE FROM h GROUP BY col
 """
 
-_PATH_SQL = """
-    SELECT layer_index, sum(sqrt(update_sum_sq)) AS path,
-           count(*) FILTER (WHERE update_sum_sq IS NULL) AS missing
-    FROM layer_stats
-    WHERE run_id = $run_id AND step > $a AND step <= $b
-    GROUP BY layer_index
+_PATH_SQL = f"""
+    SELECT s.layer_index, sum(sqrt(s.update_sum_sq / {_REPLICAS.format(s="s", l="l")})) AS path,
+           count(*) FILTER (WHERE s.update_sum_sq IS NULL) AS missing,
+           avg(s.update_to_weight) FILTER (WHERE isfinite(s.update_to_weight)) AS ratio
+    FROM layer_stats AS s
+    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+    WHERE s.run_id = $run_id AND s.step > $a AND s.step <= $b
+    GROUP BY s.layer_index
 """
+
+
+_FIRST_NONFINITE_SQL = """
+    WITH first AS (
+        SELECT min(step) AS step FROM layer_stats
+        WHERE run_id = $run_id AND weight_nonfinite > 0
+          AND ($from_step IS NULL OR step >= $from_step)
+          AND ($to_step IS NULL OR step <= $to_step)
+    )
+    SELECT first.step,
+           list(coalesce(l.name, 'layer[' || CAST(s.layer_index AS VARCHAR) || ']')
+                ORDER BY s.layer_index)
+    FROM first
+    JOIN layer_stats AS s ON s.run_id = $run_id AND s.step = first.step
+    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+    WHERE s.weight_nonfinite > 0
+    GROUP BY first.step
+"""
+
+FLOAT32_EPSILON = 2.0**-23
+"""Machine epsilon of IEEE 754 binary32: the relative spacing of float32 values at 1."""
 
 
 def _fetch_step(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> dict[str, np.ndarray]:
@@ -316,6 +392,13 @@ def _fetch_step(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> dict[
 
 def _issues(stats: WeightStatistics, outlier: bool) -> tuple[float, list[str], list[str]]:
     score, issues, recs = 100.0, [], []
+    if stats.nonfinite:
+        share = stats.nonfinite / (stats.nonfinite + stats.count)
+        issues.append(f"{stats.nonfinite} weights ({share:.1%}) are NaN/Inf")
+        recs.append("The weights diverged: resume from a checkpoint before the first "
+                    "non-finite step with a lower learning rate or gradient clipping, and "
+                    "skip optimiser steps whose gradients are not finite.")
+        return 0.0, issues, recs
     if outlier:
         score -= 20
         issues.append("Extreme weight values beyond what the layer's distribution explains")
@@ -351,7 +434,7 @@ def _distribution(
         stats = _stats(
             moments["mean"][i], moments["std"][i], moments["skewness"][i],
             moments["kurtosis"][i], data["entropy"][i], data["weight_min"][i],
-            data["weight_max"][i], data["zeros"][i], n[i],
+            data["weight_max"][i], data["zeros"][i], n[i], data["nonfinite"][i],
         )
         found = []
         if stats.std_dev > 0:
@@ -381,14 +464,16 @@ def _distribution(
     overall = _stats(
         pooled["mean"][0], pooled["std"][0], pooled["skewness"][0], pooled["kurtosis"][0],
         _entropy(hist) if hist.size and not np.isnan(data["entropy"]).any() else math.nan,
-        float(np.min(data["weight_min"])), float(np.max(data["weight_max"])),
-        float(data["zeros"].sum()), total_n,
+        float(np.min(data["weight_min"], where=n > 0, initial=np.inf)),
+        float(np.max(data["weight_max"], where=n > 0, initial=-np.inf)),
+        float(data["zeros"].sum()), total_n, float(data["nonfinite"].sum()),
     )
     score = 100.0
     score -= 25 if overall.zero_fraction > 0.3 else 0
     score -= 15 if abs(overall.skewness) > 1 else 0
     score -= 15 if overall.kurtosis > 5 else 0
     score -= 20 if outliers else 0
+    score = 0.0 if overall.nonfinite else score
     status = (
         DistributionHealthStatus.EXCELLENT if score >= 90
         else DistributionHealthStatus.GOOD if score >= 75
@@ -410,11 +495,14 @@ def _entropy(counts: np.ndarray) -> float:
 
 
 def _stats(mean: float, std: float, skew: float, kurt: float, entropy: float, lo: float,
-           hi: float, zeros: float, n: float) -> WeightStatistics:
+           hi: float, zeros: float, n: float, nonfinite: float) -> WeightStatistics:
+    known = n > 0
     return WeightStatistics(
         mean=float(mean), std_dev=float(std), skewness=float(skew), kurtosis=float(kurt),
-        entropy=None if math.isnan(entropy) else float(entropy), min=float(lo), max=float(hi),
-        zero_fraction=float(zeros / n) if n > 0 else 0.0, count=int(n),
+        entropy=None if math.isnan(entropy) or not known else float(entropy),
+        min=float(lo) if known else math.nan, max=float(hi) if known else math.nan,
+        zero_fraction=float(zeros / n) if known else math.nan, count=round(n),
+        nonfinite=round(nonfinite),
     )
 
 
@@ -435,42 +523,60 @@ def _drift(
     first_m = weight_statistics(first["n"], first["weight_sum"], first["weight_sum_sq"],
                                 first["weight_sum_cube"], first["weight_sum_quad"])
     paths = {
-        int(index): (path, missing)
-        for index, path, missing in con.execute(
+        int(index): (path, missing, ratio)
+        for index, path, missing, ratio in con.execute(
             _PATH_SQL, {"run_id": run_id, "a": a, "b": b}
         ).fetchall()
     }
     at_b = {int(k): i for i, k in enumerate(last["layer_index"])}
-    drifts, values = [], []
+    drifts, values, diverged = [], [], []
     for i, index in enumerate(first["layer_index"].tolist()):
         j = at_b.get(index)
         if j is None:
             continue
+        name = first["name"][i]
+        path, missing, ratio = paths.get(index, (None, 1, None))
+        ratio = None if ratio is None or math.isnan(ratio) else float(ratio)
+        stalled = ratio is not None and ratio < FLOAT32_EPSILON
+        if last["nonfinite"][j] > 0 or first["nonfinite"][i] > 0:
+            diverged.append((index, name))
+            drifts.append(LayerWeightDrift(
+                layer_index=index, layer_name=name, relative_norm_change=None,
+                mean_shift=None, std_ratio=None, relative_path_length=None,
+                mean_update_ratio=ratio, stalled=stalled, nonfinite=True,
+            ))
+            continue
         norm_a = math.sqrt(first["weight_sum_sq"][i])
         norm_b = math.sqrt(last["weight_sum_sq"][j])
         std_a = first_m["std"][i]
-        path, missing = paths.get(index, (None, 1))
         change = (norm_b - norm_a) / norm_a if norm_a > 0 else None
         if change is not None:
-            values.append((abs(change), index, first["name"][i]))
+            values.append((abs(change), index, name))
         drifts.append(LayerWeightDrift(
-            layer_index=index, layer_name=first["name"][i], relative_norm_change=change,
+            layer_index=index, layer_name=name, relative_norm_change=change,
             mean_shift=(last["mean"][j] - first_m["mean"][i]) / std_a if std_a > 0 else None,
             std_ratio=last["std"][j] / std_a if std_a > 0 else None,
             relative_path_length=(
                 path / norm_a if norm_a > 0 and missing == 0 and path is not None else None
             ),
+            mean_update_ratio=ratio, stalled=stalled, nonfinite=False,
         ))
     magnitudes = np.array([v[0] for v in values])
     top = float(magnitudes.max()) if magnitudes.size else 0.0
-    affected = [(index, name) for d, index, name in values
-                if _drift_class(d) in (WeightDriftSeverity.MEDIUM, WeightDriftSeverity.HIGH)]
+    drifting = {index for d, index, _ in values
+                if _drift_class(d) in (WeightDriftSeverity.MEDIUM, WeightDriftSeverity.HIGH)}
+    drifting |= {index for index, _ in diverged}
+    affected = [(x.layer_index, x.layer_name) for x in drifts if x.layer_index in drifting]
+    stalled_layers = [(x.layer_index, x.layer_name) for x in drifts if x.stalled]
     return WeightDriftAnalysis(
         from_step=a, to_step=b,
         mean_drift=float(magnitudes.mean()) if magnitudes.size else 0.0,
-        max_drift=top, severity=_drift_class(top),
+        max_drift=top,
+        severity=WeightDriftSeverity.HIGH if diverged else _drift_class(top),
         affected_layers=[x[0] for x in affected],
         affected_layer_names=[x[1] for x in affected],
+        stalled_layers=[x[0] for x in stalled_layers],
+        stalled_layer_names=[x[1] for x in stalled_layers],
         layer_drifts=drifts,
     )
 
@@ -522,10 +628,17 @@ def build_weight_analysis(
         )
     distribution, last = _distribution(con, run_id, int(b), alpha)
     drift = _drift(con, run_id, int(a), int(b), last) if a < b else None
+    first_bad = con.execute(_FIRST_NONFINITE_SQL, params).fetchall()
     return WeightAnalysisReport(
         run_id=run_id, from_step=from_step, to_step=to_step, alpha=alpha,
+        first_nonfinite_step=int(first_bad[0][0]) if first_bad else None,
+        first_nonfinite_layers=list(first_bad[0][1]) if first_bad else [],
         distribution=distribution, drift=drift,
     )
+
+
+def _pct(fraction: float) -> str:
+    return "-" if math.isnan(fraction) else f"{fraction:.1%}"
 
 
 _STATUS_STYLE = {
@@ -558,7 +671,14 @@ def render_weights(report: WeightAnalysisReport) -> RenderableType:
                                              style=_STATUS_STYLE[status]))
     grid.add_row("all weights", f"mean {num(o.mean)}, std {num(o.std_dev)}, skew "
                  f"{num(o.skewness)}, kurtosis {num(o.kurtosis)}, entropy {num(o.entropy)} bits, "
-                 f"range [{num(o.min)}, {num(o.max)}], zeros {o.zero_fraction:.2%}")
+                 f"range [{num(o.min)}, {num(o.max)}], zeros {_pct(o.zero_fraction)}")
+    if report.first_nonfinite_step is not None:
+        names = report.first_nonfinite_layers
+        grid.add_row("NaN/Inf weights", Text(
+            f"first at step {report.first_nonfinite_step} in "
+            f"{', '.join(show_name(n) for n in names[:5])}"
+            + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            + f"; {o.nonfinite} at step {dist.step}", style="bold red"))
     layers = table("layers (model order)", ["layer", "health", "mean", "std", "skew", "kurt",
                                             "zeros"], [False] + [True] * 6)
     extremes = table("extremes and entropy (model order)", ["layer", "min", "max",
@@ -568,7 +688,7 @@ def render_weights(report: WeightAnalysisReport) -> RenderableType:
         s = x.statistics
         layers.add_row(show_name(x.layer_name), f"{x.health_score:g}", num(s.mean),
                        num(s.std_dev), num(s.skewness), num(s.kurtosis),
-                       f"{s.zero_fraction:.1%}")
+                       _pct(s.zero_fraction))
         extremes.add_row(show_name(x.layer_name), num(s.min), num(s.max), num(s.entropy),
                          "; ".join(x.issues) or "-")
     add_more_row(layers, len(dist.layer_analyses), ROWS_IN_TABLE)
@@ -584,16 +704,30 @@ def render_weights(report: WeightAnalysisReport) -> RenderableType:
         parts.append(out)
     if report.drift is not None:
         d = report.drift
+        diverged = sum(x.nonfinite for x in d.layer_drifts)
+        finite = len(d.layer_drifts) - diverged
+        summary = [f"{diverged} layers with NaN/Inf weights"] if diverged else []
+        if finite:
+            summary.append(f"max {d.max_drift:.3%}, mean {d.mean_drift:.3%}")
         drift = table(f"weight drift, step {d.from_step} -> {d.to_step}: {d.severity.value} "
-                      f"(max {d.max_drift:.3%}, mean {d.mean_drift:.3%})",
-                      ["layer", "norm change", "mean shift", "std ratio", "path"],
-                      [False, True, True, True, True])
+                      f"({'; '.join(summary)})",
+                      ["layer", "norm change", "mean shift", "std ratio", "path",
+                       "update/weight per step", "state"],
+                      [False, True, True, True, True, True, False])
         for x in d.layer_drifts[:ROWS_IN_TABLE]:
             change, path = x.relative_norm_change, x.relative_path_length
+            state = "NaN/Inf" if x.nonfinite else "stalled" if x.stalled else "-"
             drift.add_row(show_name(x.layer_name),
                           "-" if change is None else f"{change:+.3%}",
                           num(x.mean_shift), num(x.std_ratio),
-                          "-" if path is None else f"{path:.3%}")
+                          "-" if path is None else f"{path:.3%}", num(x.mean_update_ratio),
+                          state)
         add_more_row(drift, len(d.layer_drifts), ROWS_IN_TABLE)
         parts.append(drift)
+        if d.stalled_layer_names:
+            names = d.stalled_layer_names
+            parts.append(Text(
+                f"stalled (updates below float32 resolution): "
+                f"{', '.join(show_name(n) for n in names[:8])}"
+                + (f" and {len(names) - 8} more" if len(names) > 8 else ""), style="yellow"))
     return Group(*parts)

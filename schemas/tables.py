@@ -28,7 +28,11 @@ layer_stats
     shard sent it): ``weight_sum`` = sum w, ``weight_sum_cube`` = sum w^3,
     ``weight_sum_quad`` = sum w^4, ``weight_min``, ``weight_max``, ``weight_zeros`` (exact
     zeros), ``weight_nonfinite`` and the exponent histogram of |w|
-    (``weight_exp_hist_columns`` / ``weight_exp_hist_counts``, same layout).
+    (``weight_exp_hist_columns`` / ``weight_exp_hist_counts``, same layout). Like the
+    gradient sums, the weight sums add over ranks: a sharded tensor (FSDP) adds up to the
+    whole tensor, a replicated one (DDP, every rank holds all of it) to ``R`` identical
+    copies with ``R = layer_stats.numel / layers.numel``; divide the sums by ``R`` for one
+    copy, e.g. its norm is ``sqrt(weight_sum_sq * layers.numel / layer_stats.numel)``.
 frames
     One row per (run, step): run health after this frame, per-frame counts, whether every
     rank reported (``complete``), the ranks seen and missing.

@@ -267,13 +267,19 @@ class Telemetry(Protocol):
         """
         ...
 
-    def step(self, step: int, grads: dict[str, np.ndarray]) -> None:
+    def step(
+        self, step: int, grads: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         """Called once per optimiser step with this rank's *local* gradients.
 
         Args:
             step: optimiser step (0-based).
             grads: name -> float32 gradient of the parameter's full shape, model order; may
                 contain inf/nan. The arrays are not reused by the caller after this call.
+            weights: name -> float32 parameters that produced ``grads`` (before this step's
+                update), the whole replica every rank holds. Valid during the call only:
+                the caller updates them in place afterwards.
         """
         ...
 
@@ -297,7 +303,10 @@ class NullTelemetry:
     def start(self, layer_numel: dict[str, int]) -> None:
         """Do nothing."""
 
-    def step(self, step: int, grads: dict[str, np.ndarray]) -> None:
+    def step(
+        self, step: int, grads: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         """Do nothing."""
 
     def finish(self) -> None:
@@ -332,8 +341,11 @@ class RecordingTelemetry:
         """Remember the layer list."""
         self._numel = dict(layer_numel)
 
-    def step(self, step: int, grads: dict[str, np.ndarray]) -> None:
-        """Keep a copy of the local gradients of ``step``.
+    def step(
+        self, step: int, grads: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """Keep a copy of the local gradients of ``step`` (``weights`` are not recorded).
 
         Raises:
             ValueError: if a gradient's name or size disagrees with ``start``.
@@ -450,7 +462,10 @@ class FailingTelemetry:
     def start(self, layer_numel: dict[str, int]) -> None:
         """Do nothing."""
 
-    def step(self, step: int, grads: dict[str, np.ndarray]) -> None:
+    def step(
+        self, step: int, grads: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
         """Fail if this is the chosen rank and step.
 
         Raises:
@@ -502,9 +517,13 @@ class KafkaTelemetry:
             config=self.config,
         )
 
-    def step(self, step: int, grads: dict[str, np.ndarray]) -> None:
-        """``producer.record_step(step, grads)``."""
-        self.producer.record_step(step, grads)
+    def step(
+        self, step: int, grads: dict[str, np.ndarray],
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """``producer.record_step(step, grads, weights=weights)``; the producer uses the
+        weights only with its ``weight_stats`` setting."""
+        self.producer.record_step(step, grads, weights=weights)
 
     def finish(self) -> None:
         """``producer.finish_run()`` then ``producer.close()`` (waits for delivery)."""
@@ -533,6 +552,7 @@ def kafka_telemetry(
     vanishing_threshold: float = 1e-7,
     exploding_threshold: float = 1e3,
     config: Mapping[str, Any] | None = None,
+    weight_stats: bool = True,
 ) -> Telemetry:
     """A ``make_telemetry`` that sends each rank's summaries to Kafka.
 
@@ -549,6 +569,9 @@ def kafka_telemetry(
         vanishing_threshold: mean |g| threshold for ``RunStarted`` (default 1e-7).
         exploding_threshold: max |g| threshold for ``RunStarted`` (default 1e3).
         config: free-form configuration for ``RunStarted`` (e.g. :meth:`Scenario.config`).
+        weight_stats: also send the weight statistics of every step (the producer's
+            ``weight_stats``; each rank sends its replica, see ``schemas.tables``), which
+            ``gradstream analyze --kind weights`` reads.
 
     Returns:
         A :class:`KafkaTelemetry`.
@@ -569,6 +592,7 @@ def kafka_telemetry(
         world_size=world_size,
         bootstrap_servers=servers,
         topic=topic,
+        weight_stats=weight_stats,
     )
     return KafkaTelemetry(
         producer,
@@ -718,7 +742,7 @@ def _rank_main(
             rows = scenario.batch_indices(step, seed, len(x))[rank::world_size]
             loss, grads = forward_backward(params, x[rows], y[rows], scenario.activation)
             flat = np.concatenate([grads[n].ravel() for n in names])
-            tel.step(step, grads)
+            tel.step(step, grads, weights=params)
             send(("grads", step, loss, len(rows), flat))
             tag, avg_step, avg = recv()
             if tag != "avg" or avg_step != step:

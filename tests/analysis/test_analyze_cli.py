@@ -187,6 +187,21 @@ def test_demo_vanishing_run(app: typer.Typer, demo_store: dict) -> None:
     explosion = analyze_json(app, db, run, "explosion")
     assert explosion["exploding_layers"] == [] and explosion["overall_severity"] == "Low"
 
+    # Every rank sent its replica of the weights: statistics count each weight once; the
+    # layers nearest the input, whose gradients vanished, barely move (stalled), the
+    # output layer moves most.
+    weights = analyze_json(app, db, run, "weights")
+    assert weights["first_nonfinite_step"] is None
+    for layer in weights["distribution"]["layer_analyses"]:
+        assert layer["statistics"]["count"] == numel[layer["layer_name"]]
+    drift = weights["drift"]
+    stalled = drift["stalled_layer_names"]
+    assert stalled[0] == "layers.0.weight"
+    assert stalled == [f"layers.{i}.weight" for i in range(len(stalled))]  # input side
+    assert set(stalled) <= set(region["affected_layers"])
+    ratio = {x["layer_name"]: x["mean_update_ratio"] for x in drift["layer_drifts"]}
+    assert ratio["layers.12.weight"] > 1e4 * ratio["layers.0.weight"]
+
 
 def test_demo_exploding_run(app: typer.Typer, demo_store: dict) -> None:
     """Learning rate warmed up to 4.0: every layer explodes, then overflows to NaN/Inf."""
@@ -214,11 +229,31 @@ def test_demo_exploding_run(app: typer.Typer, demo_store: dict) -> None:
     assert {"GradientExplosion", "Chaos"} <= kinds
     assert enhanced["optimization_priorities"][0]["urgency_level"] == "Critical"
 
+    # The first non-finite gradients are applied by that step's update: the weights turn
+    # NaN/Inf one step later, and the weight analysis calls the distribution Critical.
+    weights = analyze_json(app, db, run, "weights")
+    con = duckdb.connect(str(db), read_only=True)
+    (nonfinite,) = con.execute("SELECT min(step) FROM layer_stats WHERE run_id = ? AND "
+                               "nonfinite > 0", [run]).fetchone()
+    con.close()
+    assert weights["first_nonfinite_step"] == nonfinite + 1
+    assert weights["distribution"]["distribution_health"]["status"] == "Critical"
+    drift = weights["drift"]
+    assert drift["severity"] == "High" and "layers.0.weight" in drift["affected_layer_names"]
+    before = strict_json(invoke(app, "--db", str(db), "--run", run, "--kind", "weights",
+                                "--to-step", str(nonfinite), "--format", "json").stdout)
+    assert before["first_nonfinite_step"] is None
+    assert before["drift"]["stalled_layers"] == []  # the exploding layers all move
+    assert before["drift"]["max_drift"] > 0.1  # weights grew by more than 10 %
 
+
+@pytest.mark.parametrize("layout", ["sharded", "replicated"])
 def test_weight_statistics_from_real_producers(app: typer.Typer, kafka_bootstrap: str,
-                                               tmp_path: Path, unique_name: str) -> None:
-    """Two ranks each hold half of every weight tensor (sharded); their weight statistics
-    go through Kafka and the worker; the analysis equals NumPy on the whole tensors."""
+                                               tmp_path: Path, unique_name: str,
+                                               layout: str) -> None:
+    """Two ranks each hold half of every weight tensor (sharded, FSDP-like) or all of it
+    (replicated, DDP-like); their weight statistics go through Kafka and the worker; the
+    analysis equals NumPy on the whole tensors, counted once."""
     from consumer.settings import ConsumerSettings
     from consumer.worker import Worker
     from producer import GradientProducer
@@ -248,9 +283,12 @@ def test_weight_statistics_from_real_producers(app: typer.Typer, kafka_bootstrap
             grads = {k: rng.normal(0, 0.1, v.size).astype(np.float32) for k, v in weights.items()}
             history.append({k: v.copy() for k, v in weights.items()})
             for r, p in enumerate(producers):
-                half = {k: np.array_split(v, 2)[r] for k, v in weights.items()}
-                p.record_step(step, {k: np.array_split(g, 2)[r] for k, g in grads.items()},
-                              weights=half)
+                if layout == "sharded":
+                    p.record_step(
+                        step, {k: np.array_split(g, 2)[r] for k, g in grads.items()},
+                        weights={k: np.array_split(v, 2)[r] for k, v in weights.items()})
+                else:
+                    p.record_step(step, grads, weights=weights)
             weights = {k: (v - 0.5 * grads[k]).astype(np.float32) for k, v in weights.items()}
         for p in producers:
             p.finish_run()

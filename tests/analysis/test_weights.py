@@ -169,3 +169,50 @@ def test_missing_weight_statistics_say_how_to_get_them(tmp_path: Path) -> None:
         weights_of(path)
     with pytest.raises(StoreError, match="unknown run"):
         weights_of(path, run="other")
+
+
+def test_stalled_layers_move_below_float32_resolution(tmp_path: Path) -> None:
+    """Per-step update-to-weight ratios of 1e-8 (below 2^-23 ~ 1.2e-7) and 1e-6: only the
+    first layer is stalled, and its mean ratio is the recorded one."""
+    rng = np.random.default_rng(5)
+    w = [rng.normal(0, 1, 300), rng.normal(0, 1, 300)]
+    ratios = np.array([1e-8, 1e-6])
+    norms_sq = np.array([np.sum(x**2) for x in w])
+    update = np.repeat((ratios**2 * norms_sq)[:, None], 4, axis=1)
+    update[:, 0] = np.nan
+    path = store(tmp_path, w, steps=4, at=(0, 1, 2, 3), update_sum_sq=update)
+    drift = weights_of(path).drift
+    assert drift is not None
+    first, second = drift.layer_drifts
+    assert first.mean_update_ratio == pytest.approx(1e-8)
+    assert second.mean_update_ratio == pytest.approx(1e-6)
+    assert (first.stalled, second.stalled) == (True, False)
+    assert drift.stalled_layers == [0] and drift.stalled_layer_names == ["layer0"]
+
+
+def test_nonfinite_weights_are_critical(tmp_path: Path) -> None:
+    """Layer 1 gets 3 NaN/Inf weights at step 2: its statistics cover the finite ones,
+    its health and the distribution's are 0 (Critical), the drift marks it diverged and
+    the report names the first such step and layer."""
+    rng = np.random.default_rng(6)
+    a, b = rng.normal(0, 1, 200), rng.normal(0, 1, 100)
+    bad = b.copy()
+    bad[[3, 50, 70]] = [np.nan, np.inf, -np.inf]
+    weights = {(0, 0): a, (1, 0): b, (0, 2): a, (1, 2): bad, (0, 3): a, (1, 3): bad}
+    path = write_history(tmp_path / "s.duckdb", np.ones((2, 4)), numel=[200, 100],
+                         weights=weights)
+    report = weights_of(path)
+    assert report.first_nonfinite_step == 2 and report.first_nonfinite_layers == ["layer1"]
+    healthy, broken = report.distribution.layer_analyses
+    assert healthy.health_score == 100 and broken.health_score == 0
+    assert broken.statistics.nonfinite == 3 and broken.statistics.count == 97
+    finite = bad[np.isfinite(bad)]
+    assert broken.statistics.mean == pytest.approx(finite.mean())
+    assert report.distribution.overall_statistics.nonfinite == 3
+    assert report.distribution.distribution_health.status is DistributionHealthStatus.CRITICAL
+    drift = report.drift
+    assert drift is not None
+    assert [x.nonfinite for x in drift.layer_drifts] == [False, True]
+    assert drift.layer_drifts[1].relative_norm_change is None
+    assert drift.severity is WeightDriftSeverity.HIGH and drift.affected_layers == [1]
+    assert weights_of(path, to_step=1).first_nonfinite_step is None

@@ -292,8 +292,8 @@ class _CallLog:
     def start_run(self, layer_numel, **kwargs) -> None:
         self.calls.append(("start_run", (dict(layer_numel), kwargs)))
 
-    def record_step(self, step, gradients) -> None:
-        self.calls.append(("record_step", (step, list(gradients))))
+    def record_step(self, step, gradients, weights=None) -> None:
+        self.calls.append(("record_step", (step, list(gradients), weights)))
 
     def finish_run(self) -> None:
         self.calls.append(("finish_run", None))
@@ -307,7 +307,9 @@ def test_kafka_telemetry_maps_onto_the_producer_api() -> None:
     tel = KafkaTelemetry(log, vanishing_threshold=1e-6, exploding_threshold=10.0, config={"a": 1})
     assert isinstance(tel, Telemetry)
     tel.start({"layers.0.weight": 6, "layers.0.bias": 3})
-    tel.step(0, {"layers.0.weight": np.ones((3, 2), np.float32), "layers.0.bias": np.ones(3)})
+    params = {"layers.0.weight": np.zeros((3, 2), np.float32), "layers.0.bias": np.zeros(3)}
+    tel.step(0, {"layers.0.weight": np.ones((3, 2), np.float32), "layers.0.bias": np.ones(3)},
+             weights=params)
     tel.finish()
     tel.abort()  # already closed: no second close
     assert [c[0] for c in log.calls] == ["start_run", "record_step", "finish_run", "close"]
@@ -315,7 +317,7 @@ def test_kafka_telemetry_maps_onto_the_producer_api() -> None:
         {"layers.0.weight": 6, "layers.0.bias": 3},
         {"vanishing_threshold": 1e-6, "exploding_threshold": 10.0, "config": {"a": 1}},
     )
-    assert log.calls[1][1] == (0, ["layers.0.weight", "layers.0.bias"])
+    assert log.calls[1][1] == (0, ["layers.0.weight", "layers.0.bias"], params)
 
 
 def test_import_is_light() -> None:
