@@ -38,7 +38,8 @@ import numpy as np
 from consumer.alerts.config import load_alert_rules
 from consumer.alerts.feed import AlertFeed
 from consumer.settings import ConsumerSettings
-from consumer.worker import Worker, ensure_topics
+from consumer.topic_admin import ensure_topics
+from consumer.worker import Worker
 from producer import GradientProducer
 from schemas.alert import Alert, AlertRule, AlertState
 

@@ -235,7 +235,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from consumer.settings import ConsumerSettings
-    from consumer.worker import ensure_topics
+    from consumer.topic_admin import ensure_topics
 
     signal.signal(signal.SIGTERM, _interrupt)  # unwind, so that the local broker is stopped
     tmp = tempfile.TemporaryDirectory(prefix="gradstream-bench-")

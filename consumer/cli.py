@@ -177,6 +177,12 @@ def store(
     group_id: Annotated[
         str | None, typer.Option("--group", help="Consumer group of the store.")
     ] = None,
+    alerts_topic: Annotated[
+        str | None,
+        typer.Option(metavar="TOPIC", help="Alerts topic of the workers, whose alert events "
+                     "go into the alerts table. Default: $GRADSTREAM_ALERTS_TOPIC or "
+                     "gradstream.alerts."),
+    ] = None,
     max_frames: Annotated[
         int | None,
         typer.Option(help="Rolling window of run health in frames; 0 = whole run."),
@@ -193,8 +199,9 @@ def store(
 ) -> None:
     """Store the frames published by scale-out workers (`consume --frames-topic`) in
     DuckDB: rows and consumed offsets in one transaction, each frame exactly once; a late
-    rank's frame is merged into the stored partial frame. Run exactly one per DuckDB file.
-    Stops cleanly on Ctrl-C / SIGTERM.
+    rank's frame is merged into the stored partial frame; the workers' alert events go
+    into the alerts table. Run exactly one per DuckDB file. Stops cleanly on Ctrl-C /
+    SIGTERM.
     """
     from consumer.logging_setup import setup_logging
     from consumer.store import Store
@@ -207,6 +214,7 @@ def store(
     overrides: dict[str, Any] = {
         "bootstrap_servers": bootstrap_servers, "db": str(db) if db else None,
         "frames_topic": frames_topic, "group_id": group_id, "max_frames": max_frames,
+        "alerts_topic": alerts_topic,
         "metrics_port": metrics_port,
     }
     settings = StoreSettings(**{k: v for k, v in overrides.items() if v is not None})

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from schemas.config import KafkaClientSettings
+from schemas.config import TopicCreationSettings
 from schemas.topics import (
     DEFAULT_ALERTS_TOPIC,
     DEFAULT_CONSUMER_GROUP,
@@ -18,7 +18,7 @@ from schemas.topics import (
 )
 
 
-class ConsumerSettings(KafkaClientSettings):
+class ConsumerSettings(TopicCreationSettings):
     """Settings of a consumer worker.
 
     Attributes:
@@ -67,8 +67,6 @@ class ConsumerSettings(KafkaClientSettings):
     poll_timeout_ms: int = Field(default=100, gt=0)
     max_poll_records: int = Field(default=2000, gt=0)
     max_partition_fetch_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
-    partitions: int = Field(default=4, gt=0)
-    replication_factor: int = Field(default=1, gt=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     group_instance_id: str | None = Field(default=None, min_length=1)
     session_timeout_ms: int | None = Field(default=None, gt=0)

@@ -7,7 +7,10 @@ recomputes every frame's seed-001 fields with :func:`consumer.frames.compute_fra
 same function a single-process worker uses, so both shapes store identical rows), updates
 the run health incrementally, and writes rows and consumed offsets in one DuckDB
 transaction (:class:`consumer.sink.DuckDBSink`); on assignment it seeks to the stored
-offsets, so every frame is stored exactly once whatever crashes.
+offsets, so every frame is stored exactly once whatever crashes. It also consumes the
+alerts topic the workers publish to and writes its alert events into the ``alerts`` table
+in the same transactions (run statuses on that topic are skipped), so the DuckDB file has
+the alerts in scale-out mode too.
 
 A frame for (run, step) that is already stored is reconciled by its rank set (the key is
 (run, step); layer rows are keyed (run, step, layer)):
@@ -39,6 +42,8 @@ from consumer.merge import merge_shard
 from consumer.runs import RunInfo
 from consumer.sink import DuckDBSink, RunState, SinkBatch
 from consumer.store_settings import StoreSettings
+from consumer.topic_admin import ensure_topics, subscribe_with_metadata
+from schemas.alert import Alert, decode_alert_record
 from schemas.wire import (
     GradientHealth,
     MergedFrame,
@@ -62,6 +67,7 @@ class StoreCounters:
     ignored_replays: int = 0
     invalid: int = 0
     writes: int = 0
+    alerts: int = 0
 
 
 class Store:
@@ -127,6 +133,7 @@ class Store:
             if self._on_open is not None:
                 self._on_open(self._sink)
             self._restore()
+            ensure_topics(s, self._topics)
             self._consumer = KafkaConsumer(
                 **s.kafka_kwargs(), group_id=s.group_id, enable_auto_commit=False,
                 auto_offset_reset="earliest", max_poll_records=s.max_poll_records,
@@ -136,8 +143,9 @@ class Store:
         except BaseException:
             self._sink.close()
             raise
-        self._consumer.subscribe([s.frames_topic], listener=_Rebalance(self))
-        log.info("store joined group %s on %s, writing %s", s.group_id, s.frames_topic, s.db)
+        subscribe_with_metadata(self._consumer, self._topics, _Rebalance(self))
+        log.info("store joined group %s on %s, writing %s", s.group_id,
+                 ", ".join(self._topics), s.db)
         try:
             while not self._stop.is_set():
                 records = self._consumer.poll(timeout_ms=s.poll_timeout_ms)
@@ -158,6 +166,11 @@ class Store:
                      self.counters.frames, self.counters.merged_late,
                      self.counters.ignored_replays)
 
+    @property
+    def _topics(self) -> list[str]:
+        s = self.settings
+        return [s.frames_topic] + ([s.alerts_topic] if s.alerts_topic else [])
+
     def _restore(self) -> None:
         assert self._sink is not None
         for run in self._sink.load_runs():
@@ -176,6 +189,9 @@ class Store:
 
     def _handle(self, record: Any) -> None:
         self._positions[(record.topic, record.partition)] = record.offset + 1
+        if record.topic == self.settings.alerts_topic:
+            self._on_alert_record(record)
+            return
         self.counters.messages += 1
         try:
             message = decode_frame_message(record.value)
@@ -197,6 +213,20 @@ class Store:
                 self._batch.runs_finished.append(message)
         elif isinstance(message, MergedFrame):
             self._on_frame(message)
+
+    def _on_alert_record(self, record: Any) -> None:
+        """Batch an alert event from the alerts topic (upserted by ``alert_id``, so a
+        replayed record changes nothing); skip run statuses and unusable records."""
+        try:
+            message = decode_alert_record(record.value)
+        except WireError as exc:
+            self.counters.invalid += 1
+            log.error("unusable record %s[%d]@%d on the alerts topic: %s", record.topic,
+                      record.partition, record.offset, exc.reason)
+            return
+        if isinstance(message, Alert):
+            self._batch.alerts.append(message)
+            self.counters.alerts += 1
 
     def _on_frame(self, msg: MergedFrame) -> None:
         run = self.runs.get(msg.run_id)
@@ -289,11 +319,13 @@ class Store:
         """Seek every assigned partition to its stored offset (or the beginning)."""
         with self._lock:
             assert self._sink is not None
-            stored = self._sink.load_offsets(self.settings.group_id, self.settings.frames_topic)
+            stored = {topic: self._sink.load_offsets(self.settings.group_id, topic)
+                      for topic in {tp.topic for tp in partitions}}
             for tp in partitions:
-                if tp.partition in stored:
-                    self._consumer.seek(tp, stored[tp.partition])
-                    self._stored_positions[(tp.topic, tp.partition)] = stored[tp.partition]
+                offset = stored[tp.topic].get(tp.partition)
+                if offset is not None:
+                    self._consumer.seek(tp, offset)
+                    self._stored_positions[(tp.topic, tp.partition)] = offset
                 else:
                     self._consumer.seek_to_beginning(tp)
             if partitions:

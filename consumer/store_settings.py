@@ -5,15 +5,22 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from schemas.config import KafkaClientSettings
-from schemas.topics import DEFAULT_DLQ_TOPIC, DEFAULT_FRAMES_TOPIC, DEFAULT_STORE_GROUP
+from schemas.config import TopicCreationSettings
+from schemas.topics import (
+    DEFAULT_ALERTS_TOPIC,
+    DEFAULT_DLQ_TOPIC,
+    DEFAULT_FRAMES_TOPIC,
+    DEFAULT_STORE_GROUP,
+)
 
 
-class StoreSettings(KafkaClientSettings):
+class StoreSettings(TopicCreationSettings):
     """Settings of the store process (scale-out mode).
 
     Attributes:
         frames_topic: topic of finished frames published by the workers.
+        alerts_topic: topic of the workers' alert events, stored in the ``alerts`` table
+            (None: alerts are not stored).
         dlq_topic: where unusable frames-topic messages go.
         group_id: the store's consumer group (one member: DuckDB has one writer).
         db: DuckDB file the store writes.
@@ -25,6 +32,7 @@ class StoreSettings(KafkaClientSettings):
     """
 
     frames_topic: str = DEFAULT_FRAMES_TOPIC
+    alerts_topic: str | None = DEFAULT_ALERTS_TOPIC
     dlq_topic: str = DEFAULT_DLQ_TOPIC
     group_id: str = DEFAULT_STORE_GROUP
     db: str = "gradstream.duckdb"

@@ -11,7 +11,6 @@ ranks, so a crash or a rebalance rebuilds pending frames from Kafka.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -32,6 +31,7 @@ from consumer.metrics import WorkerMetrics
 from consumer.runs import RunInfo
 from consumer.settings import ConsumerSettings
 from consumer.sink import DuckDBSink, RunState, SinkBatch
+from consumer.topic_admin import ensure_topics, subscribe_with_metadata
 from schemas.wire import (
     GradientHealth,
     RunFinished,
@@ -166,7 +166,7 @@ class Worker:
             fetch_max_bytes=max(s.max_partition_fetch_bytes, 64 * 1024 * 1024),
             **s.membership_kwargs(),
         )
-        self._consumer.subscribe([s.topic], listener=_Rebalance(self))
+        subscribe_with_metadata(self._consumer, [s.topic], _Rebalance(self))
         log.info("worker joined group %s on %s, %s", s.group_id, s.topic,
                  f"publishing frames to {s.frames_topic}" if scale_out else f"writing {s.db}")
         try:
@@ -506,36 +506,3 @@ class _Rebalance(ConsumerRebalanceListener):
 
     def on_partitions_lost(self, lost: list[Any]) -> None:
         self.worker.on_revoked(lost)
-
-
-def ensure_topics(
-    settings: ConsumerSettings, topics: list[str], compacted: bool = False
-) -> None:
-    """Create ``topics`` with ``settings.partitions`` partitions if they do not exist
-    (``compacted``: with ``cleanup.policy=compact``, one retained record per key), and
-    return only once the new topics are in the brokers' metadata with a leader for every
-    partition: a consumer subscribing earlier would be assigned no partitions and keep
-    that empty assignment until its next metadata refresh (minutes).
-
-    Raises:
-        kafka.errors.KafkaError: the cluster cannot be reached or refuses.
-        kafka.errors.KafkaTimeoutError: a topic has no leader after 30 s.
-    """
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-    from kafka.errors import TopicAlreadyExistsError
-
-    admin = KafkaAdminClient(**settings.kafka_kwargs())
-    try:
-        existing = set(admin.list_topics())
-        missing = [t for t in topics if t not in existing]
-        if missing:
-            with contextlib.suppress(TopicAlreadyExistsError):
-                admin.create_topics([
-                    NewTopic(t, settings.partitions, settings.replication_factor,
-                             topic_configs={"cleanup.policy": "compact"} if compacted else {})
-                    for t in missing
-                ])
-        admin.wait_for_topics(topics, timeout_ms=30_000)
-    finally:
-        admin.close()

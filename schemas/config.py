@@ -64,3 +64,16 @@ class KafkaClientSettings(BaseSettings):
             if value is not None:
                 kwargs[key] = value
         return kwargs
+
+
+class TopicCreationSettings(KafkaClientSettings):
+    """Kafka settings of a process that creates the topics it needs when they are absent
+    (workers and the store; :func:`consumer.topic_admin.ensure_topics`).
+
+    Attributes:
+        partitions: partitions of a topic the process creates.
+        replication_factor: replication factor of a topic the process creates.
+    """
+
+    partitions: int = Field(default=4, gt=0)
+    replication_factor: int = Field(default=1, gt=0)

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from consumer.metrics import WorkerMetrics
 from consumer.settings import ConsumerSettings
-from consumer.worker import Worker, ensure_topics
+from consumer.topic_admin import ensure_topics
+from consumer.worker import Worker
 from schemas.wire import RunStarted, StepSummary, encode_message
 
 LAYERS = 3

@@ -94,3 +94,24 @@ def test_late_rank_merges_with_a_frame_stored_before_a_restart(store, tmp_path):
     assert stored(again) == (expected([0, 1, 2]), [([0, 1, 2], True)])
     again._sink.close()
     s._sink = DuckDBSink(s.settings.db)  # for the fixture's teardown
+
+
+def test_alert_records_are_stored_once_and_bad_ones_skipped(store):
+    """Alert events on the alerts topic land in the alerts table (a replayed record
+    changes nothing); a run status is skipped; an unusable record is counted."""
+    from schemas.alert import Alert, AlertRule, AlertSeverity, AlertState, encode_alert_record
+
+    s, _feed = store
+    alert = Alert(alert_id="i1-firing", incident_id="i1", run_id="r", step=5, first_step=5,
+                  rule=AlertRule.NONFINITE, severity=AlertSeverity.CRITICAL,
+                  state=AlertState.FIRING, layers=["a"], ranks=[1], message="NaN in a",
+                  created_at=3.0)
+    topic = s.settings.alerts_topic
+    for offset, value in enumerate([encode_alert_record(alert), b"{not json",
+                                    encode_alert_record(alert)]):
+        s._handle(Record(topic, 0, offset, value, b"r"))
+    s._flush()
+    rows = s._sink.con.execute("SELECT alert_id, rule, ranks FROM alerts").fetchall()
+    assert rows == [("i1-firing", "nonfinite", [1])]
+    assert s.counters.invalid == 1 and s.counters.alerts == 2
+    assert s._sink.load_offsets(s.settings.group_id, topic) == {0: 3}

@@ -35,7 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumer.dlq import decode_headers
 from consumer.frames import MergedShards, compute_frame
 from consumer.settings import ConsumerSettings
-from consumer.worker import Worker, ensure_topics
+from consumer.topic_admin import ensure_topics
+from consumer.worker import Worker
 from deploy.broker import LocalBroker
 from producer import GradientProducer, LayerSummaries
 from schemas.wire import (

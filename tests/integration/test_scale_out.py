@@ -1,7 +1,8 @@
 """Scale-out shape end to end: workers in one consumer group publish merged frames to the
 frames topic; one store process writes DuckDB. A second worker joins mid-stream and later
 leaves (two rebalances); the store must hold exactly the frames computed offline from the
-same summaries: none missing, none duplicated, values equal."""
+same summaries: none missing, none duplicated, values equal. The workers' alert events
+reach the store's alerts table through the alerts topic, each once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import duckdb
 import numpy as np
 import pytest
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer
 
 from consumer.frames import MergedShards, compute_frame
 from consumer.health import RunHealthTracker
@@ -19,6 +20,7 @@ from consumer.settings import ConsumerSettings
 from consumer.store import Store
 from consumer.store_settings import StoreSettings
 from consumer.worker import Worker
+from schemas.alert import Alert, decode_alert_record
 from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
 
 WORLD = 2
@@ -63,6 +65,7 @@ def test_rebalance_keeps_results_identical_to_offline(kafka_bootstrap, tmp_path,
                   runs_topic=f"so-runs-{unique_name}", group_id=f"so-{unique_name}",
                   shard_timeout_s=2.0, partitions=4)
     store = Store(StoreSettings(bootstrap_servers=kafka_bootstrap, frames_topic=frames_topic,
+                                alerts_topic=common["alerts_topic"],
                                 group_id=f"so-store-{unique_name}",
                                 db=str(tmp_path / "store.duckdb")))
     first = Worker(ConsumerSettings(**common))
@@ -127,7 +130,16 @@ def test_rebalance_keeps_results_identical_to_offline(kafka_bootstrap, tmp_path,
     ).fetchall()
     frames = con.execute("SELECT run_id, step, complete FROM frames").fetchall()
     health = dict(con.execute("SELECT run_id, health FROM runs").fetchall())
+    stored_alerts = con.execute("SELECT alert_id, run_id, rule FROM alerts").fetchall()
     con.close()
+    reader = KafkaConsumer(common["alerts_topic"], bootstrap_servers=kafka_bootstrap,
+                           auto_offset_reset="earliest", consumer_timeout_ms=5000)
+    published = [m for m in (decode_alert_record(r.value) for r in reader)
+                 if isinstance(m, Alert)]
+    reader.close()
+    assert {a.alert_id for a in published} == {a for a, _, _ in stored_alerts}
+    assert len(stored_alerts) == len({a for a, _, _ in stored_alerts})
+    assert any(run == "run2" and rule == "exploding" for _, run, rule in stored_alerts)
     got = {(r[0], r[1], r[2]): r[3:] for r in rows}
     expected = {}
     for run in range(RUNS):
