@@ -190,16 +190,13 @@ class Store:
     def _handle(self, record: Any) -> None:
         self._positions[(record.topic, record.partition)] = record.offset + 1
         if record.topic == self.settings.alerts_topic:
-            self._on_alert_record(record)
-            return
+            alert = self._decode(record, decode_alert_record)
+            if isinstance(alert, Alert):  # upserted by alert_id: a replay changes nothing
+                self._batch.alerts.append(alert)
+                self.counters.alerts += 1
+            return  # run statuses are not stored
         self.counters.messages += 1
-        try:
-            message = decode_frame_message(record.value)
-        except WireError as exc:
-            self.counters.invalid += 1
-            log.error("unusable message %s[%d]@%d on the frames topic: %s", record.topic,
-                      record.partition, record.offset, exc.reason)
-            return
+        message = self._decode(record, decode_frame_message)
         if isinstance(message, RunStarted):
             if message.run_id not in self.runs:
                 run = RunInfo.from_message(message)
@@ -214,19 +211,15 @@ class Store:
         elif isinstance(message, MergedFrame):
             self._on_frame(message)
 
-    def _on_alert_record(self, record: Any) -> None:
-        """Batch an alert event from the alerts topic (upserted by ``alert_id``, so a
-        replayed record changes nothing); skip run statuses and unusable records."""
+    def _decode(self, record: Any, decode: Callable[[bytes], Any]) -> Any:
+        """``decode(record.value)``, or None (counted and logged) for an unusable record."""
         try:
-            message = decode_alert_record(record.value)
+            return decode(record.value)
         except WireError as exc:
             self.counters.invalid += 1
-            log.error("unusable record %s[%d]@%d on the alerts topic: %s", record.topic,
-                      record.partition, record.offset, exc.reason)
-            return
-        if isinstance(message, Alert):
-            self._batch.alerts.append(message)
-            self.counters.alerts += 1
+            log.error("unusable record %s[%d]@%d: %s", record.topic, record.partition,
+                      record.offset, exc.reason)
+            return None
 
     def _on_frame(self, msg: MergedFrame) -> None:
         run = self.runs.get(msg.run_id)
