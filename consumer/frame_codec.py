@@ -33,7 +33,8 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
     An optional statistic (sum_abs/max_abs, histogram, weight norms, weight distribution)
     is included only when it is known for every layer of the frame; otherwise it is left
     out for the whole frame (a layer-mixed frame only arises when ranks of one run use
-    different producer settings).
+    different producer settings). The frame's per-rank local view rows travel along
+    (``local_ranks``).
 
     Raises:
         pydantic.ValidationError: the frame violates the wire contract (a bug upstream).
@@ -60,6 +61,14 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
                 weight_exp_hist_offsets=off, weight_exp_hist_columns=cols,
                 weight_exp_hist_counts=counts,
             )
+    local = frame.local
+    if local is not None and len(local):
+        optional.update(
+            local_ranks=local.rank.tolist(), local_layer_indices=local.layer_index.tolist(),
+            local_numel=local.numel.tolist(), local_sum_abs=local.sum_abs.tolist(),
+            local_sum_sq=local.sum_sq.tolist(), local_max_abs=local.max_abs.tolist(),
+            local_nonfinite=local.nonfinite.tolist(),
+        )
     ranks = sorted(frame.ranks_seen)
     return MergedFrame(
         run_id=frame.run_id, step=frame.step, rank=ranks[0], world_size=frame.world_size,

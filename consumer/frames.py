@@ -30,11 +30,11 @@ Non-finite elements are left out of the sums by the producer and counted in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from schemas.wire import EXP_HIST_BINS
+from schemas.wire import EXP_HIST_BINS, StepSummary
 
 
 @dataclass(slots=True)
@@ -200,6 +200,62 @@ class WeightDistribution:
         self.shards[idx] += 1
 
 
+@dataclass(frozen=True, slots=True)
+class LocalRows:
+    """Per-rank local view rows (statistics of a rank's own gradient before the cross-rank
+    reduction), never merged into frames; stored in ``local_layer_stats``.
+
+    Attributes (aligned, m rows): rank, layer_index: int32[m]; numel, nonfinite: int64[m];
+    sum_abs, sum_sq, max_abs: float64[m] (over the finite elements, like the frame's).
+    """
+
+    rank: np.ndarray
+    layer_index: np.ndarray
+    numel: np.ndarray
+    sum_abs: np.ndarray
+    sum_sq: np.ndarray
+    max_abs: np.ndarray
+    nonfinite: np.ndarray
+
+    @classmethod
+    def from_shard(cls, shard: StepSummary) -> LocalRows:
+        """The local view of a StepSummary (one rank) or a MergedFrame (``local_ranks``).
+
+        Raises:
+            ValueError: the message carries no local view.
+        """
+        if shard.local_layer_indices is None:
+            raise ValueError("the message carries no local view")
+        m = len(shard.local_layer_indices)
+        ranks = getattr(shard, "local_ranks", None)
+        return cls(
+            np.full(m, shard.rank, np.int32) if ranks is None else np.asarray(ranks, np.int32),
+            np.asarray(shard.local_layer_indices, np.int32),
+            np.asarray(shard.local_numel, np.int64),
+            np.asarray(shard.local_sum_abs, np.float64),
+            np.asarray(shard.local_sum_sq, np.float64),
+            np.asarray(shard.local_max_abs, np.float64),
+            np.asarray(shard.local_nonfinite, np.int64),
+        )
+
+    @classmethod
+    def concat(cls, parts: list[LocalRows]) -> LocalRows:
+        """All rows of ``parts`` (at least one) in one table."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _LOCAL_FIELDS))
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def ranks_where(self, mask: np.ndarray) -> list[int]:
+        """Sorted distinct ranks of the rows where ``mask`` (bool[m]) is True."""
+        return sorted(set(self.rank[mask].tolist()))
+
+
+_LOCAL_FIELDS = ("rank", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs", "nonfinite")
+
+
 @dataclass(slots=True)
 class GradientFrame:
     """One frame (seed 001 ``GradientFrame``) in columnar form.
@@ -223,6 +279,10 @@ class GradientFrame:
             and weight_nonfinite: int64[n] (-1 where unknown) with NaN where not every
             shard sent the weight distribution; weight_exp_hist: int64[n, EXP_HIST_BINS]
             (rows -1 where incomplete); all None when no shard sent it.
+        replica_divergence: int32[d, 3] rows (layer_index, rank, reference_rank): replicas of
+            a counted piece whose statistics disagreed with it (``consumer.merge``).
+        local: the per-rank local view rows of the ranks merged into this version of the
+            frame, or None.
 
     In norms mode ``sum_abs``, ``max_abs_grad`` and ``mean_abs_grad`` are NaN for the
     layers where some shard lacked them (module docstring).
@@ -255,6 +315,10 @@ class GradientFrame:
     weight_max: np.ndarray | None = None
     weight_nonfinite: np.ndarray | None = None
     weight_exp_hist: np.ndarray | None = None
+    replica_divergence: np.ndarray = field(
+        default_factory=lambda: np.empty((0, 3), np.int32)
+    )
+    local: LocalRows | None = None
 
     @property
     def complete(self) -> bool:

@@ -6,6 +6,14 @@ missing ranks recorded. A shard arriving later for a partial frame is merged int
 stored sums and the frame is finalised again (the store rewrites it). A duplicate shard
 (same run, step, rank) changes nothing (DESIGN.md, "Shard merge").
 
+Replicas count once. A StepSummary with a shard layout (``shard_index``/``shard_count``)
+says which disjoint piece of each parameter its statistics cover; the first rank to report
+a piece (layer, shard_index) of a frame has it counted, and every later rank reporting the
+same piece holds a replica: its statistics are compared with the counted ones
+(:class:`PieceLedger`) and not added. Replicas that disagree beyond
+:data:`REPLICA_RTOL` are recorded on the frame (``replica_divergence``). Without a layout
+each rank's statistics are a disjoint shard of their own, as in schema 1.2.
+
 The merger also tracks, per Kafka partition, the earliest offset of every pending frame:
 a worker must never store or commit a position past it, so that a crash or a rebalance
 rebuilds pending frames from Kafka instead of losing them.
@@ -19,15 +27,109 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from consumer.frames import GradientFrame, MergedShards, WeightDistribution, compute_frame
+from consumer.frames import (
+    GradientFrame,
+    LocalRows,
+    MergedShards,
+    WeightDistribution,
+    compute_frame,
+)
 from consumer.runs import RunInfo
 from schemas.wire import StepSummary
+
+REPLICA_RTOL = 1e-6
+"""Relative tolerance for two replicas' sums (sum |g|, sum g^2, max |g|) to agree.
+
+After an all-reduce the replicas of a gradient are bitwise identical, so their float64 sums
+can differ only by the order in which a kernel added the terms. Recursive summation of n
+non-negative terms has a relative error of at most gamma_n = n u / (1 - n u), u = 2^-53
+(Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 4.2), which is
+below 1e-6 for every n up to 9e9 elements. Element counts (``numel``, ``nonfinite``) must
+be equal exactly."""
 
 PartitionKey = tuple[str, int]
 """(topic, partition)."""
 
 SumsLoader = Callable[[RunInfo, int], MergedShards | None]
 """Loads the stored merged sums of a finalised frame (run, step), or None if absent."""
+
+
+class PieceLedger:
+    """The pieces (layer, shard_index) of one frame already counted, with the statistics of
+    the replica that was counted, for the agreement check of later replicas.
+
+    Pieces are keyed ``layer * world_size + shard_index`` (``shard_index < shard_count <=
+    world_size``), in flat arrays of L x W entries allocated on the first shard with a
+    layout.
+
+    Args:
+        num_layers: L. world_size: W.
+    """
+
+    __slots__ = ("divergence", "nonfinite", "numel", "owner", "seen", "sums", "world_size")
+
+    def __init__(self, num_layers: int, world_size: int) -> None:
+        size = num_layers * world_size
+        self.world_size = world_size
+        self.seen = np.zeros(size, bool)
+        self.owner = np.full(size, -1, np.int32)
+        self.numel = np.zeros(size, np.int64)
+        self.nonfinite = np.zeros(size, np.int64)
+        self.sums = np.full((size, 3), np.nan)  # sum_abs, sum_sq, max_abs
+        self.divergence: list[np.ndarray] = []
+
+    def admit(self, shard: StepSummary) -> np.ndarray:
+        """Record the pieces of ``shard`` (which must carry a layout) and return which of its
+        layer entries to count.
+
+        Returns:
+            bool[k] aligned with ``shard.layer_indices``: True for a piece seen for the
+            first time (count it), False for a replica of a counted piece (compared with it;
+            a disagreement is appended to :attr:`divergence` as rows (layer_index, rank,
+            reference_rank)).
+        """
+        layers = np.asarray(shard.layer_indices, np.int64)
+        keys = layers * self.world_size + np.asarray(shard.shard_index, np.int64)
+        new = ~self.seen[keys]
+        numel = np.asarray(shard.numel, np.int64)
+        nonfinite = np.asarray(shard.nonfinite, np.int64)
+        sums = np.column_stack([
+            np.asarray(shard.sum_abs, np.float64) if shard.sum_abs is not None
+            else np.full(len(keys), np.nan),
+            np.asarray(shard.sum_sq, np.float64),
+            np.asarray(shard.max_abs, np.float64) if shard.max_abs is not None
+            else np.full(len(keys), np.nan),
+        ])
+        fresh = keys[new]
+        self.seen[fresh] = True
+        self.owner[fresh] = shard.rank
+        self.numel[fresh] = numel[new]
+        self.nonfinite[fresh] = nonfinite[new]
+        self.sums[fresh] = sums[new]
+        old = ~new
+        if old.any():
+            ref = keys[old]
+            a, b = self.sums[ref], sums[old]
+            with np.errstate(invalid="ignore"):
+                far = np.abs(a - b) > REPLICA_RTOL * np.maximum(np.abs(a), np.abs(b))
+            differs = (far.any(axis=1) | (self.numel[ref] != numel[old])
+                       | (self.nonfinite[ref] != nonfinite[old]))
+            if differs.any():
+                rows = np.column_stack([
+                    layers[old][differs], np.full(int(differs.sum()), shard.rank),
+                    self.owner[ref][differs],
+                ]).astype(np.int32)
+                self.divergence.append(rows)
+        return new
+
+    def divergence_rows(self) -> np.ndarray:
+        """int32[d, 3] rows (layer_index, rank, reference_rank) of the disagreeing replicas."""
+        if not self.divergence:
+            return _NO_DIVERGENCE
+        return np.concatenate(self.divergence)
+
+
+_NO_DIVERGENCE = np.empty((0, 3), np.int32)
 
 
 @dataclass(slots=True)
@@ -38,6 +140,8 @@ class _Pending:
     first_offset: int
     first_seen: float
     wall_time: float
+    ledger: PieceLedger | None = None
+    local: list[LocalRows] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -65,7 +169,7 @@ class ShardMerger:
         self._finalised: dict[str, _RunFrames] = {}
         # Sums of recently finalised partial frames, so that a late shard arriving before
         # the frame reached the store still merges with them; older ones come from the store.
-        self._partial_sums: OrderedDict[tuple[str, int], MergedShards] = OrderedDict()
+        self._partial_sums: OrderedDict[tuple[str, int], _Pending] = OrderedDict()
         self.partial_cache_size = 4096
         self.duplicates = 0
 
@@ -126,14 +230,14 @@ class ShardMerger:
         if shard.rank in pending.ranks:
             self.duplicates += 1
             return None
-        merge_shard(pending.merged, shard)
+        _merge_counted(pending, shard, run.world_size)
         pending.ranks.add(shard.rank)
         pending.wall_time = max(pending.wall_time, shard.wall_time)
         if len(pending.ranks) < run.world_size:
             return None
         del self._pending[key]
         record.complete.add(shard.step)
-        return self._frame(run, shard.step, pending.merged, pending.ranks, pending.wall_time)
+        return self._frame(run, shard.step, pending, pending.ranks, pending.wall_time)
 
     def _late_shard(
         self, run: RunInfo, shard: StepSummary, ranks: frozenset[int], record: _RunFrames
@@ -141,21 +245,31 @@ class ShardMerger:
         if shard.rank in ranks:
             self.duplicates += 1
             return None
-        merged = self._partial_sums.pop((run.run_id, shard.step), None)
-        if merged is None:
-            merged = self._load_sums(run, shard.step)
-        if merged is None:
-            merged = MergedShards.empty(run.num_layers)
-            ranks = frozenset()
-        merge_shard(merged, shard)
+        cached = self._partial_sums.pop((run.run_id, shard.step), None)
+        if cached is None:
+            stored = self._load_sums(run, shard.step)
+            if stored is None:
+                stored = MergedShards.empty(run.num_layers)
+                ranks = frozenset()
+            # The stored sums do not say which pieces they cover: with a layout, count only
+            # what still fits in the parameter (not_yet_counted).
+            pending = _Pending(stored, set(ranks), ("", -1), -1, 0.0, shard.wall_time)
+            keep = None if shard.shard_index is None else not_yet_counted(
+                stored, shard, run.numel)
+            merge_shard(stored, shard, keep)
+            pending.local = [LocalRows.from_shard(shard)] if shard.has_local else []
+        else:
+            pending = cached
+            pending.local = []  # the rows of the earlier ranks are stored already
+            _merge_counted(pending, shard, run.world_size)
         new_ranks = ranks | {shard.rank}
         if len(new_ranks) == run.world_size:
             del record.partial[shard.step]
             record.complete.add(shard.step)
         else:
             record.partial[shard.step] = new_ranks
-            self._remember_partial(run.run_id, shard.step, merged)
-        return self._frame(run, shard.step, merged, set(new_ranks), shard.wall_time)
+            self._remember_partial(run.run_id, shard.step, pending)
+        return self._frame(run, shard.step, pending, set(new_ranks), shard.wall_time)
 
     def expire(self, runs: dict[str, RunInfo], now: float) -> list[GradientFrame]:
         """Finalise as partial every pending frame older than ``shard_timeout_s``.
@@ -175,13 +289,12 @@ class ShardMerger:
             self._finalised.setdefault(run_id, _RunFrames()).partial[step] = frozenset(
                 pending.ranks
             )
-            self._remember_partial(run_id, step, pending.merged)
-            frames.append(self._frame(run, step, pending.merged, pending.ranks,
-                                      pending.wall_time))
+            self._remember_partial(run_id, step, pending)
+            frames.append(self._frame(run, step, pending, pending.ranks, pending.wall_time))
         return frames
 
-    def _remember_partial(self, run_id: str, step: int, merged: MergedShards) -> None:
-        self._partial_sums[(run_id, step)] = merged
+    def _remember_partial(self, run_id: str, step: int, pending: _Pending) -> None:
+        self._partial_sums[(run_id, step)] = pending
         while len(self._partial_sums) > self.partial_cache_size:
             self._partial_sums.popitem(last=False)
 
@@ -198,18 +311,23 @@ class ShardMerger:
 
     @staticmethod
     def _frame(
-        run: RunInfo, step: int, merged: MergedShards, ranks: set[int], wall_time: float
+        run: RunInfo, step: int, pending: _Pending, ranks: set[int], wall_time: float
     ) -> GradientFrame:
-        return compute_frame(
+        frame = compute_frame(
             run.run_id,
             step,
-            merged,
+            pending.merged,
             vanishing_threshold=run.vanishing_threshold,
             exploding_threshold=run.exploding_threshold,
             ranks_seen=tuple(ranks),
             world_size=run.world_size,
             wall_time=wall_time,
         )
+        if pending.ledger is not None:
+            frame.replica_divergence = pending.ledger.divergence_rows()
+        if pending.local:
+            frame.local = LocalRows.concat(pending.local)
+        return frame
 
     # -- offsets -------------------------------------------------------------------------
 
@@ -236,9 +354,55 @@ class ShardMerger:
         return len(self._pending)
 
 
-def merge_shard(merged: MergedShards, shard: StepSummary) -> None:
+def _merge_counted(pending: _Pending, shard: StepSummary, world_size: int) -> None:
+    """Merge the pieces of ``shard`` not counted yet into ``pending`` (replicas are checked
+    by the ledger, not added) and keep its local rows."""
+    keep = None
+    if shard.shard_index is not None:
+        if pending.ledger is None:
+            pending.ledger = PieceLedger(len(pending.merged.numel), world_size)
+        keep = pending.ledger.admit(shard)
+    merge_shard(pending.merged, shard, keep)
+    if shard.has_local:
+        pending.local.append(LocalRows.from_shard(shard))
+
+
+def not_yet_counted(
+    merged: MergedShards, shard: StepSummary, full_numel: np.ndarray
+) -> np.ndarray:
+    """Which layer entries of ``shard`` can still be added to stored sums whose pieces are
+    unknown (a late rank merged into a stored partial frame).
+
+    Pieces of a parameter are disjoint and together hold ``full_numel`` elements, so an
+    entry whose elements no longer fit (``stored numel + shard numel > full numel``) repeats
+    a piece already counted: a replica. Exact for DDP (one piece), FSDP and tensor parallel
+    (no replicated piece); for HSDP a late replica can be mistaken for a missing shard of
+    the same size while the stored frame still misses a piece.
+
+    Args:
+        merged: the stored sums over the run's L layers. shard: the late StepSummary or
+            MergedFrame. full_numel: int64[L], the parameters' sizes (RunStarted).
+
+    Returns:
+        bool[k] aligned with ``shard.layer_indices``.
+    """
+    idx = np.asarray(shard.layer_indices, np.int64)
+    return merged.numel[idx] + np.asarray(shard.numel, np.int64) <= full_numel[idx]
+
+
+def merge_shard(merged: MergedShards, shard: StepSummary, keep: np.ndarray | None = None) -> None:
     """Merge one validated shard (or MergedFrame) into ``merged`` in place: every
-    statistic it carries (exactly mergeable: sums add, extremes min/max, counts add)."""
+    statistic it carries (exactly mergeable: sums add, extremes min/max, counts add).
+
+    Args:
+        merged: the frame's sums so far. shard: a StepSummary or MergedFrame.
+        keep: bool[k] aligned with ``shard.layer_indices``: merge only these entries
+            (None: all).
+    """
+    if keep is not None and not keep.all():
+        if not keep.any():
+            return
+        shard = select_layers(shard, keep)
     idx = np.asarray(shard.layer_indices, dtype=np.int64)
     if shard.exp_hist_offsets is not None:
         merged.add_histogram(
@@ -273,3 +437,44 @@ def merge_shard(merged: MergedShards, shard: StepSummary) -> None:
         None if shard.max_abs is None else np.asarray(shard.max_abs, dtype=np.float64),
         np.asarray(shard.nonfinite, dtype=np.int64),
     )
+
+
+def _select_csr(
+    offsets: list[int], columns: list[int], counts: list[int], keep: np.ndarray
+) -> dict[str, list[int]]:
+    """The rows ``keep`` (bool[k]) of a CSR histogram (offsets int[k+1])."""
+    off = np.asarray(offsets, np.int64)
+    lengths = np.diff(off)
+    mask = np.repeat(keep, lengths)
+    new_off = np.zeros(int(keep.sum()) + 1, np.int64)
+    np.cumsum(lengths[keep], out=new_off[1:])
+    return {
+        "offsets": new_off.tolist(),
+        "columns": np.asarray(columns, np.int64)[mask].tolist(),
+        "counts": np.asarray(counts, np.int64)[mask].tolist(),
+    }
+
+
+_PER_LAYER = (
+    "layer_indices", "numel", "sum_abs", "sum_sq", "max_abs", "nonfinite", "weight_sum_sq",
+    "update_sum_sq", "weight_sum", "weight_sum_cube", "weight_sum_quad", "weight_min",
+    "weight_max", "weight_nonfinite", "shard_index", "shard_count",
+)
+
+
+def select_layers(shard: StepSummary, keep: np.ndarray) -> StepSummary:
+    """A copy of ``shard`` holding only the layer entries where ``keep`` (bool[k]) is True,
+    every per-layer statistic and histogram row included (the local view is unchanged)."""
+    update: dict[str, list[int] | list[float]] = {}
+    for name in _PER_LAYER:
+        values = getattr(shard, name)
+        if values is not None:
+            update[name] = np.asarray(values)[keep].tolist()
+    for prefix in ("exp_hist", "weight_exp_hist"):
+        offsets = getattr(shard, f"{prefix}_offsets")
+        if offsets is not None:
+            part = _select_csr(offsets, getattr(shard, f"{prefix}_columns"),
+                               getattr(shard, f"{prefix}_counts"), keep)
+            for key, values in part.items():
+                update[f"{prefix}_{key}"] = values
+    return shard.model_copy(update=update)

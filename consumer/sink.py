@@ -25,7 +25,7 @@ from consumer.alerts.rows import write_alerts
 from consumer.frames import GradientFrame, MergedShards, WeightDistribution
 from consumer.runs import RunInfo
 from schemas.alert import Alert
-from schemas.tables import LAYER_STATS_COLUMNS, SCHEMA_DDL
+from schemas.tables import LAYER_STATS_COLUMNS, LOCAL_LAYER_STATS_COLUMNS, SCHEMA_DDL
 from schemas.wire import EXP_HIST_BINS, RunFinished, RunStarted
 
 
@@ -433,6 +433,10 @@ class DuckDBSink:
             ),
             "name": pa.array([n for m in started for n in m.layer_names], pa.string()),
             "numel": pa.array(np.concatenate([np.asarray(m.numel, np.int64) for m in started])),
+            "dtype": pa.array(
+                [d for m in started for d in (m.dtypes or [None] * len(m.layer_names))],
+                pa.string(),
+            ),
         })
         con = self._wcon
         con.register("gs_runs", runs)
@@ -443,7 +447,10 @@ class DuckDBSink:
             "num_layers, vanishing_threshold, exploding_threshold, host, start_time, "
             "config::JSON FROM gs_runs ON CONFLICT DO NOTHING"
         )
-        con.execute("INSERT OR IGNORE INTO layers SELECT * FROM gs_layers")
+        con.execute(
+            "INSERT OR IGNORE INTO layers (run_id, layer_index, name, numel, dtype) "
+            "SELECT run_id, layer_index, name, numel, dtype FROM gs_layers"
+        )
         con.unregister("gs_runs")
         con.unregister("gs_layers")
 
@@ -515,6 +522,42 @@ class DuckDBSink:
         con.execute("INSERT OR REPLACE INTO frames SELECT * FROM gs_frames")
         con.unregister("gs_stats")
         con.unregister("gs_frames")
+        self._write_local([f for f in fs if f.local is not None and len(f.local)])
+
+    def _write_local(self, fs: list[GradientFrame]) -> None:
+        """Per-rank local view rows of ``fs``: a (run, step, rank) written again (replay,
+        late rank) replaces its old rows."""
+        if not fs:
+            return
+        parts = [f.local for f in fs if f.local is not None]
+        lengths = np.array([len(p) for p in parts])
+
+        def cat(name: str) -> np.ndarray:
+            return np.concatenate([getattr(p, name) for p in parts])
+
+        rows = pa.table({
+            "run_id": _run_column([f.run_id for f in fs], lengths),
+            "step": pa.array(np.repeat(np.array([f.step for f in fs], np.int64), lengths)),
+            "rank": pa.array(cat("rank")),
+            "layer_index": pa.array(cat("layer_index")),
+            "numel": pa.array(cat("numel")),
+            "sum_abs": pa.array(cat("sum_abs")),
+            "sum_sq": pa.array(cat("sum_sq")),
+            "max_abs_grad": pa.array(cat("max_abs")),
+            "nonfinite": pa.array(cat("nonfinite")),
+        })
+        con = self._wcon
+        con.register("gs_local", rows)
+        con.execute(
+            "DELETE FROM local_layer_stats USING (SELECT DISTINCT run_id, step, rank FROM "
+            "gs_local) f WHERE local_layer_stats.run_id = f.run_id AND "
+            "local_layer_stats.step = f.step AND local_layer_stats.rank = f.rank"
+        )
+        con.execute(
+            f"INSERT INTO local_layer_stats ({', '.join(LOCAL_LAYER_STATS_COLUMNS)}) "
+            f"SELECT {', '.join(LOCAL_LAYER_STATS_COLUMNS)} FROM gs_local"
+        )
+        con.unregister("gs_local")
 
     def _write_states(self, states: dict[str, RunState]) -> None:
         ids = list(states)

@@ -36,9 +36,9 @@ from typing import Any
 from kafka import ConsumerRebalanceListener
 
 from consumer.frame_codec import message_to_merged
-from consumer.frames import MergedShards, compute_frame
+from consumer.frames import LocalRows, MergedShards, compute_frame
 from consumer.health import RunHealthTracker, restore_tracker
-from consumer.merge import merge_shard
+from consumer.merge import merge_shard, not_yet_counted
 from consumer.runs import RunInfo
 from consumer.sink import DuckDBSink, RunState, SinkBatch
 from consumer.store_settings import StoreSettings
@@ -239,7 +239,7 @@ class Store:
             return
         elif new.isdisjoint(stored) and (base := self._stored_sums(run, msg.step)) is not None:
             merged = base
-            merge_shard(merged, msg)
+            merge_shard(merged, msg, not_yet_counted(merged, msg, run.numel))
             ranks = stored | new
             self.counters.merged_late += 1
         elif len(new) > len(stored):
@@ -262,6 +262,8 @@ class Store:
             exploding_threshold=run.exploding_threshold, ranks_seen=tuple(sorted(ranks)),
             world_size=run.world_size, wall_time=msg.wall_time,
         )
+        if msg.has_local:
+            frame.local = LocalRows.from_shard(msg)
         tracker = self.trackers[run.run_id]
         health = tracker.update(frame.step, frame.layer_index, frame.is_vanishing,
                                 frame.is_exploding, frame.nonfinite)

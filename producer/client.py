@@ -136,6 +136,7 @@ class GradientProducer:
         vanishing_threshold: float = 1e-7,
         exploding_threshold: float = 1e3,
         config: Mapping[str, Any] | None = None,
+        dtypes: Mapping[str, str] | None = None,
     ) -> None:
         """Announce the run: its layers in model order and their full-tensor sizes.
 
@@ -148,10 +149,14 @@ class GradientProducer:
             vanishing_threshold: mean |g| below which a layer is vanishing (seed 001).
             exploding_threshold: max |g| above which a layer is exploding (seed 001).
             config: free-form JSON-serialisable run configuration.
+            dtypes: layer name -> gradient dtype name (``"float32"``, ``"bfloat16"``, ...)
+                for every layer, or None (unknown). The consumer uses it to tell a gradient
+                that is zero up to the dtype's rounding from a merely small one.
 
         Raises:
             pydantic.ValidationError: invalid layer list or thresholds (names the field).
-            ValueError: the include/exclude patterns select no layer.
+            ValueError: the include/exclude patterns select no layer; ``dtypes`` misses
+                a layer.
             RuntimeError: the run was already started or the producer is closed.
         """
         if self._layer_index:
@@ -169,12 +174,17 @@ class GradientProducer:
             "exclude": self.settings.exclude,
             "layers_total": len(layer_numel),
         })
+        if dtypes is not None:
+            missing = [name for name in selected if name not in dtypes]
+            if missing:
+                raise ValueError(f"dtypes has no entry for layer(s) {missing[:5]!r}")
         message = RunStarted(
             run_id=self.run_id,
             rank=self.rank,
             world_size=self.world_size,
             layer_names=selected,
             numel=[int(layer_numel[name]) for name in selected],
+            dtypes=None if dtypes is None else [str(dtypes[name]) for name in selected],
             vanishing_threshold=vanishing_threshold,
             exploding_threshold=exploding_threshold,
             host=socket.gethostname(),
@@ -198,8 +208,19 @@ class GradientProducer:
         step: int,
         gradients: Mapping[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
+        *,
+        replicated: bool = False,
+        local_gradients: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Summarise this rank's gradients of one optimiser step and queue them for sending.
+
+        Pass the gradient the optimiser applies. Under data parallelism that is the
+        all-reduced (averaged) gradient, the same on every rank: say ``replicated=True`` so
+        that the consumer counts it once and checks that the ranks agree; the rank's own
+        gradient before the reduction can go along as ``local_gradients`` (the per-rank
+        local view, stored apart and used to name the rank where NaN/Inf or an explosion
+        started). Without ``replicated`` each rank's gradients are a disjoint shard of the
+        parameters (ZeRO/FSDP-style), and the consumer adds the ranks up.
 
         Never waits for Kafka: when the queue is full it waits at most
         ``settings.enqueue_timeout_s`` (default 0) and then drops the oldest pending step
@@ -213,6 +234,9 @@ class GradientProducer:
                 by include/exclude are ignored.
             weights: with ``settings.weight_stats``, the layers' current weights (same
                 names and shapes as ``gradients``); ignored otherwise.
+            replicated: every rank passes the same (all-reduced) gradient of every layer.
+            local_gradients: layer name -> this rank's gradient before the reduction
+                (any subset of the watched layers), or None.
 
         Raises:
             RuntimeError: ``start_run`` was not called, or the producer is closed.
@@ -228,6 +252,15 @@ class GradientProducer:
             return
         summaries = summarize(watched, histogram=self.settings.exp_histogram,
                               norms_only=self.settings.mode == "norms")
+        if replicated:
+            summaries = summaries.with_layout(0, 1)
+        if local_gradients is not None:
+            own = {n: g for n, g in local_gradients.items() if n in self._layer_index}
+            unknown = [n for n in local_gradients if n not in self._known]
+            if unknown:
+                raise ValueError(f"unknown layer(s) in local_gradients: {unknown[:5]!r}")
+            if own:
+                summaries = summaries.with_local(summarize(own))
         extra = self._weight_stats(watched, weights) if self.settings.weight_stats else None
         self._queue_summaries(int(step), summaries, t0, extra)
 
@@ -279,6 +312,16 @@ class GradientProducer:
                 continue
             if not np.all(np.isfinite(values)) or np.any(values < 0):
                 raise ValueError(f"{field_name} must be finite and >= 0 for every layer")
+        local = summaries.local
+        if local is not None:
+            if local.sum_abs is None or local.max_abs is None:
+                raise ValueError("the local view needs sum_abs and max_abs (full statistics)")
+            for values in (local.sum_abs, local.sum_sq, local.max_abs):
+                if not np.all(np.isfinite(values)) or np.any(values < 0):
+                    raise ValueError("local statistics must be finite and >= 0")
+            unknown = [n for n in local.names if n not in self._known]
+            if unknown:
+                raise ValueError(f"unknown layer(s) in the local view: {unknown[:5]!r}")
         if not keep.all():
             summaries = summaries.select(keep)
         if self.settings.mode == "norms":
@@ -518,6 +561,23 @@ class GradientProducer:
             )
             if extra.update_sum_sq is not None:
                 optional["update_sum_sq"] = extra.update_sum_sq.tolist()
+        if summaries.shard_index is not None and summaries.shard_count is not None:
+            optional.update(shard_index=summaries.shard_index.tolist(),
+                            shard_count=summaries.shard_count.tolist())
+        local = summaries.local
+        if local is not None:
+            keep = [i for i, n in enumerate(local.names) if n in self._layer_index]
+            if keep:
+                sel = np.asarray(keep, np.int64)
+                assert local.sum_abs is not None and local.max_abs is not None
+                optional.update(
+                    local_layer_indices=[self._layer_index[local.names[i]] for i in keep],
+                    local_numel=local.numel[sel].tolist(),
+                    local_sum_abs=local.sum_abs[sel].tolist(),
+                    local_sum_sq=local.sum_sq[sel].tolist(),
+                    local_max_abs=local.max_abs[sel].tolist(),
+                    local_nonfinite=local.nonfinite[sel].tolist(),
+                )
         return StepSummary(
             run_id=self.run_id,
             step=step,

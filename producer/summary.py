@@ -37,6 +37,7 @@ first call in a process pays the numba import and JIT, ~3 s with an empty numba 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -267,6 +268,10 @@ class LayerSummaries:
         exp_hist: int64[L, EXP_HIST_BINS] exponent histogram of the finite elements (layout
             in :func:`exp_hist_edges`; each row sums to numel - nonfinite), or None when not
             requested.
+        shard_index, shard_count: int64[L] shard layout (see :meth:`with_layout`), or None:
+            each rank's statistics are a disjoint shard of their own.
+        local: the summaries of this rank's own gradient before the cross-rank reduction
+            (the per-rank local view; its own ``names``), or None.
     """
 
     names: tuple[str, ...]
@@ -276,6 +281,9 @@ class LayerSummaries:
     max_abs: np.ndarray | None
     nonfinite: np.ndarray
     exp_hist: np.ndarray | None = None
+    shard_index: np.ndarray | None = None
+    shard_count: np.ndarray | None = None
+    local: LayerSummaries | None = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -283,18 +291,42 @@ class LayerSummaries:
     def norms_only(self) -> LayerSummaries:
         """The same summaries without ``sum_abs`` and ``max_abs`` (the producer's norms
         mode: only the gradient norm and the non-finite count leave the rank)."""
-        return LayerSummaries(self.names, self.numel, None, self.sum_sq, None, self.nonfinite,
-                              self.exp_hist)
+        return dataclasses.replace(self, sum_abs=None, max_abs=None)
+
+    def with_layout(
+        self, shard_index: np.ndarray | int, shard_count: np.ndarray | int
+    ) -> LayerSummaries:
+        """The same summaries with a shard layout: layer i's parameter is cut into
+        ``shard_count[i]`` disjoint pieces and these statistics cover piece
+        ``shard_index[i]``. Ranks giving the same (layer, index) hold replicas of that
+        piece, which the consumer counts once (DDP: ``0`` of ``1`` on every rank).
+
+        Args:
+            shard_index, shard_count: int or int[L] (a scalar applies to every layer).
+
+        Raises:
+            ValueError: an index outside ``[0, count)`` or a count < 1.
+        """
+        index = np.broadcast_to(np.asarray(shard_index, np.int64), (len(self),)).copy()
+        count = np.broadcast_to(np.asarray(shard_count, np.int64), (len(self),)).copy()
+        if np.any(count < 1) or np.any(index < 0) or np.any(index >= count):
+            raise ValueError("shard_index must be in [0, shard_count) and shard_count >= 1")
+        return dataclasses.replace(self, shard_index=index, shard_count=count)
+
+    def with_local(self, local: LayerSummaries | None) -> LayerSummaries:
+        """The same summaries carrying ``local``, the rank's pre-reduction view."""
+        return dataclasses.replace(self, local=local)
 
     def select(self, keep: np.ndarray) -> LayerSummaries:
-        """The layers where the bool[L] mask ``keep`` is True, in the same order."""
+        """The layers where the bool[L] mask ``keep`` is True, in the same order (the
+        local view is kept whole)."""
         def pick(a: np.ndarray | None) -> np.ndarray | None:
             return None if a is None else a[keep]
 
         return LayerSummaries(
             tuple(n for n, k in zip(self.names, keep, strict=True) if k), self.numel[keep],
             pick(self.sum_abs), self.sum_sq[keep], pick(self.max_abs), self.nonfinite[keep],
-            pick(self.exp_hist),
+            pick(self.exp_hist), pick(self.shard_index), pick(self.shard_count), self.local,
         )
 
 

@@ -12,7 +12,8 @@ run_ranks
     One row per (run, rank) that sent RunFinished: its last step, steps it recorded and
     step summaries it dropped (queue full while Kafka was unreachable).
 layers
-    Layer names in model order (``layer_index``) and their full-tensor element counts.
+    Layer names in model order (``layer_index``), their full-tensor element counts and,
+    when the producer sent it (schema 1.3), the gradient ``dtype``.
 layer_stats
     One row per (run, step, layer): the exactly-mergeable sums over every rank
     (``numel``, ``sum_abs``, ``sum_sq``, ``max_abs_grad``, ``nonfinite``) and the seed-001
@@ -29,10 +30,16 @@ layer_stats
     ``weight_sum_quad`` = sum w^4, ``weight_min``, ``weight_max``, ``weight_zeros`` (exact
     zeros), ``weight_nonfinite`` and the exponent histogram of |w|
     (``weight_exp_hist_columns`` / ``weight_exp_hist_counts``, same layout). Like the
-    gradient sums, the weight sums add over ranks: a sharded tensor (FSDP) adds up to the
-    whole tensor, a replicated one (DDP, every rank holds all of it) to ``R`` identical
-    copies with ``R = layer_stats.numel / layers.numel``; divide the sums by ``R`` for one
-    copy, e.g. its norm is ``sqrt(weight_sum_sq * layers.numel / layer_stats.numel)``.
+    gradient sums, the weight sums add over the pieces of a parameter: a sharded tensor
+    (FSDP) adds up to the whole tensor, and a replicated one (DDP) is counted once when the
+    producer sends a shard layout (schema 1.3), so ``layer_stats.numel = layers.numel``.
+    Runs stored by a 1.2 producer under DDP hold ``R = layer_stats.numel / layers.numel``
+    identical copies; dividing the sums by ``R`` gives one copy in both cases.
+local_layer_stats
+    One row per (run, step, rank, layer) of the per-rank *local* view: the statistics of
+    that rank's own gradient before the cross-rank reduction (``numel``, ``sum_abs``,
+    ``sum_sq``, ``max_abs_grad``, ``nonfinite``), sent only when the producer's local view
+    is on. Never merged into ``layer_stats``; it tells which rank's gradient went bad first.
 frames
     One row per (run, step): run health after this frame, per-frame counts, whether every
     rank reported (``complete``), the ranks seen and missing.
@@ -129,6 +136,20 @@ SCHEMA_DDL: tuple[str, ...] = (
     "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_columns SMALLINT[]",
     "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_counts BIGINT[]",
     """
+    CREATE TABLE IF NOT EXISTS local_layer_stats (
+        run_id        VARCHAR NOT NULL,
+        step          BIGINT NOT NULL,
+        rank          INTEGER NOT NULL,
+        layer_index   INTEGER NOT NULL,
+        numel         BIGINT NOT NULL,
+        sum_abs       DOUBLE NOT NULL,
+        sum_sq        DOUBLE NOT NULL,
+        max_abs_grad  DOUBLE NOT NULL,
+        nonfinite     BIGINT NOT NULL
+    )
+    """,
+    "ALTER TABLE layers ADD COLUMN IF NOT EXISTS dtype VARCHAR",
+    """
     CREATE TABLE IF NOT EXISTS frames (
         run_id           VARCHAR NOT NULL,
         step             BIGINT NOT NULL,
@@ -185,6 +206,12 @@ LAYER_STATS_COLUMNS: tuple[str, ...] = (
     "weight_exp_hist_counts",
 )
 """Column order of ``layer_stats`` (the sink's bulk inserts follow it)."""
+
+LOCAL_LAYER_STATS_COLUMNS: tuple[str, ...] = (
+    "run_id", "step", "rank", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs_grad",
+    "nonfinite",
+)
+"""Column order of ``local_layer_stats``."""
 
 FRAMES_COLUMNS: tuple[str, ...] = (
     "run_id", "step", "health", "num_layers", "vanishing_layers", "exploding_layers",

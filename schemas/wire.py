@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 2
+SCHEMA_MINOR = 3
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """1.0: per-layer numel, sum_abs, sum_sq, max_abs, nonfinite. 1.1 adds the optional richer
 statistics (exponent histogram, weight and update norms); 1.0 messages still parse (the new
@@ -39,7 +39,12 @@ fields default to None) and 1.0 consumers ignore the new fields. 1.2 makes ``sum
 ``max_abs`` optional together (the producer's "norms" mode sends only ``sum_sq`` and
 ``nonfinite``) and adds the weight-distribution statistics (power sums, extremes, exponent
 histogram of the weights). A 1.2 message in full mode still parses in a 1.1 consumer; a
-norms-mode message does not (1.1 requires ``sum_abs``) and goes to its dead-letter topic."""
+norms-mode message does not (1.1 requires ``sum_abs``) and goes to its dead-letter topic.
+1.3 adds the shard layout of a StepSummary (``shard_index``/``shard_count``: which disjoint
+piece of each parameter a rank's statistics cover, so that replicas count once), the
+per-rank *local* view (statistics of the rank's own gradient before the reduction) and the
+gradient dtype of each layer in RunStarted. A 1.2 consumer ignores them and would count
+replicas once per rank."""
 
 EXP_HIST_MIN = -134
 """Smallest binned base-2 exponent: |g| in [2^k, 2^(k+1)) goes to column k - MIN + 2.
@@ -123,6 +128,9 @@ class RunStarted(_Wire):
     the seed's thresholds (``vanishing_threshold`` on mean |g|, default 1e-7;
     ``exploding_threshold`` on max |g|, default 1e3; seed 001 ``GradientFlowAnimator``),
     ``host``, ``start_time`` (unix seconds) and free-form JSON ``config``.
+    ``dtypes`` (schema 1.3, optional): each layer's gradient dtype name (``float32``,
+    ``bfloat16``, ``float16``, ``float64``, ...), used to tell a gradient that is zero up to
+    that dtype's rounding from one that is merely small.
     """
 
     type: Literal["run_started"] = "run_started"
@@ -136,12 +144,18 @@ class RunStarted(_Wire):
     host: str = ""
     start_time: WallTime
     config: dict[str, Any] = Field(default_factory=dict)
+    dtypes: list[Annotated[str, Field(min_length=1, max_length=32)]] | None = None
 
     @model_validator(mode="after")
     def _aligned(self) -> RunStarted:
         if len(self.numel) != len(self.layer_names):
             raise ValueError(
                 f"numel has {len(self.numel)} entries but layer_names has "
+                f"{len(self.layer_names)}"
+            )
+        if self.dtypes is not None and len(self.dtypes) != len(self.layer_names):
+            raise ValueError(
+                f"dtypes has {len(self.dtypes)} entries but layer_names has "
                 f"{len(self.layer_names)}"
             )
         if len(set(self.layer_names)) != len(self.layer_names):
@@ -182,6 +196,19 @@ class StepSummary(_Wire):
     of NaN/Inf weights, and the exponent histogram of |w| in the same CSR layout as the
     gradient's (``weight_exp_hist_*``; a layer's counts sum to numel - weight_nonfinite;
     column 0 counts exact zeros).
+
+    Shard layout (schema 1.3, optional, both or neither): the parameter of layer i is cut
+    into ``shard_count[i]`` disjoint pieces that together make the whole tensor, and this
+    rank's statistics cover piece ``shard_index[i]``. Ranks that send the same
+    (layer, shard_index) hold *replicas* of one piece (DDP, the replicate dimension of
+    HSDP, a DTensor ``Replicate`` placement): the consumer counts that piece once and checks
+    that the replicas agree. Without a layout every rank's piece is its own
+    (``shard_index = rank``, ``shard_count = world_size``: disjoint shards, the 1.2 meaning).
+
+    Local view (schema 1.3, optional, all or none): statistics of this rank's *own*
+    gradient before the cross-rank reduction (a DDP communication hook, a data-parallel
+    rank's local gradient), for ``local_layer_indices`` with the meaning of the main arrays.
+    They are stored per rank and never merged into frames.
     """
 
     type: Literal["step_summary"] = "step_summary"
@@ -210,6 +237,14 @@ class StepSummary(_Wire):
     weight_exp_hist_offsets: list[NonNegInt] | None = None
     weight_exp_hist_columns: list[Annotated[int, Field(ge=0, lt=EXP_HIST_BINS)]] | None = None
     weight_exp_hist_counts: list[PosInt] | None = None
+    shard_index: list[NonNegInt] | None = None
+    shard_count: list[PosInt] | None = None
+    local_layer_indices: list[NonNegInt] | None = None
+    local_numel: list[PosInt] | None = None
+    local_sum_abs: list[NonNegFloat] | None = None
+    local_sum_sq: list[NonNegFloat] | None = None
+    local_max_abs: list[NonNegFloat] | None = None
+    local_nonfinite: list[NonNegInt] | None = None
 
     @property
     def has_abs(self) -> bool:
@@ -220,6 +255,11 @@ class StepSummary(_Wire):
     def has_weight_distribution(self) -> bool:
         """True when the message carries the weight-distribution statistics (1.2)."""
         return self.weight_sum is not None
+
+    @property
+    def has_local(self) -> bool:
+        """True when the message carries the local (pre-reduction) view (1.3)."""
+        return self.local_layer_indices is not None
 
     @model_validator(mode="after")
     def _aligned(self) -> StepSummary:
@@ -272,7 +312,52 @@ class StepSummary(_Wire):
              self.weight_exp_hist_counts),
             self.weight_nonfinite or [],
         )
+        self._check_layout(n)
+        self._check_local()
         return self
+
+    def _local_keys(self) -> list[Any]:
+        """What makes a local row unique: its layer (one rank per StepSummary)."""
+        return list(self.local_layer_indices or ())
+
+    def _check_layout(self, n: int) -> None:
+        if self.shard_index is None and self.shard_count is None:
+            return
+        if self.shard_index is None or self.shard_count is None:
+            raise ValueError("shard_index and shard_count go together")
+        if len(self.shard_index) != n or len(self.shard_count) != n:
+            raise ValueError(
+                f"shard_index and shard_count must have {n} entries, one per layer_indices"
+            )
+        index = np.asarray(self.shard_index, np.int64)
+        count = np.asarray(self.shard_count, np.int64)
+        bad = np.flatnonzero((index >= count) | (count > self.world_size))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"shard_index[{i}]={index[i]} must be < shard_count[{i}]={count[i]} "
+                f"<= world_size {self.world_size}"
+            )
+
+    def _check_local(self) -> None:
+        given = [getattr(self, name) is not None for name in _LOCAL_VIEW]
+        if not any(given):
+            return
+        if not all(given):
+            raise ValueError("the local view goes together: " + ", ".join(_LOCAL_VIEW))
+        m = len(self.local_layer_indices or ())
+        for name in _LOCAL_VIEW[1:]:
+            if len(getattr(self, name)) != m:
+                raise ValueError(
+                    f"{name} has {len(getattr(self, name))} entries but local_layer_indices "
+                    f"has {m}"
+                )
+        if m == 0:
+            raise ValueError("local_layer_indices must not be empty when given")
+        if len(set(self._local_keys())) != m:
+            raise ValueError("local_layer_indices must be unique within one summary (per rank)")
+        if np.any(np.asarray(self.local_nonfinite) > np.asarray(self.local_numel)):
+            raise ValueError("local_nonfinite exceeds local_numel for some layer")
 
     def _check_histogram(
         self, n: int, prefix: str, parts: tuple[list[int] | None, ...], nonfinite: list[int],
@@ -314,6 +399,10 @@ _WEIGHT_DISTRIBUTION = (
     "weight_sum", "weight_sum_cube", "weight_sum_quad", "weight_min", "weight_max",
     "weight_nonfinite",
 )
+_LOCAL_VIEW = (
+    "local_layer_indices", "local_numel", "local_sum_abs", "local_sum_sq", "local_max_abs",
+    "local_nonfinite",
+)
 
 
 class RunFinished(_Wire):
@@ -343,11 +432,27 @@ class MergedFrame(StepSummary):
     The per-layer arrays have the meaning of :class:`StepSummary`'s, summed (maxima: max)
     over the ranks in ``ranks_seen``; ``rank`` is the smallest of them. An optional
     statistic is sent only when every rank of every layer carried it. Frames merge like
-    shards when their rank sets are disjoint (a late rank), which is what the store does.
+    shards when their rank sets are disjoint (a late rank), which is what the store does;
+    each piece of a replicated parameter is already counted once (no shard layout here).
+    The local view, when present, holds the local rows of every rank merged in this
+    version of the frame, ``local_ranks`` naming each row's rank.
     """
 
     type: Literal["merged_frame"] = "merged_frame"  # type: ignore[assignment]
     ranks_seen: list[NonNegInt] = Field(min_length=1)
+    local_ranks: list[NonNegInt] | None = None
+
+    def _local_keys(self) -> list[Any]:
+        return list(zip(self.local_ranks or (), self.local_layer_indices or (), strict=False))
+
+    def _check_local(self) -> None:
+        if (self.local_ranks is None) != (self.local_layer_indices is None):
+            raise ValueError("local_ranks goes with the local view")
+        if self.local_ranks is not None and len(self.local_ranks) != len(
+            self.local_layer_indices or ()
+        ):
+            raise ValueError("local_ranks must be aligned with local_layer_indices")
+        super()._check_local()
 
     @model_validator(mode="after")
     def _ranks(self) -> MergedFrame:
