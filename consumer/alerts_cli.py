@@ -143,7 +143,7 @@ def alerts(
     run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
     rule: Annotated[str | None, typer.Option(
         help="Only this rule: run_health, nonfinite, exploding, vanishing, grad_norm_spike, "
-        "stalled or missing_ranks.")] = None,
+        "stalled, missing_ranks or replica_divergence.")] = None,
     state: Annotated[str | None, typer.Option(help="Only 'firing' or 'resolved' events.")] = None,
     follow: Annotated[bool, typer.Option(
         "--follow", "-f", help="Tail the alerts topic (works while workers run).")] = False,
@@ -286,7 +286,8 @@ def alert_rules(
     exploding / vanishing (a layer flagged `consecutive` frames in a row),
     grad_norm_spike (robust z-score of ln grad_norm over a rolling `window`),
     stalled (no frame for `after_s`, or `interval_factor` x the run's median step
-    interval), missing_ranks (`consecutive` partial frames). Each has `enabled`,
+    interval), missing_ranks (`consecutive` partial frames), replica_divergence
+    (replicas of a layer that disagree after the all-reduce). Each has `enabled`,
     `severity` (info, warning, critical) and `resolve_after` (clear frames in a row
     that resolve an incident)."""
     from consumer.alerts.config import AlertConfigError, dump_alert_rules, load_alert_rules

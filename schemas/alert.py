@@ -48,6 +48,7 @@ class AlertRule(StrEnum):
     GRAD_NORM_SPIKE = "grad_norm_spike"
     STALLED = "stalled"
     MISSING_RANKS = "missing_ranks"
+    REPLICA_DIVERGENCE = "replica_divergence"
 
 
 class AlertSeverity(StrEnum):

@@ -165,12 +165,23 @@ class MissingRanksRuleConfig(_RuleConfig):
     consecutive: int = Field(default=1, ge=1)
 
 
+class ReplicaDivergenceRuleConfig(_RuleConfig):
+    """Replicas of one piece of a parameter (DDP ranks, the replicate dimension of HSDP, a
+    DTensor ``Replicate`` placement) whose statistics disagree beyond
+    ``consumer.merge.REPLICA_RTOL`` in a frame. After an all-reduce they are bitwise
+    identical, so any disagreement is a desynchronised replica (a skipped all-reduce,
+    non-deterministic kernels after the reduction, a rank that loaded other weights).
+    Critical: the ranks no longer train the same model."""
+
+    severity: AlertSeverity = AlertSeverity.CRITICAL
+
+
 class AlertRulesConfig(BaseModel):
     """Every rule's configuration.
 
     Attributes:
         run_health, nonfinite, exploding, vanishing, grad_norm_spike, stalled,
-            missing_ranks: the rules (see each class).
+            missing_ranks, replica_divergence: the rules (see each class).
         max_layer_values: at most this many layers (the worst ones by the rule's statistic)
             get their frame values in ``Alert.values``; ``Alert.layers`` always names all.
     """
@@ -184,6 +195,7 @@ class AlertRulesConfig(BaseModel):
     grad_norm_spike: SpikeRuleConfig = SpikeRuleConfig()
     stalled: StalledRuleConfig = StalledRuleConfig()
     missing_ranks: MissingRanksRuleConfig = MissingRanksRuleConfig()
+    replica_divergence: ReplicaDivergenceRuleConfig = ReplicaDivergenceRuleConfig()
     max_layer_values: int = Field(default=16, ge=1)
 
     def rule(self, rule: AlertRule) -> _RuleConfig:

@@ -38,6 +38,7 @@ RULE_TITLES: dict[AlertRule, str] = {
     AlertRule.GRAD_NORM_SPIKE: "gradient-norm spike",
     AlertRule.STALLED: "stalled run",
     AlertRule.MISSING_RANKS: "missing ranks",
+    AlertRule.REPLICA_DIVERGENCE: "replica divergence",
 }
 """Short human names of the rules (messages, terminal views)."""
 

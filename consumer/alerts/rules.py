@@ -23,6 +23,9 @@ frame, ``consumer.frames``):
   and no non-finite element. A frame in which a layer of the last spike is not testable
   neither clears nor extends the incident.
 - ``missing_ranks``: ``consecutive`` frames in a row finalised without every rank.
+- ``replica_divergence``: replicas of a piece of some layer disagreed in this frame
+  (``GradientFrame.replica_divergence``, tolerance ``consumer.merge.REPLICA_RTOL``); names
+  the layers and the ranks on both sides.
 - ``stalled``: evaluated by :meth:`RunRules.check_stall` (no frame for the threshold of
   ``StalledRuleConfig``), cleared by each new frame.
 
@@ -211,6 +214,8 @@ class RunRules:
             out[AlertRule.GRAD_NORM_SPIKE] = self._spike(view)
         if r.missing_ranks.enabled:
             out[AlertRule.MISSING_RANKS] = self._missing(frame)
+        if r.replica_divergence.enabled:
+            out[AlertRule.REPLICA_DIVERGENCE] = self._divergence(view)
         if r.run_health.enabled:
             out[AlertRule.RUN_HEALTH] = self._health(view, tracker)
         if r.stalled.enabled:
@@ -335,6 +340,28 @@ class RunRules:
             },
             f"step {frame.step} finalised without rank(s) {missing} of world size "
             f"{frame.world_size} ({self.partial_streak} partial frame(s) in a row)",
+        )
+
+    def _divergence(self, view: _FrameView) -> Finding:
+        rows = view.frame.replica_divergence
+        if rows.size == 0:
+            return Finding(False)
+        layers = np.unique(rows[:, 0]).astype(np.int64)
+        names = [str(n) for n in self.names[layers]]
+        ranks = sorted(set(rows[:, 1].tolist()) | set(rows[:, 2].tolist()))
+        pairs = {
+            str(n): sorted({(int(a), int(b)) for a, b in rows[rows[:, 0] == i][:, 1:]})
+            for i, n in zip(layers.tolist(), names, strict=True)
+        }
+        first = rows[0]
+        return Finding(
+            True, names, ranks,
+            {
+                "layers": view.layer_values(layers, np.zeros(layers.size)),
+                "diverged_pairs": {k: [list(p) for p in v] for k, v in pairs.items()},
+            },
+            f"replicas disagree at step {view.frame.step} in {len(names)} layer(s) "
+            f"({preview(names)}): rank {int(first[1])} differs from rank {int(first[2])}",
         )
 
     def _health(self, view: _FrameView, tracker: RunHealthTracker) -> Finding:

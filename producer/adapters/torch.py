@@ -16,13 +16,22 @@ overflows); on the CPU by ``summarize`` itself over zero-copy NumPy views. The r
 to the producer as a ready :class:`~producer.summary.LayerSummaries` through
 ``record_summaries``: the gradients themselves never leave their device.
 
-Sharded training: a gradient that is a ``DTensor`` (FSDP2 ``fully_shard``, tensor
-parallelism) is summarised through its local shard (``grad.to_local()``), so the consumer's
-merge of all ranks gives full-tensor statistics; on mesh dimensions where the gradient is
-replicated only the rank at coordinate 0 reports it, and a gradient with a pending
-(``Partial``) reduction is not reported. ``numel`` in ``start_run`` is the full
-(global) parameter size. FSDP v1's flat parameters are not resolved into the original
-parameters: prefer FSDP2, or DDP, whose wrapper prefixes are normalised away.
+What a frame means across ranks: the statistics of the gradient the optimiser applies.
+Every rank reports every watched parameter it holds, tagged with the piece of the parameter
+it covers (:func:`gradient_piece`): a plain tensor is the whole parameter (under DDP every
+rank holds the same all-reduced gradient, a replica the consumer counts once); a
+``DTensor`` (FSDP2 ``fully_shard``, HSDP, tensor parallelism) is summarised through its
+local shard, its ``Shard`` mesh dimensions cutting the parameter into disjoint pieces that
+add up, its ``Replicate`` dimensions holding replicas. A gradient with a pending
+(``Partial``) reduction is not reported. ``numel`` in ``start_run`` is the full (global)
+parameter size. FSDP v1's flat parameters are not resolved into the original parameters:
+prefer FSDP2, or DDP, whose wrapper prefixes are normalised away.
+
+The per-rank local view (DDP): :meth:`GradientTap.attach_ddp` registers a communication
+hook that summarises each bucket's local gradients (this rank's own, before the
+all-reduce) and then runs DDP's default all-reduce; the next summary carries them as the
+local view. Under FSDP the local gradient exists only inside the reduce-scatter of the
+unsharded gradient: it is not exposed cheaply, so FSDP runs have no local view.
 
 Importing this module does not import torch; torch is imported when a tap is built or a
 function here is called.
@@ -59,6 +68,7 @@ class SummaryRecorder(Protocol):
         vanishing_threshold: float = ...,
         exploding_threshold: float = ...,
         config: Mapping[str, Any] | None = ...,
+        dtypes: Mapping[str, str] | None = ...,
     ) -> None:
         """Announce the layer list (see ``GradientProducer.start_run``)."""
 
@@ -145,31 +155,49 @@ def full_numel(param: torch.Tensor) -> int:
     return int(math.prod(param.shape))
 
 
-def local_gradient(grad: torch.Tensor) -> torch.Tensor | None:
-    """The part of a gradient this rank must report so that all ranks merge to the full tensor.
+def gradient_piece(grad: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
+    """The part of a gradient this rank holds, and which piece of the parameter it is.
+
+    A parameter is cut into ``shard_count`` disjoint pieces that together make the whole
+    tensor; ranks holding the same piece are replicas of it, which the consumer counts once
+    and checks for agreement (schema 1.3 shard layout).
+
+    - A plain tensor is the whole parameter: piece 0 of 1. Under DDP every rank holds the
+      same all-reduced gradient (a replica); in a single process, or when one pipeline
+      stage owns the parameter, one rank does.
+    - A ``DTensor`` (FSDP2 ``fully_shard``, HSDP, tensor parallelism) is its local part
+      ``grad.to_local()``; the mesh dimensions with a ``Shard`` placement cut it, so the
+      piece index is this rank's coordinate flattened (row-major) over those dimensions and
+      the count is the product of their sizes; ``Replicate`` dimensions hold replicas.
 
     Args:
         grad: a plain tensor, a sparse COO tensor or a ``DTensor``.
 
     Returns:
-        ``grad`` itself for a plain tensor; ``grad.to_local()`` for a DTensor sharded or
-        replicated over its mesh when this rank is the coordinate-0 replica on every
-        replicated mesh dimension; ``None`` when another rank reports this data (a
-        replica), when this rank is not in the DTensor's mesh, or when the DTensor holds a
-        pending ``Partial`` reduction (its local parts do not merge into statistics).
+        ``(local tensor, shard_index, shard_count)``, or ``None`` when this rank is not in
+        the DTensor's mesh or the DTensor holds a pending ``Partial`` reduction (its local
+        parts do not merge into statistics of the applied gradient).
     """
     to_local = getattr(grad, "to_local", None)
     if to_local is None or not callable(to_local) or not hasattr(grad, "placements"):
-        return grad
+        return grad, 0, 1
     coordinate = grad.device_mesh.get_coordinate()
     if coordinate is None:
         return None
+    shape = grad.device_mesh.shape
+    index, count = 0, 1
     for mesh_dim, placement in enumerate(grad.placements):
         if placement.is_partial():
             return None
-        if placement.is_replicate() and coordinate[mesh_dim] != 0:
-            return None
-    return to_local()
+        if placement.is_shard():
+            index = index * shape[mesh_dim] + coordinate[mesh_dim]
+            count *= shape[mesh_dim]
+    return to_local(), index, count
+
+
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype's short name (``torch.bfloat16`` -> ``"bfloat16"``), as on the wire."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _values(grad: torch.Tensor, torch: Any) -> torch.Tensor:
@@ -250,7 +278,7 @@ def summarize_tensors(
     Args:
         gradients: name -> floating-point tensor of any shape with at least one element,
             in the order the summaries should have. Plain tensors only: turn DTensors
-            into their local part first (:func:`local_gradient`).
+            into their local part first (:func:`gradient_piece`).
         host_numpy: summarise dense CPU tensors with NumPy (default True); False uses
             the torch reductions for CPU tensors too.
         norms_only: the producer's norms mode: only ``sum_sq`` and ``nonfinite`` (one norm
@@ -281,7 +309,7 @@ def summarize_tensors(
             raise TypeError(f"gradient {name!r} is a {type(grad).__name__}, not a torch.Tensor")
         if hasattr(grad, "placements") and hasattr(grad, "to_local"):
             raise TypeError(
-                f"gradient {name!r} is a DTensor: pass local_gradient(grad) (its local shard)"
+                f"gradient {name!r} is a DTensor: pass gradient_piece(grad)[0] (its local shard)"
             )
         if not grad.is_floating_point():
             raise TypeError(
@@ -386,8 +414,9 @@ class GradientTap:
     Attributes:
         skipped_without_grad: (parameter, step) pairs left out because ``.grad`` was
             ``None``, over the steps that were summarised.
-        skipped_not_local: (parameter, step) pairs left out because another rank reports
-            that gradient (DTensor replica, Partial placement) or the local shard is empty.
+        skipped_not_local: (parameter, step) pairs left out because the gradient is a
+            DTensor with a pending ``Partial`` reduction, this rank is outside its mesh, or
+            its local shard is empty.
         steps_recorded: summaries handed to the producer.
         steps_without_gradients: summarised steps where no watched parameter had a
             gradient (nothing is sent for them).
@@ -439,6 +468,8 @@ class GradientTap:
         self.steps_recorded = 0
         self.steps_without_gradients = 0
         self._handles: list[Any] = []
+        self._name_of = {id(param): name for name, param in self._params}
+        self._local_rows: dict[str, tuple[int, float, float, float, int]] = {}
 
     @property
     def layer_names(self) -> list[str]:
@@ -475,6 +506,7 @@ class GradientTap:
             vanishing_threshold=vanishing_threshold,
             exploding_threshold=exploding_threshold,
             config=config,
+            dtypes={name: dtype_name(param.dtype) for name, param in self._params},
         )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -529,6 +561,80 @@ class GradientTap:
         self._handles.append(handle)
         return handle
 
+    def attach_ddp(self, ddp_model: Any, process_group: Any = None) -> None:
+        """Turn on the per-rank local view for a ``DistributedDataParallel`` model.
+
+        Registers :meth:`comm_hook` with ``ddp_model.register_comm_hook`` (one hook per DDP
+        model, before the first backward). Lightning users pass the hook instead:
+        ``DDPStrategy(ddp_comm_hook=tap.comm_hook)``.
+
+        Args:
+            ddp_model: the DDP-wrapped model whose parameters this tap watches.
+            process_group: the group DDP all-reduces over (None: the default group); handed
+                to DDP's default all-reduce as its state.
+
+        Raises:
+            TypeError: ``ddp_model`` has no ``register_comm_hook`` (not DDP).
+        """
+        register = getattr(ddp_model, "register_comm_hook", None)
+        if register is None:
+            raise TypeError(
+                f"{type(ddp_model).__name__} has no register_comm_hook: attach_ddp needs a "
+                "torch.nn.parallel.DistributedDataParallel model"
+            )
+        register(process_group, self.comm_hook)
+
+    def comm_hook(self, state: Any, bucket: Any) -> Any:
+        """DDP communication hook: summarise the bucket's local gradients, then all-reduce.
+
+        The bucket holds this rank's own gradients of its parameters before the reduction
+        (with ``no_sync`` gradient accumulation, the sum of the step's micro-batches;
+        without it, DDP reduces at every micro-batch and the last reduction's input is
+        kept). They are summarised like the frame statistics (:func:`summarize_tensors`,
+        one small device-to-host copy per bucket on an accelerator) and handed to the next
+        :meth:`step` as the local view; then DDP's default ``allreduce_hook`` runs.
+
+        Args:
+            state: the process group for the all-reduce (None: default group).
+            bucket: the ``torch.distributed.GradBucket`` DDP passes.
+
+        Returns:
+            The all-reduce future of DDP's default hook.
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        names = []
+        views = []
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            name = self._name_of.get(id(param))
+            if name is not None and grad is not None and grad.numel() > 0:
+                names.append(name)
+                views.append(grad)
+        if names:
+            local = summarize_tensors(dict(zip(names, views, strict=True)),
+                                      host_numpy=self.host_numpy)
+            for i, name in enumerate(local.names):
+                self._local_rows[name] = (
+                    int(local.numel[i]), float(local.sum_abs[i]),  # type: ignore[index]
+                    float(local.sum_sq[i]), float(local.max_abs[i]),  # type: ignore[index]
+                    int(local.nonfinite[i]),
+                )
+        return default_hooks.allreduce_hook(state, bucket)
+
+    def _take_local(self) -> LayerSummaries | None:
+        """The local view gathered by :meth:`comm_hook` since the last step (model
+        order), then forgotten; None when no hook ran."""
+        if not self._local_rows:
+            return None
+        rows = self._local_rows
+        self._local_rows = {}
+        names = tuple(n for n, _ in self._params if n in rows)
+        table = np.array([rows[n] for n in names], dtype=np.float64).reshape(len(names), 5)
+        return LayerSummaries(
+            names, table[:, 0].astype(np.int64), table[:, 1], table[:, 2], table[:, 3],
+            table[:, 4].astype(np.int64),
+        )
+
     def detach(self) -> None:
         """Remove every optimiser hook this tap registered."""
         for handle in self._handles:
@@ -564,22 +670,30 @@ class GradientTap:
         if step % self.every_n_steps:
             return None
         grads: dict[str, Any] = {}
+        index: list[int] = []
+        count: list[int] = []
         for name, param in self._params:
             grad = param.grad
             if grad is None:
                 self.skipped_without_grad += 1
                 continue
-            local = local_gradient(grad)
-            if local is None or local.numel() == 0:
+            piece = gradient_piece(grad)
+            if piece is None or piece[0].numel() == 0:
                 self.skipped_not_local += 1
                 continue
-            grads[name] = local
+            grads[name] = piece[0]
+            index.append(piece[1])
+            count.append(piece[2])
+        local = self._take_local()
         if not grads:
             self.steps_without_gradients += 1
             return None
         settings = getattr(self.producer, "settings", None)
         norms_only = getattr(settings, "mode", "full") == "norms"
         summaries = summarize_tensors(grads, host_numpy=self.host_numpy, norms_only=norms_only)
+        summaries = summaries.with_layout(np.asarray(index), np.asarray(count))
+        if local is not None:
+            summaries = summaries.with_local(local)
         self.producer.record_summaries(step, summaries)
         self.steps_recorded += 1
         return summaries

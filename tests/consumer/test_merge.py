@@ -106,3 +106,67 @@ def test_rank_order_does_not_matter(order):
     m = ShardMerger(5.0, StoreStub().load)
     frames = [m.add(RUN, shard(3, r, r + 1.0), P, i, 0.0) for i, r in enumerate(order)]
     assert frames[-1].sum_sq.tolist() == [28.0, 28.0]
+
+
+# -- replicas (schema 1.3 shard layout) ---------------------------------------------------
+
+DDP = RunInfo("d", 3, ("a", "b"), np.array([2, 2]), 1e-7, 1e3)
+
+
+def replica(step: int, rank: int, value: float = 1.0, index: int = 0, count: int = 1,
+            numel: int = 2, world_size: int = 3) -> StepSummary:
+    """A rank's statistics of ``value`` in every element of its piece of each layer."""
+    return StepSummary(
+        run_id="d", step=step, rank=rank, world_size=world_size, wall_time=1.0, layer_indices=[0, 1],
+        numel=[numel, numel], sum_abs=[numel * value] * 2, sum_sq=[numel * value**2] * 2,
+        max_abs=[value, value], nonfinite=[0, 0], shard_index=[index, index],
+        shard_count=[count, count],
+    )
+
+
+def test_replicas_count_once_and_agree():
+    m = ShardMerger(10.0, StoreStub().load)
+    for rank in range(2):
+        assert m.add(DDP, replica(0, rank, 3.0), P, rank, 0.0) is None
+    frame = m.add(DDP, replica(0, 2, 3.0), P, 2, 0.0)
+    assert frame.numel.tolist() == [2, 2]  # the parameter's size, not 3 copies
+    assert frame.grad_norm.tolist() == pytest.approx([np.sqrt(18.0)] * 2, rel=1e-15)
+    assert frame.replica_divergence.shape == (0, 3)
+
+
+def test_replica_that_disagrees_is_recorded_not_added():
+    m = ShardMerger(10.0, StoreStub().load)
+    m.add(DDP, replica(0, 0, 3.0), P, 0, 0.0)
+    m.add(DDP, replica(0, 1, 3.0 * (1 + 1e-12)), P, 1, 0.0)  # within REPLICA_RTOL: agrees
+    frame = m.add(DDP, replica(0, 2, 3.5), P, 2, 0.0)
+    assert frame.max_abs_grad.tolist() == [3.0, 3.0]  # the first replica's values
+    assert frame.replica_divergence.tolist() == [[0, 2, 0], [1, 2, 0]]
+
+
+def test_hsdp_pieces_add_and_their_replicas_count_once():
+    """4 ranks on a (replicate 2) x (shard 2) mesh: ranks 0, 2 hold piece 0, ranks 1, 3
+    piece 1 (each half of a 4-element parameter)."""
+    run = RunInfo("d", 4, ("a", "b"), np.array([4, 4]), 1e-7, 1e3)
+
+    def piece(rank: int, value: float) -> StepSummary:
+        return replica(0, rank, value, index=rank % 2, count=2, world_size=4)
+
+    m = ShardMerger(10.0, StoreStub().load)
+    for rank in range(3):
+        assert m.add(run, piece(rank, 1.0 + rank % 2), P, rank, 0.0) is None
+    frame = m.add(run, piece(3, 2.0), P, 3, 0.0)
+    assert frame.numel.tolist() == [4, 4]
+    assert frame.sum_abs.tolist() == [2 * 1.0 + 2 * 2.0] * 2
+    assert frame.max_abs_grad.tolist() == [2.0, 2.0]
+
+
+def test_late_replica_of_a_stored_partial_frame_is_not_added():
+    store = StoreStub()
+    stored = MergedShards.empty(2)
+    stored.add(np.array([0, 1]), np.array([2, 2]), np.array([2.0, 2.0]),
+               np.array([2.0, 2.0]), np.array([1.0, 1.0]), np.array([0, 0]))
+    store.sums[5] = stored
+    m = ShardMerger(5.0, store.load)
+    m.restore_finalised("d", np.array([5]), np.array([False]), [[0, 1]])
+    frame = m.add(DDP, replica(5, 2, 1.0), P, 9, 0.0)
+    assert frame.complete and frame.numel.tolist() == [2, 2]  # not 4: counted once

@@ -25,7 +25,7 @@ nn = torch.nn
 
 from producer.adapters.torch import (  # noqa: E402 - after the importorskip
     GradientTap,
-    local_gradient,
+    gradient_piece,
     select_names,
     summarize_tensors,
 )
@@ -526,8 +526,9 @@ def _fsdp_rank(rank: int, world: int, init: str, queue: Any) -> None:
             "sum_sq": s.sum_sq.tolist(),
             "max_abs": s.max_abs.tolist(),
             "nonfinite": s.nonfinite.tolist(),
-            "replica_reported": local_gradient(replicated) is not None,
-            "partial_reported": local_gradient(partial) is not None,
+            "layout": (s.shard_index.tolist(), s.shard_count.tolist()),
+            "replica_piece": gradient_piece(replicated)[1:],  # type: ignore[index]
+            "partial_reported": gradient_piece(partial) is not None,
             "dtensor_refused": _refuses(replicated),
         })
     finally:
@@ -564,7 +565,11 @@ def test_fsdp2_shards_merge_to_full_tensor_statistics(tmp_path: Path) -> None:
     for key, merge in (("sum_abs", np.add), ("sum_sq", np.add), ("max_abs", np.maximum)):
         merged = merge(results[0][key], results[1][key])
         np.testing.assert_allclose(merged, getattr(want, key), rtol=1e-6)  # float32 all-reduce
-    assert [r["replica_reported"] for r in results] == [True, False]
+    # Every layer is cut in 2 pieces (Shard(0) on a 1-D mesh of 2): rank r holds piece r.
+    for r in results:
+        n = len(r["names"])
+        assert r["layout"] == ([r["rank"]] * n, [2] * n)
+    assert [r["replica_piece"] for r in results] == [(0, 1), (0, 1)]  # replicas: one piece
     assert [r["partial_reported"] for r in results] == [False, False]
     assert all("DTensor" in r["dtensor_refused"] for r in results)
 
