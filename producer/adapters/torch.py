@@ -584,7 +584,17 @@ class GradientTap:
             )
         register(process_group, self.comm_hook)
 
-    def comm_hook(self, state: Any, bucket: Any) -> Any:
+    @property
+    def comm_hook(self) -> Callable[..., Any]:
+        """This tap's DDP communication hook, ``hook(state, bucket)`` (see
+        :meth:`summarize_bucket`); DDP refuses a hook whose ``bucket`` is annotated with
+        anything but ``GradBucket``, so the hook itself carries no annotations."""
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            return self.summarize_bucket(state, bucket)
+
+        return hook
+
+    def summarize_bucket(self, state: Any, bucket: Any) -> Any:
         """DDP communication hook: summarise the bucket's local gradients, then all-reduce.
 
         The bucket holds this rank's own gradients of its parameters before the reduction
