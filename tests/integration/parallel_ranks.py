@@ -145,3 +145,99 @@ def _normalised(raw: str) -> str:
     from producer.adapters.naming import normalize_name
 
     return normalize_name(raw)
+
+
+# -- Hugging Face Trainer and Lightning under DDP ------------------------------------------
+
+
+class _Regressor(nn.Module):
+    """The MLP behind a Trainer-style ``forward(x, labels) -> {"loss": ...}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+
+
+def _rows(n: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(n, IN, generator=gen), torch.randn(n, OUT, generator=gen)
+    return [{"x": xs[i], "labels": ys[i]} for i in range(n)]
+
+
+def _torch_reference(module: nn.Module, records: list[dict[str, Any]]) -> list[str]:
+    named = [(_normalised(raw), p) for raw, p in module.named_parameters()]
+    names = [n for n, _ in named]
+    records.append(reference(names, [p for _, p in named]))
+    return names
+
+
+def run_framework_rank(kind: str, rank: int, world: int, port: int, bootstrap: str,
+                       topic: str, run_id: str, out_dir: str, queue: Any) -> None:
+    """One rank of a Hugging Face ``Trainer`` (``kind="hf"``) or Lightning
+    ``strategy="ddp"`` (``kind="lightning"``) job on CPU, started the way ``torchrun``
+    starts ranks (environment variables); gradient accumulation over 2 micro-batches."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    producer = GradientProducer(run_id, rank=rank, world_size=world,
+                                bootstrap_servers=bootstrap, topic=topic)
+    records: list[dict[str, Any]] = []
+    names: list[str] = []
+    data = _rows(8 * world * STEPS * MICRO)
+    if kind == "hf":
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        from producer.adapters.hf import GradstreamCallback
+
+        class Reference(TrainerCallback):
+            def on_pre_optimizer_step(self, args: Any, state: Any, control: Any,
+                                      **kwargs: Any) -> None:
+                names[:] = _torch_reference(kwargs["model"], records)
+
+        args = TrainingArguments(
+            output_dir=out_dir, use_cpu=True, ddp_backend="gloo", max_steps=STEPS,
+            per_device_train_batch_size=8, gradient_accumulation_steps=MICRO,
+            learning_rate=0.05, report_to=[], save_strategy="no", logging_strategy="no",
+            dataloader_num_workers=0, seed=0,
+        )
+        trainer = Trainer(model=_Regressor(), args=args, train_dataset=data,
+                          callbacks=[GradstreamCallback(producer), Reference()])
+        trainer.train()
+    else:
+        import lightning.pytorch as pl
+
+        from producer.adapters.lightning import GradstreamCallback as LightningCallback
+
+        class Module(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = model()
+
+            def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+                return nn.functional.mse_loss(self.net(batch["x"]), batch["labels"])
+
+            def configure_optimizers(self) -> Any:
+                return torch.optim.SGD(self.parameters(), lr=0.05)
+
+        class LightningReference(pl.Callback):
+            def on_before_optimizer_step(self, trainer: Any, pl_module: Any,
+                                         optimizer: Any) -> None:
+                names[:] = _torch_reference(pl_module, records)
+
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world, strategy="ddp", max_steps=STEPS,
+            accumulate_grad_batches=MICRO, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[LightningCallback(producer), LightningReference()],
+            default_root_dir=out_dir,
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=8)
+        trainer.fit(Module(), loader)
+    producer.close()
+    if rank == 0:
+        queue.put({"names": names, "records": records})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue as queue_module
+import socket
 import threading
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import pytest
 
 from consumer.settings import ConsumerSettings
 from consumer.worker import Worker
-from tests.integration.parallel_ranks import STEPS, run_rank
+from tests.integration.parallel_ranks import STEPS, run_framework_rank, run_rank
 
 RTOL = 1e-9
 TOTAL_RTOL = 1e-6
@@ -48,9 +49,17 @@ def run_job(kind: str, world: int, tmp_path: Path, bootstrap: str, name: str,
     init = f"file://{tmp_path / f'pg-{kind}'}"
     try:
         assert worker.wait_ready(60)
-        procs = [ctx.Process(target=run_rank, args=(kind, r, world, init, bootstrap,
-                                                    settings.topic, run_id, queue, options))
-                 for r in range(world)]
+        if kind in ("hf", "lightning"):
+            with socket.socket() as sock:  # a free port for the rendezvous
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            procs = [ctx.Process(target=run_framework_rank, args=(
+                kind, r, world, port, bootstrap, settings.topic, run_id,
+                str(tmp_path / kind), queue)) for r in range(world)]
+        else:
+            procs = [ctx.Process(target=run_rank, args=(
+                kind, r, world, init, bootstrap, settings.topic, run_id, queue, options))
+                for r in range(world)]
         for p in procs:
             p.start()
         try:
@@ -150,3 +159,12 @@ def test_sharded_frames_are_the_full_gradient(kind, world, kafka_bootstrap, tmp_
     frames = con.execute("SELECT count(*) FROM frames WHERE run_id = ? AND complete",
                          [run_id]).fetchone()[0]
     assert frames == STEPS  # every rank reported every step
+
+
+@pytest.mark.parametrize("kind", ["hf", "lightning"])
+def test_trainer_frameworks_under_ddp(kind, kafka_bootstrap, tmp_path, unique_name):
+    """Hugging Face ``Trainer`` and Lightning ``strategy="ddp"``, 2 CPU ranks started like
+    torchrun starts them, gradient accumulation 2: frames equal torch's values."""
+    result, con, run_id = run_job(kind, 2, tmp_path, kafka_bootstrap, unique_name)
+    assert len(result["records"]) == STEPS
+    assert_frames_match_torch(result, con, run_id)
