@@ -77,6 +77,10 @@ def _build_callback_class() -> type:
                 gradient_clip_val).
             finish_run: call ``producer.finish_run()`` in ``on_train_end`` (default True).
             close_producer: also call ``producer.close()`` there (default False).
+            local_view: under ``strategy="ddp"``, register the tap's DDP communication hook
+                on the wrapped model in ``on_train_start`` (``GradientTap.attach_ddp``), so
+                that each summary carries this rank's own pre-all-reduce gradient (default
+                False; ignored by strategies that do not wrap the model in DDP).
 
         Raises:
             TypeError / ValueError: invalid ``every_n_steps``.
@@ -100,8 +104,10 @@ def _build_callback_class() -> type:
             config: Mapping[str, Any] | None = None,
             finish_run: bool = True,
             close_producer: bool = False,
+            local_view: bool = False,
         ) -> None:
             super().__init__()
+            self.local_view = local_view
             self._session = _TapSession(
                 producer,
                 every_n_steps=every_n_steps,
@@ -121,7 +127,8 @@ def _build_callback_class() -> type:
             return self._session.tap
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            """Build the tap on the LightningModule and announce the run (``start_run``)."""
+            """Build the tap on the LightningModule and announce the run (``start_run``);
+            with ``local_view``, attach the DDP communication hook."""
             self._session.begin(
                 pl_module,
                 rank=trainer.global_rank,
@@ -133,6 +140,9 @@ def _build_callback_class() -> type:
                     "gradient_clip_val": trainer.gradient_clip_val,
                 },
             )
+            wrapped = getattr(trainer.strategy, "model", None)
+            if self.local_view and hasattr(wrapped, "register_comm_hook"):
+                self._session.tap.attach_ddp(wrapped)
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             """Summarise the accumulated gradients of optimiser step ``trainer.global_step``."""

@@ -233,7 +233,7 @@ def run_framework_rank(kind: str, rank: int, world: int, port: int, bootstrap: s
             accelerator="cpu", devices=world, strategy="ddp", max_steps=STEPS,
             accumulate_grad_batches=MICRO, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[LightningCallback(producer), LightningReference()],
+            callbacks=[LightningCallback(producer, local_view=True), LightningReference()],
             default_root_dir=out_dir,
         )
         loader = torch.utils.data.DataLoader(data, batch_size=8)

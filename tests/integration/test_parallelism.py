@@ -168,3 +168,6 @@ def test_trainer_frameworks_under_ddp(kind, kafka_bootstrap, tmp_path, unique_na
     result, con, run_id = run_job(kind, 2, tmp_path, kafka_bootstrap, unique_name)
     assert len(result["records"]) == STEPS
     assert_frames_match_torch(result, con, run_id)
+    local = con.execute("SELECT count(DISTINCT rank), count(DISTINCT step) FROM "
+                        "local_layer_stats WHERE run_id = ?", [run_id]).fetchone()
+    assert local == ((2, STEPS) if kind == "lightning" else (0, 0))  # Lightning: local_view
