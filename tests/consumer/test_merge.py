@@ -117,7 +117,8 @@ def replica(step: int, rank: int, value: float = 1.0, index: int = 0, count: int
             numel: int = 2, world_size: int = 3) -> StepSummary:
     """A rank's statistics of ``value`` in every element of its piece of each layer."""
     return StepSummary(
-        run_id="d", step=step, rank=rank, world_size=world_size, wall_time=1.0, layer_indices=[0, 1],
+        run_id="d", step=step, rank=rank, world_size=world_size, wall_time=1.0,
+        layer_indices=[0, 1],
         numel=[numel, numel], sum_abs=[numel * value] * 2, sum_sq=[numel * value**2] * 2,
         max_abs=[value, value], nonfinite=[0, 0], shard_index=[index, index],
         shard_count=[count, count],

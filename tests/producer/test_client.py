@@ -185,3 +185,27 @@ def test_broker_outage_loses_nothing_that_fitted_in_the_buffer(local_broker, uni
     assert stats.dropped == 0  # the buffer held the whole outage
     finished = [m for m in messages if not isinstance(m, StepSummary | RunStarted)]
     assert finished and json.loads(finished[0].model_dump_json())["dropped"] == 0
+
+
+def test_replicated_step_with_local_view_through_the_broker(kafka_bootstrap: str,
+                                                              unique_name: str) -> None:
+    """``replicated=True`` sends the layout 0-of-1; ``local_gradients`` the local view;
+    ``dtypes`` reach RunStarted."""
+    topic = f"repl-{unique_name}"
+    avg = grads(2)
+    mine = {"layer1.weight": np.array([1.0, -3.0, np.nan, 0.5], np.float32)}
+    with GradientProducer("r", rank=1, world_size=2, bootstrap_servers=kafka_bootstrap,
+                          topic=topic) as gp:
+        gp.start_run({"layer0.weight": 8, "layer1.weight": 8},
+                     dtypes={"layer0.weight": "float32", "layer1.weight": "bfloat16"})
+        gp.record_step(0, avg, replicated=True, local_gradients=mine)
+        with pytest.raises(ValueError, match="unknown layer"):
+            gp.record_step(1, avg, local_gradients={"nope": np.ones(2, np.float32)})
+        gp.finish_run()
+    started, step = read_all(kafka_bootstrap, topic, 3)[:2]
+    assert isinstance(started, RunStarted) and started.dtypes == ["float32", "bfloat16"]
+    assert isinstance(step, StepSummary)
+    assert step.shard_index == [0, 0] and step.shard_count == [1, 1]
+    assert step.local_layer_indices == [1] and step.local_numel == [4]
+    assert step.local_sum_abs == [4.5] and step.local_max_abs == [3.0]
+    assert step.local_sum_sq == [10.25] and step.local_nonfinite == [1]

@@ -187,3 +187,32 @@ def test_bad_weight_distribution(override, reason):
     raw.update(override)
     with pytest.raises(WireError, match=reason):
         decode_message(json.dumps(raw))
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ({"shard_index": [0, 0]}, "go together"),
+        ({"shard_index": [0], "shard_count": [1]}, "one per layer_indices"),
+        ({"shard_index": [1, 0], "shard_count": [1, 1]}, "shard_index"),
+        ({"shard_index": [0, 0], "shard_count": [3, 1]}, "world_size"),
+        ({"local_layer_indices": [0]}, "local view goes together"),
+        ({"local_layer_indices": [0, 0], "local_numel": [1, 1], "local_sum_abs": [0, 0],
+          "local_sum_sq": [0, 0], "local_max_abs": [0, 0], "local_nonfinite": [0, 0]},
+         "unique"),
+        ({"local_layer_indices": [0], "local_numel": [1], "local_sum_abs": [0.0],
+          "local_sum_sq": [0.0], "local_max_abs": [0.0], "local_nonfinite": [2]},
+         "local_nonfinite exceeds"),
+    ],
+)
+def test_layout_and_local_view_are_checked(override, reason):
+    with pytest.raises(WireError, match=reason):
+        decode_message(_raw(**override))
+
+
+def test_layout_and_local_view_round_trip():
+    msg = StepSummary(**_summary(
+        shard_index=[0, 1], shard_count=[1, 2], local_layer_indices=[1], local_numel=[8],
+        local_sum_abs=[3.0], local_sum_sq=[2.0], local_max_abs=[1.0], local_nonfinite=[0]))
+    again = decode_message(encode_message(msg))
+    assert again == msg and again.has_local
