@@ -52,3 +52,18 @@ def test_round_trip_recomputes_the_same_frame(norms_only, histogram):
     np.testing.assert_array_equal(again.mean_abs_grad, frame.mean_abs_grad)
     if histogram:
         assert np.array_equal(again.exp_hist, frame.exp_hist)
+
+
+def test_local_view_rows_travel_with_the_frame():
+    from consumer.frames import LocalRows
+
+    frame = _frame(False, False)
+    frame.local = LocalRows(
+        np.array([0, 0, 1], np.int32), np.array([0, 2, 0], np.int32),
+        np.array([20, 22, 20]), np.array([1.5, 2.0, 3.0]), np.array([0.5, 1.0, 4.0]),
+        np.array([0.3, 0.9, 2.5]), np.array([0, 1, 0]))
+    message = decode_frame_message(encode_message(frame_to_message(frame)))
+    assert isinstance(message, MergedFrame) and message.local_ranks == [0, 0, 1]
+    back = LocalRows.from_shard(message)
+    for name in ("rank", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs", "nonfinite"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(frame.local, name))
