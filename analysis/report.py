@@ -3,6 +3,11 @@
 The seed keeps frames in memory and rescans them; here every figure is one SQL aggregate
 over ``layer_stats`` (O(layers x steps), done by DuckDB), plus ``frames`` for the
 partial-frame count and ``runs`` for the run's shape.
+
+Layers with no gradient by construction (zero up to floating-point rounding in every frame
+from their first on, ``consumer.rounding``; e.g. the key bias of softmax attention) are
+listed apart and count neither as vanishing layers nor in ``issue_frames`` nor in the
+health, the same rule as the consumer's incremental :mod:`consumer.health`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from analysis.store import STATS_SQL, require_run, stats_params
+from analysis.store import require_run, stats_params
+from consumer.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
 
 if TYPE_CHECKING:
@@ -43,15 +49,25 @@ class GradientFlowSummary(BaseModel):
     - ``total_steps``: last step considered + 1 (0 with no frame), as in the seed.
     - ``layers_with_vanishing_grads`` / ``layers_with_exploding_grads``: layers with
       ``is_vanishing`` / ``is_exploding`` in at least one frame, in model order
-      (``layers.layer_index``), not the seed's name order.
+      (``layers.layer_index``), not the seed's name order. A row's ``is_vanishing`` is left
+      out while its layer has had no gradient by construction from its first frame up to
+      that row's step (see ``layers_without_gradient``).
     - ``overall_health``: :func:`classify_health` of the data.
     - ``recommendations``: :func:`build_recommendations`.
 
     gradstream extras:
 
     - ``frames``: steps with at least one ``layer_stats`` row in the range.
-    - ``issue_frames``: frames with any vanishing or exploding layer;
-      ``issue_ratio = issue_frames / max(frames, 1)``.
+    - ``issue_frames``: frames with any vanishing (as above), exploding or non-finite
+      layer (a NaN/Inf gradient is an issue: seed 001 counts an infinite gradient as
+      exploding); ``issue_ratio = issue_frames / max(frames, 1)``.
+    - ``layers_without_gradient``: layers with no gradient by construction (model order):
+      at rounding level in every stored frame from their first up to the end of the range
+      (``consumer.rounding``: mean |g|, or the RMS in norms mode, at most
+      ``eps(dtype) / 2`` times the step's largest and detached from the layers carrying
+      gradient by a gap of at least ``(eps(dtype) / 2) ** -0.5``); judged from the run's
+      first frame whatever ``from_step``. ``no_gradient_since_step``: the earliest first
+      step of those layers, or ``None``.
     - ``partial_frames``: ``frames`` rows in the range finalised without every rank.
     - ``ranks_finished``: ranks that sent RunFinished; ``dropped_summaries``: step
       summaries those ranks dropped because Kafka was unreachable and their queue was full
@@ -61,6 +77,15 @@ class GradientFlowSummary(BaseModel):
       frame (model order); ``first_nonfinite_step``: the earliest such step, or ``None``.
     - ``world_size``, ``num_layers``: from the ``runs`` row.
     - ``from_step`` / ``to_step``: the inclusive range requested (``None`` = open).
+    - ``first_bad_local_step``: from the per-rank local view (``local_layer_stats``,
+      statistics of each rank's own gradient before the cross-rank reduction), the
+      earliest step in the range at which some rank's local gradient of some layer had
+      ``nonfinite > 0`` or ``max_abs_grad`` above the run's exploding threshold; ``None``
+      when there is none or no local view was sent. ``first_bad_local_ranks``: the ranks
+      bad at that step (ascending). ``first_bad_local_nonfinite`` /
+      ``first_bad_local_exploding``: whether their bad rows at that step held NaN/Inf /
+      a max |g| above the threshold. Under data parallelism every rank applies the same
+      averaged gradient, so a NaN is everyone's; these say whose gradient it came from.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -83,6 +108,12 @@ class GradientFlowSummary(BaseModel):
     num_layers: int
     from_step: int | None = None
     to_step: int | None = None
+    first_bad_local_step: int | None = None
+    first_bad_local_ranks: list[int] = Field(default_factory=list)
+    first_bad_local_nonfinite: bool = False
+    first_bad_local_exploding: bool = False
+    layers_without_gradient: list[str] = Field(default_factory=list)
+    no_gradient_since_step: int | None = None
 
 
 def classify_health(
@@ -107,15 +138,17 @@ def classify_health(
     The ratio comparisons are done exactly in integers (``10 * issue_frames > frames``
     for 0.1, and so on), so a ratio of exactly 0.1, 0.3 or 0.5 is never "above".
 
-    Note (inherited from the seed): an issue frame always contains a vanishing or an
-    exploding layer, so with counters taken from data rule 4's ``issue_ratio > 0.1``
-    never decides anything (any issue frame already sets a flag); it matters only for
-    callers passing independent counts.
+    Note (inherited from the seed): an issue frame always contains a vanishing, an
+    exploding or a non-finite layer, so with counters taken from data rule 4's
+    ``issue_ratio > 0.1`` never decides anything (any issue frame already sets a flag); it
+    matters only for callers passing independent counts.
 
     Args:
-        any_vanishing: some layer had ``is_vanishing`` in some frame considered.
+        any_vanishing: some layer had ``is_vanishing`` in some frame considered (layers
+            with no gradient by construction left out, see :class:`GradientFlowSummary`).
         any_exploding: some layer had ``is_exploding`` in some frame considered.
-        issue_frames: frames with any vanishing or exploding layer (0 <= issue_frames).
+        issue_frames: frames with any vanishing, exploding or non-finite layer
+            (0 <= issue_frames).
         frames: frames considered (issue_frames <= frames).
         any_nonfinite: some layer had a NaN/Inf gradient element in some frame.
 
@@ -225,32 +258,77 @@ _HEALTH_LINE: dict[GradientHealth, str] = {
     GradientHealth.HEALTHY: "Gradient flow looks healthy; nothing to do.",
 }
 
-_LAYER_FLAGS_SQL = f"""
-    WITH s AS ({STATS_SQL})
-    SELECT layer_index, any_value(name) AS name,
-           bool_or(is_vanishing) AS vanishing,
-           bool_or(is_exploding) AS exploding,
-           bool_or(nonfinite > 0) AS nonfinite
-    FROM s
-    GROUP BY layer_index
-    HAVING bool_or(is_vanishing) OR bool_or(is_exploding) OR bool_or(nonfinite > 0)
-    ORDER BY layer_index
-"""
+def _summary_sql(with_dtype: bool) -> str:
+    """One statement for the layer lists and the frame counts of :func:`build_report`.
 
-_FRAME_COUNTS_SQL = f"""
-    WITH s AS ({STATS_SQL}),
+    Rows of the run up to ``$to_step`` are judged by
+    :func:`consumer.rounding.rounding_rows_sql` (from the run's first frame, so that the
+    no-gradient state at ``$from_step`` is the run's); the rows from ``$from_step`` on are
+    aggregated per layer and per step. One row per layer with a flag or no gradient
+    (model order), each carrying the frame counts (frames, issue_frames, last_step,
+    first_nonfinite_step); one row with NULL layer columns when no layer is listed.
+
+    Args:
+        with_dtype: the store's ``layers`` table has the ``dtype`` column (schema 1.3).
+    """
+    return f"""
+    WITH z AS MATERIALIZED ({rounding_rows_sql(with_dtype)}),
+    s AS (
+        SELECT step, layer_index, is_exploding, nonfinite, no_gradient, first_step,
+               is_vanishing AND NOT no_gradient AS vanishing
+        FROM z WHERE $from_step IS NULL OR step >= $from_step
+    ),
+    per_layer AS (
+        SELECT layer_index, bool_or(vanishing) AS vanishing,
+               bool_or(is_exploding) AS exploding, bool_or(nonfinite > 0) AS nonfinite,
+               bool_and(no_gradient) AS no_gradient, min(first_step) AS first_step
+        FROM s GROUP BY layer_index
+    ),
     f AS (
-        SELECT step,
-               bool_or(is_vanishing OR is_exploding) AS issue,
+        SELECT step, bool_or(vanishing OR is_exploding OR nonfinite > 0) AS issue,
                bool_or(nonfinite > 0) AS nonfinite
         FROM s GROUP BY step
+    ),
+    counts AS (
+        SELECT count(*) AS frames, count(*) FILTER (WHERE issue) AS issue_frames,
+               max(step) AS last_step,
+               min(step) FILTER (WHERE nonfinite) AS first_nonfinite_step
+        FROM f
     )
-    SELECT count(*) AS frames,
-           count(*) FILTER (WHERE issue) AS issue_frames,
-           max(step) AS last_step,
-           min(step) FILTER (WHERE nonfinite) AS first_nonfinite_step
-    FROM f
+    SELECT c.frames, c.issue_frames, c.last_step, c.first_nonfinite_step, p.layer_index,
+           coalesce(l.name, 'layer[' || CAST(p.layer_index AS VARCHAR) || ']') AS name,
+           p.vanishing, p.exploding, p.nonfinite, p.no_gradient, p.first_step
+    FROM counts AS c
+    LEFT JOIN (SELECT * FROM per_layer
+               WHERE vanishing OR exploding OR nonfinite OR no_gradient) AS p ON true
+    LEFT JOIN layers AS l ON l.run_id = $run_id AND l.layer_index = p.layer_index
+    ORDER BY p.layer_index
+    """
+
+
+def _has_layer_dtype(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether the store's ``layers`` table has the ``dtype`` column (schema 1.3)."""
+    row = con.execute(
+        "SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
+        "AND table_name = 'layers' AND column_name = 'dtype'"
+    ).fetchone()
+    return bool(row and row[0])
+
+_LOCAL_ORIGIN_SQL = """
+    SELECT s.step, list(DISTINCT s.rank ORDER BY s.rank) AS ranks,
+           bool_or(s.nonfinite > 0) AS nonfinite,
+           bool_or(s.max_abs_grad > r.exploding_threshold) AS exploding
+    FROM local_layer_stats AS s JOIN runs AS r ON r.run_id = s.run_id
+    WHERE s.run_id = $run_id
+      AND ($from_step IS NULL OR s.step >= $from_step)
+      AND ($to_step IS NULL OR s.step <= $to_step)
+      AND (s.nonfinite > 0 OR s.max_abs_grad > r.exploding_threshold)
+    GROUP BY s.step
+    ORDER BY s.step
+    LIMIT 1
 """
+"""The earliest step with a bad local row (NaN/Inf, or max |g| above the run's exploding
+threshold) and the ranks of that step's bad rows; no row when there is none."""
 
 _RUN_SQL = """
     SELECT r.world_size, r.num_layers,
@@ -281,7 +359,10 @@ def build_report(
 
     Returns:
         The :class:`GradientFlowSummary` of the frames in the range; field formulas are in
-        its docstring. Three aggregate queries: per layer, per frame, and the run row.
+        its docstring. Four queries, plus a catalog look-up for ``layers.dtype``: the
+        layer lists and frame counts (one windowed aggregate over the run's rows up to
+        ``to_step``), the run row, the local view's first bad step (a store without
+        ``local_layer_stats``, written before schema 1.3, has none).
 
     Raises:
         StoreError: unknown run or invalid step range.
@@ -291,18 +372,23 @@ def build_report(
     vanishing: list[str] = []
     exploding: list[str] = []
     nonfinite: list[str] = []
-    for _index, name, is_van, is_exp, is_nf in con.execute(_LAYER_FLAGS_SQL, params).fetchall():
-        if is_van:
-            vanishing.append(name)
-        if is_exp:
-            exploding.append(name)
-        if is_nf:
-            nonfinite.append(name)
-    counts = con.execute(_FRAME_COUNTS_SQL, params).fetchone()
+    no_gradient: list[str] = []
+    since: list[int] = []
+    rows = con.execute(_summary_sql(_has_layer_dtype(con)), params).fetchall()
+    for *_counts, index, name, is_van, is_exp, is_nf, is_zero, first_step in rows:
+        if index is None:
+            continue
+        for flag, names in ((is_van, vanishing), (is_exp, exploding), (is_nf, nonfinite),
+                            (is_zero, no_gradient)):
+            if flag:
+                names.append(name)
+        if is_zero:
+            since.append(first_step)
     run_row = con.execute(_RUN_SQL, params).fetchone()
-    assert counts is not None and run_row is not None  # aggregate / checked by require_run
-    frames, issue_frames, last_step, first_nonfinite_step = counts
+    assert rows and run_row is not None  # aggregate / checked by require_run
+    frames, issue_frames, last_step, first_nonfinite_step = rows[0][:4]
     world_size, num_layers, partial_frames, ranks_finished, dropped = run_row
+    origin = _local_origin(con, params)
     health = classify_health(
         bool(vanishing), bool(exploding), issue_frames, frames, bool(nonfinite)
     )
@@ -327,7 +413,50 @@ def build_report(
         num_layers=num_layers,
         from_step=from_step,
         to_step=to_step,
+        first_bad_local_step=None if origin is None else origin[0],
+        first_bad_local_ranks=[] if origin is None else list(origin[1]),
+        first_bad_local_nonfinite=origin is not None and bool(origin[2]),
+        first_bad_local_exploding=origin is not None and bool(origin[3]),
+        layers_without_gradient=no_gradient,
+        no_gradient_since_step=min(since) if since else None,
     )
+
+
+def _local_origin(
+    con: duckdb.DuckDBPyConnection, params: dict[str, object]
+) -> tuple[int, list[int], bool, bool] | None:
+    """``(step, ranks, any NaN/Inf, any max |g| > threshold)`` of :data:`_LOCAL_ORIGIN_SQL`,
+    or None (no bad local row, or a store without ``local_layer_stats``)."""
+    import duckdb
+
+    try:
+        return con.execute(_LOCAL_ORIGIN_SQL, params).fetchone()
+    except duckdb.CatalogException:
+        return None
+
+
+def local_origin_text(summary: GradientFlowSummary) -> str | None:
+    """The report's sentence on where bad gradients started, from the local view.
+
+    Args:
+        summary: from :func:`build_report`.
+
+    Returns:
+        ``"NaN/Inf first in rank 2's local gradient at step 20"`` (several ranks: "in the
+        local gradients of ranks 0, 1"; an explosion: "max |g| above the exploding
+        threshold first in ..."), or None without ``first_bad_local_step``.
+    """
+    if summary.first_bad_local_step is None:
+        return None
+    what = " or ".join(
+        w for w, on in (("NaN/Inf", summary.first_bad_local_nonfinite),
+                        ("max |g| above the exploding threshold",
+                         summary.first_bad_local_exploding)) if on
+    )
+    ranks = summary.first_bad_local_ranks
+    where = (f"rank {ranks[0]}'s local gradient" if len(ranks) == 1
+             else f"the local gradients of ranks {', '.join(map(str, ranks))}")
+    return f"{what} first in {where} at step {summary.first_bad_local_step}"
 
 
 def _names_cell(names: list[str], limit: int = NAMES_IN_TABLE) -> Text:
@@ -343,7 +472,9 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     """Terminal rendering of a summary: a key/value table and the recommendations.
 
     Layer names are printed as plain text (never parsed as rich markup); each layer list
-    shows at most ``NAMES_IN_TABLE`` names followed by "... and N more".
+    shows at most ``NAMES_IN_TABLE`` names followed by "... and N more". Layers with no
+    gradient by construction get their own row ("no gradient: by construction since step
+    S: ..."), only when there are some.
 
     Args:
         summary: from :func:`build_report`.
@@ -377,6 +508,13 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     if summary.first_nonfinite_step is not None:
         nonfinite.append(f" (first at step {summary.first_nonfinite_step})")
     table.add_row("non-finite", nonfinite)
+    if summary.layers_without_gradient:
+        zero = Text(f"by construction since step {summary.no_gradient_since_step}: ")
+        zero.append_text(_names_cell(summary.layers_without_gradient))
+        table.add_row("no gradient", zero)
+    origin = local_origin_text(summary)
+    if origin is not None:
+        table.add_row("started in", Text(origin))
     recs = Text()
     for i, rec in enumerate(summary.recommendations):
         recs.append(("\n" if i else "") + f"• {rec}")

@@ -3,16 +3,25 @@
 Over the frames considered (the whole run, or the ``max_frames`` highest steps when a
 rolling window is set, as the seed's ``max_frames``):
 
-- ``issue_ratio = issue_frames / max(frames, 1)``, where an issue frame has any vanishing
-  or exploding layer;
+- ``issue_ratio = issue_frames / max(frames, 1)``, where an issue frame has any vanishing,
+  exploding or non-finite layer (a NaN/Inf gradient is an issue: seed 001 counts an
+  infinite gradient as exploding, its max |g| being inf);
 - Critical if any non-finite gradient (gradstream's rule), or any exploding layer and
   ``issue_ratio > 0.5``; ProblemsDetected if any exploding layer or ``issue_ratio > 0.3``;
   MinorIssues if any vanishing layer or ``issue_ratio > 0.1``; else Healthy.
 
+Layers with no gradient by construction (zero up to floating-point rounding at every frame
+from their first on, ``consumer.rounding``) keep their stored seed flag ``is_vanishing``,
+but that flag counts nowhere here: not as a vanishing layer, not in ``issue_frames``. The
+tracker judges each frame's layers as it arrives (per layer: seen, ever above rounding
+level) and leaves out the vanishing flag of a layer that has not been above rounding level
+yet, this frame included.
+
 The tracker keeps counters (per-layer counts of vanishing / exploding / non-finite frames,
 issue frames, frames) and, per step, the indices of its flagged layers, so that a new frame
-costs O(layers) and a rewritten frame (late shard, replay) replaces its old contribution
-instead of counting twice. Nothing rescans the history.
+costs O(layers) (O(layers log layers) for a frame with a layer still at rounding level: one
+sort) and a rewritten frame (late shard, replay) replaces its old contribution instead of
+counting twice. Nothing rescans the history.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from consumer.rounding import at_rounding_level, unit_roundoff
 from schemas.wire import GradientHealth
 
 _EMPTY = np.empty(0, dtype=np.int32)
@@ -35,7 +45,7 @@ def classify(
     Args:
         any_vanishing / any_exploding / any_nonfinite: whether any layer of any considered
             frame was vanishing / exploding / non-finite.
-        issue_frames: considered frames with a vanishing or exploding layer.
+        issue_frames: considered frames with a vanishing, exploding or non-finite layer.
         frames: considered frames (0 is treated as 1, like the seed).
     """
     ratio = issue_frames / max(frames, 1)
@@ -56,7 +66,7 @@ class _Contribution:
 
     @property
     def is_issue(self) -> bool:
-        return bool(self.vanishing.size or self.exploding.size)
+        return bool(self.vanishing.size or self.exploding.size or self.nonfinite.size)
 
 
 class RunHealthTracker:
@@ -64,12 +74,27 @@ class RunHealthTracker:
 
     Args:
         num_layers: L, the run's layer count.
-        max_frames: rolling window in frames (highest steps kept); 0 = whole run.
+        max_frames: rolling window in frames (highest steps kept); 0 = whole run. The
+            no-gradient-by-construction state is the whole run's, never windowed.
+        roundoff: float64[L] unit roundoff of each layer's gradient dtype
+            (:func:`consumer.rounding.unit_roundoff`); None = float32 for every layer.
+
+    Attributes:
+        seen: bool[L], the layer was in some frame. ordinary: bool[L], some frame showed
+            it above rounding level (or could not judge it: no magnitude given).
+        vanishing_frames, exploding_frames, nonfinite_frames: int64[L] considered frames
+            per flag (vanishing without the layers of :attr:`no_gradient`).
     """
 
-    def __init__(self, num_layers: int, max_frames: int = 0) -> None:
+    def __init__(
+        self, num_layers: int, max_frames: int = 0, roundoff: np.ndarray | None = None
+    ) -> None:
         self.num_layers = num_layers
         self.max_frames = max_frames
+        self.roundoff = (unit_roundoff(None, num_layers) if roundoff is None
+                         else np.asarray(roundoff, np.float64))
+        self.seen = np.zeros(num_layers, bool)
+        self.ordinary = np.zeros(num_layers, bool)
         self.vanishing_frames = np.zeros(num_layers, np.int64)
         self.exploding_frames = np.zeros(num_layers, np.int64)
         self.nonfinite_frames = np.zeros(num_layers, np.int64)
@@ -79,6 +104,12 @@ class RunHealthTracker:
         self._nonfinite_steps: set[int] = set()
         self._by_step: dict[int, _Contribution] = {}
         self._heap: list[int] = []
+
+    @property
+    def no_gradient(self) -> np.ndarray:
+        """bool[L]: layers with no gradient by construction so far (seen, and at rounding
+        level in every frame that had them; ``consumer.rounding``)."""
+        return self.seen & ~self.ordinary
 
     @property
     def first_nonfinite_step(self) -> int | None:
@@ -99,14 +130,30 @@ class RunHealthTracker:
         is_vanishing: np.ndarray,
         is_exploding: np.ndarray,
         nonfinite: np.ndarray,
+        magnitude: np.ndarray | None = None,
     ) -> GradientHealth:
         """Add (or replace) the frame of ``step`` and return the run health after it.
 
         Args:
             step: optimiser step of the frame.
-            layer_index: int[n] layer indices of the frame's rows.
+            layer_index: int[n] layer indices of the frame's rows (every row of the frame:
+                the rounding test compares the layers of a frame with each other).
             is_vanishing, is_exploding: bool[n]; nonfinite: int[n] counts (aligned).
+            magnitude: float64[n] gradient magnitude per row
+                (:func:`consumer.rounding.gradient_magnitude`: mean |g|, or the RMS in
+                norms mode). None: the rows cannot be judged and count as ordinary layers
+                (every vanishing flag counts, as in seed 001).
         """
+        idx = layer_index.astype(np.int64)
+        pending = ~self.ordinary[idx]
+        if magnitude is None:
+            self.ordinary[idx] = True
+        elif pending.any():
+            at_rounding = at_rounding_level(magnitude, self.roundoff[idx], nonfinite)
+            self.ordinary[idx[~at_rounding]] = True
+        self.seen[idx] = True
+        if is_vanishing.any() and pending.any():
+            is_vanishing = is_vanishing & self.ordinary[idx]
         c = _Contribution(
             layer_index[is_vanishing].astype(np.int32) if is_vanishing.any() else _EMPTY,
             layer_index[is_exploding].astype(np.int32) if is_exploding.any() else _EMPTY,
@@ -157,6 +204,10 @@ def restore_tracker(
     flag_vanishing: np.ndarray,
     flag_exploding: np.ndarray,
     flag_nonfinite: np.ndarray,
+    *,
+    roundoff: np.ndarray | None = None,
+    seen: np.ndarray | None = None,
+    ordinary: np.ndarray | None = None,
 ) -> RunHealthTracker:
     """Rebuild a tracker from stored frames (worker restart), without replaying frames.
 
@@ -164,12 +215,21 @@ def restore_tracker(
         num_layers: L. max_frames: rolling window (0 = whole run).
         frame_steps: int[F], every stored step of the run.
         flag_steps, flag_layers: int[R], the stored layer rows with any flag set.
-        flag_vanishing, flag_exploding, flag_nonfinite: bool[R], the flags of those rows.
+        flag_vanishing, flag_exploding, flag_nonfinite: bool[R], the flags of those rows;
+            ``flag_vanishing`` without the rows of layers that had no gradient by
+            construction up to that row's step (``DuckDBSink.load_flags``).
+        roundoff: float64[L] unit roundoff per layer (None = float32).
+        seen, ordinary: bool[L], the per-layer rounding state
+            (``DuckDBSink.load_gradient_state``). None: every layer counts as ordinary
+            (no vanishing flag is left out after the restart).
 
     Returns:
-        A tracker equal to one that saw those frames one by one.
+        A tracker equal to one that saw those frames one by one (in step order).
     """
-    tracker = RunHealthTracker(num_layers, max_frames)
+    tracker = RunHealthTracker(num_layers, max_frames, roundoff)
+    tracker.ordinary = (np.ones(num_layers, bool) if ordinary is None
+                        else np.asarray(ordinary, bool).copy())
+    tracker.seen = tracker.ordinary.copy() if seen is None else np.asarray(seen, bool).copy()
     empty = _Contribution(_EMPTY, _EMPTY, _EMPTY)
     by_step: dict[int, _Contribution] = dict.fromkeys(frame_steps.tolist(), empty)
     if flag_steps.size:

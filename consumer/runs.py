@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from consumer.rounding import unit_roundoff
 from schemas.wire import RunStarted
 
 
@@ -17,6 +18,8 @@ class RunInfo:
         run_id: the run. world_size: ranks per step.
         layer_names: L names, model order. numel: int64[L] full-tensor element counts.
         vanishing_threshold, exploding_threshold: seed-001 thresholds (|g| units).
+        dtypes: L gradient dtype names (``RunStarted.dtypes``, schema 1.3; None entries
+            unknown), or None when the producer sent none.
     """
 
     run_id: str
@@ -25,11 +28,18 @@ class RunInfo:
     numel: np.ndarray
     vanishing_threshold: float
     exploding_threshold: float
+    dtypes: tuple[str | None, ...] | None = None
 
     @property
     def num_layers(self) -> int:
         """L."""
         return len(self.layer_names)
+
+    @property
+    def roundoff(self) -> np.ndarray:
+        """float64[L] unit roundoff of each layer's gradient dtype
+        (:func:`consumer.rounding.unit_roundoff`; unknown = float32)."""
+        return unit_roundoff(self.dtypes, self.num_layers)
 
     @classmethod
     def from_message(cls, msg: RunStarted) -> RunInfo:
@@ -41,6 +51,7 @@ class RunInfo:
             numel=np.asarray(msg.numel, dtype=np.int64),
             vanishing_threshold=msg.vanishing_threshold,
             exploding_threshold=msg.exploding_threshold,
+            dtypes=None if msg.dtypes is None else tuple(msg.dtypes),
         )
 
     def conflict_with(self, msg: RunStarted) -> str | None:

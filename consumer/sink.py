@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from consumer.alerts.rows import write_alerts
 from consumer.frames import GradientFrame, MergedShards, WeightDistribution
+from consumer.rounding import rounding_rows_sql
 from consumer.runs import RunInfo
 from schemas.alert import Alert
 from schemas.tables import LAYER_STATS_COLUMNS, LOCAL_LAYER_STATS_COLUMNS, SCHEMA_DDL
@@ -261,20 +262,22 @@ class DuckDBSink:
     # -- reads used on start-up and for late shards ---------------------------------------
 
     def load_runs(self) -> list[RunInfo]:
-        """Every stored run with its layers (model order)."""
+        """Every stored run with its layers (model order) and their gradient dtypes
+        (``RunInfo.dtypes`` None when no layer of the run has one)."""
         runs = self.con.execute(
             "SELECT run_id, world_size, vanishing_threshold, exploding_threshold FROM runs"
         ).fetchall()
         layers = self.con.execute(
-            "SELECT run_id, list(name ORDER BY layer_index), list(numel ORDER BY layer_index) "
-            "FROM layers GROUP BY run_id"
+            "SELECT run_id, list(name ORDER BY layer_index), list(numel ORDER BY layer_index), "
+            "list(dtype ORDER BY layer_index) FROM layers GROUP BY run_id"
         ).fetchall()
-        by_run = {r: (names, numel) for r, names, numel in layers}
+        by_run = {r: (names, numel, dtypes) for r, names, numel, dtypes in layers}
         out = []
         for run_id, world, van, exp in runs:
-            names, numel = by_run.get(run_id, ([], []))
+            names, numel, dtypes = by_run.get(run_id, ([], [], []))
             out.append(RunInfo(run_id, world, tuple(names), np.asarray(numel, np.int64),
-                               van, exp))
+                               van, exp,
+                               tuple(dtypes) if any(d is not None for d in dtypes) else None))
         return out
 
     def load_frames(self, run_id: str) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
@@ -290,17 +293,48 @@ class DuckDBSink:
         )
 
     def load_flags(self, run_id: str) -> dict[str, np.ndarray]:
-        """A run's stored layer rows with a flag set: step, layer_index, vanishing,
-        exploding, nonfinite (arrays of equal length)."""
+        """A run's stored layer rows with a flag that counts for run health: step,
+        layer_index, is_vanishing, is_exploding, nonfinite (arrays of equal length).
+
+        ``is_vanishing`` is the stored seed flag except on the rows of a layer with no
+        gradient by construction up to that step (``consumer.rounding``), where it is
+        False, as :class:`consumer.health.RunHealthTracker` counted it. One windowed
+        aggregate over the run's rows (:func:`consumer.rounding.rounding_rows_sql`).
+        """
         tbl = self.con.sql(
-            "SELECT step, layer_index, is_vanishing, is_exploding, nonfinite > 0 AS nonfinite "
-            "FROM layer_stats WHERE run_id = $1 AND (is_vanishing OR is_exploding OR "
-            "nonfinite > 0)",
-            params=[run_id],
+            f"WITH z AS ({rounding_rows_sql()}) "
+            "SELECT step, layer_index, is_vanishing AND NOT no_gradient AS is_vanishing, "
+            "is_exploding, nonfinite > 0 AS nonfinite FROM z "
+            "WHERE (is_vanishing AND NOT no_gradient) OR is_exploding OR nonfinite > 0",
+            params={"run_id": run_id, "to_step": None},
         ).to_arrow_table()
         return {
             name: tbl[name].to_numpy(zero_copy_only=False) for name in tbl.column_names
         }
+
+    def load_gradient_state(self, run_id: str, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+        """The per-layer rounding state of a run's stored frames, for
+        :func:`consumer.health.restore_tracker`.
+
+        Args:
+            run_id: the run. num_layers: L.
+
+        Returns:
+            ``(seen, ordinary)``, bool[L] each: the layer has a stored row; some stored row
+            of it is above rounding level (``consumer.rounding``).
+        """
+        tbl = self.con.sql(
+            f"WITH z AS ({rounding_rows_sql()}) "
+            "SELECT layer_index, bool_or(NOT at_rounding) AS ordinary FROM z "
+            "GROUP BY layer_index",
+            params={"run_id": run_id, "to_step": None},
+        ).to_arrow_table()
+        idx = tbl["layer_index"].to_numpy().astype(np.int64)
+        seen = np.zeros(num_layers, bool)
+        ordinary = np.zeros(num_layers, bool)
+        seen[idx] = True
+        ordinary[idx] = tbl["ordinary"].to_numpy(zero_copy_only=False).astype(bool)
+        return seen, ordinary
 
     def load_sums(self, run: RunInfo, step: int) -> MergedShards | None:
         """The stored merged sums of frame (run, step), or None if it is not stored."""

@@ -39,6 +39,7 @@ from consumer.frame_codec import message_to_merged
 from consumer.frames import LocalRows, MergedShards, compute_frame
 from consumer.health import RunHealthTracker, restore_tracker
 from consumer.merge import merge_shard, not_yet_counted
+from consumer.rounding import gradient_magnitude
 from consumer.runs import RunInfo
 from consumer.sink import DuckDBSink, RunState, SinkBatch
 from consumer.store_settings import StoreSettings
@@ -179,10 +180,12 @@ class Store:
             for step, seen in zip(steps.tolist(), ranks, strict=True):
                 self._ranks[(run.run_id, step)] = frozenset(seen)
             flags = self._sink.load_flags(run.run_id)
+            seen, ordinary = self._sink.load_gradient_state(run.run_id, run.num_layers)
             self.trackers[run.run_id] = restore_tracker(
                 run.num_layers, self.settings.max_frames, steps, flags["step"],
                 flags["layer_index"], flags["is_vanishing"].astype(bool),
                 flags["is_exploding"].astype(bool), flags["nonfinite"].astype(bool),
+                roundoff=run.roundoff, seen=seen, ordinary=ordinary,
             )
 
     # -- records -------------------------------------------------------------------------
@@ -202,7 +205,8 @@ class Store:
                 run = RunInfo.from_message(message)
                 self.runs[run.run_id] = run
                 self.trackers[run.run_id] = RunHealthTracker(run.num_layers,
-                                                             self.settings.max_frames)
+                                                             self.settings.max_frames,
+                                                             run.roundoff)
                 self._batch.runs_started.append(message)
         elif isinstance(message, RunFinished):
             if message.run_id in self.runs:
@@ -266,7 +270,9 @@ class Store:
             frame.local = LocalRows.from_shard(msg)
         tracker = self.trackers[run.run_id]
         health = tracker.update(frame.step, frame.layer_index, frame.is_vanishing,
-                                frame.is_exploding, frame.nonfinite)
+                                frame.is_exploding, frame.nonfinite,
+                                gradient_magnitude(frame.mean_abs_grad, frame.sum_sq,
+                                                   frame.numel))
         frame_health = GradientHealth.CRITICAL if frame.has_nonfinite else health
         self._batch.frames[key] = (frame, frame_health.value)
         self._batch.run_states[run.run_id] = RunState(

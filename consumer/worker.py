@@ -28,6 +28,7 @@ from consumer.frames import GradientFrame
 from consumer.health import RunHealthTracker, restore_tracker
 from consumer.merge import PartitionKey, ShardMerger
 from consumer.metrics import WorkerMetrics
+from consumer.rounding import gradient_magnitude
 from consumer.runs import RunInfo
 from consumer.settings import ConsumerSettings
 from consumer.sink import DuckDBSink, RunState, SinkBatch
@@ -209,10 +210,12 @@ class Worker:
             steps, complete, ranks = self._sink.load_frames(run.run_id)
             self._merger.restore_finalised(run.run_id, steps, complete, ranks)
             flags = self._sink.load_flags(run.run_id)
+            seen, ordinary = self._sink.load_gradient_state(run.run_id, run.num_layers)
             self.trackers[run.run_id] = restore_tracker(
                 run.num_layers, self.settings.max_frames, steps, flags["step"],
                 flags["layer_index"], flags["is_vanishing"].astype(bool),
                 flags["is_exploding"].astype(bool), flags["nonfinite"].astype(bool),
+                roundoff=run.roundoff, seen=seen, ordinary=ordinary,
             )
         if self.runs:
             log.info("restored %d runs from %s", len(self.runs), self.settings.db)
@@ -250,7 +253,8 @@ class Worker:
     def _register_run(self, msg: RunStarted) -> RunInfo:
         run = RunInfo.from_message(msg)
         self.runs[msg.run_id] = run
-        self.trackers[msg.run_id] = RunHealthTracker(run.num_layers, self.settings.max_frames)
+        self.trackers[msg.run_id] = RunHealthTracker(run.num_layers, self.settings.max_frames,
+                                                     run.roundoff)
         return run
 
     def _known_run(self, run_id: str, record: Any) -> RunInfo | None:
@@ -312,6 +316,7 @@ class Worker:
         health = tracker.update(
             frame.step, frame.layer_index, frame.is_vanishing, frame.is_exploding,
             frame.nonfinite,
+            gradient_magnitude(frame.mean_abs_grad, frame.sum_sq, frame.numel),
         )
         frame_health = GradientHealth.CRITICAL if frame.has_nonfinite else health
         self._batch.frames[(frame.run_id, frame.step)] = (frame, frame_health.value)

@@ -1,9 +1,10 @@
 """``gradstream demo``: a real data-parallel training run, end to end.
 
 Starts (or reuses) a Kafka broker, runs a consumer worker writing a fresh DuckDB file,
-trains the three demo scenarios (healthy, vanishing, exploding) as N rank processes that
-each send their own gradient summaries, then prints each run's report read back from
-DuckDB and writes the CSV/JSON exports.
+trains the four demo scenarios (healthy, vanishing, exploding, bad-rank) as N rank
+processes that each send the averaged gradient they apply (a replicated layout, counted
+once) with their own local gradient as the per-rank local view, then prints each run's
+report read back from DuckDB and writes the CSV/JSON exports.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
-SCENARIO_NAMES = ("healthy", "vanishing", "exploding")
+SCENARIO_NAMES = ("healthy", "vanishing", "exploding", "bad-rank")
 
 
 @contextlib.contextmanager
@@ -65,8 +66,8 @@ def demo(
     ] = None,
     scenario: Annotated[
         list[str] | None,
-        typer.Option(help="Scenario to run (repeatable): healthy, vanishing, exploding. "
-                     "Default: all three."),
+        typer.Option(help="Scenario to run (repeatable): healthy, vanishing, exploding, "
+                     "bad-rank. Default: all four."),
     ] = None,
     out: Annotated[Path, typer.Option(help="Directory for the DuckDB file and exports.")] = Path(
         "out"
@@ -88,9 +89,10 @@ def demo(
                      "runs; 0 = any free port. Default: off."),
     ] = None,
 ) -> None:
-    """Train an MLP on the digits dataset, data-parallel, in three scenarios, and watch
-    gradstream catch vanishing and exploding gradients end to end (Kafka -> worker ->
-    DuckDB -> report). Writes out/demo.duckdb and per-run CSV/JSON exports."""
+    """Train an MLP on the digits dataset, data-parallel, in four scenarios, and watch
+    gradstream catch vanishing and exploding gradients, and name the rank whose corrupted
+    data turned every rank's update NaN, end to end (Kafka -> worker -> DuckDB -> report).
+    Writes out/demo.duckdb and per-run CSV/JSON exports."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -225,5 +227,5 @@ def register(app: typer.Typer) -> None:
     app.command(
         "demo",
         help=demo.__doc__,
-        short_help="Real data-parallel training in three scenarios, end to end.",
+        short_help="Real data-parallel training in four scenarios, end to end.",
     )(demo)

@@ -10,12 +10,20 @@ frame, ``consumer.frames``):
 - ``run_health``: the run's health (``consumer.health``) is at least ``level``.
 - ``nonfinite``: any layer of the frame holds NaN/Inf elements; the ranks are those whose
   shard of that step counted non-finite elements (from the shards, see
-  :meth:`RunRules.note_shard`).
+  :meth:`RunRules.note_shard`). When the producers send the per-rank local view
+  (``GradientFrame.local``), the message also names where it started: the ranks whose
+  *local* gradient held NaN/Inf at the run's earliest such step (:class:`LocalOrigin`;
+  under DDP every rank's averaged gradient is NaN, the local view tells whose was first).
 - ``exploding`` / ``vanishing``: some layer has been flagged in ``consecutive`` frames in a
   row. A frame in which a layer's gradient is non-finite says nothing from its finite
   part: it continues an exploding streak already under way (Inf/NaN right after
   |g| > threshold is the divergence going on) and otherwise leaves the layer's count as
-  it is (a NaN layer has not recovered, and NaN alone is the ``nonfinite`` rule's).
+  it is (a NaN layer has not recovered, and NaN alone is the ``nonfinite`` rule's). The
+  exploding message names the ranks whose local gradient first had max |g| above the
+  threshold or NaN/Inf, when the local view is sent. A layer with no gradient by
+  construction (zero up to floating-point rounding in every frame so far, from its first:
+  :attr:`consumer.health.RunHealthTracker.no_gradient`, ``consumer.rounding``) is not
+  vanishing for this rule.
 - ``grad_norm_spike``: some layer's ``grad_norm`` (``ln`` of it with ``log_scale``) has a
   modified z-score above ``z_threshold`` against that layer's last ``window`` testable
   frames, once it has ``min_samples`` of them (``consumer.alerts.robust``), and is at
@@ -31,7 +39,9 @@ frame, ``consumer.frames``):
 
 ``Finding.values`` holds ``{"layers": {name: {statistic: value}}}`` for at most
 ``max_layer_values`` layers (the worst by the rule's statistic) plus rule-specific keys:
-``nonfinite_by_rank`` (rank -> layer names), ``threshold`` and ``consecutive`` (streaks),
+``nonfinite_by_rank`` (rank -> layer names), ``local_origin`` (``{"step", "ranks"}`` of
+:class:`LocalOrigin`; nonfinite and exploding, when known), ``threshold`` and
+``consecutive`` (streaks),
 ``z_threshold``, ``min_ratio`` and ``window`` (spike), ``health``, ``level``, ``frames``,
 ``issue_frames``, ``issue_ratio`` (run health), ``missing_ranks``, ``ranks_seen``,
 ``world_size`` (missing ranks), ``seconds_since_last_frame``, ``threshold_s``,
@@ -89,6 +99,57 @@ def preview(names: list[str], limit: int = 3) -> str:
     """``"a, b, c and 4 more"`` for a message."""
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+class LocalOrigin:
+    """Where a kind of bad gradient started in a run, from the per-rank local view: the
+    earliest step at which some rank's *local* gradient (before the cross-rank reduction)
+    was bad, and every rank that was bad at that step.
+
+    Frames may arrive out of order and a late rank's rows come in a rewrite of the frame,
+    so an earlier step replaces the origin and the same step adds its ranks. O(1) state;
+    :meth:`update` is O(rows of the frame's local view), vectorised.
+
+    Attributes:
+        step: the earliest bad step seen, or None. ranks: its bad ranks (ascending).
+    """
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.ranks: list[int] = []
+
+    def update(self, step: int, bad_ranks: np.ndarray) -> None:
+        """Take a frame's bad local rows into account.
+
+        Args:
+            step: the frame's optimiser step.
+            bad_ranks: int[m] ranks of the local rows that are bad (repeats allowed; empty:
+                nothing bad at this step).
+        """
+        if bad_ranks.size == 0 or (self.step is not None and step > self.step):
+            return
+        ranks = np.unique(bad_ranks).tolist()
+        if self.step is None or step < self.step:
+            self.step, self.ranks = step, ranks
+        else:
+            self.ranks = sorted(set(self.ranks) | set(ranks))
+
+    def values(self) -> dict[str, Any]:
+        """``{"local_origin": {"step": s, "ranks": [...]}}``, or ``{}`` when unknown."""
+        if self.step is None:
+            return {}
+        return {"local_origin": {"step": self.step, "ranks": list(self.ranks)}}
+
+    def phrase(self, what: str) -> str:
+        """``"; {what} first in rank 2's local gradient at step 20"`` (several ranks: "in
+        the local gradients of ranks 0, 1"), or ``""`` when unknown."""
+        if self.step is None:
+            return ""
+        if len(self.ranks) == 1:
+            where = f"rank {self.ranks[0]}'s local gradient"
+        else:
+            where = f"the local gradients of ranks {', '.join(map(str, self.ranks))}"
+        return f"; {what} first in {where} at step {self.step}"
 
 
 class _FrameView:
@@ -154,6 +215,8 @@ class RunRules:
         self.intervals: deque[float] = deque(maxlen=rules.stalled.window)
         self._shard_nonfinite: dict[int, dict[int, np.ndarray]] = {}
         self.last_view: _FrameView | None = None
+        self.nonfinite_origin = LocalOrigin()
+        self.exploding_origin = LocalOrigin()
 
     def current_values(self, names: list[str]) -> dict[str, dict[str, Any]]:
         """Values of the named layers in the last evaluated frame (for resolved events:
@@ -194,6 +257,7 @@ class RunRules:
         r = self.rules
         view = _FrameView(frame, self.names, r.max_layer_values)
         self.last_view = view
+        self._note_local(frame)
         out: dict[AlertRule, Finding] = {}
         if r.nonfinite.enabled:
             out[AlertRule.NONFINITE] = self._nonfinite(view)
@@ -207,8 +271,10 @@ class RunRules:
             )
         if r.vanishing.enabled:
             out[AlertRule.VANISHING] = self._streak(
-                view, self.vanishing_streak, frame.is_vanishing, finite, "vanishing",
-                r.vanishing.consecutive, self.run.vanishing_threshold, -frame.mean_abs_grad,
+                view, self.vanishing_streak,
+                frame.is_vanishing & ~tracker.no_gradient[frame.layer_index], finite,
+                "vanishing", r.vanishing.consecutive, self.run.vanishing_threshold,
+                -frame.mean_abs_grad,
             )
         if r.grad_norm_spike.enabled:
             out[AlertRule.GRAD_NORM_SPIKE] = self._spike(view)
@@ -221,6 +287,18 @@ class RunRules:
         if r.stalled.enabled:
             out[AlertRule.STALLED] = Finding(False)
         return out
+
+    def _note_local(self, frame: GradientFrame) -> None:
+        """Update the local origins from the frame's per-rank local rows (if any): NaN/Inf
+        for ``nonfinite``; NaN/Inf or max |g| above the run's exploding threshold for
+        ``exploding`` (the report's ``first_bad_local_step`` criterion)."""
+        local = frame.local
+        if local is None or len(local) == 0:
+            return
+        nonfinite = local.nonfinite > 0
+        self.nonfinite_origin.update(frame.step, local.rank[nonfinite])
+        bad = nonfinite | (local.max_abs > self.run.exploding_threshold)
+        self.exploding_origin.update(frame.step, local.rank[bad])
 
     def _nonfinite(self, view: _FrameView) -> Finding:
         f = view.frame
@@ -242,9 +320,11 @@ class RunRules:
                 "layers": view.layer_values(layers, f.nonfinite[rows].astype(np.float64)),
                 "nonfinite_by_rank": by_rank,
                 "nonfinite_elements": total,
+                **self.nonfinite_origin.values(),
             },
             f"non-finite gradients (NaN/Inf) at step {f.step}: {total} element(s) in "
-            f"{len(names)} layer(s) {preview(names)} {on}",
+            f"{len(names)} layer(s) {preview(names)} {on}"
+            f"{self.nonfinite_origin.phrase('NaN/Inf')}",
         )
 
     def _streak(
@@ -267,6 +347,7 @@ class RunRules:
         rows = view.row[bad_layers]
         order_key = np.where(rows >= 0, key[np.maximum(rows, 0)], -np.inf)
         stat = "max |g| >" if what == "exploding" else "mean |g| <"
+        origin = self.exploding_origin if what == "exploding" else LocalOrigin()
         return Finding(
             True, names, [],
             {
@@ -275,9 +356,11 @@ class RunRules:
                 ),
                 "threshold": threshold,
                 "consecutive": k,
+                **origin.values(),
             },
             f"{len(names)} layer(s) {what} ({stat} {threshold:g}) for >= {k} consecutive "
-            f"steps at step {f.step}: {preview(names)}",
+            f"steps at step {f.step}: {preview(names)}"
+            f"{origin.phrase(f'max |g| > {threshold:g} or NaN/Inf')}",
         )
 
     def _spike(self, view: _FrameView) -> Finding:

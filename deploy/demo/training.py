@@ -6,19 +6,24 @@ This is what ``gradstream demo`` really runs. Each rank is a separate process (m
 1. every rank builds the same initial parameters from the seed;
 2. at step ``s`` every rank draws the same global minibatch (indices from ``(seed, s)``) and
    takes its own shard, rows ``rank::world_size``;
-3. it computes the loss and gradients of its shard (:func:`deploy.demo.mlp.forward_backward`)
-   and hands these *local* gradients to its telemetry (in the real demo: the gradstream producer
-   SDK, which summarises them and sends one message to Kafka);
+3. it computes the loss and gradients of its shard (:func:`deploy.demo.mlp.forward_backward`),
+   its *local* gradients;
 4. it sends the local gradients to the parent process (the coordinator) through a
    :func:`multiprocessing.Pipe`; the parent averages them, weighted by shard size (an all-reduce
    emulation: with equal shards this is the plain mean that ``DistributedDataParallel`` uses,
    and in every case it equals the gradient of the mean loss over the whole global batch), and
    sends the average back;
-5. every rank applies the same SGD update to the same parameters, so the replicas stay
+5. it hands its telemetry the averaged gradient, the one SGD applies and the same (bit for
+   bit) on every rank, together with its local gradients as the per-rank local view (in the
+   real demo: the gradstream producer SDK, which sends the averaged gradient as a replicated
+   layout, counted once by the consumer, and the local view apart);
+6. every rank applies the same SGD update to the same parameters, so the replicas stay
    bit-identical (checked at the end by comparing a checksum of every rank's parameters).
 
-The pathologies of the three :data:`SCENARIOS` (vanishing, exploding) come from the training
-itself: nothing in here invents or post-processes a gradient.
+The pathologies of the :data:`SCENARIOS` come from the training itself: nothing in here
+invents or post-processes a gradient. In ``bad-rank`` one rank's *input data* is corrupted
+(:meth:`Scenario.shard_inputs`); what its gradients and everyone's update do follows from the
+backpropagation and the all-reduce.
 
 Failure handling: an exception in a rank is sent to the parent and re-raised there as
 :class:`RankError` naming the rank; a rank that dies without reporting is detected through its
@@ -89,7 +94,8 @@ class Scenario:
         name: registry key.
         description: one line for humans (CLI help, progress bars, ``RunStarted.config``).
         expected: the pathology the training produces with the default thresholds
-            (``"healthy"``, ``"vanishing"`` or ``"exploding"``); documentation, not an input.
+            (``"healthy"``, ``"vanishing"``, ``"exploding"`` or ``"nonfinite"``);
+            documentation, not an input.
         layer_sizes: widths ``(64, hidden..., 10)`` of the MLP on the digits data set.
         activation: hidden activation, ``"relu"`` or ``"sigmoid"``.
         init: weight initialisation, ``"he"``, ``"xavier"`` or ``"normal(std)"``
@@ -100,6 +106,12 @@ class Scenario:
         batch_size: global minibatch size, split across the ranks (120 divides evenly by
             1, 2, 3, 4, 5, 6 and 8 ranks).
         steps: default number of optimiser steps.
+        corrupt_rank: the rank whose data shard is corrupted, as a Python-style index into
+            the ranks (``-1``: the last rank, ``world_size - 1``); None: clean data
+            (see :meth:`shard_inputs`).
+        corrupt_from_step: first optimiser step whose shard is corrupted (>= 0).
+        corrupt_value: what every feature of the corrupted sample reads as (e.g. NaN, a
+            record that failed to decode).
     """
 
     name: str
@@ -112,6 +124,9 @@ class Scenario:
     warmup_steps: int = 0
     batch_size: int = 120
     steps: int = 100
+    corrupt_rank: int | None = None
+    corrupt_from_step: int = 0
+    corrupt_value: float = float("nan")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimiser step ``step``.
@@ -178,8 +193,65 @@ class Scenario:
         rng = np.random.default_rng([seed, 1, step])
         return rng.choice(n_samples, size=self.batch_size, replace=False).astype(np.int64)
 
+    def corrupted_rank(self, world_size: int) -> int | None:
+        """The rank whose data shard is corrupted in a run of ``world_size`` ranks.
+
+        Args:
+            world_size: number of ranks (>= 1).
+
+        Returns:
+            ``corrupt_rank`` resolved like a Python index into ``range(world_size)``, or
+            None when the scenario's data is clean.
+
+        Raises:
+            ValueError: ``corrupt_rank`` is outside ``[-world_size, world_size)``.
+        """
+        if self.corrupt_rank is None:
+            return None
+        if not -world_size <= self.corrupt_rank < world_size:
+            raise ValueError(
+                f"scenario {self.name!r} corrupts rank {self.corrupt_rank}, which a run of "
+                f"{world_size} rank(s) does not have"
+            )
+        return self.corrupt_rank % world_size
+
+    def shard_inputs(
+        self, x: np.ndarray, rows: np.ndarray, rank: int, world_size: int, step: int
+    ) -> np.ndarray:
+        """The input features of ``rank``'s shard at optimiser step ``step``.
+
+        ``x[rows]``; on the corrupted rank (:meth:`corrupted_rank`) from
+        ``corrupt_from_step`` on, the first sample of the shard has every feature replaced
+        by ``corrupt_value`` (a corrupted record in that rank's data, e.g. one that failed
+        to decode). Labels are untouched.
+
+        Args:
+            x: float32 ``(n_samples, n_features)`` data set.
+            rows: int64 ``(n,)`` row indices of the shard (``n >= 1``).
+            rank: this rank. world_size: number of ranks. step: optimiser step.
+
+        Returns:
+            float32 ``(n, n_features)``, a new array.
+
+        Raises:
+            ValueError: see :meth:`corrupted_rank`.
+        """
+        xs = x[rows]
+        if rank == self.corrupted_rank(world_size) and step >= self.corrupt_from_step:
+            xs[0, :] = self.corrupt_value
+        return xs
+
     def config(self) -> dict[str, Any]:
-        """The hyper-parameters as a JSON-able dict (for ``RunStarted.config``)."""
+        """The hyper-parameters as a JSON-able dict (for ``RunStarted.config``); with a
+        corrupted rank also ``corrupt_rank``, ``corrupt_from_step`` and ``corrupt_value``
+        (a string: JSON has no NaN)."""
+        corruption: dict[str, Any] = {}
+        if self.corrupt_rank is not None:
+            corruption = {
+                "corrupt_rank": self.corrupt_rank,
+                "corrupt_from_step": self.corrupt_from_step,
+                "corrupt_value": repr(self.corrupt_value),
+            }
         return {
             "scenario": self.name,
             "expected": self.expected,
@@ -191,6 +263,7 @@ class Scenario:
             "lr": self.lr,
             "warmup_steps": self.warmup_steps,
             "batch_size": self.batch_size,
+            **corruption,
         }
 
 
@@ -235,9 +308,26 @@ SCENARIOS: dict[str, Scenario] = {
             warmup_steps=30,
             steps=60,
         ),
+        Scenario(
+            name="bad-rank",
+            description=(
+                "the healthy MLP, but from step 20 the last rank's data shard holds a corrupted "
+                "sample (NaN features): that rank's local gradient turns NaN first, the "
+                "all-reduce hands the NaN to every rank's update"
+            ),
+            expected="nonfinite",
+            layer_sizes=(64, 128, 64, 10),
+            activation="relu",
+            init="he",
+            lr=0.1,
+            steps=40,
+            corrupt_rank=-1,
+            corrupt_from_step=20,
+        ),
     )
 }
-"""The demo scenarios, by name. Measured on seed 0 (local gradients, 2 ranks): see the tests."""
+"""The demo scenarios, by name. Measured on seed 0 (averaged gradients, 2 ranks): see the
+tests."""
 
 for _scenario in SCENARIOS.values():  # fail at import, not in a child process
     Init.parse(_scenario.init)
@@ -251,7 +341,7 @@ del _scenario
 
 @runtime_checkable
 class Telemetry(Protocol):
-    """What a rank does with its local gradients; created inside the rank process.
+    """What a rank does with its gradients; created inside the rank process.
 
     Lifecycle: :meth:`start` once, :meth:`step` once per optimiser step (steps ``0, 1, ...``),
     :meth:`finish` once after the last step. If training is cut short (an error in any rank, or
@@ -270,16 +360,21 @@ class Telemetry(Protocol):
     def step(
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
+        local: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """Called once per optimiser step with this rank's *local* gradients.
+        """Called once per optimiser step, after the all-reduce and before the update.
 
         Args:
             step: optimiser step (0-based).
-            grads: name -> float32 gradient of the parameter's full shape, model order; may
-                contain inf/nan. The arrays are not reused by the caller after this call.
-            weights: name -> float32 parameters that produced ``grads`` (before this step's
-                update), the whole replica every rank holds. Valid during the call only:
-                the caller updates them in place afterwards.
+            grads: name -> float32 *averaged* gradient of the parameter's full shape, model
+                order: the gradient SGD applies, bit-identical on every rank; may contain
+                inf/nan. Valid during the call only (views of the received buffer).
+            weights: name -> float32 parameters that produced the gradients (before this
+                step's update), the whole replica every rank holds. Valid during the call
+                only: the caller updates them in place afterwards.
+            local: name -> float32 *local* gradient of this rank's shard before the
+                all-reduce (same names and shapes as ``grads``), or None. The arrays are not
+                reused by the caller after this call.
         """
         ...
 
@@ -306,6 +401,7 @@ class NullTelemetry:
     def step(
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
+        local: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Do nothing."""
 
@@ -314,14 +410,16 @@ class NullTelemetry:
 
 
 class RecordingTelemetry:
-    """Telemetry for tests: keeps every local gradient and writes them to one ``.npz`` file.
+    """Telemetry for tests: keeps every gradient it is given and writes them to one ``.npz``.
 
     Use ``functools.partial(RecordingTelemetry, directory)`` as ``make_telemetry``. On
     :meth:`finish`, ``<directory>/rank<rank>.npz`` is written atomically (temporary file, then
     rename) with the arrays ``steps`` (int64, ``(T,)``), ``layer_names`` (str, ``(L,)``, model
     order), ``layer_numel`` (int64, ``(L,)``), ``world_size`` and, for every parameter ``name``,
-    ``grad/<name>`` of shape ``(T, *param_shape)`` in float32. Read it with
-    :func:`load_recording`. Memory is ``T x (number of parameters) x 4`` bytes.
+    ``grad/<name>`` (the averaged gradient applied) and, when every step came with a local
+    view, ``local/<name>`` (this rank's local gradient), each of shape ``(T, *param_shape)``
+    in float32. Read it with :func:`load_recording`. Memory is ``2 x T x (number of
+    parameters) x 4`` bytes.
 
     Args:
         directory: an existing directory, shared by all ranks.
@@ -336,6 +434,7 @@ class RecordingTelemetry:
         self._numel: dict[str, int] = {}
         self._steps: list[int] = []
         self._grads: list[dict[str, np.ndarray]] = []
+        self._local: list[dict[str, np.ndarray] | None] = []
 
     def start(self, layer_numel: dict[str, int]) -> None:
         """Remember the layer list."""
@@ -344,19 +443,29 @@ class RecordingTelemetry:
     def step(
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
+        local: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """Keep a copy of the local gradients of ``step`` (``weights`` are not recorded).
+        """Keep a copy of the averaged and the local gradients of ``step`` (``weights`` are
+        not recorded).
 
         Raises:
-            ValueError: if a gradient's name or size disagrees with ``start``.
+            ValueError: if a gradient's (or local gradient's) name or size disagrees with
+                ``start``.
         """
-        if list(grads) != list(self._numel):
-            raise ValueError(f"step {step}: gradient names differ from the layer list")
-        for name, g in grads.items():
-            if g.size != self._numel[name]:
-                raise ValueError(f"step {step}: {name} has {g.size} elements")
+        for what, arrays in (("gradient", grads), ("local gradient", local)):
+            if arrays is None:
+                continue
+            if list(arrays) != list(self._numel):
+                raise ValueError(f"step {step}: {what} names differ from the layer list")
+            for name, g in arrays.items():
+                if g.size != self._numel[name]:
+                    raise ValueError(f"step {step}: {what} {name} has {g.size} elements")
         self._steps.append(step)
         self._grads.append({name: np.array(g, dtype=np.float32) for name, g in grads.items()})
+        self._local.append(
+            None if local is None
+            else {name: np.array(g, dtype=np.float32) for name, g in local.items()}
+        )
 
     def finish(self) -> None:
         """Write ``rank<rank>.npz``."""
@@ -373,6 +482,10 @@ class RecordingTelemetry:
                 if self._grads
                 else np.zeros((0, self._numel[name]), dtype=np.float32)
             )
+        local = [g for g in self._local if g is not None]
+        if local and len(local) == len(self._local):
+            for name in names:
+                arrays[f"local/{name}"] = np.stack([g[name] for g in local])
         fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".npz.tmp")
         try:
             with os.fdopen(fd, "wb") as fh:
@@ -393,7 +506,9 @@ class Recording:
         steps: int64 ``(T,)`` optimiser steps.
         layer_names: parameter names in model order.
         layer_numel: elements per parameter, model order.
-        grads: name -> float32 ``(T, *param_shape)`` local gradients.
+        grads: name -> float32 ``(T, *param_shape)`` averaged gradients (what SGD applied).
+        local: name -> float32 ``(T, *param_shape)`` this rank's local gradients, or None if
+            the steps came without a local view.
     """
 
     rank: int
@@ -402,6 +517,7 @@ class Recording:
     layer_names: list[str]
     layer_numel: list[int]
     grads: dict[str, np.ndarray]
+    local: dict[str, np.ndarray] | None = None
 
 
 def load_recording(directory: str | os.PathLike[str], rank: int) -> Recording:
@@ -426,6 +542,10 @@ def load_recording(directory: str | os.PathLike[str], rank: int) -> Recording:
             layer_names=names,
             layer_numel=[int(n) for n in data["layer_numel"]],
             grads={n: data[f"grad/{n}"] for n in names},
+            local=(
+                {n: data[f"local/{n}"] for n in names}
+                if names and f"local/{names[0]}" in data.files else None
+            ),
         )
 
 
@@ -465,6 +585,7 @@ class FailingTelemetry:
     def step(
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
+        local: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Fail if this is the chosen rank and step.
 
@@ -484,14 +605,19 @@ class KafkaTelemetry:
     """Telemetry through the gradstream producer SDK (:class:`producer.GradientProducer`).
 
     Built by :func:`kafka_telemetry` inside the rank process. ``start`` -> ``start_run``,
-    ``step`` -> ``record_step`` (non-blocking), ``finish`` -> ``finish_run`` then ``close``
-    (which waits for delivery), ``abort`` -> ``close`` without ``finish_run``.
+    ``step`` -> ``record_step`` (non-blocking) of the averaged gradient with
+    ``replicated=True`` (every rank sends the same gradient: the consumer counts it once and
+    checks that the ranks agree) and, with ``local_view``, the rank's local gradient as
+    ``local_gradients``; ``finish`` -> ``finish_run`` then ``close`` (which waits for
+    delivery), ``abort`` -> ``close`` without ``finish_run``.
 
     Args:
         producer: a ``GradientProducer`` for this rank.
         vanishing_threshold: mean |g| below which a layer is vanishing (sent in ``RunStarted``).
         exploding_threshold: max |g| above which a layer is exploding (sent in ``RunStarted``).
         config: free-form run configuration for ``RunStarted``.
+        local_view: also send the rank's local gradient (the per-rank local view, stored in
+            ``local_layer_stats``; it names the rank where NaN/Inf or an explosion started).
     """
 
     def __init__(
@@ -501,11 +627,13 @@ class KafkaTelemetry:
         vanishing_threshold: float = 1e-7,
         exploding_threshold: float = 1e3,
         config: Mapping[str, Any] | None = None,
+        local_view: bool = True,
     ) -> None:
         self.producer = producer
         self.vanishing_threshold = vanishing_threshold
         self.exploding_threshold = exploding_threshold
         self.config = dict(config or {})
+        self.local_view = local_view
         self._closed = False
 
     def start(self, layer_numel: dict[str, int]) -> None:
@@ -520,10 +648,19 @@ class KafkaTelemetry:
     def step(
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
+        local: Mapping[str, np.ndarray] | None = None,
     ) -> None:
-        """``producer.record_step(step, grads, weights=weights)``; the producer uses the
-        weights only with its ``weight_stats`` setting."""
-        self.producer.record_step(step, grads, weights=weights)
+        """``producer.record_step(step, grads, weights=weights, replicated=True,
+        local_gradients=local if local_view else None)``; the producer uses the weights only
+        with its ``weight_stats`` setting.
+
+        Raises:
+            Exception: whatever ``record_step`` raises (see ``GradientProducer``).
+        """
+        self.producer.record_step(
+            step, grads, weights=weights, replicated=True,
+            local_gradients=local if self.local_view else None,
+        )
 
     def finish(self) -> None:
         """``producer.finish_run()`` then ``producer.close()`` (waits for delivery)."""
@@ -553,6 +690,7 @@ def kafka_telemetry(
     exploding_threshold: float = 1e3,
     config: Mapping[str, Any] | None = None,
     weight_stats: bool = True,
+    local_view: bool = True,
 ) -> Telemetry:
     """A ``make_telemetry`` that sends each rank's summaries to Kafka.
 
@@ -570,8 +708,11 @@ def kafka_telemetry(
         exploding_threshold: max |g| threshold for ``RunStarted`` (default 1e3).
         config: free-form configuration for ``RunStarted`` (e.g. :meth:`Scenario.config`).
         weight_stats: also send the weight statistics of every step (the producer's
-            ``weight_stats``; each rank sends its replica, see ``schemas.tables``), which
+            ``weight_stats``; each rank sends its replica, which the replicated layout
+            makes the consumer count once, see ``schemas.tables``), which
             ``gradstream analyze --kind weights`` reads.
+        local_view: also send each rank's local (pre-all-reduce) gradient, see
+            :class:`KafkaTelemetry`; on by default in the demo.
 
     Returns:
         A :class:`KafkaTelemetry`.
@@ -599,6 +740,7 @@ def kafka_telemetry(
         vanishing_threshold=vanishing_threshold,
         exploding_threshold=exploding_threshold,
         config=config,
+        local_view=local_view,
     )
 
 
@@ -740,21 +882,19 @@ def _rank_main(
         tel.start({n: int(s) for n, s in zip(names, sizes, strict=True)})
         for step in range(steps):
             rows = scenario.batch_indices(step, seed, len(x))[rank::world_size]
-            loss, grads = forward_backward(params, x[rows], y[rows], scenario.activation)
+            xs = scenario.shard_inputs(x, rows, rank, world_size, step)
+            loss, grads = forward_backward(params, xs, y[rows], scenario.activation)
             flat = np.concatenate([grads[n].ravel() for n in names])
-            tel.step(step, grads, weights=params)
             send(("grads", step, loss, len(rows), flat))
             tag, avg_step, avg = recv()
             if tag != "avg" or avg_step != step:
                 raise RuntimeError(f"protocol error: expected avg of step {step}, got {tag}")
-            sgd_update(
-                params,
-                {
-                    n: avg[offsets[i] : offsets[i + 1]].reshape(shapes[i])
-                    for i, n in enumerate(names)
-                },
-                scenario.lr_at(step),
-            )
+            applied = {
+                n: avg[offsets[i] : offsets[i + 1]].reshape(shapes[i])
+                for i, n in enumerate(names)
+            }
+            tel.step(step, applied, weights=params, local=grads)
+            sgd_update(params, applied, scenario.lr_at(step))
         step = -1  # a failure from here on is not tied to a step
         telemetry = None  # finish() was called: no abort() on a failure in it
         tel.finish()
@@ -902,7 +1042,8 @@ def run_data_parallel(
         A :class:`TrainingResult`.
 
     Raises:
-        ValueError: unknown scenario, or ``world_size``/``steps`` out of range.
+        ValueError: unknown scenario, ``world_size``/``steps`` out of range, or a scenario
+            whose corrupted rank a run of ``world_size`` ranks does not have.
         TypeError: ``make_telemetry`` cannot be pickled.
         ImportError: scikit-learn (the data set) is missing.
         RankError: a rank raised an exception, died, hung beyond ``rank_timeout`` or ended with
@@ -917,6 +1058,7 @@ def run_data_parallel(
         raise ValueError(f"steps must be >= 0, got {steps}")
     if not 1 <= world_size <= sc.batch_size:
         raise ValueError(f"world_size must be in [1, {sc.batch_size}], got {world_size}")
+    sc.corrupted_rank(world_size)  # the corrupted rank must exist
     try:
         pickle.dumps(make_telemetry)
     except Exception as exc:

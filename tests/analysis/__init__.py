@@ -152,7 +152,7 @@ class StoreBuilder:
                     }
                 )
                 con.register("layers_in", layers)
-                con.execute("INSERT INTO layers SELECT * FROM layers_in")
+                con.execute("INSERT INTO layers BY NAME SELECT * FROM layers_in")
                 con.unregister("layers_in")
                 if run.stats:
                     stats = pa.Table.from_pylist(run.stats).select(list(LAYER_STATS_COLUMNS[:13]))

@@ -194,7 +194,7 @@ def write_history(
             "numel": pa.array(numel_arr, pa.int64()),
         })
         con.register("layers_in", layers)
-        con.execute("INSERT INTO layers SELECT * FROM layers_in")
+        con.execute("INSERT INTO layers BY NAME SELECT * FROM layers_in")
         con.register("stats_in", table)
         con.execute("INSERT INTO layer_stats BY NAME SELECT * FROM stats_in")
         seen = np.flatnonzero(present.any(axis=0))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from analysis.report import GradientFlowSummary, build_report, render_report
+from analysis.report import GradientFlowSummary, build_report, local_origin_text, render_report
 from analysis.store import StoreError, open_store
 from schemas.wire import GradientHealth
 from tests.analysis import (
@@ -67,23 +67,26 @@ def test_health_from_data(
     summary = report_of(store_with_issues(tmp_path, frames, issues, bad))
     assert summary.overall_health is expected
     assert summary.frames == frames
-    flagged = issues if bad is not NONFINITE else 0
-    assert summary.issue_frames == flagged
-    assert summary.issue_ratio == pytest.approx(flagged / frames)
+    assert summary.issue_frames == issues  # a NaN/Inf frame is an issue frame too
+    assert summary.issue_ratio == pytest.approx(issues / frames)
 
 
 def test_layer_lists_in_model_order(tmp_path: Path) -> None:
     builder = StoreBuilder(tmp_path / "s.duckdb").add_run("r", MODEL)
-    builder.add_frame("r", 0, {"z_embed": VANISHING, "m_block.0": EXPLODING, "a_head": VANISHING})
-    builder.add_frame("r", 1, {"z_embed": EXPLODING, "m_block.0": NONFINITE, "a_head": NONFINITE})
+    # Every layer carries gradient first: in a run's first frame, mean |g| 1e-9 beside an
+    # exploding layer's 10 is at float32 rounding level (no gradient by construction).
+    builder.add_frame("r", 0, {n: healthy_stat() for n in MODEL})
+    builder.add_frame("r", 1, {"z_embed": VANISHING, "m_block.0": EXPLODING, "a_head": VANISHING})
+    builder.add_frame("r", 2, {"z_embed": EXPLODING, "m_block.0": NONFINITE, "a_head": NONFINITE})
     summary = report_of(builder.write())
     assert summary.layers_with_vanishing_grads == ["z_embed", "a_head"]
     assert summary.layers_with_exploding_grads == ["z_embed", "m_block.0"]
     assert summary.layers_with_nonfinite_grads == ["m_block.0", "a_head"]
-    assert summary.first_nonfinite_step == 1
+    assert summary.first_nonfinite_step == 2
+    assert summary.layers_without_gradient == []
     assert summary.overall_health is H.CRITICAL
     recs = summary.recommendations
-    assert "m_block.0, a_head" in recs[0] and "step 1" in recs[0]
+    assert "m_block.0, a_head" in recs[0] and "step 2" in recs[0]
     assert "z_embed, a_head" in recs[1]
     assert "z_embed, m_block.0" in recs[3]
 
@@ -172,3 +175,40 @@ def test_render_nonfinite_first_step(tmp_path: Path) -> None:
     text = render(report_of(store_with_issues(tmp_path, 10, 3, NONFINITE)))
     assert "Critical" in text
     assert "first at step 0" in text
+
+
+def test_first_bad_local_rank_from_the_local_view(tmp_path: Path) -> None:
+    """The earliest step at which some rank's local gradient had NaN/Inf or max |g| above
+    the run's exploding threshold (1e3), and the ranks bad at that step; one query over
+    ``local_layer_stats``, restricted to the step range."""
+    import duckdb
+
+    path = store_with_issues(tmp_path, 6, 0, NONFINITE)
+    rows = [  # (step, rank, layer_index, max_abs_grad, nonfinite)
+        (1, 0, 0, 5.0, 0), (1, 1, 2, 999.0, 0),  # fine: at or below the threshold
+        (2, 2, 1, 0.5, 4),  # rank 2's local gradient holds NaN/Inf first
+        (3, 0, 0, 2e3, 0), (3, 1, 1, 0.1, 7), (3, 1, 2, 0.1, 7),  # then ranks 0 and 1
+        (4, 0, 0, 0.1, 1), (4, 1, 0, 0.1, 1), (4, 2, 0, 0.1, 1),
+    ]
+    con = duckdb.connect(str(path))
+    con.executemany(
+        "INSERT INTO local_layer_stats VALUES ('r', ?, ?, ?, 10, 1.0, 1.0, ?, ?)", rows)
+    con.close()
+    whole = report_of(path)
+    assert (whole.first_bad_local_step, whole.first_bad_local_ranks) == (2, [2])
+    assert whole.first_bad_local_nonfinite and not whole.first_bad_local_exploding
+    assert "NaN/Inf first in rank 2's local gradient at step 2" in render(whole)
+    later = report_of(path, from_step=3)
+    assert (later.first_bad_local_step, later.first_bad_local_ranks) == (3, [0, 1])
+    assert later.first_bad_local_nonfinite and later.first_bad_local_exploding
+    assert local_origin_text(later) == (
+        "NaN/Inf or max |g| above the exploding threshold first in the local gradients "
+        "of ranks 0, 1 at step 3")
+    assert report_of(path, to_step=1).first_bad_local_step is None
+    assert "started in" not in render(report_of(path, to_step=1))
+
+    con = duckdb.connect(str(path))
+    con.execute("DROP TABLE local_layer_stats")  # a store written before schema 1.3
+    con.close()
+    old = report_of(path)
+    assert old.first_bad_local_step is None and old.first_bad_local_ranks == []

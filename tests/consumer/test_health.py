@@ -101,3 +101,19 @@ def test_restore_equals_incremental(events, window):
     else:
         assert r.frames == t.frames == min(window, len(stored))
         assert r.health == t.health
+
+
+def test_nonfinite_frames_are_issue_frames():
+    """A run whose last 39 of 60 frames hold NaN (2 earlier vanishing frames): 41 issue
+    frames, not 2; a rebuilt tracker counts the same."""
+    t = RunHealthTracker(4)
+    for s in range(60):
+        _update(t, s, van=(0,) if s in (3, 7) else (), nonf=(2,) if s >= 21 else ())
+    assert (t.frames, t.issue_frames) == (60, 41)
+    assert t.nonfinite_frames.tolist() == [0, 0, 39, 0] and t.health is H.CRITICAL
+    steps = np.arange(60)
+    flag_steps = np.array([3, 7, *range(21, 60)])
+    layers = np.array([0, 0] + [2] * 39)
+    van = layers == 0
+    r = restore_tracker(4, 0, steps, flag_steps, layers, van, np.zeros(41, bool), ~van)
+    assert (r.frames, r.issue_frames, r.health) == (60, 41, H.CRITICAL)

@@ -1,9 +1,9 @@
 """Tests of the demo's real training: backprop, data parallelism, scenarios, failure handling.
 
 The scenario tests train for real (2 rank processes each) and check the pathologies on the
-recorded *local* gradients, merged across ranks the way gradstream merges shards
-(``mean|g| = sum(sum_abs) / sum(numel)``, ``max|g| = max(max_abs)``), with the default
-thresholds (vanishing: mean|g| < 1e-7; exploding: max|g| > 1e3).
+recorded *averaged* gradients (what SGD applies: bit-identical on every rank, so gradstream
+counts one replica), with the default thresholds (vanishing: mean|g| < 1e-7; exploding:
+max|g| > 1e3); the recorded *local* gradients are each rank's own shard gradient.
 """
 
 from __future__ import annotations
@@ -160,13 +160,23 @@ def test_data_parallel_equals_full_batch(tmp_path: Path) -> None:
         loss, full = forward_backward(params, x[idx], y[idx], sc.activation)
         assert result.losses[step] == pytest.approx(loss, rel=1e-5)
         for name in full:
-            local = [rec.grads[name][step] for rec in recs]
+            local = [rec.local[name][step] for rec in recs]
             if step == 0:  # identical parameters: each rank's shard gradient, exactly
                 for rank, g in enumerate(local):
                     rows = idx[rank::world_size]
                     _, shard = forward_backward(params, x[rows], y[rows], sc.activation)
                     np.testing.assert_array_equal(g, shard[name])
-            avg = np.mean(np.stack(local).astype(np.float64), axis=0)
+            # the telemetry's gradient is the all-reduced one: the same bits on every rank,
+            # the shard-size weighted mean of the local gradients (float64 sum, rounded to
+            # float32, as the coordinator does), ~ the full-batch gradient
+            applied = recs[0].grads[name][step]
+            for rec in recs[1:]:
+                np.testing.assert_array_equal(rec.grads[name][step], applied)
+            shard_rows = np.array([len(idx[r::world_size]) for r in range(world_size)], float)
+            avg = np.zeros(local[0].shape)
+            for w, g in zip(shard_rows / shard_rows.sum(), local, strict=True):
+                avg += w * g
+            np.testing.assert_array_equal(applied, avg.astype(np.float32))
             rel = np.linalg.norm(avg - full[name]) / np.linalg.norm(full[name])
             assert rel < 1e-5, (step, name, rel)
         sgd_update(params, full, sc.lr_at(step))
@@ -177,27 +187,36 @@ def test_data_parallel_equals_full_batch(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- scenarios
 
 
-def _merged_stats(recs: list[Any]) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """(names, mean|g| (T, L), max|g| (T, L)) merged over ranks as gradstream merges shards."""
+def _stats(recs: list[Any], which: str = "grads") -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(names, mean|g| (T, L), max|g| (T, L)) of the averaged gradient, which every rank
+    holds bit for bit (one replica, as gradstream counts it); with ``which="local"``,
+    (names, mean (R, T, L), max (R, T, L)) of every rank's local gradient."""
     names = recs[0].layer_names
     steps = len(recs[0].steps)
-    mean = np.zeros((steps, len(names)))
-    mx = np.zeros((steps, len(names)))
+    if which == "grads":
+        for rec in recs[1:]:
+            for name in names:
+                np.testing.assert_array_equal(rec.grads[name], recs[0].grads[name])
+        recs = recs[:1]
+    mean = np.zeros((len(recs), steps, len(names)))
+    mx = np.zeros((len(recs), steps, len(names)))
     with np.errstate(all="ignore"):
-        for j, name in enumerate(names):
-            flat = [np.abs(rec.grads[name].reshape(steps, -1).astype(np.float64)) for rec in recs]
-            numel = sum(f.shape[1] for f in flat)
-            mean[:, j] = sum(f.sum(axis=1) for f in flat) / numel
-            mx[:, j] = np.max(np.stack([f.max(axis=1) for f in flat]), axis=0)
-    return names, mean, mx
+        for r, rec in enumerate(recs):
+            arrays = rec.grads if which == "grads" else rec.local
+            for j, name in enumerate(names):
+                flat = np.abs(arrays[name].reshape(steps, -1).astype(np.float64))
+                mean[r, :, j] = flat.mean(axis=1)
+                mx[r, :, j] = flat.max(axis=1)
+    return (names, mean[0], mx[0]) if which == "grads" else (names, mean, mx)
 
 
-@pytest.mark.parametrize("name", ["healthy", "vanishing", "exploding"])
+@pytest.mark.parametrize("name", ["healthy", "vanishing", "exploding", "bad-rank"])
 def test_scenario_shows_its_pathology(name: str, tmp_path: Path) -> None:
     sc = SCENARIOS[name]
     result = run_data_parallel(name, 2, None, functools.partial(RecordingTelemetry, tmp_path))
     assert result.steps == sc.steps and result.params_identical
-    names, mean, mx = _merged_stats(_recorded(tmp_path, 2))
+    recs = _recorded(tmp_path, 2)
+    names, mean, mx = _stats(recs)
     assert mean.shape == (sc.steps, 2 * sc.num_layers)
     finite = np.isfinite(mx).all(axis=1)
     losses = np.asarray(result.losses)
@@ -206,6 +225,21 @@ def test_scenario_shows_its_pathology(name: str, tmp_path: Path) -> None:
         assert finite.all()
         assert (mean > VANISHING).all() and (mx < EXPLODING).all()
         assert losses[-10:].mean() < 0.25 * losses[:5].mean()
+    elif name == "bad-rank":
+        # healthy until the corrupted sample reaches rank 1 (the last of 2) at step 20:
+        # only its local gradient is NaN there, the averaged one everywhere from then on
+        onset = sc.corrupt_from_step
+        assert sc.corrupted_rank(2) == 1
+        assert finite[:onset].all() and not finite[onset:].any()
+        assert (mx[:onset] < EXPLODING).all() and (mean[:onset] > VANISHING).all()
+        assert np.isfinite(losses[:onset]).all()
+        assert losses[onset - 5 : onset].mean() < 0.5 * losses[:5].mean()  # it was learning
+        assert np.isnan(losses[onset:]).all()
+        _, _, local_mx = _stats(recs, "local")
+        local_finite = np.isfinite(local_mx).all(axis=2)  # (rank, step)
+        assert local_finite[:, :onset].all()
+        assert local_finite[0, onset] and not local_finite[1, onset]
+        assert not local_finite[:, onset + 1 :].any()  # the NaN update reached every rank
     elif name == "vanishing":
         assert finite.all() and (mx < EXPLODING).all()
         first = mean[:, names.index("layers.0.weight")]
@@ -257,7 +291,9 @@ def test_rank_exception_propagates_and_no_child_survives() -> None:
 def test_rank_dying_without_report_is_detected() -> None:
     pids: set[int] = set()
     make = functools.partial(FailingTelemetry, fail_rank=0, fail_step=1, mode="exit")
-    with pytest.raises(RankError, match=r"rank 0 at step 1 failed: .*exit code 3") as ei:
+    # telemetry runs after the all-reduce: the rank dies having sent step 1's gradients,
+    # and the coordinator notices while waiting for those of step 2
+    with pytest.raises(RankError, match=r"rank 0 at step 2 failed: .*exit code 3") as ei:
         run_data_parallel("healthy", 2, 10, make, on_step=_pid_collector(pids))
     assert ei.value.exitcode == 3
     _assert_gone(pids)
@@ -292,8 +328,10 @@ class _CallLog:
     def start_run(self, layer_numel, **kwargs) -> None:
         self.calls.append(("start_run", (dict(layer_numel), kwargs)))
 
-    def record_step(self, step, gradients, weights=None) -> None:
-        self.calls.append(("record_step", (step, list(gradients), weights)))
+    def record_step(self, step, gradients, weights=None, *, replicated=False,
+                    local_gradients=None) -> None:
+        self.calls.append(("record_step", (step, list(gradients), weights, replicated,
+                                           local_gradients)))
 
     def finish_run(self) -> None:
         self.calls.append(("finish_run", None))
@@ -308,8 +346,9 @@ def test_kafka_telemetry_maps_onto_the_producer_api() -> None:
     assert isinstance(tel, Telemetry)
     tel.start({"layers.0.weight": 6, "layers.0.bias": 3})
     params = {"layers.0.weight": np.zeros((3, 2), np.float32), "layers.0.bias": np.zeros(3)}
-    tel.step(0, {"layers.0.weight": np.ones((3, 2), np.float32), "layers.0.bias": np.ones(3)},
-             weights=params)
+    avg = {"layers.0.weight": np.ones((3, 2), np.float32), "layers.0.bias": np.ones(3)}
+    local = {n: 2 * g for n, g in avg.items()}
+    tel.step(0, avg, weights=params, local=local)
     tel.finish()
     tel.abort()  # already closed: no second close
     assert [c[0] for c in log.calls] == ["start_run", "record_step", "finish_run", "close"]
@@ -317,7 +356,26 @@ def test_kafka_telemetry_maps_onto_the_producer_api() -> None:
         {"layers.0.weight": 6, "layers.0.bias": 3},
         {"vanishing_threshold": 1e-6, "exploding_threshold": 10.0, "config": {"a": 1}},
     )
-    assert log.calls[1][1] == (0, ["layers.0.weight", "layers.0.bias"], params)
+    # the averaged gradient goes as a replicated layout, the local one as the local view
+    assert log.calls[1][1] == (0, ["layers.0.weight", "layers.0.bias"], params, True, local)
+    off = _CallLog()
+    KafkaTelemetry(off, local_view=False).step(0, avg, weights=params, local=local)
+    assert off.calls[0][1][3:] == (True, None)
+
+
+def test_corrupted_shard_inputs() -> None:
+    sc = SCENARIOS["bad-rank"]
+    x, _ = load_digits_dataset()
+    rows = sc.batch_indices(25, 0, len(x))[2::3]
+    assert sc.corrupted_rank(3) == 2 and sc.corrupted_rank(1) == 0
+    bad = sc.shard_inputs(x, rows, 2, 3, sc.corrupt_from_step)
+    assert np.isnan(bad[0]).all() and np.array_equal(bad[1:], x[rows[1:]])
+    assert np.isfinite(x).all()  # the data set itself is untouched
+    np.testing.assert_array_equal(sc.shard_inputs(x, rows, 1, 3, 30), x[rows])
+    np.testing.assert_array_equal(sc.shard_inputs(x, rows, 2, 3, sc.corrupt_from_step - 1),
+                                  x[rows])
+    assert SCENARIOS["healthy"].corrupted_rank(3) is None
+    assert sc.config()["corrupt_value"] == "nan"
 
 
 def test_import_is_light() -> None:

@@ -295,6 +295,12 @@ def test_demo_exploding_scenario_raises_alerts_that_gradstream_alerts_lists(
     assert exploding.layers and all(n.startswith("layers.") for n in exploding.layers)
     assert all(v["max_abs_grad"] is None or v["max_abs_grad"] > 1e3 or v["nonfinite"]
                for v in exploding.values["layers"].values())
+    # the local view names where it started: some rank's own gradient crossed 1e3 no later
+    # than the averaged one flagged for the streak
+    origin = exploding.values["local_origin"]
+    assert origin["ranks"] and set(origin["ranks"]) <= {0, 1}
+    assert origin["step"] <= exploding.first_step
+    assert f"first in {'rank' if len(origin['ranks']) == 1 else 'the local'}" in exploding.message
 
     listed = CliRunner().invoke(app, ["alerts", "--db", str(db)], env={"COLUMNS": "250"})
     assert listed.exit_code == 0, listed.output

@@ -16,6 +16,7 @@ from kafka import KafkaConsumer, KafkaProducer
 
 from consumer.frames import MergedShards, compute_frame
 from consumer.health import RunHealthTracker
+from consumer.rounding import gradient_magnitude
 from consumer.settings import ConsumerSettings
 from consumer.store import Store
 from consumer.store_settings import StoreSettings
@@ -34,8 +35,8 @@ def shard(run: int, step: int, rank: int) -> StepSummary:
     rng = np.random.default_rng([run, step, rank])
     numel = np.full(LAYERS, 50 + rank)
     scale = np.full(LAYERS, 1e-2)
-    if run == 1:
-        scale[0] = 1e-10
+    if run == 1:  # vanishing (< 1e-7), but above float32 rounding level of the 1e-2 layers
+        scale[0] = 1e-8
     if run == 2 and step > STEPS // 2:
         scale[LAYERS - 1] = 1e4
     sum_abs = rng.uniform(0.5, 1.0, LAYERS) * scale * numel
@@ -164,6 +165,7 @@ def test_rebalance_keeps_results_identical_to_offline(kafka_bootstrap, tmp_path,
         tracker = RunHealthTracker(LAYERS, 0)
         for step in range(STEPS):
             f = offline(run, step)
-            tracker.update(step, f.layer_index, f.is_vanishing, f.is_exploding, f.nonfinite)
+            tracker.update(step, f.layer_index, f.is_vanishing, f.is_exploding, f.nonfinite,
+                           gradient_magnitude(f.mean_abs_grad, f.sum_sq, f.numel))
         assert health[f"run{run}"] == tracker.health.value
     assert health["run0"] == "Healthy" and health["run2"] != "Healthy"

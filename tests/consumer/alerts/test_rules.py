@@ -327,3 +327,21 @@ def test_layer_values_are_limited_to_the_worst_layers():
     assert fired[0].layers == list(LAYERS)
     assert list(fired[0].values["layers"]) == ["attn.q", "ffn.out"]  # two largest max |g|
     assert np.isfinite(fired[0].values["layers"]["attn.q"]["max_abs_grad"])
+
+
+def test_local_origin_keeps_the_earliest_bad_step_and_its_ranks():
+    from consumer.alerts.rules import LocalOrigin
+
+    origin = LocalOrigin()
+    assert origin.values() == {} and origin.phrase("NaN/Inf") == ""
+    origin.update(7, np.array([], np.int32))  # nothing bad: no origin
+    assert origin.step is None
+    origin.update(7, np.array([3, 3, 1], np.int32))
+    assert (origin.step, origin.ranks) == (7, [1, 3])
+    origin.update(9, np.array([0], np.int32))  # later: ignored
+    origin.update(5, np.array([2, 2], np.int32))  # an earlier frame arrives late
+    assert origin.phrase("NaN/Inf") == "; NaN/Inf first in rank 2's local gradient at step 5"
+    origin.update(5, np.array([0], np.int32))  # a late rank of the same step
+    assert origin.values() == {"local_origin": {"step": 5, "ranks": [0, 2]}}
+    assert origin.phrase("NaN/Inf") == (
+        "; NaN/Inf first in the local gradients of ranks 0, 2 at step 5")
