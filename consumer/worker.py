@@ -121,6 +121,7 @@ class Worker:
 
     def _run(self) -> None:
         from kafka import KafkaConsumer, KafkaProducer
+        from kafka.errors import KafkaConnectionError
 
         s = self.settings
         scale_out = s.frames_topic is not None
@@ -172,7 +173,12 @@ class Worker:
                  f"publishing frames to {s.frames_topic}" if scale_out else f"writing {s.db}")
         try:
             while not self._stop.is_set():
-                records = self._consumer.poll(timeout_ms=s.poll_timeout_ms)
+                try:
+                    records = self._consumer.poll(timeout_ms=s.poll_timeout_ms)
+                except KafkaConnectionError as exc:  # a broker restarting: retry, lose nothing
+                    log.warning("Kafka unreachable while polling (%s); retrying in 1 s", exc)
+                    self._stop.wait(1.0)
+                    continue
                 with self._lock:
                     for batch in records.values():
                         for record in batch:
