@@ -7,7 +7,7 @@
 
 Every file is produced by ``COPY (SELECT ...) TO path``: DuckDB streams the rows, so a
 run of any length exports in bounded memory, and its writers quote and escape arbitrary
-layer names (commas, quotes, newlines, unicode; DESIGN.md, "Bad input"). Progress comes
+layer names (commas, quotes, newlines, unicode). Progress comes
 from DuckDB's own query progress (``query_progress()``, polled while ``COPY`` runs on a
 cursor in a background thread).
 """

@@ -1,7 +1,7 @@
 """Read-only SQL over the store, whether or not a writer holds the file (``gradstream query``).
 
 DuckDB lets one process open a database file for writing, and while it does, no other
-process can open the file at all (DESIGN.md, "Storage"). A query therefore takes one of
+process can open the file at all (README.md, "Tables"). A query therefore takes one of
 two paths, chosen by :func:`run_query`:
 
 1. **The file is free**: open it with ``duckdb.connect(path, read_only=True)``. The whole

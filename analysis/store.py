@@ -1,6 +1,6 @@
 """Opening the gradstream DuckDB store for reading, and naming runs in it.
 
-DuckDB allows one writing process per database file (DESIGN.md, "Storage"): while a
+DuckDB allows one writing process per database file (README.md, "Tables"): while a
 ``gradstream consume`` worker writes the store, other processes cannot open it, not even
 read-only. :func:`open_store` turns that and the other opening failures into a
 :class:`StoreError` with a message a user can act on.

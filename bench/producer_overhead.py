@@ -2,8 +2,8 @@
 
 For each case it prints, measured in the same run and interleaved (best of ``--repeats``):
 
-* floor: ``np.add.reduce`` over every layer, the cost of one read pass (DESIGN.md, "Floors
-  measured on this machine class"); NumPy's reduce runs on one thread;
+* floor: ``np.add.reduce`` over every layer, the cost of one read pass (measured in
+  the same run); NumPy's reduce runs on one thread;
 * ``summarize()``: gradstream's per-layer statistics (numel, sum|g|, sum g^2, max|g|,
   nonfinite), with its ratio to the floor;
 * the seed's way: trustformers-debug's helpers (``mean_abs``, ``max_abs``, ``l2_norm`` over

@@ -1,7 +1,7 @@
 """GradientFrame computation: one step of one run, all layers, vectorised over layers.
 
-Formulas (seed 001 ``GradientFlowAnimator::record_step``, DESIGN.md "Frame and health
-semantics"), for layer l after merging every rank's shard:
+Formulas (seed 001 ``GradientFlowAnimator::record_step``; README.md, "How it works"),
+for layer l after merging every rank's shard:
 
 - ``mean_abs_grad = sum_abs / numel``
 - ``max_abs_grad = max_abs``

@@ -32,30 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from consumer.rounding import at_rounding_level, unit_roundoff
+from schemas.health import classify_health
 from schemas.wire import GradientHealth
 
 _EMPTY = np.empty(0, dtype=np.int32)
-
-
-def classify(
-    any_vanishing: bool, any_exploding: bool, issue_frames: int, frames: int, any_nonfinite: bool
-) -> GradientHealth:
-    """Seed 001 health rule plus "non-finite -> Critical" (see module doc).
-
-    Args:
-        any_vanishing / any_exploding / any_nonfinite: whether any layer of any considered
-            frame was vanishing / exploding / non-finite.
-        issue_frames: considered frames with a vanishing, exploding or non-finite layer.
-        frames: considered frames (0 is treated as 1, like the seed).
-    """
-    ratio = issue_frames / max(frames, 1)
-    if any_nonfinite or (any_exploding and ratio > 0.5):
-        return GradientHealth.CRITICAL
-    if any_exploding or ratio > 0.3:
-        return GradientHealth.PROBLEMS_DETECTED
-    if any_vanishing or ratio > 0.1:
-        return GradientHealth.MINOR_ISSUES
-    return GradientHealth.HEALTHY
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +161,7 @@ class RunHealthTracker:
     @property
     def health(self) -> GradientHealth:
         """Current health over the considered frames (see module doc)."""
-        return classify(
+        return classify_health(
             any_vanishing=bool(self.vanishing_frames.any()),
             any_exploding=bool(self.exploding_frames.any()),
             issue_frames=self.issue_frames,

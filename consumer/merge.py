@@ -4,7 +4,7 @@ A frame is complete when every rank of ``world_size`` has reported. A frame stil
 incomplete ``shard_timeout_s`` after its first shard is finalised as *partial*, its
 missing ranks recorded. A shard arriving later for a partial frame is merged into the
 stored sums and the frame is finalised again (the store rewrites it). A duplicate shard
-(same run, step, rank) changes nothing (DESIGN.md, "Shard merge").
+(same run, step, rank) changes nothing (README.md, "How it works").
 
 Replicas count once. A StepSummary with a shard layout (``shard_index``/``shard_count``)
 says which disjoint piece of each parameter its statistics cover; the first rank to report

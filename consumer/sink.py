@@ -5,7 +5,7 @@ by row. Upserts on the primary keys (run, step, layer) and (run, step) make a re
 frame (late shard, replay after a crash) replace the old rows, and make a frame written
 twice appear once. The next offset to consume per partition is written in the same
 transaction as the rows it covers, so the store is exactly-once with respect to Kafka
-(DESIGN.md, "Storage"). Each transaction runs on a writer thread while the caller prepares
+(README.md, "Tables"). Each transaction runs on a writer thread while the caller prepares
 the next batch (``write_behind``); reads wait for it.
 """
 

@@ -5,7 +5,7 @@ For each layer the summary holds ``numel``, ``sum_abs`` = sum |g|, ``sum_sq`` = 
 counted and left out of the three float statistics, which accumulate in float64 whatever
 the input dtype. They merge exactly across ranks (sums add, max takes the max, counts add),
 which is what lets the consumer rebuild a full-tensor frame from per-rank shards
-(DESIGN.md, "Wire contract"; derived frame fields follow seed 001 ``record_step``).
+(``schemas.wire``; derived frame fields follow seed 001 ``record_step``).
 
 Optionally (``summarize(..., histogram=True)``) each layer also gets an exponent histogram:
 counts of elements per power-of-two magnitude band, which merge across ranks by addition
@@ -451,7 +451,7 @@ def summarize(
 ) -> LayerSummaries:
     """Summarise a mapping of layer name -> gradient array.
 
-    Statistics per layer (DESIGN.md "Wire contract"): ``numel``; over the finite elements,
+    Statistics per layer (``schemas.wire.StepSummary``): ``numel``; over the finite elements,
     ``sum_abs`` = sum |g|, ``sum_sq`` = sum g^2 (float64 accumulation, relative error
     ~1e-15, saturating at the largest double), ``max_abs`` = max |g| (exact; 0.0 if none);
     ``nonfinite`` = count of NaN/+-Inf.

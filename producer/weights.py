@@ -1,7 +1,7 @@
 """Weight statistics of the watched layers (producer setting ``weight_stats``, off by default).
 
 Per layer, over this rank's shard of the weights, everything exactly mergeable across ranks
-(power sums add, extremes take min / max, counts add; DESIGN.md "Wire contract"):
+(power sums add, extremes take min / max, counts add; ``schemas.wire``):
 
 - ``sum_sq`` = sum w^2 (the weight norm squared) and ``update_sum_sq`` =
   sum (w_t - w_prev)^2, the squared norm of the change since the previous recorded step

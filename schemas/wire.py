@@ -7,7 +7,7 @@ major version with :class:`WireError`.
 
 Per-layer statistics are columnar: one array per statistic, aligned with ``layer_indices``,
 which index the layer list sent in :class:`RunStarted` (model order). The statistics merge
-exactly across ranks (DESIGN.md, "Wire contract"): sums add, maxima take the maximum,
+exactly across ranks: sums add, maxima take the maximum,
 counts add.
 """
 

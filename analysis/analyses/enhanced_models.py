@@ -446,7 +446,7 @@ class StabilityAssessment(_Model):
 
 class NetworkLevelAnalysis(_Model):
     """Whole-network view. ``overall_gradient_health``: Critical if more than 30 % of the
-    judged layers are Critical (seed 003) or any layer had NaN/Inf gradients (DESIGN.md);
+    judged layers are Critical (seed 003) or any layer had NaN/Inf gradients (as run health);
     Warning if more than 10 % are Critical or more than 50 % Warning (seed 003) or any
     layer is vanishing, zero or exploding (seed 001's run health never calls that
     Healthy); Healthy otherwise; Unknown when no layer could be judged."""

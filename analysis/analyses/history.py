@@ -6,12 +6,12 @@ order. Here a run's ``layer_stats`` rows in a step range become ``layers x steps
 per-layer aggregate (both O(rows), run by DuckDB on every core).
 
 Per (layer, step) flags (:data:`FLAG_VANISHING` ...) are computed in SQL with the run's own
-thresholds and DESIGN.md's frame semantics, so that the analyses agree with the frames and
-alerts of the run. They only need ``grad_norm``, ``numel`` and ``nonfinite``: when a
-producer sent norms only (``mean_abs_grad`` / ``max_abs_grad`` NULL), the per-element root
-mean square ``rms = grad_norm / sqrt(numel - nonfinite)`` stands in, in the direction that
-never raises a false flag: ``mean|g| <= rms <= max|g|`` (Cauchy-Schwarz), so
-``rms < vanishing_threshold`` implies ``mean|g| < vanishing_threshold`` and
+thresholds and the frame semantics (README.md, "How it works"), so that the analyses agree
+with the frames and alerts of the run. They only need ``grad_norm``, ``numel`` and
+``nonfinite``: when a producer sent norms only (``mean_abs_grad`` / ``max_abs_grad`` NULL),
+the per-element root mean square ``rms = grad_norm / sqrt(numel - nonfinite)`` stands in, in
+the direction that never raises a false flag: ``mean|g| <= rms <= max|g|`` (Cauchy-Schwarz),
+so ``rms < vanishing_threshold`` implies ``mean|g| < vanishing_threshold`` and
 ``rms > exploding_threshold`` implies ``max|g| > exploding_threshold``.
 """
 

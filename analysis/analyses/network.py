@@ -47,7 +47,7 @@ def overall_health(health: list[LayerHealth], risks: list[list[str]]) -> LayerHe
     """Network health (see :class:`NetworkLevelAnalysis`): seed 003
     ``assess_overall_health`` over the judged (not Unknown) layers, raised to Critical by
     any NaN/Inf gradient and to at least Warning by any threshold risk (vanishing, zero,
-    exploding), as the run health of seed 001 / DESIGN.md never calls such a run Healthy;
+    exploding), as the run health of seed 001 / gradstream never calls such a run Healthy;
     Unknown when no layer was judged."""
     judged = [h for h in health if h is not LayerHealth.UNKNOWN]
     if not judged:

@@ -64,8 +64,8 @@ class RunHealthRuleConfig(_RuleConfig):
 
 
 class NonfiniteRuleConfig(_RuleConfig):
-    """Any NaN/Inf gradient element in any layer of a frame (DESIGN.md: non-finite makes
-    the frame Critical at once)."""
+    """Any NaN/Inf gradient element in any layer of a frame (a non-finite gradient
+    makes the frame Critical at once, ``consumer.health``)."""
 
     severity: AlertSeverity = AlertSeverity.CRITICAL
 

@@ -188,7 +188,7 @@ NASTY_NAMES: list[str] = [
     "tab\tname",
     "",
 ]
-"""Layer names exports and renderings must survive (DESIGN.md, "Bad input")."""
+"""Layer names exports and renderings must survive (commas, quotes, newlines, unicode)."""
 
 __all__ = [
     "EXPLODING",

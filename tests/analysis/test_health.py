@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from analysis.report import build_recommendations, classify_health
+from analysis.report import build_recommendations
+from schemas.health import classify_health
 from schemas.wire import GradientHealth
 
 H = GradientHealth

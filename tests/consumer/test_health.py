@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.health import RunHealthTracker, classify, restore_tracker
+from consumer.health import RunHealthTracker, restore_tracker
+from schemas.health import classify_health as classify
 from schemas.wire import GradientHealth as H
 
 

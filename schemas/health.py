@@ -1,0 +1,64 @@
+"""The run-health rule (seed 001 ``classify_health``, extended for non-finite gradients): one
+pure function, used by the consumer's incremental tracker (``consumer.health``) and by the
+report computed from the store (``analysis.report``), so that both always agree."""
+
+from __future__ import annotations
+
+from schemas.wire import GradientHealth
+
+
+def classify_health(
+    any_vanishing: bool,
+    any_exploding: bool,
+    issue_frames: int,
+    frames: int,
+    any_nonfinite: bool,
+) -> GradientHealth:
+    """Run health from its counters (seed 001 ``classify_health``; README.md, "How it works").
+
+    With ``issue_ratio = issue_frames / max(frames, 1)`` (frames == 0 counts as 1, as in
+    the seed), the first rule that holds wins:
+
+    1. any non-finite gradient (gradstream's rule) -> Critical
+    2. an exploding layer and ``issue_ratio > 0.5`` -> Critical
+    3. an exploding layer or ``issue_ratio > 0.3`` -> ProblemsDetected
+    4. a vanishing layer or ``issue_ratio > 0.1`` -> MinorIssues
+    5. otherwise Healthy
+
+    The ratio comparisons are done exactly in integers (``10 * issue_frames > frames``
+    for 0.1, and so on), so a ratio of exactly 0.1, 0.3 or 0.5 is never "above".
+
+    Note (inherited from the seed): an issue frame always contains a vanishing, an
+    exploding or a non-finite layer, so with counters taken from data rule 4's
+    ``issue_ratio > 0.1`` never decides anything (any issue frame already sets a flag); it
+    matters only for callers passing independent counts.
+
+    Args:
+        any_vanishing: some layer had ``is_vanishing`` in some frame considered (layers
+            with no gradient by construction left out, see :class:`GradientFlowSummary`).
+        any_exploding: some layer had ``is_exploding`` in some frame considered.
+        issue_frames: frames with any vanishing, exploding or non-finite layer
+            (0 <= issue_frames).
+        frames: frames considered (issue_frames <= frames).
+        any_nonfinite: some layer had a NaN/Inf gradient element in some frame.
+
+    Returns:
+        The :class:`schemas.wire.GradientHealth` class.
+
+    Raises:
+        ValueError: negative counts or ``issue_frames > frames``.
+    """
+    if issue_frames < 0 or frames < 0:
+        raise ValueError(f"counts must be >= 0, got issue_frames={issue_frames}, frames={frames}")
+    if issue_frames > frames:
+        raise ValueError(f"issue_frames {issue_frames} exceeds frames {frames}")
+    denominator = max(frames, 1)
+    if any_nonfinite:
+        return GradientHealth.CRITICAL
+    if any_exploding and 2 * issue_frames > denominator:
+        return GradientHealth.CRITICAL
+    if any_exploding or 10 * issue_frames > 3 * denominator:
+        return GradientHealth.PROBLEMS_DETECTED
+    if any_vanishing or 10 * issue_frames > denominator:
+        return GradientHealth.MINOR_ISSUES
+    return GradientHealth.HEALTHY
