@@ -175,7 +175,9 @@ def store(
         str | None, typer.Option(metavar="TOPIC", help="Frames topic the workers publish to.")
     ] = None,
     group_id: Annotated[
-        str | None, typer.Option("--group", help="Consumer group of the store.")
+        str | None, typer.Option(
+            "--group", help="Name under which the store keeps its consumed offsets in "
+            "DuckDB (it joins no Kafka consumer group: it reads every partition itself).")
     ] = None,
     alerts_topic: Annotated[
         str | None,

@@ -33,8 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kafka import ConsumerRebalanceListener
-
 from consumer.frame_codec import message_to_merged
 from consumer.frames import LocalRows, MergedShards, compute_frame
 from consumer.health import RunHealthTracker, restore_tracker
@@ -43,7 +41,7 @@ from consumer.rounding import gradient_magnitude
 from consumer.runs import RunInfo
 from consumer.sink import DuckDBSink, RunState, SinkBatch
 from consumer.store_settings import StoreSettings
-from consumer.topic_admin import ensure_topics, subscribe_with_metadata
+from consumer.topic_admin import ensure_topics
 from schemas.alert import Alert, decode_alert_record
 from schemas.wire import (
     GradientHealth,
@@ -105,7 +103,7 @@ class Store:
         self.error: BaseException | None = None
 
     def stop(self) -> None:
-        """Finish the batch, write it, leave the group."""
+        """Finish the batch, write it, stop."""
         self._stop.set()
 
     def wait_ready(self, timeout: float) -> bool:
@@ -135,18 +133,26 @@ class Store:
                 self._on_open(self._sink)
             self._restore()
             ensure_topics(s, self._topics)
+            # No consumer group: the store is the only reader of its topics and keeps its
+            # offsets in DuckDB, so it assigns itself every partition and needs no group
+            # join. A restart after SIGKILL therefore reads at once instead of waiting for
+            # the dead member's session to expire.
             self._consumer = KafkaConsumer(
-                **s.kafka_kwargs(), group_id=s.group_id, enable_auto_commit=False,
+                **s.kafka_kwargs(), group_id=None, enable_auto_commit=False,
                 auto_offset_reset="earliest", max_poll_records=s.max_poll_records,
                 max_partition_fetch_bytes=s.max_partition_fetch_bytes,
                 fetch_max_bytes=max(s.max_partition_fetch_bytes, 64 * 1024 * 1024),
             )
+            partitions = self._all_partitions()
+            self._consumer.assign(partitions)
+            self.on_assigned(partitions)
         except BaseException:
+            if self._consumer is not None:
+                self._consumer.close()
             self._sink.close()
             raise
-        subscribe_with_metadata(self._consumer, self._topics, _Rebalance(self))
-        log.info("store joined group %s on %s, writing %s", s.group_id,
-                 ", ".join(self._topics), s.db)
+        log.info("store reads %s (offsets kept under %r), writing %s",
+                 ", ".join(self._topics), s.group_id, s.db)
         try:
             while not self._stop.is_set():
                 records = self._consumer.poll(timeout_ms=s.poll_timeout_ms)
@@ -166,6 +172,26 @@ class Store:
             log.info("store stopped: %d frames, %d late merges, %d replays ignored",
                      self.counters.frames, self.counters.merged_late,
                      self.counters.ignored_replays)
+
+    def _all_partitions(self, timeout_s: float = 60.0) -> list[Any]:
+        """Every partition of the store's topics, waiting (up to ``timeout_s``) until the
+        cluster's metadata lists them.
+
+        Raises:
+            TimeoutError: a topic has no partition in the metadata after ``timeout_s``.
+        """
+        from kafka import TopicPartition
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = {t: self._consumer.partitions_for_topic(t) for t in self._topics}
+            if all(found.values()):
+                return [TopicPartition(t, p) for t in self._topics for p in sorted(found[t])]
+            if time.monotonic() > deadline:
+                missing = [t for t, parts in found.items() if not parts]
+                raise TimeoutError(f"no partitions known for topic(s) {missing} after "
+                                   f"{timeout_s:g} s: is the broker reachable?")
+            time.sleep(0.2)
 
     @property
     def _topics(self) -> list[str]:
@@ -314,10 +340,11 @@ class Store:
         self.counters.writes += 1
         self._batch = SinkBatch()
 
-    # -- rebalance -----------------------------------------------------------------------
+    # -- partitions ----------------------------------------------------------------------
 
     def on_assigned(self, partitions: list[Any]) -> None:
-        """Seek every assigned partition to its stored offset (or the beginning)."""
+        """Seek every assigned partition to its stored offset (or the beginning): the
+        offsets in DuckDB, written with the rows they cover, are the only positions."""
         with self._lock:
             assert self._sink is not None
             stored = {topic: self._sink.load_offsets(self.settings.group_id, topic)
@@ -332,14 +359,6 @@ class Store:
             if partitions:
                 self._ready.set()
 
-    def on_revoked(self, partitions: list[Any]) -> None:
-        """Write what is batched before the partitions go."""
-        with self._lock:
-            self._flush()
-            for tp in partitions:
-                self._positions.pop((tp.topic, tp.partition), None)
-                self._stored_positions.pop((tp.topic, tp.partition), None)
-
     # -- introspection -------------------------------------------------------------------
 
     def runs_done(self, run_ids: list[str]) -> bool:
@@ -350,19 +369,3 @@ class Store:
                 if run is None or len(self._finished.get(run_id, ())) < run.world_size:
                     return False
             return not self._batch
-
-
-class _Rebalance(ConsumerRebalanceListener):
-    """kafka-python rebalance listener delegating to the store."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    def on_partitions_revoked(self, revoked: list[Any]) -> None:
-        self.store.on_revoked(revoked)
-
-    def on_partitions_assigned(self, assigned: list[Any]) -> None:
-        self.store.on_assigned(assigned)
-
-    def on_partitions_lost(self, lost: list[Any]) -> None:
-        self.store.on_revoked(lost)

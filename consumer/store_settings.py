@@ -22,7 +22,9 @@ class StoreSettings(TopicCreationSettings):
         alerts_topic: topic of the workers' alert events, stored in the ``alerts`` table
             (None: alerts are not stored).
         dlq_topic: where unusable frames-topic messages go.
-        group_id: the store's consumer group (one member: DuckDB has one writer).
+        group_id: the name under which the store keeps its consumed offsets in DuckDB
+            (``kafka_offsets.consumer_group``); the store joins no Kafka consumer group, it
+            assigns itself every partition (DuckDB has one writer).
         db: DuckDB file the store writes.
         flush_interval_s: longest time frames wait before being written.
         max_batch_rows: write as soon as this many layer rows are waiting.
