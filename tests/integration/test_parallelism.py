@@ -148,7 +148,10 @@ def test_ddp_replica_that_diverges_raises_an_alert(kafka_bootstrap, tmp_path, un
         "'replica_divergence' AND state = 'firing'", [run_id]).fetchall()
     assert len(alerts) == 1
     step, layers, ranks = alerts[0]
-    assert step == 1 and layers == [result["names"][0]] and 2 in ranks and len(ranks) == 2
+    # The replica that arrived first is counted; the others are compared with it, so the
+    # perturbed rank 2 is named either as the one that differs or as the reference.
+    assert step == 1 and layers == [result["names"][0]]
+    assert 2 in ranks and set(ranks) <= {0, 1, 2} and len(ranks) >= 2
 
 
 @pytest.mark.parametrize("kind,world", [("fsdp2", 2), ("hsdp", 4), ("tp", 2)])
