@@ -39,3 +39,61 @@ def dead_letter_value(value: bytes | None) -> tuple[bytes, bool]:
 def decode_headers(headers: Any) -> dict[str, str]:
     """Kafka record headers [(key, bytes)] as a str dict (undecodable bytes replaced)."""
     return {k: (v or b"").decode(errors="replace") for k, v in (headers or [])}
+
+
+class DeadLetterQueue:
+    """Sends unusable records to the dead-letter topic, with the reason in the headers.
+
+    Args:
+        topic: the dead-letter topic.
+        producer: a kafka-python ``KafkaProducer``; None keeps the letters in the counters
+            and the log only (a loop fed records directly, without Kafka).
+
+    Attributes:
+        sent: dead letters so far. reasons: the first 100 reasons (for tests and logs).
+    """
+
+    def __init__(self, topic: str, producer: Any | None) -> None:
+        self.topic = topic
+        self.producer = producer
+        self.sent = 0
+        self.reasons: list[str] = []
+
+    @classmethod
+    def connect(cls, settings: Any) -> DeadLetterQueue:
+        """A queue with its own producer (acks=all, no linger; values up to 2 MiB).
+
+        Raises:
+            kafka.errors.KafkaError: the cluster cannot be reached.
+        """
+        from kafka import KafkaProducer
+
+        producer = KafkaProducer(**settings.kafka_kwargs(), acks=-1, linger_ms=0,
+                                 max_request_size=2 * 1024 * 1024 + 65536)
+        return cls(settings.dlq_topic, producer)
+
+    def send(self, record: Any, reason: str, error: str) -> None:
+        """Send ``record`` (a kafka-python ConsumerRecord) with ``reason`` and the error
+        class ``error``; a value over ``DLQ_VALUE_LIMIT`` is cut and marked truncated."""
+        self.sent += 1
+        if len(self.reasons) < 100:
+            self.reasons.append(reason)
+        if self.producer is None:
+            return
+        value, truncated = dead_letter_value(record.value)
+        headers = dead_letter_headers(reason, record.topic, record.partition, record.offset,
+                                      error)
+        if truncated:
+            headers.append(("truncated", b"true"))
+        self.producer.send(self.topic, key=record.key, value=value, headers=headers)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Block until every letter sent so far is acknowledged (before the offsets that
+        pass them are stored)."""
+        if self.producer is not None and self.sent:
+            self.producer.flush(timeout=timeout_s)
+
+    def close(self) -> None:
+        """Deliver what is pending (at most 10 s) and close the producer."""
+        if self.producer is not None:
+            self.producer.close(timeout=10)

@@ -11,7 +11,6 @@ import pytest
 
 from consumer.frame_codec import frame_to_message
 from consumer.frames import MergedShards, compute_frame
-from consumer.sink import DuckDBSink
 from consumer.store import Store
 from consumer.store_settings import StoreSettings
 from schemas.wire import RunStarted, StepSummary, encode_message
@@ -39,21 +38,21 @@ def frame_of(ranks: list[int]):
 @pytest.fixture
 def store(tmp_path):
     s = Store(StoreSettings(db=str(tmp_path / "s.duckdb")))
-    s._sink = DuckDBSink(s.settings.db)
+    s.open()
     offset = iter(range(10**6))
 
     def feed(message) -> None:
-        s._handle(Record("frames", 0, next(offset), encode_message(message), b"r"))
-        s._flush()
+        s.consume(Record("frames", 0, next(offset), encode_message(message), b"r"))
+        s.flush()
 
     feed(RunStarted(run_id="r", world_size=3, layer_names=["a", "b"], numel=[12, 18],
                     start_time=1.0))
     yield s, feed
-    s._sink.close()
+    s.output.close()
 
 
 def stored(store: Store):
-    con: duckdb.DuckDBPyConnection = store._sink.con
+    con: duckdb.DuckDBPyConnection = store.output.sink.con
     rows = con.execute("SELECT numel, sum_abs, sum_sq, max_abs_grad, nonfinite FROM layer_stats "
                        "ORDER BY layer_index").fetchall()
     ranks = con.execute("SELECT ranks_seen, complete FROM frames").fetchall()
@@ -78,22 +77,21 @@ def test_late_rank_is_merged_and_replays_are_ignored(store):
     feed(frame_to_message(frame_of([0, 1, 2])))  # republished: same values
     assert stored(s) == (expected([0, 1, 2]), [([0, 1, 2], True)])
     assert s.counters.ignored_replays == 1
-    assert s._sink.con.execute("SELECT count(*) FROM layer_stats").fetchone() == (2,)
+    assert s.output.sink.con.execute("SELECT count(*) FROM layer_stats").fetchone() == (2,)
 
 
 def test_late_rank_merges_with_a_frame_stored_before_a_restart(store, tmp_path):
     s, feed = store
     feed(frame_to_message(frame_of([1])))
-    s._sink.close()
+    s.output.close()
     again = Store(StoreSettings(db=s.settings.db))  # a restarted store: state from DuckDB
-    again._sink = DuckDBSink(again.settings.db)
-    again._restore()
-    again._handle(Record("frames", 0, 99, encode_message(frame_to_message(frame_of([0, 2]))),
+    again.open()
+    again.consume(Record("frames", 0, 99, encode_message(frame_to_message(frame_of([0, 2]))),
                          b"r"))
-    again._flush()
+    again.flush()
     assert stored(again) == (expected([0, 1, 2]), [([0, 1, 2], True)])
-    again._sink.close()
-    s._sink = DuckDBSink(s.settings.db)  # for the fixture's teardown
+    again.output.close()
+    s.open()  # for the fixture's teardown
 
 
 def test_alert_records_are_stored_once_and_bad_ones_skipped(store):
@@ -109,9 +107,9 @@ def test_alert_records_are_stored_once_and_bad_ones_skipped(store):
     topic = s.settings.alerts_topic
     for offset, value in enumerate([encode_alert_record(alert), b"{not json",
                                     encode_alert_record(alert)]):
-        s._handle(Record(topic, 0, offset, value, b"r"))
-    s._flush()
-    rows = s._sink.con.execute("SELECT alert_id, rule, ranks FROM alerts").fetchall()
+        s.consume(Record(topic, 0, offset, value, b"r"))
+    s.flush()
+    rows = s.output.sink.con.execute("SELECT alert_id, rule, ranks FROM alerts").fetchall()
     assert rows == [("i1-firing", "nonfinite", [1])]
-    assert s.counters.invalid == 1 and s.counters.alerts == 2
-    assert s._sink.load_offsets(s.settings.group_id, topic) == {0: 3}
+    assert s.counters.dead_letters == 1 and s.counters.alerts == 2
+    assert s.output.sink.load_offsets(s.settings.group_id, topic) == {0: 3}

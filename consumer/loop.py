@@ -1,0 +1,461 @@
+"""The consumer loop, written once: Kafka records in, batches of frames out, offsets stored
+with the rows they cover.
+
+:class:`ConsumerLoop` owns everything a gradstream consumer process does around its
+records: the lifecycle (open the output, restore, connect, consume until ``stop()``, write
+what is left, close), the poll -> handle -> commit cycle, seeking each assigned partition
+to the offset its output stored, writing before a partition is revoked, the dead-letter
+queue, the Prometheus metrics and a graceful stop. Two small subclasses supply what is
+theirs: :class:`consumer.worker.Worker` (summaries -> merged frames) and
+:class:`consumer.store.Store` (the frames topic -> DuckDB, in scale-out mode). Where a
+batch goes is a :class:`FrameOutput` (:mod:`consumer.outputs`): a DuckDB file, or the
+frames topic.
+
+Commit protocol (:meth:`ConsumerLoop.flush`), run when ``flush_interval_s`` has passed,
+when ``max_batch_rows`` layer rows wait, before partitions are revoked and at stop:
+
+1. For every partition read, the offset to store is the next one to consume, but never
+   past the first record of a frame still waiting for ranks (``pending_offsets``): a crash
+   then rebuilds that frame from Kafka.
+2. If neither rows nor changed offsets wait, nothing is written.
+3. Dead letters sent so far are flushed to Kafka first, so stored offsets never pass a
+   record that is neither stored nor dead-lettered.
+4. The output makes the batch durable with those offsets in one step: one DuckDB
+   transaction (rows and ``kafka_offsets`` together), or every frame acknowledged by
+   the frames topic.
+5. Only then are the offsets acknowledged to Kafka (a commit: informational when DuckDB
+   holds them, the group's positions themselves when the frames topic is the output).
+6. The stored offsets are remembered and a new batch begins.
+
+On assignment (step 0 of the next cycle) each partition is sought to the offset the
+output stored, so rows are written exactly once whatever crashes; an output that stores
+none (the frames topic) leaves the consumer at the group's committed offsets.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kafka import ConsumerRebalanceListener
+
+from consumer.dlq import DeadLetterQueue
+from consumer.metrics import WorkerMetrics
+from consumer.runbook import RunBook
+from consumer.sink import SinkBatch
+from consumer.topic_admin import ensure_topics, subscribe_with_metadata
+
+if TYPE_CHECKING:
+    from consumer.sink import DuckDBSink
+
+log = logging.getLogger("gradstream.consumer")
+
+PartitionKey = tuple[str, int]
+"""(topic, partition)."""
+
+
+class FrameOutput(Protocol):
+    """Where a loop's batches go (:mod:`consumer.outputs`).
+
+    Attributes:
+        sink: the DuckDB sink when the output is a DuckDB file, else None.
+    """
+
+    sink: DuckDBSink | None
+
+    def stored_offsets(self, topics: Iterable[str]) -> dict[PartitionKey, int] | None:
+        """Next offset to consume per partition as stored with the rows, or None when
+        the output keeps none (the consumer group's committed offsets are the positions)."""
+        ...
+
+    def write(self, batch: SinkBatch) -> None:
+        """Make ``batch`` (rows and ``batch.offsets``) durable in one step (step 4)."""
+        ...
+
+    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int]) -> None:
+        """Commit ``offsets`` to Kafka after ``write`` (step 5)."""
+        ...
+
+    def close(self) -> None:
+        """Release the output."""
+        ...
+
+
+@dataclass(slots=True)
+class LoopCounters:
+    """Running totals of one loop (since start): records read, frames and layer rows put
+    into batches, dead letters, writes."""
+
+    messages: int = 0
+    frames: int = 0
+    layer_rows: int = 0
+    dead_letters: int = 0
+    writes: int = 0
+
+
+class ConsumerLoop(ABC):
+    """A Kafka consumer that turns records into batches and writes them with their offsets.
+
+    Args:
+        settings: the process's settings: ``kafka_kwargs()``, ``group_id``, ``dlq_topic``,
+            ``poll_timeout_ms``, ``max_poll_records``, ``max_partition_fetch_bytes``,
+            ``flush_interval_s``, ``max_batch_rows``, ``max_frames``, ``metrics_port``.
+        on_open: called on the loop's thread with the DuckDBSink right after a DuckDB
+            output is opened, before consuming (``gradstream serve`` takes a read cursor).
+
+    Subclasses set ``Counters`` (a LoopCounters subclass) and ``join_group`` (True: a
+    consumer-group member with rebalances; False: assign every partition of ``topics()``
+    to itself, for a single reader that keeps its offsets in its output and must not wait
+    for a group), and implement :meth:`open_output`,
+    :meth:`topics` and :meth:`handle`; the other hooks are optional.
+
+    ``run()`` blocks until ``stop()``; ``error`` holds what ended it abnormally.
+    """
+
+    join_group = True
+    Counters: type[LoopCounters] = LoopCounters
+
+    def __init__(self, settings: Any, on_open: Callable[[DuckDBSink], None] | None = None
+                 ) -> None:
+        self.settings = settings
+        self._on_open = on_open
+        self.book = RunBook(settings.max_frames)
+        self.counters = self.Counters()
+        self.metrics = WorkerMetrics(self.pending_count)
+        self.error: BaseException | None = None
+        self.output: FrameOutput | None = None
+        self.dlq = DeadLetterQueue(settings.dlq_topic, None)
+        self._consumer: Any = None
+        self._batch = SinkBatch()
+        self._positions: dict[PartitionKey, int] = {}
+        self._stored: dict[PartitionKey, int] = {}
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._lock = threading.RLock()
+        self._started = time.monotonic()
+        self._last_flush = self._started
+        self._first_write_logged = False
+
+    # -- hooks ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def open_output(self) -> FrameOutput:
+        """Open where batches go (before connecting to Kafka)."""
+
+    @abstractmethod
+    def topics(self) -> list[str]:
+        """Topics to consume."""
+
+    @abstractmethod
+    def handle(self, record: Any) -> None:
+        """Use one record: decode it and put what it yields into ``self._batch``."""
+
+    def restore(self) -> None:
+        """Rebuild state from the output (default: the runs and their health)."""
+        if self.output is not None and self.output.sink is not None:
+            self.book.restore(self.output.sink)
+
+    def tick(self) -> None:
+        """After each poll: expire what waited too long (default: nothing)."""
+        return None
+
+    def pending_offsets(self) -> dict[PartitionKey, int]:
+        """First offset per partition of a frame still pending (default: none)."""
+        return {}
+
+    def pending_count(self) -> int:
+        """Frames waiting (the ``gradstream_pending_frames`` gauge; default 0)."""
+        return 0
+
+    def assigned(self, partitions: list[Any]) -> None:
+        """Partitions were assigned, before seeking (default: nothing)."""
+        return None
+
+    def revoked(self, keys: set[PartitionKey]) -> None:
+        """Partitions were revoked after the final write (default: nothing)."""
+        return None
+
+    def closing(self) -> None:
+        """The loop stops after its last write (default: nothing)."""
+        return None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to finish its batch, write it, leave and return."""
+        self._stop.set()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until partitions were assigned (False on timeout)."""
+        return self._ready.wait(timeout)
+
+    def run(self) -> None:
+        """Consume until ``stop()``.
+
+        Raises:
+            duckdb.IOException: the DuckDB file is locked by another process.
+            kafka.errors.KafkaError: Kafka unreachable at start-up.
+            TimeoutError: a topic has no partition in the cluster's metadata.
+        """
+        try:
+            self._run()
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def open(self) -> None:
+        """Open the output and restore state from it (``run()`` does this first; tests
+        that feed records with :meth:`consume` call it themselves)."""
+        self.output = self.open_output()
+        if self._on_open is not None and self.output.sink is not None:
+            self._on_open(self.output.sink)
+        self.restore()
+
+    def _run(self) -> None:
+        self._started = time.monotonic()
+        try:
+            self.open()
+            self.metrics.serve(self.settings.metrics_port)
+            self.dlq = DeadLetterQueue.connect(self.settings)
+            self.connect()
+        except BaseException:
+            self._close()
+            raise
+        log.info("%s reads %s, writing %s", type(self).__name__.lower(),
+                 ", ".join(self.topics()), self.describe_output())
+        try:
+            self._consume()
+        finally:
+            try:
+                with self._lock:
+                    self.flush()
+            finally:
+                self._close()
+
+    def describe_output(self) -> str:
+        """Where batches go, for the start-up log line."""
+        return str(self.settings.db)
+
+    def connect(self) -> None:
+        """Create the topics read (and the dead-letter topic) if absent, then the Kafka
+        consumer: join the group, or assign every partition.
+
+        Raises:
+            kafka.errors.KafkaError: the cluster cannot be reached.
+            TimeoutError: a topic has no partition in the metadata after 60 s.
+        """
+        from kafka import KafkaConsumer
+
+        s = self.settings
+        ensure_topics(s, [*self.topics(), s.dlq_topic])
+        kwargs: dict[str, Any] = dict(
+            **s.kafka_kwargs(), enable_auto_commit=False, auto_offset_reset="earliest",
+            max_poll_records=s.max_poll_records,
+            max_partition_fetch_bytes=s.max_partition_fetch_bytes,
+            fetch_max_bytes=max(s.max_partition_fetch_bytes, 64 * 1024 * 1024),
+        )
+        if self.join_group:
+            self._consumer = KafkaConsumer(**kwargs, group_id=s.group_id,
+                                           **s.membership_kwargs())
+            subscribe_with_metadata(self._consumer, self.topics(), _Rebalance(self))
+            return
+        # A single reader keeping its offsets in its output joins no group: a restart
+        # after SIGKILL reads at once instead of waiting for the dead member's session.
+        self._consumer = KafkaConsumer(**kwargs, group_id=None)
+        partitions = _all_partitions(self._consumer, self.topics())
+        self._consumer.assign(partitions)
+        self.on_assigned(partitions)
+
+    def _consume(self) -> None:
+        from kafka.errors import KafkaConnectionError
+
+        while not self._stop.is_set():
+            try:
+                records = self._consumer.poll(timeout_ms=self.settings.poll_timeout_ms)
+            except KafkaConnectionError as exc:  # a broker restarting: retry, lose nothing
+                log.warning("Kafka unreachable while polling (%s); retrying in 1 s", exc)
+                self._stop.wait(1.0)
+                continue
+            with self._lock:
+                for batch in records.values():
+                    for record in batch:
+                        self.consume(record)
+                self.metrics.on_poll(records, self._consumer)  # messages; lag <= 1/s
+                self.tick()
+                if self._due():
+                    self.flush()
+
+    def _close(self) -> None:
+        """Close everything opened, in reverse order, each even if another fails."""
+        steps = [
+            lambda: self._consumer is not None and self._consumer.close(),
+            self.closing, self.metrics.close, self.dlq.close,
+            lambda: self.output is not None and self.output.close(),
+        ]
+        for step in steps:
+            try:
+                step()
+            except Exception:
+                log.exception("error while closing %s", type(self).__name__)
+
+    # -- records -------------------------------------------------------------------------
+
+    def consume(self, record: Any) -> None:
+        """Note ``record``'s position and hand it to :meth:`handle`."""
+        self._positions[(record.topic, record.partition)] = record.offset + 1
+        self.counters.messages += 1
+        self.handle(record)
+
+    def dead_letter(self, record: Any, reason: str, error: str) -> None:
+        """Send ``record`` to the dead-letter topic with ``reason`` (error class ``error``:
+        ``invalid``, ``unknown_run``, ``conflicting_run``); the loop goes on."""
+        self.counters.dead_letters += 1
+        self.metrics.dead_letter(error)
+        log.warning("dead letter %s[%d]@%d: %s", record.topic, record.partition,
+                    record.offset, reason)
+        self.dlq.send(record, reason, error)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def _due(self) -> bool:
+        if self._batch.layer_rows() >= self.settings.max_batch_rows:
+            return True
+        return time.monotonic() - self._last_flush >= self.settings.flush_interval_s
+
+    def flush(self) -> None:
+        """Write the batch with its offsets: the commit protocol in the module docstring.
+
+        Raises:
+            duckdb.Error / kafka.errors.KafkaError: the write failed; the offsets were not
+                stored, so the records are read again after a restart.
+        """
+        self._last_flush = time.monotonic()
+        if self.output is None:
+            return
+        earliest = self.pending_offsets()                                          # 1
+        offsets = {}
+        for key, position in self._positions.items():
+            target = min(position, earliest.get(key, position))
+            if self._stored.get(key) != target:
+                offsets[key] = target
+        batch, batch.offsets = self._batch, offsets
+        if not batch:                                                              # 2
+            return
+        self.dlq.flush()                                                           # 3
+        self.output.write(batch)                                                   # 4
+        if offsets and self._consumer is not None:
+            self.output.acknowledge(self._consumer, offsets)                       # 5
+        self._stored.update(offsets)                                               # 6
+        self._batch = SinkBatch()
+        self.counters.writes += 1
+        if batch.frames and not self._first_write_logged:
+            self._first_write_logged = True
+            log.info("first write %.2f s after start", time.monotonic() - self._started)
+
+    # -- partitions ----------------------------------------------------------------------
+
+    def on_assigned(self, partitions: list[Any]) -> None:
+        """Seek every newly assigned partition to the offset its output stored (or the
+        beginning); with an output that stores none, keep the group's positions."""
+        with self._lock:
+            self.assigned(partitions)
+            assert self.output is not None
+            stored = self.output.stored_offsets({tp.topic for tp in partitions})
+            if stored is not None:
+                for tp in partitions:
+                    key = (tp.topic, tp.partition)
+                    if key in stored:
+                        self._consumer.seek(tp, stored[key])
+                        self._stored[key] = stored[key]
+                    else:
+                        self._consumer.seek_to_beginning(tp)
+            log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
+            if partitions:
+                self._ready.set()
+
+    def on_revoked(self, partitions: list[Any]) -> None:
+        """Write what is final, then forget the revoked partitions (their next owner
+        rebuilds pending frames from the stored offsets)."""
+        with self._lock:
+            self.flush()
+            keys = {(tp.topic, tp.partition) for tp in partitions}
+            self.revoked(keys)
+            for key in keys:
+                self._positions.pop(key, None)
+                self._stored.pop(key, None)
+
+    # -- introspection -------------------------------------------------------------------
+
+    def runs_done(self, run_ids: list[str]) -> bool:
+        """True when every given run has all ranks finished and nothing of it waits in the
+        batch (its frames, finished ranks and alerts are written)."""
+        with self._lock:
+            if not all(self.book.is_finished(r) for r in run_ids):
+                return False
+            if any(r in run_ids for r, _ in self._batch.frames):
+                return False
+            return not (self._batch.runs_finished or self._batch.alerts)
+
+    def wait_for_runs(self, run_ids: list[str], timeout: float) -> bool:
+        """Block until ``runs_done(run_ids)`` or ``timeout`` seconds; False on timeout or
+        if the loop died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.error is not None:
+                return False
+            if self.runs_done(run_ids):
+                return True
+            time.sleep(0.05)
+        return False
+
+    @property
+    def runs(self) -> dict[str, Any]:
+        """Run id -> RunInfo of every run known."""
+        return self.book.runs
+
+    @property
+    def trackers(self) -> dict[str, Any]:
+        """Run id -> RunHealthTracker."""
+        return self.book.trackers
+
+
+def _all_partitions(consumer: Any, topics: list[str], timeout_s: float = 60.0) -> list[Any]:
+    """Every partition of ``topics``, waiting (up to ``timeout_s``) until the cluster's
+    metadata lists them.
+
+    Raises:
+        TimeoutError: a topic has no partition in the metadata after ``timeout_s``.
+    """
+    from kafka import TopicPartition
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {t: consumer.partitions_for_topic(t) for t in topics}
+        if all(found.values()):
+            return [TopicPartition(t, p) for t in topics for p in sorted(found[t])]
+        if time.monotonic() > deadline:
+            missing = [t for t, parts in found.items() if not parts]
+            raise TimeoutError(f"no partitions known for topic(s) {missing} after "
+                               f"{timeout_s:g} s: is the broker reachable?")
+        time.sleep(0.2)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """kafka-python rebalance listener delegating to a loop."""
+
+    def __init__(self, loop: ConsumerLoop) -> None:
+        self.loop = loop
+
+    def on_partitions_revoked(self, revoked: list[Any]) -> None:
+        self.loop.on_revoked(revoked)
+
+    def on_partitions_assigned(self, assigned: list[Any]) -> None:
+        self.loop.on_assigned(assigned)
+
+    def on_partitions_lost(self, lost: list[Any]) -> None:
+        self.loop.on_revoked(lost)

@@ -1,0 +1,111 @@
+"""The runs a consumer process knows: the frame -> health -> run-state step written once.
+
+Both consumers of frames, the summaries worker (:mod:`consumer.worker`) and the scale-out
+store (:mod:`consumer.store`), keep the same book: each run's static description
+(:class:`consumer.runs.RunInfo`), its incremental health (:class:`RunHealthTracker`) and the
+ranks that said they are done. :meth:`RunBook.record` is the one place where a finalised
+frame becomes a row of the next write (with the frame's health) and the run's counters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from consumer.health import RunHealthTracker, restore_tracker
+from consumer.rounding import gradient_magnitude
+from consumer.runs import RunInfo
+from consumer.sink import RunState, SinkBatch
+from schemas.wire import GradientHealth, RunFinished, RunStarted
+
+if TYPE_CHECKING:
+    from consumer.frames import GradientFrame
+    from consumer.sink import DuckDBSink
+
+StoredFrames = tuple[np.ndarray, np.ndarray, list[list[int]]]
+"""A run's stored frames: steps int64[F], complete bool[F], ranks seen per frame."""
+
+
+class RunBook:
+    """Runs, their health trackers and finished ranks.
+
+    Args:
+        max_frames: rolling window of run health in frames (0 = the whole run), as in
+            :class:`consumer.health.RunHealthTracker`.
+
+    Attributes:
+        runs: run id -> RunInfo. trackers: run id -> RunHealthTracker.
+        finished: run id -> ranks whose RunFinished was seen.
+    """
+
+    def __init__(self, max_frames: int) -> None:
+        self.max_frames = max_frames
+        self.runs: dict[str, RunInfo] = {}
+        self.trackers: dict[str, RunHealthTracker] = {}
+        self.finished: dict[str, set[int]] = {}
+
+    def start(self, msg: RunStarted) -> RunInfo:
+        """Register the run of ``msg`` (replacing nothing: call once per run id)."""
+        run = RunInfo.from_message(msg)
+        self.runs[run.run_id] = run
+        self.trackers[run.run_id] = RunHealthTracker(run.num_layers, self.max_frames,
+                                                     run.roundoff)
+        return run
+
+    def finish(self, msg: RunFinished) -> bool:
+        """Record that ``msg.rank`` is done; True when every rank of the run is."""
+        self.finished.setdefault(msg.run_id, set()).add(msg.rank)
+        return self.is_finished(msg.run_id)
+
+    def is_finished(self, run_id: str) -> bool:
+        """Every rank of a known run sent RunFinished."""
+        run = self.runs.get(run_id)
+        return run is not None and len(self.finished.get(run_id, ())) >= run.world_size
+
+    def restore(self, sink: DuckDBSink) -> dict[str, StoredFrames]:
+        """Load every stored run and rebuild its health tracker from the stored flags.
+
+        Returns:
+            run id -> the run's stored frames (steps, complete, ranks seen), for the
+            caller's own state (pending frames, rank sets).
+
+        Raises:
+            duckdb.Error: the store cannot be read.
+        """
+        stored: dict[str, StoredFrames] = {}
+        for run in sink.load_runs():
+            self.runs[run.run_id] = run
+            steps, complete, ranks = sink.load_frames(run.run_id)
+            stored[run.run_id] = (steps, complete, ranks)
+            flags = sink.load_flags(run.run_id)
+            seen, ordinary = sink.load_gradient_state(run.run_id, run.num_layers)
+            self.trackers[run.run_id] = restore_tracker(
+                run.num_layers, self.max_frames, steps, flags["step"],
+                flags["layer_index"], flags["is_vanishing"].astype(bool),
+                flags["is_exploding"].astype(bool), flags["nonfinite"].astype(bool),
+                roundoff=run.roundoff, seen=seen, ordinary=ordinary,
+            )
+        return stored
+
+    def record(self, frame: GradientFrame, batch: SinkBatch) -> GradientHealth:
+        """Update the run's health with ``frame`` and put the frame, its health and the
+        run's counters into ``batch`` (a later frame of the same (run, step) replaces it).
+
+        Returns:
+            The run's health before this frame (compare with ``trackers[run].health``).
+        """
+        tracker = self.trackers[frame.run_id]
+        before = tracker.health
+        health = tracker.update(
+            frame.step, frame.layer_index, frame.is_vanishing, frame.is_exploding,
+            frame.nonfinite,
+            gradient_magnitude(frame.mean_abs_grad, frame.sum_sq, frame.numel),
+        )
+        frame_health = GradientHealth.CRITICAL if frame.has_nonfinite else health
+        batch.frames[(frame.run_id, frame.step)] = (frame, frame_health.value)
+        batch.run_states[frame.run_id] = RunState(
+            health.value, tracker.frames, tracker.issue_frames, tracker.last_step,
+            tracker.first_nonfinite_step,
+        )
+        return before
