@@ -3,11 +3,14 @@
 Modules, one job each:
 
 - :mod:`analysis.store`: open the store read-only, list runs, resolve a run argument.
-- :mod:`analysis.report`: seed-001 run summary (health, flagged layers, recommendations).
-- :mod:`analysis.heatmap`: seed-001 ASCII heatmap of flow intensity (layers x steps).
-- :mod:`analysis.export`: seed-001 CSV and JSON exports, written by DuckDB ``COPY``.
-- :mod:`analysis.cli`: the ``report`` and ``export`` subcommands (``register(app)``).
+- :mod:`analysis.report`: run summary (health, flagged layers, recommendations).
+- :mod:`analysis.heatmap`: ASCII heatmap of flow intensity (layers x steps).
+- :mod:`analysis.export`: CSV and JSON exports (plus Parquet and JSON Lines), written by
+  DuckDB ``COPY``.
+- :mod:`analysis.analyze_cli`: the ``analyze`` subcommand (``register(app)``); the other
+  commands that read the store are wired in :mod:`deploy.cli`.
 
-``analysis`` imports ``schemas`` and never ``producer`` or ``consumer``. This package
-module imports nothing, so that ``gradstream --help`` does not load DuckDB.
+``analysis`` imports ``schemas`` and never ``producer`` or ``consumer``: what runs a worker
+and the dashboard together is :mod:`deploy.serve`. This package module imports nothing, so
+that ``gradstream --help`` does not load DuckDB.
 """

@@ -1,37 +1,35 @@
-"""``gradstream analyze``: the seed 002/003/004 analyses of a stored run, as terminal tables
-or JSON.
+"""``gradstream analyze``: any analysis registered in :mod:`analysis.registry`, run on a
+stored run and shown as terminal tables or JSON.
 
-Kinds: ``flow`` (gradient flow visualisation data, :mod:`analysis.flow`), ``enhanced``
-(enhanced analysis, :mod:`analysis.enhanced`), ``explosion`` (:mod:`analysis.explosion`),
-``weights`` (weight distribution and drift, :mod:`analysis.weights`). DuckDB and the
-analysis modules are imported inside the command so that ``gradstream --help`` stays fast.
+The command is generic over the registry: ``--kind`` takes a registered name; the values
+of the option flags are collected into one mapping, and the analysis's options model keeps
+and validates the fields it declares (a flag that the chosen analysis does not declare is
+ignored, as ``--threshold`` is by ``--kind flow``). ``--option NAME=VALUE`` sets an option
+that has no flag of its own. The analysis modules and DuckDB are imported only when the
+command runs or its help is shown, so ``gradstream --help`` stays fast.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console, RenderableType
+from rich.console import Console
+from typer.core import TyperCommand
+
+from analysis.registry import ANALYSES
 
 if TYPE_CHECKING:
-    import duckdb
-    from pydantic import BaseModel
+    from analysis.registry import Analysis
 
 DEFAULT_DB = "gradstream.duckdb"
 """Store file used when neither ``--db`` nor ``GRADSTREAM_DB`` is given."""
 
-
-class AnalysisKind(StrEnum):
-    """Which analysis ``gradstream analyze`` runs."""
-
-    FLOW = "flow"
-    ENHANCED = "enhanced"
-    EXPLOSION = "explosion"
-    WEIGHTS = "weights"
+AnalysisKind = StrEnum("AnalysisKind", [(name.upper(), name) for name in ANALYSES])
+"""Which analysis ``gradstream analyze`` runs: one member per name in
+:data:`analysis.registry.ANALYSES` (value = the name)."""
 
 
 class OutputFormat(StrEnum):
@@ -42,7 +40,8 @@ class OutputFormat(StrEnum):
 
 
 class Scheme(StrEnum):
-    """Colour schemes of the flow tables (seed 002 ``ColorScheme``)."""
+    """Values of ``--color-scheme``: those of :class:`analysis.flow.ColorScheme`, repeated
+    here so that building the command does not import the flow analysis."""
 
     DEFAULT = "Default"
     HIGH_CONTRAST = "HighContrast"
@@ -55,14 +54,27 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(code=1)
 
 
+class AnalyzeCommand(TyperCommand):
+    """The ``analyze`` command, whose help ends with every registered analysis, its
+    description and its option names; the analysis modules are imported only when that
+    help is shown."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        """Set the epilog from the registry, then format the help as Typer does."""
+        from analysis.registry import all_analyses
+
+        self.epilog = "\n\n".join(
+            f"{a.name}: {a.help} Options: {', '.join(a.option_names) or 'none'}."
+            for a in all_analyses()
+        )
+        super().format_help(ctx, formatter)
+
+
 def analyze(
     kind: Annotated[
         AnalysisKind,
-        typer.Option("--kind", "-k", help="flow: gradient flow network, regions and dead zones "
-                     "(seed 002); enhanced: per-layer statistics, convergence, stability, "
-                     "hierarchy and priorities (seed 003); explosion: layers above a norm "
-                     "threshold (seed 004); weights: weight distribution and drift (seed 004, "
-                     "needs weight statistics from the producer)."),
+        typer.Option("--kind", "-k", help="Which analysis to run (each is described at the "
+                     "end of this help)."),
     ],
     db: Annotated[
         Path,
@@ -114,20 +126,33 @@ def analyze(
     color_scheme: Annotated[
         Scheme, typer.Option("--color-scheme", help="flow: colours of the tables."),
     ] = Scheme.DEFAULT,
+    option: Annotated[
+        list[str] | None,
+        typer.Option("--option", metavar="NAME=VALUE", show_default=False,
+                     help="An option of the analysis by its field name, for options without "
+                     "a flag of their own (repeatable; overrides the flags)."),
+    ] = None,
 ) -> None:
-    """Analyse a stored run: gradient flow, enhanced statistics, explosions or weights."""
+    """Analyse a stored run: gradient flow, enhanced statistics, explosions, weights, or any
+    other registered analysis."""
     import duckdb
 
+    from analysis.registry import get
     from analysis.store import StoreError, open_store, resolve_run
 
+    entry = get(kind.value)
+    flags = {"window": window, "alpha": alpha, "threshold": threshold,
+             "interaction_window": interaction_window, "color_scheme": color_scheme.value}
+    values = {name: value for name, value in flags.items() if value is not None}
+    values.update(_named_options(entry, option or []))
     err = Console(stderr=True, highlight=False)
     try:
+        options = entry.options_from(values)
         con = open_store(db)
         try:
             run_id = resolve_run(con, run)
-            with err.status(f"analysing run {run_id!r} ({kind.value})..."):
-                report, render = _run(con, run_id, kind, from_step, to_step, window, alpha,
-                                      threshold, interaction_window, color_scheme)
+            with err.status(f"analysing run {run_id!r} ({entry.name})..."):
+                report = entry.build(con, run_id, from_step, to_step, options)
         finally:
             con.close()
     except (StoreError, ValueError, duckdb.Error) as exc:
@@ -135,57 +160,23 @@ def analyze(
     if output_format is OutputFormat.JSON:
         typer.echo(report.model_dump_json(indent=2))
     else:
-        Console(highlight=False).print(render(report))
+        Console(highlight=False).print(entry.render(report))
 
 
-def _run(
-    con: duckdb.DuckDBPyConnection,
-    run_id: str,
-    kind: AnalysisKind,
-    from_step: int | None,
-    to_step: int | None,
-    window: int | None,
-    alpha: float,
-    threshold: float | None,
-    interaction_window: int,
-    color_scheme: Scheme,
-) -> tuple[BaseModel, Callable[[Any], RenderableType]]:
-    """Build the report of ``kind`` and return it with its terminal renderer."""
-    if kind is AnalysisKind.FLOW:
-        from analysis.flow import (
-            ColorScheme,
-            GradientVisualizationConfig,
-            build_flow_visualization,
-            render_flow,
-        )
-
-        config = GradientVisualizationConfig(
-            temporal_window=window or 50, alpha=alpha,
-            color_scheme=ColorScheme(color_scheme.value),
-        )
-        return build_flow_visualization(con, run_id, from_step, to_step, config), render_flow
-    if kind is AnalysisKind.ENHANCED:
-        from analysis.enhanced import (
-            DEFAULT_CONVERGENCE_WINDOW,
-            build_enhanced_analysis,
-            render_enhanced,
-        )
-
-        report = build_enhanced_analysis(
-            con, run_id, from_step, to_step,
-            convergence_window=window or DEFAULT_CONVERGENCE_WINDOW,
-            interaction_window=interaction_window, alpha=alpha,
-        )
-        return report, render_enhanced
-    if kind is AnalysisKind.EXPLOSION:
-        from analysis.explosion import build_explosion_analysis, render_explosion
-
-        return build_explosion_analysis(con, run_id, from_step, to_step, threshold), (
-            render_explosion
-        )
-    from analysis.weights import build_weight_analysis, render_weights
-
-    return build_weight_analysis(con, run_id, from_step, to_step, alpha), render_weights
+def _named_options(entry: Analysis[Any, Any], pairs: list[str]) -> dict[str, str]:
+    """``--option`` values as ``{name: value}``; fails (exit 1) on a malformed pair or a
+    name that ``entry``'s options model does not declare."""
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not name:
+            _fail(f"--option takes NAME=VALUE, got {pair!r}")
+        if name not in entry.option_names:
+            _fail(f"{entry.name} has no option {name!r}; its options: "
+                  f"{', '.join(entry.option_names) or 'none'}")
+        out[name] = value
+    return out
 
 
 def register(app: typer.Typer) -> None:
@@ -194,4 +185,4 @@ def register(app: typer.Typer) -> None:
     Args:
         app: the Typer application to extend; nothing else is modified.
     """
-    app.command(name="analyze")(analyze)
+    app.command(name="analyze", cls=AnalyzeCommand)(analyze)

@@ -1,14 +1,17 @@
-"""Seed 003 enhanced gradient analysis, computed from the stored history of a run.
+"""Enhanced per-layer gradient analysis (statistics, convergence, stability, hierarchy,
+priorities), computed from the stored history of a run. Semantics follow
+trustformers-debug's ``enhanced_analysis`` module.
 
 :func:`build_enhanced_analysis` loads the run once, computes every per-layer fact in
 vectorised passes (:mod:`analysis.analyses.layer_facts`), then the network level
 (:mod:`analysis.analyses.network`), the hierarchy (:mod:`analysis.analyses.hierarchy`),
-the comparisons (one sort of the layers' means instead of the seed's rescan of every
-layer for every layer) and the priorities. Total cost O(layers x steps). Report models
-and field formulas: :mod:`analysis.analyses.enhanced_models`.
+the comparisons (one sort of the layers' means instead of the reference implementation's
+rescan of every layer for every layer) and the priorities. Total cost O(layers x steps).
+Report models and field formulas: :mod:`analysis.analyses.enhanced_models`.
 
-Seed placeholders replaced: ``parameter_convergence = 0.8 x`` (fit of the update-to-weight
-ratio), ``loss_convergence = 0.9 x`` (left out: no loss in the telemetry),
+Placeholders of the reference implementation replaced: ``parameter_convergence = 0.8 x``
+(fit of the update-to-weight ratio), ``loss_convergence = 0.9 x`` (left out: no loss in the
+telemetry),
 ``gradient_momentum`` / ``learning_velocity`` (autocorrelation and decay rate of the
 whole-model norm), ``plateau_duration 10`` (measured band around the recent level), the
 hierarchy group constants (computed from the members), ``estimated_steps = (1 - score) x
@@ -22,6 +25,7 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -76,20 +80,23 @@ from analysis.analyses.render import (
     table,
 )
 from analysis.analyses.stats import DEFAULT_ALPHA, z_critical
+from analysis.registry import Analysis
 from analysis.store import StoreError
 
 if TYPE_CHECKING:
     import duckdb
 
 __all__ = [
+    "ANALYSIS",
     "EnhancedLayerGradientAnalysis",
+    "EnhancedOptions",
     "build_enhanced_analysis",
     "enhanced_from_history",
     "render_enhanced",
 ]
 
 DEFAULT_CONVERGENCE_WINDOW = 100
-"""Samples in the convergence window (seed 003 ``EnhancedGradientAnalyzer`` default)."""
+"""Samples in the convergence window (the reference ``EnhancedGradientAnalyzer`` default)."""
 DEFAULT_INTERACTION_WINDOW = 2
 """Model-order distance of the layer pairs tested for interactions: 2 reaches a layer's
 neighbours and, where parameters come as weight/bias pairs, the next layer's weight."""
@@ -108,7 +115,7 @@ def build_enhanced_analysis(
     similar_count: int = DEFAULT_SIMILAR_COUNT,
     alpha: float = DEFAULT_ALPHA,
 ) -> EnhancedLayerGradientAnalysis:
-    """Seed 003 ``generate_enhanced_analysis`` over one run's stored history.
+    """The enhanced analysis (``generate_enhanced_analysis``) over one run's stored history.
 
     Args:
         con: a connection from :func:`analysis.store.open_store`.
@@ -598,3 +605,48 @@ def render_enhanced(report: EnhancedLayerGradientAnalysis) -> RenderableType:
         add_more_row(inter, len(strong), ROWS_IN_TABLE)
         parts.append(inter)
     return Group(*parts)
+
+
+# -- registry entry ------------------------------------------------------------------------
+
+
+class EnhancedOptions(BaseModel):
+    """Options of the enhanced analysis (``gradstream analyze --kind enhanced``,
+    ``/api/analysis/enhanced``).
+
+    - ``window``: convergence window W, samples used by the convergence and trend fits
+      (``convergence_window`` of :func:`build_enhanced_analysis`), >= 3.
+    - ``interaction_window``: model-order distance of the layer pairs tested, >= 1.
+    - ``alpha``: significance level of the tests, in (0, 1).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    window: int = Field(default=DEFAULT_CONVERGENCE_WINDOW, ge=3)
+    interaction_window: int = Field(default=DEFAULT_INTERACTION_WINDOW, ge=1)
+    alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, lt=1.0)
+
+
+def _build(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None,
+    to_step: int | None,
+    options: EnhancedOptions,
+) -> EnhancedLayerGradientAnalysis:
+    """:func:`build_enhanced_analysis` with ``options``; raises what it raises."""
+    return build_enhanced_analysis(
+        con, run_id, from_step, to_step, convergence_window=options.window,
+        interaction_window=options.interaction_window, alpha=options.alpha,
+    )
+
+
+ANALYSIS = Analysis(
+    name="enhanced",
+    help="Per-layer statistics, convergence, stability, layer interactions, hierarchy and "
+    "optimisation priorities.",
+    options=EnhancedOptions,
+    build=_build,
+    render=render_enhanced,
+)
+"""The enhanced analysis's entry in :data:`analysis.registry.ANALYSES`."""

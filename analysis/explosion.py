@@ -1,7 +1,8 @@
-"""Seed 004 gradient explosion analysis (``WeightAnalyzer::detect_gradient_explosion``)
-over any step range of a stored run.
+"""Gradient explosion analysis over any step range of a stored run.
 
-The seed looks at one set of gradient tensors; here each layer contributes its largest
+Semantics follow trustformers-debug's ``gradient_explosion`` module
+(``WeightAnalyzer::detect_gradient_explosion``). The reference implementation looks at one
+set of gradient tensors; here each layer contributes its largest
 L2 norm (``grad_norm``) in the range, and everything is two SQL aggregates over
 ``layer_stats`` (per layer, per step): O(rows), run by DuckDB on every core.
 """
@@ -11,19 +12,22 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from analysis.analyses.render import ROWS_IN_TABLE, add_more_row, num, show_name, table
+from analysis.registry import Analysis
 from analysis.store import StoreError, require_run, stats_params
 
 if TYPE_CHECKING:
     import duckdb
 
 __all__ = [
+    "ANALYSIS",
     "ExplodingLayer",
+    "ExplosionOptions",
     "ExplosionSeverity",
     "GradientExplosionAnalysis",
     "build_explosion_analysis",
@@ -32,9 +36,9 @@ __all__ = [
 
 
 class ExplosionSeverity(StrEnum):
-    """Severity from the ratio ``r = norm / threshold`` (seed 004's multiples of the
-    threshold): ``Critical`` if r > 10 or any NaN/Inf gradient, ``High`` if r > 5,
-    ``Medium`` if r > 2, ``Low`` otherwise."""
+    """Severity from the ratio ``r = norm / threshold`` (fixed multiples of the threshold, as
+    the reference implementation uses): ``Critical`` if r > 10 or any NaN/Inf gradient,
+    ``High`` if r > 5, ``Medium`` if r > 2, ``Low`` otherwise."""
 
     LOW = "Low"
     MEDIUM = "Medium"
@@ -66,8 +70,8 @@ class ExplodingLayer(BaseModel):
     - ``exploding_steps``: steps with ``grad_norm > threshold``; ``nonfinite_steps``:
       steps with NaN/Inf gradient elements (``grad_norm`` covers the finite ones only);
       ``first_step``: the first step with either.
-    - ``severity``: :func:`classify_severity` of ``gradient_norm / threshold`` (the seed
-      compares with the mean norm of the layers iterated so far, which depends on the
+    - ``severity``: :func:`classify_severity` of ``gradient_norm / threshold`` (the reference
+      implementation compares with the mean norm of the layers iterated so far, which depends on the
       iteration order).
     - ``recommended_action``: advice for that severity.
     """
@@ -86,7 +90,8 @@ class ExplodingLayer(BaseModel):
 
 
 class GradientExplosionAnalysis(BaseModel):
-    """Seed 004 ``GradientExplosionAnalysis`` of one run over an inclusive step range.
+    """Gradient explosion analysis (``GradientExplosionAnalysis``) of one run over an
+    inclusive step range.
 
     - ``threshold``: the L2-norm threshold used (default: the run's exploding threshold;
       as ``max|g| <= ||g||_2``, every layer the run's frames flag as exploding also
@@ -94,8 +99,8 @@ class GradientExplosionAnalysis(BaseModel):
     - ``exploding_layers``: :class:`ExplodingLayer` in model order.
     - ``max_gradient_norm``, ``mean_gradient_norm``, ``std_gradient_norm``: maximum, mean
       and population standard deviation of ``grad_norm`` over every (layer, step) row.
-    - ``explosion_ratio``: exploding layers / layers with rows in the range (seed).
-    - ``overall_severity`` (seed 004 rule, plus NaN/Inf): Critical if any NaN/Inf, ratio
+    - ``explosion_ratio``: exploding layers / layers with rows in the range.
+    - ``overall_severity`` (the reference rule, plus NaN/Inf): Critical if any NaN/Inf, ratio
       > 0.5 or max > 10 x threshold; High if ratio > 0.3 or max > 5 x threshold; Medium
       if ratio > 0.1 or max > 2 x threshold; else Low.
     - ``first_explosion_step``: first step with any layer above the threshold or NaN/Inf.
@@ -189,7 +194,7 @@ def build_explosion_analysis(
     to_step: int | None = None,
     threshold: float | None = None,
 ) -> GradientExplosionAnalysis:
-    """Seed 004 ``detect_gradient_explosion`` over a step range of a stored run.
+    """Explosion analysis (``detect_gradient_explosion``) over a step range of a stored run.
 
     Args:
         con: a connection from :func:`analysis.store.open_store`.
@@ -342,3 +347,40 @@ def render_explosion(report: GradientExplosionAnalysis) -> RenderableType:
         parts.append(layers)
     parts += [Text("Recommendations", style="bold underline"), advice]
     return Group(*parts)
+
+
+# -- registry entry ------------------------------------------------------------------------
+
+
+class ExplosionOptions(BaseModel):
+    """Options of the explosion analysis (``gradstream analyze --kind explosion``,
+    ``/api/analysis/explosion``).
+
+    - ``threshold``: L2-norm threshold (> 0); ``None`` = the run's exploding threshold.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    threshold: float | None = Field(default=None, gt=0.0)
+
+
+def _build(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None,
+    to_step: int | None,
+    options: ExplosionOptions,
+) -> GradientExplosionAnalysis:
+    """:func:`build_explosion_analysis` with ``options``; raises what it raises."""
+    return build_explosion_analysis(con, run_id, from_step, to_step, options.threshold)
+
+
+ANALYSIS = Analysis(
+    name="explosion",
+    help="Layers whose gradient L2 norm went above a threshold or held NaN/Inf, with "
+    "severity, a clip-norm suggestion and mitigations.",
+    options=ExplosionOptions,
+    build=_build,
+    render=render_explosion,
+)
+"""The explosion analysis's entry in :data:`analysis.registry.ANALYSES`."""

@@ -1,6 +1,7 @@
 """Exports of one run (or a step range of it), written by DuckDB ``COPY``.
 
-- ``export_csv`` / ``export_json``: seed 001's formats (``export_csv``, ``export_json``).
+- ``export_csv`` / ``export_json``: the reference CSV and JSON formats of
+  trustformers-debug's ``gradient_flow`` module (``export_csv``, ``export_json``).
 - ``export_parquet`` / ``export_jsonl``: every stored column of ``layer_stats`` plus the
   layer name, one row per (step, layer), typed (Parquet) or one JSON object per line.
 - ``export_run``: any of the four by name, with an optional progress callback.
@@ -36,13 +37,13 @@ EXPORT_FORMATS: tuple[str, ...] = ("csv", "json", "parquet", "jsonl")
 """Formats of :func:`export_run` (also the file extensions)."""
 
 CSV_HEADER = "step,layer,mean_abs_grad,max_abs_grad,grad_norm,is_vanishing,is_exploding"
-"""Header line of the CSV export, as in seed 001."""
+"""Header line of the CSV export, as in the reference format."""
 
 Order = Literal["name", "model"]
 
 
 def rust_exp_sql(column: str) -> str:
-    """SQL expression formatting a DOUBLE like Rust's ``format!("{:.8e}", x)`` (seed 001).
+    """SQL expression formatting a DOUBLE like Rust's ``format!("{:.8e}", x)``.
 
     ``printf('%.8e', x)`` gives C's ``1.00000000e-02``; Rust writes ``1.00000000e-2``
     (no ``+``, no zero padding of the exponent). The printf exponent always has a sign
@@ -67,7 +68,7 @@ def rust_exp_sql(column: str) -> str:
 
 
 def _finite_or_null(column: str) -> str:
-    # serde_json (the seed's writer) emits non-finite floats as null; so do we.
+    # serde_json (the reference implementation's writer) emits non-finite floats as null; so do we.
     return f"CASE WHEN isfinite({column}) THEN {column} END"
 
 
@@ -162,12 +163,12 @@ def export_csv(
     order: Order = "name",
     progress: Progress | None = None,
 ) -> int:
-    """Write one run's per-layer timeline as CSV (seed 001 ``export_csv``).
+    """Write one run's per-layer timeline as CSV (the reference ``export_csv`` format).
 
     Columns: ``step,layer,mean_abs_grad,max_abs_grad,grad_norm,is_vanishing,is_exploding``
     (:data:`CSV_HEADER`). Floats as Rust ``{:.8e}`` (:func:`rust_exp_sql`), flags as 0/1.
     One row per (step, layer) stored, ordered by step, then layer name (code-point order,
-    the seed's) or model order (``layer_index``). Fields are RFC 4180-quoted when needed.
+    the reference order) or model order (``layer_index``). Fields are RFC 4180-quoted when needed.
     The parent directory is created; an existing file is replaced.
 
     Args:
@@ -176,7 +177,7 @@ def export_csv(
         path: output file.
         from_step: first step exported (inclusive), ``None`` = from the start.
         to_step: last step exported (inclusive), ``None`` = to the end.
-        order: layer order within a step, ``"name"`` (seed) or ``"model"``.
+        order: layer order within a step, ``"name"`` (reference order) or ``"model"``.
         progress: optional callback of the fraction done (see :data:`Progress`).
 
     Returns:
@@ -214,11 +215,11 @@ def export_json(
     order: Order = "name",
     progress: Progress | None = None,
 ) -> int:
-    """Write one run's frames as a JSON array (seed 001 ``export_json`` format).
+    """Write one run's frames as a JSON array (the reference ``export_json`` format).
 
     Shape: ``[{"step": s, "layers": [{"name", "mean_abs_grad", "max_abs_grad",
     "grad_norm", "is_vanishing", "is_exploding", "flow_intensity"}, ...]}, ...]``; frames
-    in step order, layers within a frame by name (seed) or model order; flags are JSON
+    in step order, layers within a frame by name (reference order) or model order; flags are JSON
     booleans; non-finite floats are ``null`` (as serde_json writes them). Built with
     ``GROUP BY step`` and ``list(struct_pack(...) ORDER BY ...)``, written by
     ``COPY ... (FORMAT json, ARRAY true)``; the file is compact JSON, not pretty-printed.
@@ -230,7 +231,7 @@ def export_json(
         path: output file.
         from_step: first step exported (inclusive), ``None`` = from the start.
         to_step: last step exported (inclusive), ``None`` = to the end.
-        order: layer order within a frame, ``"name"`` (seed) or ``"model"``.
+        order: layer order within a frame, ``"name"`` (reference order) or ``"model"``.
         progress: optional callback of the fraction done (see :data:`Progress`).
 
     Returns:

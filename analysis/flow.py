@@ -1,11 +1,13 @@
-"""Seed 002 gradient flow visualisation data, computed from the stored history of a run.
+"""Gradient-flow network analysis (per-layer flow, flow network, regions, dead zones),
+computed from the stored history of a run. Semantics follow trustformers-debug's
+``gradient_visualization`` module.
 
 :func:`build_flow_visualization` loads the run once (:func:`load_history`) and derives
 every section with NumPy passes over the ``layers x steps`` arrays, O(layers x steps) in
 total. The report models and the formula of every field are in
-:mod:`analysis.analyses.flow_models`; the seed placeholders replaced here are
-``direction_vector = [norm]`` (left out: needs gradient vectors), ``connectivity = number
-of layers`` (node degree), edges between hash-order neighbours (consecutive layers in
+:mod:`analysis.analyses.flow_models`; the reference implementation's placeholders replaced
+here are ``direction_vector = [norm]`` (left out: needs gradient vectors), ``connectivity =
+number of layers`` (node degree), edges between hash-order neighbours (consecutive layers in
 backpropagation order), edge types falling through to ``Blocked`` (Blocked = the receiving
 layer's gradient is exactly zero), ``criticality_score 0.8`` (share of gradient lost along
 the path) and ``affected_parameters 1000`` (sum of the layers' ``numel``).
@@ -17,6 +19,7 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Group, RenderableType
 from rich.text import Text
 
@@ -62,14 +65,17 @@ from analysis.analyses.render import (
     show_name,
     table,
 )
-from analysis.analyses.stats import family_alpha, tukey_fences
+from analysis.analyses.stats import DEFAULT_ALPHA, family_alpha, tukey_fences
+from analysis.registry import Analysis
 from analysis.store import StoreError
 
 if TYPE_CHECKING:
     import duckdb
 
 __all__ = [
+    "ANALYSIS",
     "ColorScheme",
+    "FlowOptions",
     "GradientFlowVisualization",
     "GradientVisualizationConfig",
     "build_flow_visualization",
@@ -87,13 +93,14 @@ def build_flow_visualization(
     to_step: int | None = None,
     config: GradientVisualizationConfig | None = None,
 ) -> GradientFlowVisualization:
-    """Seed 002 ``generate_visualization`` over one run's stored history.
+    """The gradient-flow network analysis (``generate_visualization``) over one run's stored
+    history.
 
     Args:
         con: a connection from :func:`analysis.store.open_store`.
         run_id: the run.
         from_step, to_step: inclusive step range (``None`` = open).
-        config: window, significance level, colour scheme, sections; seed defaults.
+        config: window, significance level, colour scheme, sections; the reference defaults.
 
     Returns:
         The :class:`GradientFlowVisualization`.
@@ -615,3 +622,48 @@ def render_flow(report: GradientFlowVisualization) -> RenderableType:
     else:
         parts.append(Text("no vanishing or exploding regions, no dead zones", style="green"))
     return Group(*parts)
+
+
+# -- registry entry ------------------------------------------------------------------------
+
+
+class FlowOptions(BaseModel):
+    """Options of the flow analysis (``gradstream analyze --kind flow``, ``/api/analysis/flow``).
+
+    - ``window``: samples per layer behind the flow directions and stability scores
+      (``temporal_window`` of :class:`GradientVisualizationConfig`), >= 1.
+    - ``alpha``: significance level of the direction tests, in (0, 1).
+    - ``color_scheme``: colours of the tables and of the report's palette.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    window: int = Field(default=GradientVisualizationConfig().temporal_window, ge=1)
+    alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, lt=1.0)
+    color_scheme: ColorScheme = ColorScheme.DEFAULT
+
+
+def _build(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None,
+    to_step: int | None,
+    options: FlowOptions,
+) -> GradientFlowVisualization:
+    """:func:`build_flow_visualization` with the config made from ``options`` (other
+    config fields at their defaults). Raises what that function raises."""
+    config = GradientVisualizationConfig(
+        temporal_window=options.window, alpha=options.alpha, color_scheme=options.color_scheme
+    )
+    return build_flow_visualization(con, run_id, from_step, to_step, config)
+
+
+ANALYSIS = Analysis(
+    name="flow",
+    help="Gradient flow network, vanishing and exploding regions, dead zones and critical "
+    "paths.",
+    options=FlowOptions,
+    build=_build,
+    render=render_flow,
+)
+"""The flow analysis's entry in :data:`analysis.registry.ANALYSES`."""

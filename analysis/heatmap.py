@@ -1,4 +1,7 @@
-"""ASCII heatmap of flow intensity, layers x steps (seed 001 ``to_ascii_animation``).
+"""ASCII heatmap of flow intensity, layers x steps.
+
+Layout and glyphs follow trustformers-debug's ``gradient_flow`` module
+(``to_ascii_animation``).
 
 One SQL query aggregates ``layer_stats`` into at most ``max_columns`` buckets of
 consecutive frames per layer; NumPy fills the layers x columns grid; Python only joins
@@ -18,7 +21,7 @@ if TYPE_CHECKING:
     import duckdb
 
 BLOCKS: tuple[str, ...] = (" ", "░", "▒", "▓", "█")
-"""Intensity glyphs, from 0 (no flow) to 1 (the step's strongest layer); seed 001."""
+"""Intensity glyphs, from 0 (no flow) to 1 (the step's strongest layer)."""
 
 TITLE = "Gradient Flow Animation (step → right, layer ↓)"
 EMPTY = "(no gradient frames recorded)\n"
@@ -45,7 +48,7 @@ _HEATMAP_SQL = f"""
 
 
 def glyph(intensity: float) -> str:
-    """The block character for one flow intensity (seed 001).
+    """The block character for one flow intensity.
 
     ``idx = round(intensity * 4)`` (halves round up, like Rust's ``f64::round`` on
     non-negative values), clamped to 0..4; NaN or negative values give ``' '``.
@@ -77,7 +80,7 @@ def ascii_heatmap(
 ) -> str:
     """Render a run's flow intensity as text: one row per layer, one column per step.
 
-    Seed 001 ``to_ascii_animation``: a title line, a ruler with the column index modulo
+    Layout: a title line, a ruler with the column index modulo
     10, a rule line, then ``name  cells`` per layer with names right-aligned (terminal
     cell width; control characters escaped). Cell glyph: :func:`glyph` of the layer's
     ``flow_intensity`` (= grad_norm / max grad_norm within the step, in [0, 1]). A layer
@@ -92,7 +95,7 @@ def ascii_heatmap(
         con: a connection from :func:`analysis.store.open_store`.
         run_id: the run to draw.
         max_columns: most step columns drawn (>= 1).
-        order: rows in model order (``layers.layer_index``) or by name (the seed's order).
+        order: rows in model order (``layers.layer_index``) or by name (the reference order).
         from_step: first step drawn (inclusive), ``None`` = from the start.
         to_step: last step drawn (inclusive), ``None`` = to the end.
 

@@ -1,8 +1,9 @@
-"""Run summary of seed 001 (``GradientFlowAnimator::summary_report``), computed from the store.
+"""Run summary (health, flagged layers, recommendations), computed from the store.
 
-The seed keeps frames in memory and rescans them; here every figure is one SQL aggregate
-over ``layer_stats`` (O(layers x steps), done by DuckDB), plus ``frames`` for the
-partial-frame count and ``runs`` for the run's shape.
+Semantics follow trustformers-debug's ``gradient_flow`` module (``summary_report``). The
+reference implementation keeps frames in memory and rescans them; here every figure is one
+SQL aggregate over ``layer_stats`` (O(layers x steps), done by DuckDB), plus ``frames`` for
+the partial-frame count and ``runs`` for the run's shape.
 
 Layers with no gradient by construction (zero up to floating-point rounding in every frame
 from their first on, ``consumer.rounding``; e.g. the key bias of softmax attention) are
@@ -45,12 +46,12 @@ HEALTH_STYLE: dict[GradientHealth, str] = {
 class GradientFlowSummary(BaseModel):
     """Summary of one run's gradient flow over the frames considered.
 
-    Seed-001 fields (``GradientFlowSummary``):
+    Fields of the reference summary (``GradientFlowSummary``):
 
-    - ``total_steps``: last step considered + 1 (0 with no frame), as in the seed.
+    - ``total_steps``: last step considered + 1 (0 with no frame).
     - ``layers_with_vanishing_grads`` / ``layers_with_exploding_grads``: layers with
       ``is_vanishing`` / ``is_exploding`` in at least one frame, in model order
-      (``layers.layer_index``), not the seed's name order. A row's ``is_vanishing`` is left
+      (``layers.layer_index``), not by name. A row's ``is_vanishing`` is left
       out while its layer has had no gradient by construction from its first frame up to
       that row's step (see ``layers_without_gradient``).
     - ``overall_health``: :func:`classify_health` of the data.
@@ -60,8 +61,8 @@ class GradientFlowSummary(BaseModel):
 
     - ``frames``: steps with at least one ``layer_stats`` row in the range.
     - ``issue_frames``: frames with any vanishing (as above), exploding or non-finite
-      layer (a NaN/Inf gradient is an issue: seed 001 counts an infinite gradient as
-      exploding); ``issue_ratio = issue_frames / max(frames, 1)``.
+      layer (a NaN/Inf gradient is an issue: its max |g| is inf, so the layer counts
+      as exploding); ``issue_ratio = issue_frames / max(frames, 1)``.
     - ``layers_without_gradient``: layers with no gradient by construction (model order):
       at rounding level in every stored frame from their first up to the end of the range
       (``consumer.rounding``: mean |g|, or the RMS in norms mode, at most
@@ -136,7 +137,7 @@ def build_recommendations(
 ) -> list[str]:
     """Advice derived from the flagged layers and the health class.
 
-    Same structure as seed 001 ``build_recommendations`` (wording is gradstream's): for
+    Same structure as the reference ``build_recommendations`` (wording is gradstream's): for
     vanishing layers, one line naming them (architecture / learning-rate advice) and one on
     initialisation; for exploding layers, one naming them (gradient clipping) and one on
     learning rate and optimiser; gradstream adds one line for non-finite gradients naming
@@ -292,7 +293,7 @@ def build_report(
     from_step: int | None = None,
     to_step: int | None = None,
 ) -> GradientFlowSummary:
-    """Summarise one run from the store (seed 001 ``summary_report``).
+    """Summarise one run from the store: flagged layers, health, recommendations.
 
     Args:
         con: a connection from :func:`analysis.store.open_store`.

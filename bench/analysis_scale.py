@@ -1,4 +1,5 @@
-"""Scaling of the seed 002/003/004 analyses over a stored 10 M-row gradient history.
+"""Scaling of the gradient-flow network, enhanced, explosion and weight analyses over a
+stored 10 M-row gradient history.
 
 1. Builds a store of 1000 layers x 10,000 steps (10 M ``layer_stats`` rows) directly with
    the project's DDL (``schemas.tables.SCHEMA_DDL``) from one DuckDB ``range()`` SQL
@@ -7,12 +8,13 @@
    explode for a few steps, and the weight statistics of every layer at every step
    (power sums, extremes, update norms; exponent histograms at the first and last step).
 2. Times each analysis end to end (read from the file + compute), as ``gradstream
-   analyze`` runs it: flow (seed 002), enhanced (seed 003), explosion and weights (seed 004);
-   best of ``--repeats`` (3) runs, after one warm-up read of the file.
+   analyze`` runs it: flow network, enhanced, explosion, and weights + drift; best of
+   ``--repeats`` (3) runs, after one warm-up read of the file.
 3. Times gradstream's enhanced analysis on slices of 50, 100, 200 layers (and all) of the
-   loaded history, and a straight port of the seed's algorithm (``bench/seed003_port.py``:
-   O(L^2 x T), statistics recomputed per use) on the 50/100/200-layer slices; prints both
-   scaling curves, their log-log slopes and the seed's extrapolation to 1000 layers.
+   loaded history, and a straight port of the reference implementation's algorithm
+   (``bench/reference_enhanced_port.py``: O(L^2 x T), statistics recomputed per use) on the
+   50/100/200-layer slices; prints both scaling curves, their log-log slopes and the
+   port's extrapolation to 1000 layers.
 
 Usage (from the repository root)::
 
@@ -46,7 +48,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import duckdb  # noqa: E402
-import seed003_port  # noqa: E402
+import reference_enhanced_port  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -182,7 +184,8 @@ def main() -> None:
     parser.add_argument("--slices", type=int, nargs="+", default=[50, 100, 200],
                         help="layer counts for the scaling curves")
     parser.add_argument("--repeats", type=int, default=3,
-                        help="best of N runs for gradstream's timings (the seed port runs once)")
+                        help="best of N runs for gradstream's timings "
+                        "(the reference port runs once)")
     parser.add_argument("--quick", action="store_true",
                         help="200 layers x 2,000 steps, slices 25 50 100")
     parser.add_argument("--db", type=Path, default=None,
@@ -207,10 +210,10 @@ def main() -> None:
     try:
         results: dict[str, float] = {}
         runs = {
-            "flow (seed 002)": lambda: build_flow_visualization(con, RUN),
-            "enhanced (seed 003)": lambda: build_enhanced_analysis(con, RUN),
-            "explosion (seed 004)": lambda: build_explosion_analysis(con, RUN),
-            "weights + drift (seed 004)": lambda: build_weight_analysis(con, RUN),
+            "flow network": lambda: build_flow_visualization(con, RUN),
+            "enhanced": lambda: build_enhanced_analysis(con, RUN),
+            "explosion": lambda: build_explosion_analysis(con, RUN),
+            "weights + drift": lambda: build_weight_analysis(con, RUN),
         }
         timed(lambda: load_history(con, RUN))  # warm the file cache once
         z_critical()  # and import SciPy's special functions (a one-off 0.3 s per process)
@@ -238,29 +241,31 @@ def main() -> None:
         part = slice_history(history, size)
         seconds, _ = timed(lambda part=part: enhanced_from_history(part), args.repeats)
         ours.append(seconds)
-    seed = []
+    port = []
     for size in sizes:
         part = {history.names[i]: history.norms[i][history.valid[i]] for i in range(size)}
-        seconds, _ = timed(lambda part=part: seed003_port.generate_enhanced_analysis(part))
-        seed.append(seconds)
-        console.print(f"  seed port, {size} layers: {seconds:.1f} s")
+        seconds, _ = timed(
+            lambda part=part: reference_enhanced_port.generate_enhanced_analysis(part)
+        )
+        port.append(seconds)
+        console.print(f"  reference port, {size} layers: {seconds:.1f} s")
     curve = Table(title=f"enhanced analysis (compute only) vs layers, {args.steps:,} steps",
                   title_justify="left")
     curve.add_column("layers", justify="right")
     curve.add_column("gradstream s", justify="right")
-    curve.add_column("seed port s", justify="right")
+    curve.add_column("reference port s", justify="right")
     curve.add_column("ratio", justify="right")
-    for size, ours_s, seed_s in zip(sizes, ours[:-1], seed, strict=True):
-        curve.add_row(str(size), f"{ours_s:.3f}", f"{seed_s:.2f}", f"{seed_s / ours_s:.0f}x")
-    exponent_seed = slope(sizes, seed) if len(sizes) >= 2 else math.nan
-    predicted = seed[-1] * (history.num_layers / sizes[-1]) ** exponent_seed if seed else math.nan
+    for size, ours_s, port_s in zip(sizes, ours[:-1], port, strict=True):
+        curve.add_row(str(size), f"{ours_s:.3f}", f"{port_s:.2f}", f"{port_s / ours_s:.0f}x")
+    exponent_port = slope(sizes, port) if len(sizes) >= 2 else math.nan
+    predicted = port[-1] * (history.num_layers / sizes[-1]) ** exponent_port if port else math.nan
     curve.add_row(str(history.num_layers), f"{ours[-1]:.3f}", f"~{predicted:.0f} (extrapolated)",
                   f"~{predicted / ours[-1]:.0f}x")
     console.print(curve)
     all_sizes = [*sizes, history.num_layers]
     console.print(
         f"scaling exponent (log-log slope of time vs layers): gradstream "
-        f"{slope(all_sizes, ours):.2f}, seed port {exponent_seed:.2f} "
+        f"{slope(all_sizes, ours):.2f}, reference port {exponent_port:.2f} "
         "(1 = linear in layers, 2 = quadratic)"
     )
     worst = max(results.values())
@@ -268,7 +273,7 @@ def main() -> None:
                   + ("within" if worst <= TARGET_S else "ABOVE") + f" the {TARGET_S:g} s target")
     if tmp is not None and not args.keep:
         tmp.cleanup()
-    print(f"enhanced_analysis_s={results['enhanced (seed 003)']:.2f} rows={rows}")
+    print(f"enhanced_analysis_s={results['enhanced']:.2f} rows={rows}")
 
 
 def _holds(path: Path, rows: int) -> bool:

@@ -6,7 +6,7 @@ For each case it prints, measured in the same run and interleaved (best of ``--r
   the same run); NumPy's reduce runs on one thread;
 * ``summarize()``: gradstream's per-layer statistics (numel, sum|g|, sum g^2, max|g|,
   nonfinite), with its ratio to the floor;
-* the seed's way: trustformers-debug's helpers (``mean_abs``, ``max_abs``, ``l2_norm`` over
+* the reference way: trustformers-debug's helpers (``mean_abs``, ``max_abs``, ``l2_norm`` over
   ``&[f64]``) done as three separate float64 NumPy reductions after a float64 copy;
 * the extra cost of the exponent histogram (``summarize(histogram=True)`` minus
   ``summarize()``);
@@ -91,8 +91,8 @@ def _floor(arrays: list[np.ndarray]) -> None:
         np.add.reduce(x)
 
 
-def _seed_way(arrays: list[np.ndarray]) -> None:
-    # trustformers-debug: mean_abs / max_abs / l2_norm, each a separate pass over &[f64].
+def _reference_way(arrays: list[np.ndarray]) -> None:
+    # The reference helpers mean_abs / max_abs / l2_norm, each a separate pass over &[f64].
     for x in arrays:
         v = x.astype(np.float64).ravel()
         _mean_abs = np.abs(v).sum() / v.size
@@ -187,13 +187,13 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
     summarize(grads, histogram=True)
     summarize(nan_grads)
     _floor(arrays)
-    _seed_way(arrays[:2])
+    _reference_way(arrays[:2])
 
     best = _bench(
         {
             "floor": lambda: _floor(arrays),
             "summary": lambda: summarize(grads),
-            "seed": lambda: _seed_way(arrays),
+            "reference": lambda: _reference_way(arrays),
             "hist": lambda: summarize(grads, histogram=True),
             "nan": lambda: summarize(nan_grads),
             "norms": lambda: summarize(grads, norms_only=True),
@@ -211,7 +211,7 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
     rows = [
         ("floor: np.add.reduce per layer (1 thread)", floor),
         ("summarize() [numel,sum_abs,sum_sq,max_abs,nonfinite]", best["summary"]),
-        ("seed way: f64 copy + mean_abs, max_abs, l2 passes", best["seed"]),
+        ("reference: f64 copy + mean_abs, max_abs, l2 passes", best["reference"]),
         ("summarize(histogram=True)", best["hist"]),
         ("  histogram extra cost (hist - summary)", best["hist"] - best["summary"]),
         ("summarize(norms_only=True) (norms mode)", best["norms"]),

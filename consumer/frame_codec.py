@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from consumer.frames import GradientFrame, MergedShards
-from consumer.merge import merge_shard
 from schemas.wire import MergedFrame
 
 
@@ -79,8 +78,7 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
 
 
 def message_to_merged(message: MergedFrame, num_layers: int) -> MergedShards:
-    """The MergedShards of a MergedFrame over a run's ``num_layers`` layers (the frame
-    counts as one shard of each of its layers)."""
-    merged = MergedShards.empty(num_layers)
-    merge_shard(merged, message)
-    return merged
+    """The MergedShards of a MergedFrame over a run's ``num_layers`` layers: every
+    statistic it carries (:meth:`consumer.frames.MergedShards.from_message`), zero in the
+    layers it does not report."""
+    return MergedShards.from_message(message, num_layers)

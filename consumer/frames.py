@@ -26,61 +26,150 @@ above the exploding threshold but a smaller RMS is not flagged.
 
 Non-finite elements are left out of the sums by the producer and counted in
 ``nonfinite``; ``numel`` counts every element, as in the seed's ``values.len()``.
+
+The merged sums are the statistic objects of :mod:`schemas.stats` (one per statistic,
+vectorised over layers), held together by :class:`MergedShards`; :func:`compute_frame` only
+reads them (their ``get`` accessors) and applies the thresholds above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from schemas.wire import EXP_HIST_BINS, StepSummary
+from schemas.stats import (
+    ExponentHistogram,
+    GradientSums,
+    LayerStatistic,
+    SummaryMessage,
+    SumOfSquares,
+    WeightMoments,
+)
+from schemas.wire import StepSummary
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class MergedShards:
-    """Exactly-mergeable sums of one (run, step), over a run's L layers (model order).
+    """The exactly mergeable statistics of one (run, step) over a run's L layers (model
+    order), one :mod:`schemas.stats` object per statistic the shards carried.
 
-    Layers no rank has reported yet have ``numel == 0``.
+    Layers no rank has reported yet have ``numel == 0``. An optional statistic of a layer
+    is complete (and reported in the frame) when it covers as many elements as the
+    gradient sums: a shard that did not send it leaves it short (``schemas.stats``,
+    "Coverage").
 
     Attributes:
-        numel: int64[L]; sum_abs, sum_sq, max_abs: float64[L]; nonfinite: int64[L].
-        shards: int64[L], shards merged per layer.
-        exp_hist: int64[L, EXP_HIST_BINS] summed exponent histograms, or None while no
-            shard carried one; hist_shards: int64[L] shards that carried one.
-        abs_shards: int64[L] shards that carried ``sum_abs``/``max_abs`` (full mode); a
-            layer's sum_abs/max_abs are known only when every shard carried them.
-        weight_dist: merged weight-distribution statistics (schema 1.2) or None.
-        weight_sum_sq, update_sum_sq: float64[L] or None; weight_shards, update_shards:
-            int64[L] shards that carried them. A richer statistic of a layer is complete
-            (and stored) only when every shard of that layer carried it.
+        gradient: numel, sum |g|, sum g^2, max |g|, non-finite count (``sum |g|`` and
+            ``max |g|`` known only where every shard carried them: full mode).
+        histogram: exponent histogram of the gradient, or None while no shard carried one.
+        weight_norm, update_norm: sums of squares ``weight_sum_sq`` / ``update_sum_sq``,
+            or None while no shard carried them.
+        weight_moments: weight distribution (schema 1.2), or None while no shard carried it.
     """
 
-    numel: np.ndarray
-    sum_abs: np.ndarray
-    sum_sq: np.ndarray
-    max_abs: np.ndarray
-    nonfinite: np.ndarray
-    shards: np.ndarray | None = None
-    exp_hist: np.ndarray | None = None
-    hist_shards: np.ndarray | None = None
-    weight_sum_sq: np.ndarray | None = None
-    weight_shards: np.ndarray | None = None
-    update_sum_sq: np.ndarray | None = None
-    update_shards: np.ndarray | None = None
-    abs_shards: np.ndarray | None = None
-    weight_dist: WeightDistribution | None = None
+    gradient: GradientSums
+    histogram: ExponentHistogram | None = None
+    weight_norm: SumOfSquares | None = None
+    update_norm: SumOfSquares | None = None
+    weight_moments: WeightMoments | None = None
 
     @classmethod
     def empty(cls, num_layers: int) -> MergedShards:
-        """All-zero sums for ``num_layers`` layers."""
+        """No shard yet, ``num_layers`` layers."""
+        return cls(GradientSums.empty(num_layers))
+
+    @classmethod
+    def from_message(
+        cls, message: SummaryMessage, num_layers: int | None = None,
+    ) -> MergedShards:
+        """Every statistic a StepSummary or MergedFrame carries.
+
+        Args:
+            message: the shard (its indices checked against the run).
+            num_layers: None: the result has the message's k layers, aligned with its
+                ``layer_indices``; L: the result spans the run's L layers (the message
+                merged into an empty frame, :meth:`merge_message`).
+        """
+        if num_layers is not None:
+            return cls.empty(num_layers).merge_message(message)
         return cls(
-            np.zeros(num_layers, np.int64),
-            np.zeros(num_layers, np.float64),
-            np.zeros(num_layers, np.float64),
-            np.zeros(num_layers, np.float64),
-            np.zeros(num_layers, np.int64),
-            np.zeros(num_layers, np.int64),
+            GradientSums.from_message(message),
+            ExponentHistogram.from_message(message),
+            SumOfSquares.from_message(message, "weight_sum_sq"),
+            SumOfSquares.from_message(message, "update_sum_sq"),
+            WeightMoments.from_message(message),
+        )
+
+    def merge_message(self, message: SummaryMessage) -> MergedShards:
+        """Merge every statistic a StepSummary or MergedFrame carries into its layers, in
+        place: the same result as ``self.merge_at(layers, MergedShards.from_message(message))``
+        with the two histograms merged from their sparse form (a dense k x B copy of a
+        message's histogram costs more than merging it). Returns ``self``.
+        """
+        layers = np.asarray(message.layer_indices, np.int64)
+        self.gradient.merge_at(layers, GradientSums.from_message(message))
+        for name, field_name in (("weight_norm", "weight_sum_sq"),
+                                 ("update_norm", "update_sum_sq")):
+            norm = SumOfSquares.from_message(message, field_name)
+            if norm is not None:
+                self._ensure(name).merge_at(layers, norm)
+        columns = ExponentHistogram.message_columns(message)
+        if columns is not None:
+            self._ensure("histogram").merge_columns(layers, **columns)
+        if message.weight_sum is not None:
+            moments = self.weight_moments
+            if moments is None:
+                moments = WeightMoments.empty(self.num_layers)
+            if moments.merge_message(layers, message):
+                self.weight_moments = moments
+        return self
+
+    def _ensure(self, name: str) -> Any:
+        """The optional statistic ``name``, created empty if absent."""
+        stat = getattr(self, name)
+        if stat is None:
+            stat = dict(_OPTIONAL_PARTS)[name].empty(self.num_layers)
+            setattr(self, name, stat)
+        return stat
+
+    @property
+    def num_layers(self) -> int:
+        """L."""
+        return self.gradient.num_layers
+
+    @property
+    def numel(self) -> np.ndarray:
+        """int64[L] gradient elements merged per layer."""
+        return self.gradient.numel
+
+    def merge_at(self, layers: np.ndarray, part: MergedShards) -> MergedShards:
+        """Merge ``part`` (k layers) into layers ``layers`` (int[k], distinct) in place:
+        sums and counts add, extremes take the min / max. Returns ``self``."""
+        self.gradient.merge_at(layers, part.gradient)
+        for name, _ in _OPTIONAL_PARTS:
+            theirs = getattr(part, name)
+            if theirs is not None:
+                self._ensure(name).merge_at(layers, theirs)
+        return self
+
+    def __iadd__(self, other: MergedShards) -> MergedShards:
+        """Merge ``other`` (same L) into ``self``.
+
+        Raises:
+            ValueError: another number of layers.
+        """
+        if other.num_layers != self.num_layers:
+            raise ValueError(f"cannot merge {other.num_layers} layers into {self.num_layers}")
+        return self.merge_at(np.arange(self.num_layers), other)
+
+    def take(self, layers: np.ndarray) -> MergedShards:
+        """The statistics of the selected layers (int[k] indices or bool[L] mask; a copy)."""
+        return MergedShards(
+            self.gradient.take(layers),
+            *(None if (s := getattr(self, name)) is None else s.take(layers)
+              for name, _ in _OPTIONAL_PARTS),
         )
 
     def add(
@@ -92,112 +181,24 @@ class MergedShards:
         max_abs: np.ndarray | None,
         nonfinite: np.ndarray,
     ) -> None:
-        """Merge one shard in place: sums and counts add, maxima take the maximum.
+        """Merge one shard's gradient sums in place: sums and counts add, maxima take the
+        maximum.
 
         Args:
             layer_indices: int[k], unique indices into the run's layers.
             numel, nonfinite: int[k]; sum_sq: float[k]; sum_abs, max_abs: float[k], or
                 both None for a norms-mode shard (aligned).
         """
-        idx = layer_indices
-        if self.shards is None:
-            self.shards = np.zeros(len(self.numel), np.int64)
-        if self.abs_shards is None:
-            self.abs_shards = self.shards.copy()
-        self.numel[idx] += numel
-        self.sum_sq[idx] += sum_sq
-        self.nonfinite[idx] += nonfinite
-        self.shards[idx] += 1
-        if sum_abs is not None and max_abs is not None:
-            self.sum_abs[idx] += sum_abs
-            self.max_abs[idx] = np.maximum(self.max_abs[idx], max_abs)
-            self.abs_shards[idx] += 1
-
-    def add_histogram(
-        self, layer_indices: np.ndarray, offsets: np.ndarray, columns: np.ndarray,
-        counts: np.ndarray,
-    ) -> None:
-        """Merge one shard's sparse exponent histograms (CSR form of the wire) by addition.
-
-        Args:
-            layer_indices: int[k]. offsets: int[k+1]. columns, counts: int[nnz].
-        """
-        num_layers = len(self.numel)
-        if self.exp_hist is None:
-            self.exp_hist = np.zeros((num_layers, EXP_HIST_BINS), np.int64)
-            self.hist_shards = np.zeros(num_layers, np.int64)
-        rows = np.repeat(layer_indices, np.diff(offsets))
-        np.add.at(self.exp_hist, (rows, columns), counts)
-        assert self.hist_shards is not None
-        self.hist_shards[layer_indices] += 1
-
-    def add_weights(
-        self, layer_indices: np.ndarray, weight_sum_sq: np.ndarray | None,
-        update_sum_sq: np.ndarray | None,
-    ) -> None:
-        """Merge one shard's weight / update squared norms (float64[k] or None) by addition."""
-        num_layers = len(self.numel)
-        if weight_sum_sq is not None:
-            if self.weight_sum_sq is None:
-                self.weight_sum_sq = np.zeros(num_layers)
-                self.weight_shards = np.zeros(num_layers, np.int64)
-            self.weight_sum_sq[layer_indices] += weight_sum_sq
-            assert self.weight_shards is not None
-            self.weight_shards[layer_indices] += 1
-        if update_sum_sq is not None:
-            if self.update_sum_sq is None:
-                self.update_sum_sq = np.zeros(num_layers)
-                self.update_shards = np.zeros(num_layers, np.int64)
-            self.update_sum_sq[layer_indices] += update_sum_sq
-            assert self.update_shards is not None
-            self.update_shards[layer_indices] += 1
+        self.gradient.merge_at(
+            np.asarray(layer_indices, np.int64),
+            GradientSums.from_columns(numel, sum_abs, sum_sq, max_abs, nonfinite),
+        )
 
 
-@dataclass(slots=True)
-class WeightDistribution:
-    """Merged weight-distribution statistics over a run's L layers (schema 1.2).
-
-    Attributes:
-        sum, sum_cube, sum_quad: float64[L] power sums sum w, sum w^3, sum w^4 (add).
-        min, max: float64[L] extremes (+inf / -inf until a shard arrives).
-        nonfinite: int64[L] NaN/Inf weights (add).
-        exp_hist: int64[L, EXP_HIST_BINS] exponent histogram of |w| (add).
-        shards: int64[L] shards merged in.
-    """
-
-    sum: np.ndarray
-    sum_cube: np.ndarray
-    sum_quad: np.ndarray
-    min: np.ndarray
-    max: np.ndarray
-    nonfinite: np.ndarray
-    exp_hist: np.ndarray
-    shards: np.ndarray
-
-    @classmethod
-    def empty(cls, num_layers: int) -> WeightDistribution:
-        """Neutral elements for ``num_layers`` layers."""
-        zeros = np.zeros(num_layers)
-        return cls(zeros.copy(), zeros.copy(), zeros.copy(), np.full(num_layers, np.inf),
-                   np.full(num_layers, -np.inf), np.zeros(num_layers, np.int64),
-                   np.zeros((num_layers, EXP_HIST_BINS), np.int64),
-                   np.zeros(num_layers, np.int64))
-
-    def add(
-        self, idx: np.ndarray, power_sums: np.ndarray, lo: np.ndarray, hi: np.ndarray,
-        nonfinite: np.ndarray, offsets: np.ndarray, columns: np.ndarray, counts: np.ndarray,
-    ) -> None:
-        """Merge one shard: power sums (float64[3, k]: sum, cube, quad), nonfinite and the
-        CSR histogram add; ``lo``/``hi`` (float64[k]) take min / max."""
-        self.sum[idx] += power_sums[0]
-        self.sum_cube[idx] += power_sums[1]
-        self.sum_quad[idx] += power_sums[2]
-        self.min[idx] = np.minimum(self.min[idx], lo)
-        self.max[idx] = np.maximum(self.max[idx], hi)
-        self.nonfinite[idx] += nonfinite
-        rows = np.repeat(idx, np.diff(offsets))
-        np.add.at(self.exp_hist, (rows, columns), counts)
-        self.shards[idx] += 1
+_OPTIONAL_PARTS: tuple[tuple[str, type[LayerStatistic]], ...] = (
+    ("histogram", ExponentHistogram), ("weight_norm", SumOfSquares),
+    ("update_norm", SumOfSquares), ("weight_moments", WeightMoments),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,52 +363,41 @@ def compute_frame(
         The GradientFrame over the layers with ``numel > 0``.
     """
     present = np.flatnonzero(merged.numel > 0)
-    shards = merged.shards[present] if merged.shards is not None else None
-
-    def complete_only(values: np.ndarray | None, carried: np.ndarray | None) -> np.ndarray | None:
-        if values is None or carried is None:
-            return None
-        return np.where(carried[present] == shards, values[present], np.nan)
-
-    weight = complete_only(merged.weight_sum_sq, merged.weight_shards)
-    update = complete_only(merged.update_sum_sq, merged.update_shards)
+    part = merged if present.size == merged.num_layers else merged.take(present)  # read only
+    grad = part.gradient.get()
+    numel, nonfinite = grad["numel"], grad["nonfinite"]
+    has_abs = part.gradient.has_abs()
+    rms, norm = grad["rms"], grad["norm"]
+    vanishing = np.where(has_abs, grad["mean_abs"] < vanishing_threshold,
+                         rms < vanishing_threshold)
+    exploding = np.where(has_abs, grad["max_abs"] > exploding_threshold,
+                         rms > exploding_threshold)
+    top = float(norm.max()) if norm.size else 0.0
+    if top > 0.0 and np.isfinite(top):
+        intensity = np.clip(norm / top, 0.0, 1.0)
+    else:
+        intensity = np.zeros_like(norm)
+    weight = _complete_sum_sq(part.weight_norm, numel)
+    update = _complete_sum_sq(part.update_norm, numel)
     ratio = None
     if weight is not None and update is not None:
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.sqrt(update / weight)
         ratio[~np.isfinite(ratio)] = np.nan
     hist = None
-    if merged.exp_hist is not None and merged.hist_shards is not None:
-        hist = merged.exp_hist[present]
-        hist[merged.hist_shards[present] != shards] = -1
-    numel = merged.numel[present]
-    sum_sq = merged.sum_sq[present]
-    nonfinite = merged.nonfinite[present]
-    has_abs = (merged.abs_shards[present] == shards) if merged.abs_shards is not None \
-        else np.ones(len(present), bool)
-    sum_abs = np.where(has_abs, merged.sum_abs[present], np.nan)
-    max_abs = np.where(has_abs, merged.max_abs[present], np.nan)
-    mean_abs = sum_abs / numel
-    rms = np.sqrt(sum_sq / numel)
-    norm = np.sqrt(sum_sq)
-    vanishing = np.where(has_abs, mean_abs < vanishing_threshold, rms < vanishing_threshold)
-    exploding = np.where(has_abs, max_abs > exploding_threshold, rms > exploding_threshold)
-    dist = _weight_distribution(merged.weight_dist, present, shards)
-    top = float(norm.max()) if norm.size else 0.0
-    if top > 0.0 and np.isfinite(top):
-        intensity = np.clip(norm / top, 0.0, 1.0)
-    else:
-        intensity = np.zeros_like(norm)
+    if part.histogram is not None:
+        covered = part.histogram.numel() == numel
+        hist = np.where(covered[:, None], part.histogram.counts, -1)
     return GradientFrame(
         run_id=run_id,
         step=step,
         layer_index=present.astype(np.int32),
         numel=numel,
-        sum_abs=sum_abs,
-        sum_sq=sum_sq,
-        max_abs_grad=max_abs,
+        sum_abs=grad["sum_abs"],
+        sum_sq=grad["sum_sq"],
+        max_abs_grad=grad["max_abs"],
         nonfinite=nonfinite,
-        mean_abs_grad=mean_abs,
+        mean_abs_grad=grad["mean_abs"],
         grad_norm=norm,
         flow_intensity=intensity,
         is_vanishing=vanishing & (nonfinite == 0),
@@ -419,27 +409,34 @@ def compute_frame(
         update_sum_sq=update,
         update_to_weight=ratio,
         exp_hist=hist,
-        **dist,
+        **_weight_fields(part.weight_moments, numel),
     )
 
 
-def _weight_distribution(
-    dist: WeightDistribution | None, present: np.ndarray, shards: np.ndarray | None,
-) -> dict[str, np.ndarray]:
-    """GradientFrame weight_* fields of the present layers; unknown where incomplete."""
-    if dist is None:
+def _complete_sum_sq(stat: SumOfSquares | None, numel: np.ndarray) -> np.ndarray | None:
+    """float64[n] sums of squares, NaN where they do not cover the whole layer; None when
+    no shard sent them."""
+    if stat is None:
+        return None
+    return np.where(stat.numel == numel, stat.sum_sq, np.nan)
+
+
+def _weight_fields(moments: WeightMoments | None, numel: np.ndarray) -> dict[str, np.ndarray]:
+    """GradientFrame weight_* fields (power sums S1, S3, S4, extremes, non-finite count,
+    histogram) of the present layers; NaN / -1 where not every shard sent them."""
+    if moments is None:
         return {}
-    complete = dist.shards[present] == shards
+    complete = moments.numel() == numel
+    cols = moments.power.to_columns()
 
-    def pick(values: np.ndarray) -> np.ndarray:
-        return np.where(complete, values[present], np.nan)
+    def pick(name: str) -> np.ndarray:
+        return np.where(complete, cols[name], np.nan)
 
-    hist = dist.exp_hist[present]
-    hist[~complete] = -1
+    hist = np.where(complete[:, None], moments.exp_hist.counts, -1)
     return {
-        "weight_sum": pick(dist.sum), "weight_sum_cube": pick(dist.sum_cube),
-        "weight_sum_quad": pick(dist.sum_quad), "weight_min": pick(dist.min),
-        "weight_max": pick(dist.max),
-        "weight_nonfinite": np.where(complete, dist.nonfinite[present], -1),
+        "weight_sum": pick("s1"), "weight_sum_cube": pick("s3"),
+        "weight_sum_quad": pick("s4"), "weight_min": pick("minimum"),
+        "weight_max": pick("maximum"),
+        "weight_nonfinite": np.where(complete, cols["nonfinite"], -1),
         "weight_exp_hist": hist,
     }

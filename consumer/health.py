@@ -1,17 +1,18 @@
-"""Incremental run health (seed 001 ``classify_health``, extended for non-finite gradients).
+"""Incremental run health (the health rule of ``schemas.health``, extended for non-finite
+gradients). Semantics follow trustformers-debug's ``gradient_flow`` module.
 
 Over the frames considered (the whole run, or the ``max_frames`` highest steps when a
-rolling window is set, as the seed's ``max_frames``):
+rolling window is set, as the reference implementation's ``max_frames``):
 
 - ``issue_ratio = issue_frames / max(frames, 1)``, where an issue frame has any vanishing,
-  exploding or non-finite layer (a NaN/Inf gradient is an issue: seed 001 counts an
-  infinite gradient as exploding, its max |g| being inf);
+  exploding or non-finite layer (a NaN/Inf gradient is an issue: the reference
+  implementation counts an infinite gradient as exploding, its max |g| being inf);
 - Critical if any non-finite gradient (gradstream's rule), or any exploding layer and
   ``issue_ratio > 0.5``; ProblemsDetected if any exploding layer or ``issue_ratio > 0.3``;
   MinorIssues if any vanishing layer or ``issue_ratio > 0.1``; else Healthy.
 
 Layers with no gradient by construction (zero up to floating-point rounding at every frame
-from their first on, ``consumer.rounding``) keep their stored seed flag ``is_vanishing``,
+from their first on, ``consumer.rounding``) keep their stored flag ``is_vanishing``,
 but that flag counts nowhere here: not as a vanishing layer, not in ``issue_frames``. The
 tracker judges each frame's layers as it arrives (per layer: seen, ever above rounding
 level) and leaves out the vanishing flag of a layer that has not been above rounding level
@@ -122,7 +123,7 @@ class RunHealthTracker:
             magnitude: float64[n] gradient magnitude per row
                 (:func:`consumer.rounding.gradient_magnitude`: mean |g|, or the RMS in
                 norms mode). None: the rows cannot be judged and count as ordinary layers
-                (every vanishing flag counts, as in seed 001).
+                (every vanishing flag counts, as without the rounding test).
         """
         idx = layer_index.astype(np.int64)
         pending = ~self.ordinary[idx]
@@ -171,7 +172,7 @@ class RunHealthTracker:
 
     @property
     def total_steps(self) -> int:
-        """Seed's ``total_steps``: last step + 1 (0 before any frame)."""
+        """``total_steps`` of the run summary: last step + 1 (0 before any frame)."""
         return 0 if self.last_step is None else self.last_step + 1
 
 

@@ -139,7 +139,7 @@ class ConsumerLoop(ABC):
         self._lock = threading.RLock()
         self._started = time.monotonic()
         self._last_flush = self._started
-        self._first_write_logged = False
+        self._resumed = False
 
     # -- hooks ---------------------------------------------------------------------------
 
@@ -263,6 +263,7 @@ class ConsumerLoop(ABC):
             self._consumer = KafkaConsumer(**kwargs, group_id=s.group_id,
                                            **s.membership_kwargs())
             subscribe_with_metadata(self._consumer, self.topics(), _Rebalance(self))
+            log.info("joined group %s on %s", s.group_id, ", ".join(self.topics()))
             return
         # A single reader keeping its offsets in its output joins no group: a restart
         # after SIGKILL reads at once instead of waiting for the dead member's session.
@@ -289,6 +290,8 @@ class ConsumerLoop(ABC):
                 self.tick()
                 if self._due():
                     self.flush()
+                if not self._resumed and not records:
+                    self._log_resumed(self._caught_up(), "nothing left to read")
 
     def _close(self) -> None:
         """Close everything opened, in reverse order, each even if another fails."""
@@ -353,9 +356,24 @@ class ConsumerLoop(ABC):
         self._stored.update(offsets)                                               # 6
         self._batch = SinkBatch()
         self.counters.writes += 1
-        if batch.frames and not self._first_write_logged:
-            self._first_write_logged = True
-            log.info("first write %.2f s after start", time.monotonic() - self._started)
+        self._log_resumed(bool(batch.frames), "first write")
+
+    def _log_resumed(self, now: bool, how: str) -> None:
+        """Log, once, how long after start the loop first wrote frames or found nothing to
+        read on its partitions: how long a restarted process stalls its partitions."""
+        if now and not self._resumed:
+            self._resumed = True
+            log.info("resumed %.2f s after start (%s)", time.monotonic() - self._started, how)
+
+    def _caught_up(self) -> bool:
+        """Every assigned partition is read to its end offset (as of the last fetch)."""
+        try:
+            assigned = self._consumer.assignment()
+            return bool(assigned) and all(
+                (end := self._consumer.highwater(tp)) is not None
+                and self._consumer.position(tp, timeout_ms=100) >= end for tp in assigned)
+        except Exception:  # e.g. a position not known yet: not caught up
+            return False
 
     # -- partitions ----------------------------------------------------------------------
 

@@ -27,13 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from consumer.frames import (
-    GradientFrame,
-    LocalRows,
-    MergedShards,
-    WeightDistribution,
-    compute_frame,
-)
+from consumer.frames import GradientFrame, LocalRows, MergedShards, compute_frame
 from consumer.runs import RunInfo
 from schemas.wire import StepSummary
 
@@ -392,89 +386,16 @@ def not_yet_counted(
 
 def merge_shard(merged: MergedShards, shard: StepSummary, keep: np.ndarray | None = None) -> None:
     """Merge one validated shard (or MergedFrame) into ``merged`` in place: every
-    statistic it carries (exactly mergeable: sums add, extremes min/max, counts add).
+    statistic it carries (:meth:`MergedShards.merge_message`), each exactly mergeable
+    (sums add, extremes min/max, counts add; ``schemas.stats``).
 
     Args:
         merged: the frame's sums so far. shard: a StepSummary or MergedFrame.
         keep: bool[k] aligned with ``shard.layer_indices``: merge only these entries
             (None: all).
     """
-    if keep is not None and not keep.all():
-        if not keep.any():
-            return
-        shard = select_layers(shard, keep)
-    idx = np.asarray(shard.layer_indices, dtype=np.int64)
-    if shard.exp_hist_offsets is not None:
-        merged.add_histogram(
-            idx, np.asarray(shard.exp_hist_offsets, np.int64),
-            np.asarray(shard.exp_hist_columns, np.int64),
-            np.asarray(shard.exp_hist_counts, np.int64),
-        )
-    if shard.weight_sum_sq is not None or shard.update_sum_sq is not None:
-        merged.add_weights(
-            idx,
-            None if shard.weight_sum_sq is None else np.asarray(shard.weight_sum_sq),
-            None if shard.update_sum_sq is None else np.asarray(shard.update_sum_sq),
-        )
-    if shard.has_weight_distribution:
-        if merged.weight_dist is None:
-            merged.weight_dist = WeightDistribution.empty(len(merged.numel))
-        merged.weight_dist.add(
-            idx,
-            np.array([shard.weight_sum, shard.weight_sum_cube, shard.weight_sum_quad],
-                     np.float64),
-            np.asarray(shard.weight_min, np.float64), np.asarray(shard.weight_max, np.float64),
-            np.asarray(shard.weight_nonfinite, np.int64),
-            np.asarray(shard.weight_exp_hist_offsets, np.int64),
-            np.asarray(shard.weight_exp_hist_columns, np.int64),
-            np.asarray(shard.weight_exp_hist_counts, np.int64),
-        )
-    merged.add(
-        idx,
-        np.asarray(shard.numel, dtype=np.int64),
-        None if shard.sum_abs is None else np.asarray(shard.sum_abs, dtype=np.float64),
-        np.asarray(shard.sum_sq, dtype=np.float64),
-        None if shard.max_abs is None else np.asarray(shard.max_abs, dtype=np.float64),
-        np.asarray(shard.nonfinite, dtype=np.int64),
-    )
-
-
-def _select_csr(
-    offsets: list[int], columns: list[int], counts: list[int], keep: np.ndarray
-) -> dict[str, list[int]]:
-    """The rows ``keep`` (bool[k]) of a CSR histogram (offsets int[k+1])."""
-    off = np.asarray(offsets, np.int64)
-    lengths = np.diff(off)
-    mask = np.repeat(keep, lengths)
-    new_off = np.zeros(int(keep.sum()) + 1, np.int64)
-    np.cumsum(lengths[keep], out=new_off[1:])
-    return {
-        "offsets": new_off.tolist(),
-        "columns": np.asarray(columns, np.int64)[mask].tolist(),
-        "counts": np.asarray(counts, np.int64)[mask].tolist(),
-    }
-
-
-_PER_LAYER = (
-    "layer_indices", "numel", "sum_abs", "sum_sq", "max_abs", "nonfinite", "weight_sum_sq",
-    "update_sum_sq", "weight_sum", "weight_sum_cube", "weight_sum_quad", "weight_min",
-    "weight_max", "weight_nonfinite", "shard_index", "shard_count",
-)
-
-
-def select_layers(shard: StepSummary, keep: np.ndarray) -> StepSummary:
-    """A copy of ``shard`` holding only the layer entries where ``keep`` (bool[k]) is True,
-    every per-layer statistic and histogram row included (the local view is unchanged)."""
-    update: dict[str, list[int] | list[float]] = {}
-    for name in _PER_LAYER:
-        values = getattr(shard, name)
-        if values is not None:
-            update[name] = np.asarray(values)[keep].tolist()
-    for prefix in ("exp_hist", "weight_exp_hist"):
-        offsets = getattr(shard, f"{prefix}_offsets")
-        if offsets is not None:
-            part = _select_csr(offsets, getattr(shard, f"{prefix}_columns"),
-                               getattr(shard, f"{prefix}_counts"), keep)
-            for key, values in part.items():
-                update[f"{prefix}_{key}"] = values
-    return shard.model_copy(update=update)
+    if keep is None or keep.all():
+        merged.merge_message(shard)
+    elif keep.any():  # some entries are replicas: merge the other layers only
+        layers = np.asarray(shard.layer_indices, dtype=np.int64)[keep]
+        merged.merge_at(layers, MergedShards.from_message(shard).take(keep))

@@ -4,9 +4,10 @@ Some parameters receive an exactly zero gradient, mathematically, at every step:
 bias of a softmax attention (softmax is invariant to adding the same constant to every
 score of a row, so the bias's gradient is a sum of terms that cancel exactly), a
 parameter feeding only a zero-initialised layer at step 0, and so on. Computed in floating
-point, such a gradient is not 0 but the rounding residue of that cancellation. Seed 001
-flags it vanishing (mean |g| below the threshold) at every step, and the run is reported
-unhealthy although nothing is wrong. This module recognises those layers from the data.
+point, such a gradient is not 0 but the rounding residue of that cancellation. The plain
+threshold rule (trustformers-debug's ``gradient_flow`` module) flags it vanishing (mean |g|
+below the threshold) at every step, and the run is reported unhealthy although nothing is
+wrong. This module recognises those layers from the data.
 
 Test at one frame (one step, all reported layers), for layer l:
 

@@ -64,7 +64,8 @@ class RunBook:
         return run is not None and len(self.finished.get(run_id, ())) >= run.world_size
 
     def restore(self, sink: DuckDBSink) -> dict[str, StoredFrames]:
-        """Load every stored run and rebuild its health tracker from the stored flags.
+        """Load every stored run, the ranks that finished it, and rebuild its health
+        tracker from the stored flags.
 
         Returns:
             run id -> the run's stored frames (steps, complete, ranks seen), for the
@@ -86,6 +87,8 @@ class RunBook:
                 flags["is_exploding"].astype(bool), flags["nonfinite"].astype(bool),
                 roundoff=run.roundoff, seen=seen, ordinary=ordinary,
             )
+        for run_id, rank in sink.con.execute("SELECT run_id, rank FROM run_ranks").fetchall():
+            self.finished.setdefault(run_id, set()).add(rank)
         return stored
 
     def record(self, frame: GradientFrame, batch: SinkBatch) -> GradientHealth:

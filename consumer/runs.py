@@ -17,7 +17,8 @@ class RunInfo:
     Attributes:
         run_id: the run. world_size: ranks per step.
         layer_names: L names, model order. numel: int64[L] full-tensor element counts.
-        vanishing_threshold, exploding_threshold: seed-001 thresholds (|g| units).
+        vanishing_threshold, exploding_threshold: per-layer flag thresholds on mean |g|
+            and max |g| (|g| units).
         dtypes: L gradient dtype names (``RunStarted.dtypes``, schema 1.3; None entries
             unknown), or None when the producer sent none.
     """

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
+from consumer.defaults import DEFAULT_DB
 from schemas.config import TopicCreationSettings
 from schemas.topics import (
     DEFAULT_ALERTS_TOPIC,
@@ -18,22 +19,45 @@ from schemas.topics import (
 )
 
 
-class ConsumerSettings(TopicCreationSettings):
-    """Settings of a consumer worker.
+class LoopSettings(TopicCreationSettings):
+    """Settings every consumer loop reads (:class:`consumer.loop.ConsumerLoop`): the
+    worker's (:class:`ConsumerSettings`) and the store's
+    (:class:`consumer.store_settings.StoreSettings`).
 
     Attributes:
-        topic: summaries topic to consume. dlq_topic: where unusable messages go.
-        group_id: Kafka consumer group. db: DuckDB file the worker writes.
-        shard_timeout_s: seconds to wait for every rank of a step before finalising the
-            frame as partial.
+        dlq_topic: where unusable messages go.
+        group_id: Kafka consumer group (the store: the name of its offsets in DuckDB).
+        db: DuckDB file the process writes.
         flush_interval_s: longest time finalised frames wait before being written.
         max_batch_rows: write as soon as this many layer rows are waiting.
-        max_frames: rolling window of run health in frames (0 = whole run; seed 001).
-        poll_timeout_ms / max_poll_records: Kafka poll parameters.
-        partitions: partitions of the topics when the worker creates them.
-        replication_factor: replication of topics the worker creates.
+        max_frames: rolling window of run health in frames (0 = whole run).
+        poll_timeout_ms / max_poll_records / max_partition_fetch_bytes: Kafka poll
+            parameters.
         metrics_port: serve Prometheus metrics (``consumer.metrics``) on this TCP port
             (``GRADSTREAM_METRICS_PORT``); None or 0 = no endpoint.
+    """
+
+    dlq_topic: str = DEFAULT_DLQ_TOPIC
+    group_id: str = DEFAULT_CONSUMER_GROUP
+    db: str = DEFAULT_DB
+    flush_interval_s: float = Field(default=0.2, gt=0)
+    max_batch_rows: int = Field(default=500_000, gt=0)
+    max_frames: int = Field(default=0, ge=0)
+    poll_timeout_ms: int = Field(default=100, gt=0)
+    max_poll_records: int = Field(default=2000, gt=0)
+    max_partition_fetch_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+
+
+class ConsumerSettings(LoopSettings):
+    """Settings of a consumer worker (besides those of :class:`LoopSettings`).
+
+    Attributes:
+        topic: summaries topic to consume.
+        shard_timeout_s: seconds to wait for every rank of a step before finalising the
+            frame as partial.
+        partitions: partitions of the topics when the worker creates them.
+        replication_factor: replication of topics the worker creates.
         group_instance_id: static group membership (Kafka KIP-345,
             ``GRADSTREAM_GROUP_INSTANCE_ID``): a worker restarted with the same id takes its
             partitions back at once instead of waiting ``session_timeout_ms`` for the
@@ -57,17 +81,7 @@ class ConsumerSettings(TopicCreationSettings):
     """
 
     topic: str = DEFAULT_SUMMARIES_TOPIC
-    dlq_topic: str = DEFAULT_DLQ_TOPIC
-    group_id: str = DEFAULT_CONSUMER_GROUP
-    db: str = "gradstream.duckdb"
     shard_timeout_s: float = Field(default=30.0, gt=0)
-    flush_interval_s: float = Field(default=0.2, gt=0)
-    max_batch_rows: int = Field(default=500_000, gt=0)
-    max_frames: int = Field(default=0, ge=0)
-    poll_timeout_ms: int = Field(default=100, gt=0)
-    max_poll_records: int = Field(default=2000, gt=0)
-    max_partition_fetch_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
-    metrics_port: int | None = Field(default=None, ge=0, le=65535)
     group_instance_id: str | None = Field(default=None, min_length=1)
     session_timeout_ms: int | None = Field(default=None, gt=0)
     # Scale-out mode (consumer.worker): publish merged frames instead of writing DuckDB.

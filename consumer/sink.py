@@ -22,10 +22,11 @@ import numpy as np
 import pyarrow as pa
 
 from consumer.alerts.rows import write_alerts
-from consumer.frames import GradientFrame, MergedShards, WeightDistribution
+from consumer.frames import GradientFrame, MergedShards
 from consumer.rounding import rounding_rows_sql
 from consumer.runs import RunInfo
 from schemas.alert import Alert
+from schemas.stats import ExponentHistogram, GradientSums, SumOfSquares, WeightMoments
 from schemas.tables import LAYER_STATS_COLUMNS, LOCAL_LAYER_STATS_COLUMNS, SCHEMA_DDL
 from schemas.wire import EXP_HIST_BINS, RunFinished, RunStarted
 
@@ -160,25 +161,53 @@ def pc_list_lengths(column: pa.ChunkedArray) -> np.ndarray:
     return np.asarray(pc.fill_null(pc.list_value_length(column), 0), np.int64)
 
 
-def _load_weight_distribution(tbl: pa.Table, idx: np.ndarray, merged: MergedShards) -> None:
-    """Restore a stored frame's weight distribution (layers where it is not NULL) into
-    ``merged`` as one shard."""
-    has = ~np.asarray(tbl["weight_sum"].is_null().to_numpy(zero_copy_only=False), bool)
-    if not has.any():
-        return
-    sub = tbl.filter(pa.array(has))
-    dist = WeightDistribution.empty(len(merged.numel))
+def _stored_floats(tbl: pa.Table, name: str) -> np.ndarray:
+    """float64 values of a column of ``tbl``, NaN where NULL."""
+    return np.asarray(tbl[name].to_numpy(zero_copy_only=False), np.float64)
 
-    def col(name: str) -> np.ndarray:
-        return sub[name].to_numpy(zero_copy_only=False).astype(np.float64)
 
-    offsets, columns, counts = _csr(sub, "weight_exp_hist_columns", "weight_exp_hist_counts")
-    dist.add(
-        idx[has], np.array([col("weight_sum"), col("weight_sum_cube"), col("weight_sum_quad")]),
-        col("weight_min"), col("weight_max"), col("weight_nonfinite").astype(np.int64),
-        offsets, columns, counts,
-    )
-    merged.weight_dist = dist
+def _stored_ints(tbl: pa.Table, name: str) -> np.ndarray:
+    """int64 values of a column of ``tbl``, 0 where NULL."""
+    import pyarrow.compute as pc
+
+    return np.asarray(pc.fill_null(tbl[name], 0).to_numpy(zero_copy_only=False), np.int64)
+
+
+def _has(tbl: pa.Table, name: str) -> np.ndarray:
+    """bool[k]: the column ``name`` is not NULL."""
+    return ~np.asarray(tbl[name].is_null().to_numpy(zero_copy_only=False), bool)
+
+
+def stored_sums(tbl: pa.Table) -> MergedShards:
+    """The statistics of k stored ``layer_stats`` rows (the columns :meth:`DuckDBSink.load_sums`
+    reads), aligned with the rows; each row counts as the whole of what was merged into it,
+    and a NULL statistic covers none of its layer (``schemas.stats``, "Coverage").
+
+    Returns:
+        MergedShards over the k rows; an optional statistic is None when no row has it.
+    """
+    numel = _stored_ints(tbl, "numel")
+    nonfinite = _stored_ints(tbl, "nonfinite")
+    merged = MergedShards(GradientSums.from_columns(
+        numel, _stored_floats(tbl, "sum_abs"), _stored_floats(tbl, "sum_sq"),
+        _stored_floats(tbl, "max_abs_grad"), nonfinite))
+    has_hist = _has(tbl, "exp_hist_columns")
+    if has_hist.any():
+        merged.histogram = ExponentHistogram.from_columns(
+            *_csr(tbl, "exp_hist_columns", "exp_hist_counts"), np.where(has_hist, nonfinite, 0))
+    if _has(tbl, "weight_sum_sq").any():
+        merged.weight_norm = SumOfSquares.from_columns(numel, _stored_floats(tbl, "weight_sum_sq"))
+    if _has(tbl, "update_sum_sq").any():
+        merged.update_norm = SumOfSquares.from_columns(numel, _stored_floats(tbl, "update_sum_sq"))
+    if _has(tbl, "weight_sum").any():
+        merged.weight_moments = WeightMoments.from_columns(
+            numel, _stored_ints(tbl, "weight_nonfinite"),
+            *(_stored_floats(tbl, name) for name in (
+                "weight_sum", "weight_sum_sq", "weight_sum_cube", "weight_sum_quad",
+                "weight_min", "weight_max")),
+            *_csr(tbl, "weight_exp_hist_columns", "weight_exp_hist_counts"),
+        )
+    return merged
 
 
 class DuckDBSink:
@@ -337,7 +366,8 @@ class DuckDBSink:
         return seen, ordinary
 
     def load_sums(self, run: RunInfo, step: int) -> MergedShards | None:
-        """The stored merged sums of frame (run, step), or None if it is not stored."""
+        """The stored merged sums of frame (run, step) over the run's layers
+        (:func:`stored_sums`), or None if it is not stored."""
         tbl = self.con.sql(
             "SELECT layer_index, numel, sum_abs, sum_sq, max_abs_grad, nonfinite, "
             "weight_sum_sq, update_sum_sq, exp_hist_columns, exp_hist_counts, weight_sum, "
@@ -348,44 +378,8 @@ class DuckDBSink:
         ).to_arrow_table()
         if tbl.num_rows == 0:
             return None
-        merged = MergedShards.empty(run.num_layers)
         idx = tbl["layer_index"].to_numpy().astype(np.int64)
-        merged.numel[idx] = tbl["numel"].to_numpy()
-        has_abs = ~np.asarray(tbl["sum_abs"].is_null().to_numpy(zero_copy_only=False), bool)
-        merged.sum_abs[idx] = np.nan_to_num(tbl["sum_abs"].to_numpy(zero_copy_only=False))
-        merged.sum_sq[idx] = tbl["sum_sq"].to_numpy()
-        merged.max_abs[idx] = np.nan_to_num(
-            tbl["max_abs_grad"].to_numpy(zero_copy_only=False))
-        merged.nonfinite[idx] = tbl["nonfinite"].to_numpy()
-        assert merged.shards is not None
-        merged.shards[idx] = 1  # the stored frame counts as one shard of each layer
-        merged.abs_shards = np.zeros(run.num_layers, np.int64)
-        merged.abs_shards[idx[has_abs]] = 1
-        _load_weight_distribution(tbl, idx, merged)
-        for name in ("weight_sum_sq", "update_sum_sq"):
-            column = tbl[name]
-            has = ~np.asarray(column.is_null().to_numpy(zero_copy_only=False), bool)
-            if has.any():
-                values = column.to_numpy(zero_copy_only=False).astype(np.float64)
-                merged.add_weights(
-                    idx[has],
-                    values[has] if name == "weight_sum_sq" else None,
-                    values[has] if name == "update_sum_sq" else None,
-                )
-        cols = tbl["exp_hist_columns"]
-        has_hist = ~np.asarray(cols.is_null().to_numpy(zero_copy_only=False), bool)
-        if has_hist.any():
-            sub = tbl.filter(pa.array(has_hist))
-            lengths = np.array([len(x) for x in sub["exp_hist_columns"].to_pylist()])
-            offsets = np.concatenate(([0], np.cumsum(lengths)))
-            merged.add_histogram(
-                idx[has_hist], offsets,
-                np.asarray(pa.concat_arrays(
-                    [c.flatten() for c in sub["exp_hist_columns"].chunks]), np.int64),
-                np.asarray(pa.concat_arrays(
-                    [c.flatten() for c in sub["exp_hist_counts"].chunks]), np.int64),
-            )
-        return merged
+        return MergedShards.empty(run.num_layers).merge_at(idx, stored_sums(tbl))
 
     def load_offsets(self, group: str, topic: str) -> dict[int, int]:
         """partition -> next offset to consume, as stored for ``group`` and ``topic``."""

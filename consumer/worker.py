@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from consumer.alerts.feed import AlertFeed
+from consumer.alerts.incident import active_from_events
 from consumer.alerts.rows import load_active_incidents
 from consumer.alerts.service import AlertService
 from consumer.frame_publisher import load_runs_topic
@@ -85,11 +87,17 @@ class Worker(ConsumerLoop):
             kafka.errors.KafkaError: the cluster cannot be reached.
         """
         s = self.settings
-        ensure_topics(s, [s.alerts_topic] + ([s.frames_topic] if s.frames_topic else []))
         if self.scale_out:
+            ensure_topics(s, [s.alerts_topic, s.frames_topic])
             ensure_topics(s, [s.runs_topic], compacted=True)
             return FramesTopicOutput(s)
-        return DuckDBOutput(s.db, s.group_id)
+        output = DuckDBOutput(s.db, s.group_id)  # a locked file is the first thing to say
+        try:
+            ensure_topics(s, [s.alerts_topic])
+        except BaseException:
+            output.close()
+            raise
+        return output
 
     def restore(self) -> None:
         """Runs, health and finalised steps from DuckDB; open incidents into the alerts.
@@ -114,11 +122,36 @@ class Worker(ConsumerLoop):
         self.alerts.start()
 
     def assigned(self, partitions: list[Any]) -> None:
-        """Scale-out: learn the runs from the compacted runs topic."""
+        """Scale-out: learn the runs from the compacted runs topic and re-open the
+        incidents still firing on the alerts topic."""
         if self.scale_out:
             for message in load_runs_topic(self.settings):
                 if message.run_id not in self.runs:
                     self.book.start(message)
+            self._restore_incidents()
+
+    def _restore_incidents(self) -> None:
+        """Re-open the incidents whose last event on the alerts topic is ``firing``, for
+        the runs this worker has not evaluated a frame of (a restarted worker, or runs of
+        partitions taken over): replayed frames then neither fire them again nor lose
+        their resolution. Reads the whole alerts topic (bounded by its retention).
+
+        Raises:
+            TimeoutError: the topic was not read to its end within 30 s.
+        """
+        if self.alerts is None:
+            return
+        feed = AlertFeed(self.settings, self.settings.alerts_topic, since=0)
+        try:
+            events = feed.read_to_end()
+        finally:
+            feed.close()
+        fresh = [a for a in active_from_events(events)
+                 if a.run_id in self.trackers and self.trackers[a.run_id].frames == 0]
+        if fresh:
+            self.alerts.engine.restore(fresh)
+            log.info("re-opened %d firing incident(s) from %s", len(fresh),
+                     self.settings.alerts_topic)
 
     def revoked(self, keys: set[PartitionKey]) -> None:
         """Forget the revoked partitions' pending frames."""

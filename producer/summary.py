@@ -18,14 +18,17 @@ Backends. The statistics are computed by one of two interchangeable implementati
   layer, float64 accumulation, GIL released. numba is imported and the kernels are compiled
   (or loaded from numba's on-disk cache) on the first summary, not at ``import producer``;
   call :func:`warmup` at start-up to pay that cost before the first training step.
-* ``"numpy"``: pure NumPy, several passes over a reusable float64 chunk buffer (about
-  4-9x the cost of one read pass; the histogram ~10x more); used when numba is missing or
-  fails to import or compile (a warning is logged), or when forced.
+* ``"numpy"``: pure NumPy, the mergeable statistics of :mod:`schemas.stats`
+  (``GradientSums``, ``ExponentHistogram``) updated layer by layer, several passes over a
+  reusable float64 chunk buffer (about 4-9x the cost of one read pass; the histogram ~10x
+  more); used when numba is missing or fails to import or compile (a warning is logged),
+  or when forced.
 
 Choose with :func:`set_backend` or the environment variable
 ``GRADSTREAM_SUMMARY_BACKEND`` = ``auto`` (default) | ``numba`` | ``numpy``. Both backends
 give the same ``numel``, ``max_abs``, ``nonfinite`` and histogram counts exactly, and sums
-equal to within a few ulps (different summation order).
+equal to within a few ulps (different summation order). Either result converts to those
+objects (:meth:`LayerSummaries.gradient_sums`, :meth:`LayerSummaries.exponent_histogram`).
 
 Cost, measured by ``bench/producer_overhead.py`` on the 2-core development machine, in
 units of one ``np.add.reduce`` pass over the same float32 arrays (the floor): the numba
@@ -47,6 +50,8 @@ from types import ModuleType
 from typing import Literal, NamedTuple
 
 import numpy as np
+
+from schemas.stats import ExponentHistogram, GradientSums, exp_hist_column, exponent_lut
 
 log = logging.getLogger("gradstream.producer")
 
@@ -71,7 +76,6 @@ _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 _FLOAT_KINDS = {_F16, _F32, _F64}
-_MAX_DOUBLE = float(np.finfo(np.float64).max)
 
 # ---------------------------------------------------------------------------------------
 # Exponent histogram layout
@@ -84,42 +88,10 @@ _MAX_DOUBLE = float(np.finfo(np.float64).max)
 # overflow).
 from schemas.wire import EXP_HIST_BINS, EXP_HIST_MAX, EXP_HIST_MIN  # noqa: E402
 
-
-def _exponent_lut(exp_bits: int, bias: int) -> np.ndarray:
-    """uint16 column of every biased exponent field value of an IEEE 754 binary format.
-
-    Field 0 (zero or subnormal) maps to the scratch column B + 1, which the kernels re-bin
-    exactly; the all-ones field (NaN/Inf) to the scratch column B, which is dropped.
-    """
-    biased = np.arange(1 << exp_bits, dtype=np.int64)
-    cols = np.clip(biased - bias - EXP_HIST_MIN + 2, 1, EXP_HIST_BINS - 1)
-    cols[0] = EXP_HIST_BINS + 1
-    cols[-1] = EXP_HIST_BINS
-    # Indexed by the bit pattern shifted right by the significand width, i.e. by
-    # sign * 2^exp_bits + biased exponent: the table repeats for the sign bit.
-    return np.tile(cols, 2).astype(np.uint16)
-
-
-_LUT32 = _exponent_lut(8, 127)  # IEEE 754 binary32: 8-bit exponent field, bias 127
-_LUT64 = _exponent_lut(11, 1023)  # IEEE 754 binary64: 11-bit exponent field, bias 1023
-
-
-def exp_hist_column(k: int | np.ndarray) -> int | np.ndarray:
-    """Histogram column of finite non-zero magnitudes with base-2 exponent ``k``.
-
-    ``k = floor(log2 |g|)`` (the IEEE 754 unbiased exponent for normal numbers; equal to
-    ``np.frexp(g)[1] - 1`` for every finite non-zero g, subnormals included).
-
-    Args:
-        k: exponent(s), int or integer ndarray.
-
-    Returns:
-        ``clip(k - EXP_HIST_MIN + 2, 1, EXP_HIST_BINS - 1)``: column 1 is the underflow
-        column (k < EXP_HIST_MIN), column ``EXP_HIST_BINS - 1`` the overflow column
-        (k >= EXP_HIST_MAX); column 0 (exact zeros) is never returned.
-    """
-    col = np.clip(np.asarray(k) - EXP_HIST_MIN + 2, 1, EXP_HIST_BINS - 1)
-    return int(col) if np.ndim(col) == 0 else col
+# The column mapping and the exponent lookup tables (the numba kernels' too) live with the
+# histogram statistic in schemas.stats.
+_LUT32 = exponent_lut(8, 127)  # IEEE 754 binary32: 8-bit exponent field, bias 127
+_LUT64 = exponent_lut(11, 1023)  # IEEE 754 binary64: 11-bit exponent field, bias 1023
 
 
 def exp_hist_edges() -> tuple[np.ndarray, np.ndarray]:
@@ -287,6 +259,41 @@ class LayerSummaries:
 
     def __len__(self) -> int:
         return len(self.names)
+
+    @classmethod
+    def from_statistics(
+        cls, names: tuple[str, ...], sums: GradientSums,
+        histogram: ExponentHistogram | None = None,
+    ) -> LayerSummaries:
+        """Summaries of the layers ``names`` from their :class:`schemas.stats.GradientSums`
+        (full mode: ``sum_abs``/``max_abs`` must cover every element) and optional
+        :class:`schemas.stats.ExponentHistogram`, both over ``len(names)`` layers.
+
+        Raises:
+            ValueError: a statistic over another number of layers, or sums without
+                ``sum_abs``/``max_abs`` for some layer.
+        """
+        if sums.num_layers != len(names) or (
+            histogram is not None and histogram.num_layers != len(names)
+        ):
+            raise ValueError(f"statistics must cover the {len(names)} layers named")
+        if not sums.has_abs().all():
+            raise ValueError("sums without sum_abs/max_abs: use norms_only() instead")
+        return cls(names, sums.numel, sums.sum_abs, sums.sum_sq, sums.max_abs, sums.nonfinite,
+                   None if histogram is None else histogram.counts)
+
+    def gradient_sums(self) -> GradientSums:
+        """These statistics as a mergeable :class:`schemas.stats.GradientSums` (a copy;
+        norms mode leaves ``sum_abs``/``max_abs`` unknown)."""
+        return GradientSums.from_columns(self.numel, self.sum_abs, self.sum_sq, self.max_abs,
+                                         self.nonfinite)
+
+    def exponent_histogram(self) -> ExponentHistogram | None:
+        """The histogram as a mergeable :class:`schemas.stats.ExponentHistogram` (a copy),
+        or None when it was not requested."""
+        if self.exp_hist is None:
+            return None
+        return ExponentHistogram(self.exp_hist.copy(), self.nonfinite.copy())
 
     def norms_only(self) -> LayerSummaries:
         """The same summaries without ``sum_abs`` and ``max_abs`` (the producer's norms
@@ -551,91 +558,13 @@ def _summarize_numba(
 # -- pure NumPy backend -------------------------------------------------------------------
 
 
-_CHUNK = 1 << 16  # elements per NumPy chunk: 512 KiB of float64 scratch, cache-resident
-
-
-def _summarize_chunk(x: np.ndarray) -> tuple[float, float, float, int]:
-    """(sum_abs, sum_sq, max_abs, nonfinite) of a float64 chunk, unsaturated; x is clobbered."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        sum_sq = float(np.dot(x, x))
-    if np.isfinite(sum_sq):
-        # A NaN or Inf element would have made the sum of squares non-finite (float16/32
-        # squares cannot overflow a double): every element is finite.
-        np.abs(x, out=x)
-        with np.errstate(over="ignore"):
-            return float(np.add.reduce(x)), sum_sq, float(x.max()), 0
-    finite = np.isfinite(x)
-    good = np.abs(x[finite])
-    nonfinite = int(x.size - good.size)
-    if good.size == 0:
-        return 0.0, 0.0, 0.0, nonfinite
-    with np.errstate(over="ignore"):
-        return float(np.add.reduce(good)), float(np.dot(good, good)), float(good.max()), nonfinite
-
-
-def _summarize_one(flat: np.ndarray) -> tuple[float, float, float, int]:
-    """(sum_abs, sum_sq, max_abs, nonfinite) of one flat float array, float64 accumulation.
-
-    Chunked through one reusable float64 buffer (no float64 copy of the whole layer);
-    sums saturate at the largest double.
-    """
-    sum_abs = sum_sq = max_abs = 0.0
-    nonfinite = 0
-    buf = np.empty(min(flat.size, _CHUNK), dtype=np.float64)
-    for lo in range(0, flat.size, _CHUNK):
-        chunk = flat[lo : lo + _CHUNK]
-        x = buf[: chunk.size]
-        np.copyto(x, chunk)  # exact widening to float64
-        a, q, m, bad = _summarize_chunk(x)
-        sum_abs += a  # Python floats: an overflow gives inf, saturated below
-        sum_sq += q
-        max_abs = max(max_abs, m)
-        nonfinite += bad
-    return min(sum_abs, _MAX_DOUBLE), min(sum_sq, _MAX_DOUBLE), max_abs, nonfinite
-
-
-def _exp_hist_one(flat: np.ndarray) -> np.ndarray:
-    """int64[EXP_HIST_BINS] exponent histogram of one flat float array (NumPy backend).
-
-    Same method as the kernels: the column of each element is looked up from its sign and
-    biased exponent field (``bits >> significand bits``); elements with a zero field are
-    then split into zeros and subnormals, the latter binned from ``np.frexp``.
-    """
-    if flat.dtype == _F16:
-        flat = flat.astype(_F32)  # exact; float16 subnormals become float32 normals
-    flat = np.ascontiguousarray(flat)
-    if flat.dtype == _F32:
-        bits, lut, shift, exp_mask = flat.view(np.uint32), _LUT32, 23, 0x7F800000
-    else:
-        bits, lut, shift, exp_mask = flat.view(np.uint64), _LUT64, 52, 0x7FF0000000000000
-    counts = np.zeros(EXP_HIST_BINS + 2, dtype=np.int64)
-    for lo in range(0, bits.size, _CHUNK):
-        cols = lut[bits[lo : lo + _CHUNK] >> shift]
-        counts += np.bincount(cols, minlength=EXP_HIST_BINS + 2)
-    if counts[EXP_HIST_BINS + 1]:  # zero exponent field: zeros and subnormals
-        field0 = (bits & exp_mask) == 0
-        subnormal = np.abs(flat[field0 & (flat != 0)]).astype(np.float64)
-        _, exp = np.frexp(subnormal)  # subnormal = m * 2^exp, 0.5 <= m < 1 -> k = exp - 1
-        counts[: EXP_HIST_BINS] += np.bincount(
-            exp_hist_column(exp.astype(np.int64) - 1), minlength=EXP_HIST_BINS
-        )
-        counts[0] += counts[EXP_HIST_BINS + 1] - subnormal.size
-    return counts[:EXP_HIST_BINS]
-
-
 def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> LayerSummaries:
+    """The NumPy backend: :meth:`schemas.stats.GradientSums.from_layers` and
+    :meth:`schemas.stats.ExponentHistogram.from_layers` over the layers (each layer read in
+    float64 chunks of a reused scratch buffer: several passes, no float64 copy of a large
+    layer), saturated for the wire."""
     names = tuple(gradients)
-    count = len(names)
-    numel = np.empty(count, dtype=np.int64)
-    sum_abs = np.empty(count, dtype=np.float64)
-    sum_sq = np.empty(count, dtype=np.float64)
-    max_abs = np.empty(count, dtype=np.float64)
-    nonfinite = np.empty(count, dtype=np.int64)
-    counts = np.zeros((count, EXP_HIST_BINS), np.int64) if histogram else None
-    for i, name in enumerate(names):
-        flat = _as_float_array(name, gradients[name]).reshape(-1)
-        numel[i] = flat.size
-        sum_abs[i], sum_sq[i], max_abs[i], nonfinite[i] = _summarize_one(flat)
-        if counts is not None:
-            counts[i] = _exp_hist_one(flat)
-    return LayerSummaries(names, numel, sum_abs, sum_sq, max_abs, nonfinite, counts)
+    flats = [_as_float_array(name, gradients[name]).reshape(-1) for name in names]
+    sums = GradientSums.from_layers(flats).saturate()
+    counts = ExponentHistogram.from_layers(flats) if histogram else None
+    return LayerSummaries.from_statistics(names, sums, counts)

@@ -1,86 +1,113 @@
-"""Weight statistics of the watched layers (producer setting ``weight_stats``, off by default).
+"""Weight summaries of the watched layers (producer setting ``weight_stats``, off by default).
 
 Per layer, over this rank's shard of the weights, everything exactly mergeable across ranks
-(power sums add, extremes take min / max, counts add; ``schemas.wire``):
+(power sums add, extremes take min / max, counts add; ``schemas.stats``):
 
 - ``sum_sq`` = sum w^2 (the weight norm squared) and ``update_sum_sq`` =
   sum (w_t - w_prev)^2, the squared norm of the change since the previous recorded step
   (needs one float32 copy of the watched weights, kept by the producer);
-- the distribution of seed 004 (``WeightDistributionAnalyzer``) as power sums over the
-  finite weights: ``sum`` = sum w, ``sum_cube`` = sum w^3, ``sum_quad`` = sum w^4, and
-  ``min`` / ``max`` (0.0 when a layer has no finite weight), ``nonfinite`` = count of NaN/Inf
-  weights, plus the base-2 exponent histogram of |w| (same layout as the gradient
-  histogram, :func:`producer.summary.exp_hist_edges`; column 0 counts exact zeros).
+- the distribution of seed 004 (``WeightDistributionAnalyzer``) as a
+  :class:`schemas.stats.WeightMoments`: power sums over the finite weights (``sum`` = sum w,
+  ``sum_cube`` = sum w^3, ``sum_quad`` = sum w^4), ``min`` / ``max`` (0.0 on the wire when a
+  layer has no finite weight), ``nonfinite`` = count of NaN/Inf weights, plus the base-2
+  exponent histogram of |w| (same layout as the gradient histogram,
+  :func:`producer.summary.exp_hist_edges`; column 0 counts exact zeros).
 
-The consumer derives mean, variance, skewness and kurtosis from the power sums
-(``analysis.weights``). All sums accumulate in float64.
+Mean, variance, skewness and kurtosis follow from the power sums
+(:meth:`schemas.stats.PowerSums.get`). All sums accumulate in float64.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from producer.summary import summarize
+from schemas.stats import ExponentHistogram, PowerSums, SumOfSquares, WeightMoments
 
-_CHUNK = 1 << 18  # elements per float64 scratch chunk (2 MiB)
+__all__ = ["WeightSummaries", "summarize_weights"]
 
 
 @dataclass(frozen=True, slots=True)
-class WeightStatistics:
-    """Weight statistics of k layers, aligned with the gradient summaries of the step.
+class WeightSummaries:
+    """Weight summaries of k layers, aligned with the gradient summaries of the step.
 
     Attributes:
-        sum_sq: float64[k] sum w^2. update_sum_sq: float64[k] or None (first step).
-        sum, sum_cube, sum_quad: float64[k] sum w, sum w^3, sum w^4 (finite weights).
-        min, max: float64[k] extremes of the finite weights (0.0 when none).
-        nonfinite: int64[k] NaN/Inf weights.
-        exp_hist: int64[k, EXP_HIST_BINS] exponent histogram of |w| (finite weights).
+        moments: the weight distribution (power sums S1..S4, extremes, non-finite count and
+            exponent histogram of |w|) of the k layers.
+        update: sum (w_t - w_prev)^2 of the k layers, or None (first step, or a layer's
+            shape changed).
+
+    The remaining attributes are the wire's per-layer arrays (``schemas.wire.StepSummary``
+    ``weight_*`` fields), read from ``moments`` / ``update``: ``sum_sq``: float64[k] sum w^2;
+    ``update_sum_sq``: float64[k] or None; ``sum``, ``sum_cube``, ``sum_quad``: float64[k];
+    ``min``, ``max``: float64[k] (0.0 where a layer has no finite weight); ``nonfinite``:
+    int64[k]; ``exp_hist``: int64[k, EXP_HIST_BINS].
     """
 
-    sum_sq: np.ndarray
-    update_sum_sq: np.ndarray | None
-    sum: np.ndarray
-    sum_cube: np.ndarray
-    sum_quad: np.ndarray
-    min: np.ndarray
-    max: np.ndarray
-    nonfinite: np.ndarray
-    exp_hist: np.ndarray
+    moments: WeightMoments
+    update: SumOfSquares | None
+
+    @property
+    def sum_sq(self) -> np.ndarray:
+        """float64[k] sum w^2 (S2)."""
+        return self.moments.power.s2
+
+    @property
+    def update_sum_sq(self) -> np.ndarray | None:
+        """float64[k] sum (w_t - w_prev)^2, or None."""
+        return None if self.update is None else self.update.sum_sq
+
+    @property
+    def sum(self) -> np.ndarray:
+        """float64[k] sum w (S1)."""
+        return self.moments.power.s1
+
+    @property
+    def sum_cube(self) -> np.ndarray:
+        """float64[k] sum w^3 (S3)."""
+        return self.moments.power.s3
+
+    @property
+    def sum_quad(self) -> np.ndarray:
+        """float64[k] sum w^4 (S4)."""
+        return self.moments.power.s4
+
+    @property
+    def min(self) -> np.ndarray:
+        """float64[k] smallest finite weight (0.0 where none)."""
+        return self.moments.power.to_columns()["minimum"]
+
+    @property
+    def max(self) -> np.ndarray:
+        """float64[k] largest finite weight (0.0 where none)."""
+        return self.moments.power.to_columns()["maximum"]
+
+    @property
+    def nonfinite(self) -> np.ndarray:
+        """int64[k] NaN/Inf weights."""
+        return self.moments.power.nonfinite
+
+    @property
+    def exp_hist(self) -> np.ndarray:
+        """int64[k, EXP_HIST_BINS] exponent histogram of |w|."""
+        return self.moments.exp_hist.counts
 
 
-def _moments(flat: np.ndarray, buf: np.ndarray) -> tuple[float, float, float, float, float]:
-    """(sum w, sum w^3, sum w^4, min, max) over the finite elements of a 1-D float array,
-    accumulated in float64 chunk by chunk (``buf``: float64 scratch of ``_CHUNK``)."""
-    s1 = s3 = s4 = 0.0
-    lo, hi = np.inf, -np.inf
-    sq = np.empty_like(buf)
-    for start in range(0, flat.size, _CHUNK):
-        part = flat[start:start + _CHUNK]
-        x = buf[:part.size]
-        np.copyto(x, part, casting="unsafe")
-        finite = np.isfinite(x)
-        if not finite.all():
-            x = x[finite]
-            if x.size == 0:
-                continue
-        w2 = np.multiply(x, x, out=sq[:x.size])
-        s1 += float(np.add.reduce(x))
-        s3 += float(np.dot(w2, x))
-        s4 += float(np.dot(w2, w2))
-        lo = min(lo, float(x.min()))
-        hi = max(hi, float(x.max()))
-    if lo > hi:  # no finite weight
-        lo = hi = 0.0
-    return s1, s3, s4, lo, hi
-
-
-def weight_statistics(
+def summarize_weights(
     weights: Mapping[str, np.ndarray], previous: Mapping[str, np.ndarray] | None = None,
-) -> WeightStatistics:
-    """Compute :class:`WeightStatistics` of the layers of ``weights`` (in mapping order).
+) -> WeightSummaries:
+    """Compute the :class:`WeightSummaries` of the layers of ``weights`` (in mapping order).
+
+    The exponent histogram and the non-finite counts come from the fused gradient pass
+    (:func:`producer.summary.summarize`, numba when available); the power sums and extremes
+    from :meth:`schemas.stats.PowerSums.from_layers` (NumPy, float64 chunks); the two are checked
+    to agree on the finite / non-finite counts when they are put together in a
+    :class:`schemas.stats.WeightMoments`. Sums that overflow saturate at +-max double.
 
     Args:
         weights: layer name -> weight array (float16/32/64, any shape).
@@ -89,31 +116,42 @@ def weight_statistics(
             shape.
 
     Returns:
-        WeightStatistics aligned with ``weights``.
+        WeightSummaries aligned with ``weights``.
 
     Raises:
         TypeError / ValueError: as :func:`producer.summary.summarize` (non-float dtype,
             empty array).
     """
     base = summarize(weights, histogram=True)
-    k = len(base)
-    sums = np.empty((5, k), np.float64)
-    buf = np.empty(_CHUNK, np.float64)
-    for i, w in enumerate(weights.values()):
-        sums[:, i] = _moments(np.asarray(w).reshape(-1), buf)
+    assert base.exp_hist is not None
+    power = PowerSums.from_layers([np.asarray(w) for w in weights.values()]).saturate()
+    moments = WeightMoments(power, ExponentHistogram(base.exp_hist, base.nonfinite))
     update = None
     if previous is not None and previous.keys() == weights.keys() and all(
         np.shape(previous[n]) == np.shape(w) for n, w in weights.items()
     ):
-        update = summarize({
+        change = summarize({
             n: np.asarray(w, dtype=np.float32) - previous[n] for n, w in weights.items()
-        }).sum_sq
-    big = np.finfo(np.float64).max
-    with np.errstate(invalid="ignore"):
-        clipped = np.clip(sums[:3], -big, big)  # overflow saturates like the gradient sums
-    assert base.exp_hist is not None
-    return WeightStatistics(
-        sum_sq=base.sum_sq, update_sum_sq=update, sum=clipped[0], sum_cube=clipped[1],
-        sum_quad=clipped[2], min=sums[3], max=sums[4], nonfinite=base.nonfinite,
-        exp_hist=base.exp_hist,
-    )
+        })
+        update = SumOfSquares.from_columns(change.numel, change.sum_sq)
+    return WeightSummaries(moments, update)
+
+
+_RENAMED = {"weight_statistics": summarize_weights, "WeightStatistics": WeightSummaries}
+
+
+def __getattr__(name: str) -> Any:
+    """The former names ``weight_statistics`` / ``WeightStatistics`` of
+    :func:`summarize_weights` / :class:`WeightSummaries` (renamed so that each name has one
+    meaning: ``analysis.weights`` has its own ``WeightStatistics``): warn
+    (DeprecationWarning) and return the renamed object.
+
+    Raises:
+        AttributeError: any other unknown name.
+    """
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"producer.weights.{name} is now {new.__name__}", DeprecationWarning,
+                  stacklevel=2)
+    return new

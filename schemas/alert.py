@@ -14,15 +14,32 @@ rule's bad condition holds for a run. It produces exactly two events sharing an
 frames. ``alert_id`` is ``f"{incident_id}-{state}"``; ``incident_id`` is derived from
 (run, rule, first step), so a worker that replays frames after a crash produces the same
 ids and the store keeps one row per event.
+
+Rule names: ``rule`` (and ``RunStatus.active_rules``) holds any :data:`RuleName`, a
+lower-case identifier; the built-in rules' names come back as :class:`AlertRule` members,
+so ``alert.rule is AlertRule.NONFINITE`` works, and a rule added to the worker's registry
+(``consumer.alerts.rules.RULES``) needs no change here. On the wire a rule is its name, as
+before.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
 
 from schemas.wire import MAX_RUN_ID_LENGTH, GradientHealth, WireError
 
@@ -39,7 +56,11 @@ UnixTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
 class AlertRule(StrEnum):
-    """The rules a worker evaluates (``consumer.alerts.rules`` documents each condition)."""
+    """Names of the built-in rules (constants for code and tests).
+
+    The rules a worker evaluates are those of the registry ``consumer.alerts.rules.RULES``
+    (each rule's module documents its condition); a new rule is added there, not here.
+    """
 
     RUN_HEALTH = "run_health"
     NONFINITE = "nonfinite"
@@ -49,6 +70,44 @@ class AlertRule(StrEnum):
     STALLED = "stalled"
     MISSING_RANKS = "missing_ranks"
     REPLICA_DIVERGENCE = "replica_divergence"
+
+
+RULE_NAME_PATTERN = r"[a-z][a-z0-9_]{0,63}"
+"""What a rule name looks like: a lower-case identifier of at most 64 characters (it is a
+rule-file table name and an ``--alert-set`` key)."""
+_RULE_NAME = re.compile(RULE_NAME_PATTERN)
+
+
+def rule_name(value: Any) -> AlertRule | str:
+    """Validate a rule name: a built-in name becomes its :class:`AlertRule` member, any
+    other name matching :data:`RULE_NAME_PATTERN` stays a ``str``.
+
+    Raises:
+        ValueError: not a string, or not a valid name.
+    """
+    if isinstance(value, AlertRule):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"a rule name must be a string, got {type(value).__name__}")
+    try:
+        return AlertRule(value)
+    except ValueError:
+        pass
+    if _RULE_NAME.fullmatch(value) is None:
+        raise ValueError(
+            f"invalid rule name {value!r}: expected a lower-case identifier "
+            f"({RULE_NAME_PATTERN})"
+        )
+    return value
+
+
+RuleName = Annotated[
+    AlertRule | str,
+    PlainValidator(rule_name),
+    PlainSerializer(str, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "pattern": f"^{RULE_NAME_PATTERN}$"}),
+]
+"""A rule's name in a model field (:func:`rule_name` validates it; JSON: the name)."""
 
 
 class AlertSeverity(StrEnum):
@@ -104,14 +163,15 @@ class Alert(_AlertWire):
             (:func:`incident_id`).
         run_id: the run. step: optimiser step of the frame that caused the event (for
             ``stalled``, the last step seen). first_step: step at which the incident began.
-        rule, severity, state: see the enums.
+        rule: the rule's name (:data:`RuleName`). severity, state: see the enums.
         layers: names of the layers involved (model order); for a resolved event, every
             layer involved during the incident.
         ranks: ranks involved (e.g. the ranks whose shard held NaN/Inf, or the missing
             ranks), ascending; empty when the rule is not about ranks.
         message: one human-readable line.
         values: the frame values behind the event, JSON: ``{"layers": {name: {statistic:
-            value}}, ...}`` plus rule-specific keys (documented in ``consumer.alerts.rules``).
+            value}}, ...}`` plus rule-specific keys (documented in each rule's module,
+            ``consumer.alerts.rules``).
         created_at: worker wall time when the event was made (unix s).
         wall_time: producer wall time of the triggering frame (unix s), None for events not
             caused by a frame (``stalled`` firing).
@@ -123,7 +183,7 @@ class Alert(_AlertWire):
     run_id: RunId
     step: int = Field(ge=0)
     first_step: int = Field(ge=0)
-    rule: AlertRule
+    rule: RuleName
     severity: AlertSeverity
     state: AlertState
     layers: list[str] = Field(default_factory=list)
@@ -143,7 +203,8 @@ class RunStatus(_AlertWire):
 
     Attributes:
         run_id: the run. step: last optimiser step of a frame. world_size: ranks per step.
-        health: run health after that frame (seed 001 classes).
+        health: run health after that frame (Healthy / MinorIssues / ProblemsDetected /
+            Critical, ``schemas.health``).
         frames: frames considered by the run's health. ranks_seen: ranks in the last frame.
         wall_time: producer wall time of the last frame (unix s).
         finished: every rank sent RunFinished. stalled: the ``stalled`` rule is firing.
@@ -161,7 +222,7 @@ class RunStatus(_AlertWire):
     wall_time: UnixTime
     finished: bool = False
     stalled: bool = False
-    active_rules: list[AlertRule] = Field(default_factory=list)
+    active_rules: list[RuleName] = Field(default_factory=list)
     emitted_at: UnixTime
 
 

@@ -1,6 +1,8 @@
-"""The run-health rule (seed 001 ``classify_health``, extended for non-finite gradients): one
-pure function, used by the consumer's incremental tracker (``consumer.health``) and by the
-report computed from the store (``analysis.report``), so that both always agree."""
+"""The run-health rule (``classify_health``, extended for non-finite gradients): one pure
+function, used by the consumer's incremental tracker (``consumer.health``) and by the
+report computed from the store (``analysis.report``), so that both always agree.
+
+Semantics follow trustformers-debug's ``gradient_flow`` module (``classify_health``)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ def classify_health(
     frames: int,
     any_nonfinite: bool,
 ) -> GradientHealth:
-    """Run health from its counters (seed 001 ``classify_health``; README.md, "How it works").
+    """Run health from its counters (README.md, "How it works").
 
     With ``issue_ratio = issue_frames / max(frames, 1)`` (frames == 0 counts as 1, as in
-    the seed), the first rule that holds wins:
+    the reference implementation), the first rule that holds wins:
 
     1. any non-finite gradient (gradstream's rule) -> Critical
     2. an exploding layer and ``issue_ratio > 0.5`` -> Critical
@@ -28,8 +30,8 @@ def classify_health(
     The ratio comparisons are done exactly in integers (``10 * issue_frames > frames``
     for 0.1, and so on), so a ratio of exactly 0.1, 0.3 or 0.5 is never "above".
 
-    Note (inherited from the seed): an issue frame always contains a vanishing, an
-    exploding or a non-finite layer, so with counters taken from data rule 4's
+    Note (inherited from the reference implementation): an issue frame always contains a
+    vanishing, an exploding or a non-finite layer, so with counters taken from data rule 4's
     ``issue_ratio > 0.1`` never decides anything (any issue frame already sets a flag); it
     matters only for callers passing independent counts.
 

@@ -16,7 +16,7 @@ layers
     when the producer sent it (schema 1.3), the gradient ``dtype``.
 layer_stats
     One row per (run, step, layer): the exactly-mergeable sums over every rank
-    (``numel``, ``sum_abs``, ``sum_sq``, ``max_abs_grad``, ``nonfinite``) and the seed-001
+    (``numel``, ``sum_abs``, ``sum_sq``, ``max_abs_grad``, ``nonfinite``) and the
     frame fields derived from them (``mean_abs_grad``, ``grad_norm``, ``flow_intensity``,
     ``is_vanishing``, ``is_exploding``). Optional richer statistics (NULL unless every
     shard of the layer sent them): ``weight_sum_sq`` (sum w^2), ``update_sum_sq``

@@ -9,6 +9,9 @@ Per-layer statistics are columnar: one array per statistic, aligned with ``layer
 which index the layer list sent in :class:`RunStarted` (model order). The statistics merge
 exactly across ranks: sums add, maxima take the maximum,
 counts add.
+
+The run-health classes and the vanishing / exploding thresholds follow trustformers-debug's
+``gradient_flow`` module.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class WireError(ValueError):
 
 
 class GradientHealth(StrEnum):
-    """Run health classes of seed 001 (``GradientHealth``), ordered by severity."""
+    """Run health classes (``GradientHealth``), ordered by severity."""
 
     HEALTHY = "Healthy"
     MINOR_ISSUES = "MinorIssues"
@@ -125,8 +128,8 @@ class RunStarted(_Wire):
 
     Fields: ``layer_names`` in model order (index i is layer i everywhere else),
     ``numel`` elements per layer (full tensor, all ranks together), ``world_size`` ranks,
-    the seed's thresholds (``vanishing_threshold`` on mean |g|, default 1e-7;
-    ``exploding_threshold`` on max |g|, default 1e3; seed 001 ``GradientFlowAnimator``),
+    the per-layer flag thresholds (``vanishing_threshold`` on mean |g|, default 1e-7;
+    ``exploding_threshold`` on max |g|, default 1e3; the reference implementation's defaults),
     ``host``, ``start_time`` (unix seconds) and free-form JSON ``config``.
     ``dtypes`` (schema 1.3, optional): each layer's gradient dtype name (``float32``,
     ``bfloat16``, ``float16``, ``float64``, ...), used to tell a gradient that is zero up to

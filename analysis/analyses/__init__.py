@@ -1,5 +1,5 @@
-"""Building blocks of the seed 002/003/004 analyses (``analysis.flow``, ``analysis.enhanced``,
-``analysis.explosion``, ``analysis.weights``).
+"""Building blocks of the gradient-flow network, enhanced, explosion and weight analyses
+(``analysis.flow``, ``analysis.enhanced``, ``analysis.explosion``, ``analysis.weights``).
 
 - :mod:`analysis.analyses.history`: loads one run's gradient history from the store into
   dense ``layers x steps`` NumPy arrays (model order), in one SQL pass.
@@ -10,9 +10,10 @@
   without made-up constants.
 - :mod:`analysis.analyses.regions`: runs of adjacent layers (model order) sharing a flag.
 - :mod:`analysis.analyses.flow_models`, :mod:`analysis.analyses.enhanced_models`: the
-  pydantic report models of seeds 002 and 003, with the formula of every field.
+  pydantic report models of the gradient-flow network and enhanced analyses, with the
+  formula of every field.
 - :mod:`analysis.analyses.layer_facts`, :mod:`analysis.analyses.network`,
   :mod:`analysis.analyses.hierarchy`: the per-layer, network-level and hierarchy parts of
-  the seed 003 analysis.
+  the enhanced analysis.
 - :mod:`analysis.analyses.render`: helpers shared by the terminal renderings.
 """

@@ -1,13 +1,15 @@
-"""Report models of the seed 003 enhanced gradient analysis (``enhanced_analysis.rs``).
+"""Report models of the enhanced gradient analysis (per-layer statistics, convergence,
+stability, hierarchy, priorities).
 
-Field names follow the seed. Each class docstring gives the formula of its fields; ``n_t``
+Field names and semantics follow trustformers-debug's ``enhanced_analysis`` module (the
+reference implementation). Each class docstring gives the formula of its fields; ``n_t``
 is a layer's gradient norm (``grad_norm``) at its t-th sample in the range, ``G_t`` the
 whole-model gradient norm ``sqrt(sum_l n_l,t^2)``, ``alpha`` the significance level of the
 tests (default 0.01; tests repeated per layer or per layer pair use ``alpha`` divided by
 their number, Bonferroni, so that a 1000-layer model does not flag layers by chance) and
-``W`` the convergence window (default 100 samples, seed 003's ``convergence_window``).
+``W`` the convergence window (default 100 samples, the reference's ``convergence_window``).
 
-Fields of the seed that cannot be computed from gradient telemetry are left out:
+Fields of the reference that cannot be computed from gradient telemetry are left out:
 ``loss_convergence_score`` (the loss is not sent), ``expected_improvement`` and
 ``expected_impact`` (what a change would achieve is not observable before making it);
 ``LearningPhase.Overfitting`` is never assigned (it needs a validation loss).
@@ -25,7 +27,7 @@ class _Model(BaseModel):
 
 
 class GradientStatistics(_Model):
-    """Distribution of a layer's norms over its N samples (seed 003
+    """Distribution of a layer's norms over its N samples (the reference
     ``compute_detailed_gradient_stats``): population ``mean``, ``variance``, ``std``;
     ``skewness = mean(((n - mean) / std)^3)``, excess ``kurtosis = mean(((n - mean) /
     std)^4) - 3`` (both 0 when std = 0); with ``s`` the sorted norms, ``median`` the
@@ -46,18 +48,20 @@ class GradientStatistics(_Model):
 class FlowCharacteristics(_Model):
     """How a layer's norm moves over time.
 
-    - ``consistency_score``: ``1 / (1 + mean_t |n_t - n_{t-1}| / n_{t-1})`` (seed).
+    - ``consistency_score``: ``1 / (1 + mean_t |n_t - n_{t-1}| / n_{t-1})`` (as in the
+      reference).
     - ``smoothness_index``: ``1 / (1 + mean_t |n_t - 2 n_{t-1} + n_{t-2}| / mean_t n_t)``
-      (seed's second differences, divided by the mean so the index is scale-free).
+      (the reference's second differences, divided by the mean so the index is scale-free).
     - ``trend_strength``: R^2 of the least-squares line of ``n`` against the step (share of
-      the variance a linear trend explains; the seed clips the raw slope to 1, which
+      the variance a linear trend explains; the reference clips the raw slope to 1, which
       depends on the units); ``trend_slope``: that line's slope (norm per step, 0 when
       undefined).
-    - ``oscillation_frequency``: direction reversals / N (seed: sign changes of consecutive
+    - ``oscillation_frequency``: direction reversals / N (reference: sign changes of consecutive
       differences over the history length); 0 for N < 4.
     - ``oscillation_significant``: the reversals exceed what an i.i.d. series shows
       (turning-point test at ``alpha / L``).
-    - ``stability_measure``: ``1 / (1 + std / mean)`` (seed); 1 for a constant series.
+    - ``stability_measure``: ``1 / (1 + std / mean)`` (as in the reference); 1 for a
+      constant series.
     """
 
     consistency_score: float
@@ -70,9 +74,10 @@ class FlowCharacteristics(_Model):
 
 
 class LayerHealth(StrEnum):
-    """Health of one layer (seed 003 ``LayerHealth``):
+    """Health of one layer (``LayerHealth``):
 
-    - ``Critical``: a NaN/Inf or exploding gradient, or more than two risk factors (seed).
+    - ``Critical``: a NaN/Inf or exploding gradient, or more than two risk factors (as in
+      the reference).
     - ``Unknown``: otherwise, fewer than 3 samples (no statistics to judge by).
     - ``Warning``: at least one risk factor.
     - ``Healthy``: none.
@@ -88,15 +93,15 @@ class LayerHealthMetrics(_Model):
     """Health of a layer.
 
     - ``gradient_stability``: ``stability_measure``; ``information_flow_rate``:
-      ``sum_t |n_t - n_{t-1}| / N`` (seed).
+      ``sum_t |n_t - n_{t-1}| / N`` (as in the reference).
     - ``neuron_activity_ratio``: mean over steps of the share of finite gradient elements
       that are non-zero (``1 - zeros / finite``, zeros from column 0 of the exponent
-      histogram); ``None`` when the producer sent no histograms. The seed's
+      histogram); ``None`` when the producer sent no histograms. The reference's
       ``mean / (mean + 1e-5)`` is a squashed magnitude, not an activity.
     - ``convergence_indicator``: ``1 - exp(b x span)`` for ``b < 0``, else 0, with ``b``
       the least-squares slope of ``ln n`` over the layer's last W non-zero samples and
       ``span`` their step range: the share by which the fitted norm fell across the
-      window. ``None`` with fewer than 3 such samples (seed: 0.5).
+      window. ``None`` with fewer than 3 such samples (reference: 0.5).
     - ``vanishing_fraction``, ``dead_fraction``: share of samples flagged vanishing
       (``mean_abs_grad < vanishing_threshold``) or exactly zero; ``exploding_steps``,
       ``nonfinite_steps``: samples with ``max_abs_grad > exploding_threshold`` or NaN/Inf.
@@ -118,7 +123,7 @@ class LayerHealthMetrics(_Model):
 
 
 class SuggestionType(StrEnum):
-    """Kinds of suggestions (seed 003)."""
+    """Kinds of per-layer optimisation suggestions."""
 
     WEIGHT_INITIALIZATION = "WeightInitialization"
     LEARNING_RATE_ADJUSTMENT = "LearningRateAdjustment"
@@ -139,8 +144,8 @@ class ImplementationComplexity(StrEnum):
 
 
 class LayerOptimizationSuggestion(_Model):
-    """One suggestion per risk factor of the layer (seed 003); ``rationale`` quotes the
-    measured figure behind it. The seed's ``expected_improvement`` is left out: the effect
+    """One suggestion per risk factor of the layer; ``rationale`` quotes the measured
+    figure behind it. The reference's ``expected_improvement`` is left out: the effect
     of a change cannot be measured before it is made."""
 
     suggestion_type: SuggestionType
@@ -151,17 +156,17 @@ class LayerOptimizationSuggestion(_Model):
 
 
 class ComparativeAnalysis(_Model):
-    """A layer against the others (seed 003 ``compare_with_other_layers``), from the
-    layers' mean norms ``m`` in one O(L log L) pass (the seed rescans every layer for
+    """A layer against the others (``compare_with_other_layers``), from the
+    layers' mean norms ``m`` in one O(L log L) pass (the reference rescans every layer for
     every layer).
 
     - ``relative_performance``: ``m_l / mean_{k != l} m_k``; 1.0 if that mean is 0.
     - ``rank_among_layers``: 1 + number of layers with a larger mean norm.
     - ``similar_layers``: up to ``similar_count`` (default 5) layers nearest in mean norm
       whose mean is not significantly different (Welch z-test at ``alpha``:
-      ``|m_l - m_k| <= z sqrt(s_l^2 / N_l + s_k^2 / N_k)``), nearest first; the seed's
+      ``|m_l - m_k| <= z sqrt(s_l^2 / N_l + s_k^2 / N_k)``), nearest first; the reference's
       fixed ratio 1.2 is replaced by the test.
-    - ``performance_gap``: ``|m_l - mean_{k != l} m_k|`` (seed).
+    - ``performance_gap``: ``|m_l - mean_{k != l} m_k|`` (as in the reference).
     - ``optimization_potential``: share of the layer's samples with a vanishing,
       exploding, NaN/Inf or zero gradient: the share of training a fix would recover.
     """
@@ -174,7 +179,7 @@ class ComparativeAnalysis(_Model):
 
 
 class LayerGradientDetails(_Model):
-    """Everything about one layer (seed 003 ``LayerGradientDetails``)."""
+    """Everything about one layer (``LayerGradientDetails``)."""
 
     layer_name: str
     layer_index: int
@@ -207,7 +212,7 @@ class DistributionType(StrEnum):
 
 
 class GradientDistribution(_Model):
-    """Distribution of the layers' mean norms ``m_l`` (seed 003): population mean,
+    """Distribution of the layers' mean norms ``m_l``: population mean,
     variance, skewness and excess kurtosis (0 when the variance is 0);
     ``layer_gradient_ratios[name] = m_l / mean(m)`` (1.0 when that mean is 0), in model
     order; ``distribution_type``: :class:`DistributionType`."""
@@ -251,7 +256,7 @@ class LayerInteraction(_Model):
       carrying large gradients matter most.
 
     Only pairs within ``interaction_window`` positions are tested, which keeps the cost
-    O(window x layers x steps); the seed compares all pairs (O(L^2)).
+    O(window x layers x steps); the reference compares all pairs (O(L^2)).
     """
 
     layer1: str
@@ -286,7 +291,7 @@ class ConvergenceIndicators(_Model):
       by which the fitted whole-model norm fell across the window (span = its steps).
     - ``parameter_convergence_score``: the same fit on the network-wide update-to-weight
       ratio ``sqrt(sum update_sum_sq / sum weight_sum_sq)`` (shrinking relative updates =
-      parameters settling); ``None`` without weight statistics (seed: 0.8 x the gradient
+      parameters settling); ``None`` without weight statistics (reference: 0.8 x the gradient
       score).
     - ``convergence_trend``: :class:`ConvergenceTrend`.
     - ``convergence_floor``: the norm treated as converged: ``vanishing_threshold x
@@ -296,7 +301,7 @@ class ConvergenceIndicators(_Model):
     - ``estimated_steps_to_convergence``: for a Converging trend,
       ``ceil((ln floor - (a + b t_last)) / b)`` (0 if the fitted norm is already below the
       floor): the steps until the fitted exponential decay reaches the floor; ``None``
-      otherwise (seed: ``(1 - score) x 1000``).
+      otherwise (reference: ``(1 - score) x 1000``).
     - ``decay_rate``: ``-b``, the fitted relative decrease of G per step.
     """
 
@@ -345,7 +350,7 @@ class PlateauDetection(_Model):
     - ``plateau_duration``: steps, counted back from the last, whose ``ln G`` stays within
       ``c +- z s`` (``c``, ``s``: mean and standard deviation of ``ln G`` over the last W
       steps; ``z = z_{1 - alpha / (2 W)}``, so that noise alone leaves the band within the
-      window with probability alpha); 0 when not a plateau (seed: 10).
+      window with probability alpha); 0 when not a plateau (reference: 10).
     - ``plateau_severity``: :class:`PlateauSeverity` of the duration.
     """
 
@@ -360,8 +365,9 @@ class TrainingDynamics(_Model):
 
     - ``learning_phase``: :class:`LearningPhase`.
     - ``gradient_momentum``: lag-1 autocorrelation of the log changes of G: > 0 when a
-      change tends to continue, < 0 when it tends to reverse (seed: 0.8 x convergence).
-    - ``learning_velocity``: ``-b``, the fitted relative decrease of G per step (seed:
+      change tends to continue, < 0 when it tends to reverse (reference: 0.8 x
+      convergence).
+    - ``learning_velocity``: ``-b``, the fitted relative decrease of G per step (reference:
       1.2 x convergence).
     - ``adaptation_rate``: mean network-wide update-to-weight ratio: the relative change
       of the weights per step; ``None`` without weight statistics.
@@ -386,7 +392,7 @@ class StabilityTrend(StrEnum):
 
 
 class InstabilityType(StrEnum):
-    """Kinds of instability (seed 003)."""
+    """Kinds of instability."""
 
     GRADIENT_EXPLOSION = "GradientExplosion"
     GRADIENT_VANISHING = "GradientVanishing"
@@ -409,7 +415,7 @@ class InstabilitySource(_Model):
 
 
 class StabilityOutlook(StrEnum):
-    """Outlook classes (seed 003)."""
+    """Outlook classes of the stability prediction."""
 
     STABLE = "Stable"
     IMPROVING = "Improving"
@@ -425,7 +431,7 @@ class StabilityForecast(_Model):
     - ``long_term_outlook``: from the convergence trend (Converging -> Improving,
       Diverging -> Deteriorating, Stable -> Stable, else Uncertain).
     - ``confidence_level``: R^2 of the ``ln G`` fit over the last W steps (how much of the
-      recent movement the extrapolated trend explains; seed: the stability itself).
+      recent movement the extrapolated trend explains; reference: the stability itself).
     """
 
     short_term_outlook: StabilityOutlook
@@ -435,7 +441,8 @@ class StabilityForecast(_Model):
 
 
 class StabilityAssessment(_Model):
-    """``overall_stability``: mean of the layers' ``stability_measure`` (seed);
+    """``overall_stability``: mean of the layers' ``stability_measure`` (as in the
+    reference);
     ``stability_trend``: :class:`StabilityTrend`."""
 
     overall_stability: float
@@ -446,10 +453,11 @@ class StabilityAssessment(_Model):
 
 class NetworkLevelAnalysis(_Model):
     """Whole-network view. ``overall_gradient_health``: Critical if more than 30 % of the
-    judged layers are Critical (seed 003) or any layer had NaN/Inf gradients (as run health);
-    Warning if more than 10 % are Critical or more than 50 % Warning (seed 003) or any
-    layer is vanishing, zero or exploding (seed 001's run health never calls that
-    Healthy); Healthy otherwise; Unknown when no layer could be judged."""
+    judged layers are Critical (as in the reference) or any layer had NaN/Inf gradients (as
+    run health); Warning if more than 10 % are Critical or more than 50 % Warning (as in the
+    reference) or any layer is vanishing, zero or exploding (the run health of
+    ``schemas.health`` never calls that Healthy); Healthy otherwise; Unknown when no layer
+    could be judged."""
 
     overall_gradient_health: LayerHealth
     gradient_distribution: GradientDistribution
@@ -470,7 +478,7 @@ class OptimizationDifficulty(StrEnum):
 
 
 class GroupCharacteristics(_Model):
-    """Characteristics computed from the group's members (seed 003 hard-codes them).
+    """Characteristics computed from the group's members (the reference hard-codes them).
 
     - ``average_gradient_norm``: mean of the members' mean norms.
     - ``gradient_synchronization``: mean pairwise correlation of the members' log-norm
@@ -527,7 +535,7 @@ class InteractionDirection(StrEnum):
 class CrossLevelInteraction(_Model):
     """Two levels whose mean log-norm changes are significantly correlated at lag 0 or 1
     (Fisher z-tests at ``alpha`` divided by the number of tests); ``interaction_strength``:
-    the largest of the three ``|r|`` (seed: always empty)."""
+    the largest of the three ``|r|`` (reference: always empty)."""
 
     from_level: int
     to_level: int
@@ -563,7 +571,7 @@ class UrgencyLevel(StrEnum):
 
 
 class ActionType(StrEnum):
-    """Kinds of actions (seed 003)."""
+    """Kinds of prioritised actions."""
 
     PARAMETER_ADJUSTMENT = "ParameterAdjustment"
     ARCHITECTURAL_CHANGE = "ArchitecturalChange"
@@ -583,7 +591,7 @@ class ImplementationEffort(StrEnum):
 
 
 class PrioritizedAction(_Model):
-    """An action for a target (seed 003); ``expected_impact`` is left out (not observable
+    """An action for a target; ``expected_impact`` is left out (not observable
     before the change)."""
 
     action_name: str
@@ -617,7 +625,8 @@ class OptimizationPriority(_Model):
 
 
 class EnhancedLayerGradientAnalysis(_Model):
-    """Seed 003 ``EnhancedLayerGradientAnalysis`` of one run over an inclusive step range.
+    """The enhanced analysis (``EnhancedLayerGradientAnalysis``) of one run over an inclusive
+    step range.
     ``layer_details`` in model order; ``convergence_window``, ``interaction_window`` and
     ``alpha`` are the parameters used."""
 

@@ -1,8 +1,10 @@
-"""Report models of the seed 002 gradient flow visualisation data (``visualization.rs``).
+"""Report models of the gradient-flow network analysis (per-layer flow, flow network,
+critical paths, regions, dead zones).
 
-Field names follow the seed; the formula of every field is in its class docstring and in
-:mod:`analysis.flow`. Collections keyed by layer name in the seed (``HashMap``) are lists in
-model order here, each entry carrying its ``layer_name``.
+Field names and semantics follow trustformers-debug's ``gradient_visualization`` module
+(the reference implementation); the formula of every field is in its class docstring and in
+:mod:`analysis.flow`. Collections keyed by layer name in the reference (``HashMap``) are
+lists in model order here, each entry carrying its ``layer_name``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ class GradientDirection(_Model):
     - ``magnitude``: ``grad_norm`` (L2 norm of the layer's finite gradient elements, merged
       over ranks).
     - ``consistency_score``: ``1 - |n_t - n_{t-1}| / (n_t + n_{t-1})`` against the layer's
-      previous sample (seed 002); 1.0 for the first sample in the range and for two zeros.
+      previous sample (as in the reference); 1.0 for the first sample in the range and for
+      two zeros.
 
-    The seed's ``direction_vector`` is left out: it is a placeholder (``vec![norm]``) and a
+    The reference's ``direction_vector`` is left out: it is a placeholder (``vec![norm]``) and a
     gradient's direction needs the gradient vectors (or inner products between steps),
     which per-layer telemetry does not carry.
     """
@@ -36,15 +39,15 @@ class GradientDirection(_Model):
 
 
 class GradientLayerFlow(_Model):
-    """Gradient flow of one layer over the step range (seed 002 ``GradientLayerFlow``).
+    """Gradient flow of one layer over the step range (``GradientLayerFlow``).
 
     With ``n_1..n_N`` the layer's norms in step order:
 
     - ``gradient_magnitudes`` / ``gradient_directions``: the last ``temporal_window``
       samples (the visualisation window of the config; the statistics below use all N).
-    - ``flow_consistency``: ``1 / (1 + mean_t |n_t - n_{t-1}| / n_{t-1})`` (seed 002; a
-      zero followed by non-zero counts as an infinite change, zero-to-zero as none); 1.0
-      for N < 2.
+    - ``flow_consistency``: ``1 / (1 + mean_t |n_t - n_{t-1}| / n_{t-1})`` (as in the
+      reference; a zero followed by non-zero counts as an infinite change, zero-to-zero as
+      none); 1.0 for N < 2.
     - ``bottleneck_score``: ``1 - min(min_t n_t / mean_t n_t, 1)``; 1.0 if the mean is 0.
     - ``information_flow_rate``: ``sum_t |n_t - n_{t-1}| / N`` (norm units per step).
     - ``samples``: N; ``layer_index``: model-order index.
@@ -70,7 +73,7 @@ class FlowDirection(StrEnum):
       (turning-point test, ``z`` above the two-sided critical value); an alternating
       series is the extreme.
     - ``Forward``: the least-squares slope of the norm against the step is significantly
-      positive (t-test): the flow is strengthening (the seed's ``trend > 0``).
+      positive (t-test): the flow is strengthening (the reference's ``trend > 0``).
     - ``Backward``: significantly negative: the flow is weakening.
     - ``Stagnant``: neither: no reversal pattern and no trend beyond noise (including a
       constant, e.g. all-zero, layer, and windows of fewer than 3 samples).
@@ -83,12 +86,12 @@ class FlowDirection(StrEnum):
 
 
 class TemporalGradientFlow(_Model):
-    """A layer's latest flow state (seed 002 ``TemporalGradientFlow``).
+    """A layer's latest flow state (``TemporalGradientFlow``).
 
     - ``step``: the layer's last step in the range; ``gradient_magnitude``: its norm there.
     - ``flow_direction``: :class:`FlowDirection` over the last ``temporal_window`` samples.
     - ``stability_score``: ``1 / (1 + std / mean)`` of the norm over the window (one over
-      one plus the coefficient of variation; the seed's ``1 / (1 + variance)`` depends on
+      one plus the coefficient of variation; the reference's ``1 / (1 + variance)`` depends on
       the units of the norm); 1.0 for a constant window.
     """
 
@@ -123,13 +126,13 @@ class NodeType(StrEnum):
 
 
 class FlowNode(_Model):
-    """One layer as a node (seed 002 ``FlowNode``).
+    """One layer as a node of the flow network (``FlowNode``).
 
-    - ``gradient_strength``: mean of the layer's norms over the range (seed).
+    - ``gradient_strength``: mean of the layer's norms over the range (as in the reference).
     - ``connectivity``: edges of the flow network touching the node (its degree: 1 at the
-      ends of the chain, 2 inside, 0 for a one-layer network); the seed's placeholder is
+      ends of the chain, 2 inside, 0 for a one-layer network); the reference's placeholder is
       the number of layers.
-    - ``influence_score``: ``gradient_strength x flow_consistency`` (seed).
+    - ``influence_score``: ``gradient_strength x flow_consistency`` (as in the reference).
     """
 
     layer_name: str
@@ -180,15 +183,17 @@ class FlowEdge(_Model):
 
 
 class NetworkMetrics(_Model):
-    """Network-level flow metrics (seed 002 ``NetworkMetrics``).
+    """Network-level flow metrics (``NetworkMetrics``).
 
-    - ``overall_flow_efficiency``: mean ``flow_strength`` of the edges (seed); 0 without.
-    - ``network_connectivity``: share of edges that are not Blocked (the seed's
+    - ``overall_flow_efficiency``: mean ``flow_strength`` of the edges (as in the reference); 0
+      without.
+    - ``network_connectivity``: share of edges that are not Blocked (the reference's
       ``edges / (n (n-1))`` is a constant ``1 / n`` for a chain); 0 without edges.
-    - ``bottleneck_density``: Bottleneck nodes / nodes (seed).
-    - ``flow_stability``: mean ``flow_consistency`` of the edges (seed); 0 without.
+    - ``bottleneck_density``: Bottleneck nodes / nodes (as in the reference).
+    - ``flow_stability``: mean ``flow_consistency`` of the edges (as in the reference); 0
+      without.
     - ``information_propagation_speed``: ``overall_flow_efficiency x
-      network_connectivity`` (seed's product, now of measured factors).
+      network_connectivity`` (the reference's product, now of measured factors).
     """
 
     overall_flow_efficiency: float
@@ -213,10 +218,10 @@ class CriticalGradientPath(_Model):
     - ``layers``: the layers along the path in backpropagation order;
       ``path_length``: their count.
     - ``total_flow_strength``: product of the edges' ``flow_strength``: the end-to-end
-      per-element gain across the path (the seed sums them).
+      per-element gain across the path (the reference sums them).
     - ``bottleneck_layers``: Bottleneck nodes on the path.
     - ``criticality_score``: ``1 - min(total_flow_strength, 1)``: the share of the
-      per-element gradient magnitude lost across the path (seed placeholder: 0.8).
+      per-element gradient magnitude lost across the path (reference placeholder: 0.8).
     - ``optimization_potential``: parameters (``numel``) of the path's layers / all
       parameters of the layers analysed: the share of the model a fix would reach.
     """
@@ -232,7 +237,7 @@ class CriticalGradientPath(_Model):
 
 class RegionExtent(_Model):
     """Where a region lies: first and last layer (model order), parameters of its layers
-    (sum of ``numel`` from RunStarted; the seed's placeholder is 1000) and
+    (sum of ``numel`` from RunStarted; the reference's placeholder is 1000) and
     ``duration_steps`` (definition per region kind)."""
 
     start_layer: str
@@ -326,7 +331,7 @@ class GradientDeadZone(_Model):
 
 
 class ColorScheme(StrEnum):
-    """Colour scheme of renderings (seed 002)."""
+    """Colour scheme of renderings."""
 
     DEFAULT = "Default"
     HIGH_CONTRAST = "HighContrast"
@@ -335,7 +340,7 @@ class ColorScheme(StrEnum):
 
 
 class GradientVisualizationConfig(_Model):
-    """How the visualisation data is computed and drawn (seed 002 defaults).
+    """How the visualisation data is computed and drawn (the reference defaults).
 
     - ``show_temporal_flows`` / ``show_critical_paths`` / ``show_problem_regions``: compute
       (and draw) those sections; a hidden section is an empty list.
@@ -396,7 +401,8 @@ severities."""
 
 
 class GradientFlowVisualization(_Model):
-    """Seed 002 ``GradientFlowVisualization`` of one run over an inclusive step range.
+    """The gradient-flow network analysis (``GradientFlowVisualization``) of one run over an
+    inclusive step range.
 
     ``layer_flows`` and ``flow_network.nodes`` are in model order (``layer_index``),
     ``temporal_flows`` too; ``flow_network.edges`` in backpropagation order; regions and

@@ -1,7 +1,8 @@
-"""Gradient hierarchy of the seed 003 analysis: layers grouped by the decade of their mean
+"""Gradient hierarchy of the enhanced analysis: layers grouped by the decade of their mean
 gradient norm, one level per group, and the interactions between levels (formulas in
 :mod:`analysis.analyses.enhanced_models`). O(layers x steps) plus O(levels^2 x steps)
-for the cross-level pairs (a handful of decades)."""
+for the cross-level pairs (a handful of decades). Semantics follow trustformers-debug's
+``enhanced_analysis`` module."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """One run's gradient history, loaded from the store into dense NumPy arrays.
 
-The seeds keep a ``HashMap<String, GradientHistory>`` per process and iterate it in hash
-order. Here a run's ``layer_stats`` rows in a step range become ``layers x steps`` arrays in
-**model order** (``layers.layer_index`` from RunStarted), read in one SQL pass plus one
-per-layer aggregate (both O(rows), run by DuckDB on every core).
+The reference implementation (trustformers-debug's ``gradient_visualization`` and
+``enhanced_analysis`` modules) keeps a ``HashMap<String, GradientHistory>`` per process and
+iterates it in hash order. Here a run's ``layer_stats`` rows in a step range become
+``layers x steps`` arrays in **model order** (``layers.layer_index`` from RunStarted), read
+in one SQL pass plus one per-layer aggregate (both O(rows), run by DuckDB on every core).
 
 Per (layer, step) flags (:data:`FLAG_VANISHING` ...) are computed in SQL with the run's own
 thresholds and the frame semantics (README.md, "How it works"), so that the analyses agree
@@ -118,8 +119,8 @@ class Packed:
 
     With every layer present at every step this is the history itself; otherwise a layer
     recorded only every n-th step still has consecutive samples next to each other, so
-    "consecutive" always means "consecutive samples of that layer" (as in the seeds'
-    per-layer ``VecDeque``).
+    "consecutive" always means "consecutive samples of that layer" (as in the reference
+    implementation's per-layer ``VecDeque``).
 
     Attributes:
         values: float64 ``[L, W]`` gradient norms (``W = max(counts)``).

@@ -1,4 +1,5 @@
-"""Per-layer facts behind the seed 003 analysis, computed once for all layers.
+"""Per-layer facts behind the enhanced analysis (``analysis.enhanced``), computed once for
+all layers.
 
 Every array is indexed by layer position (model order) and computed in a constant number
 of vectorised passes over the ``layers x steps`` history; the report builders in
@@ -39,7 +40,8 @@ class LayerFacts:
 
     Attributes:
         moments: population moments of the norms (:class:`series.Moments`).
-        median, p5, p95: seed 003 percentiles of the norms.
+        median, p5, p95: nearest-rank percentiles of the norms
+            (:func:`series.nearest_rank_percentiles`).
         consistency, smoothness, stability, flow_rate: see
             :class:`analysis.analyses.enhanced_models.FlowCharacteristics`.
         fit: least-squares trend of the norms against the step (all samples).
@@ -98,7 +100,7 @@ def convergence_score(slope: np.ndarray, span: np.ndarray) -> np.ndarray:
 def compute_layer_facts(
     history: GradientHistory, window: int, alpha: float
 ) -> LayerFacts:
-    """All per-layer facts of the seed 003 analysis.
+    """All per-layer facts of the enhanced analysis.
 
     Args:
         history: the loaded run history.
@@ -113,7 +115,7 @@ def compute_layer_facts(
     x, n = packed.values, packed.counts
     per_layer = family_alpha(alpha, history.num_layers)
     mom = series.moments(x)
-    median, p5, p95 = series.seed_percentiles(x, n)
+    median, p5, p95 = series.nearest_rank_percentiles(x, n)
     turning = series.turning_points(x, n, per_layer)
     fit = series.trend(x, packed.steps, per_layer)
 

@@ -1,6 +1,7 @@
-"""Network-level part of the seed 003 analysis: distribution of the layers, layer
+"""Network-level part of the enhanced analysis: distribution of the layers, layer
 interactions, convergence, training dynamics and stability (formulas in
-:mod:`analysis.analyses.enhanced_models`)."""
+:mod:`analysis.analyses.enhanced_models`). Semantics follow trustformers-debug's
+``enhanced_analysis`` module."""
 
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ from analysis.analyses.stats import family_alpha, pearson_significant, z_critica
 
 
 def overall_health(health: list[LayerHealth], risks: list[list[str]]) -> LayerHealth:
-    """Network health (see :class:`NetworkLevelAnalysis`): seed 003
+    """Network health (see :class:`NetworkLevelAnalysis`): the reference
     ``assess_overall_health`` over the judged (not Unknown) layers, raised to Critical by
     any NaN/Inf gradient and to at least Warning by any threshold risk (vanishing, zero,
-    exploding), as the run health of seed 001 / gradstream never calls such a run Healthy;
+    exploding), as the run health (``schemas.health``) never calls such a run Healthy;
     Unknown when no layer was judged."""
     judged = [h for h in health if h is not LayerHealth.UNKNOWN]
     if not judged:
@@ -94,7 +95,7 @@ def classify_distribution(values: np.ndarray, alpha: float) -> DistributionType:
 def gradient_distribution(
     history: GradientHistory, facts: LayerFacts, alpha: float
 ) -> GradientDistribution:
-    """Distribution of the layers' mean norms (seed 003 ``analyze_gradient_distribution``)."""
+    """Distribution of the layers' mean norms (``analyze_gradient_distribution``)."""
     means = facts.moments.mean
     if means.size == 0:
         return GradientDistribution(
@@ -408,8 +409,8 @@ def network_level(
     interaction_window: int,
     alpha: float,
 ) -> NetworkLevelAnalysis:
-    """Seed 003 ``analyze_network_level_gradients`` from the facts and the whole-model
-    norm."""
+    """Network-level analysis (``analyze_network_level_gradients``) from the facts and the
+    whole-model norm."""
     fits = _global_fit(history, window, alpha)
     convergence = convergence_indicators(history, window, alpha, fits)
     return NetworkLevelAnalysis(

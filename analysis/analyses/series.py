@@ -7,6 +7,10 @@ number of passes over the array: O(L x W) time, O(L x W) temporary memory.
 
 "Consecutive" pairs are adjacent columns that are both present; with the packed layout
 those are exactly a layer's consecutive samples.
+
+The per-layer flow statistics follow trustformers-debug's ``gradient_visualization`` and
+``enhanced_analysis`` modules (the reference implementation); each docstring names the
+reference function and says where gradstream departs from it.
 """
 
 from __future__ import annotations
@@ -20,14 +24,14 @@ from analysis.analyses.stats import DEFAULT_ALPHA, t_critical, z_critical
 
 @dataclass(frozen=True)
 class Moments:
-    """Population moments per row (seed 003 ``compute_detailed_gradient_stats``).
+    """Population moments per row (the reference ``compute_detailed_gradient_stats``).
 
     Attributes (float64 ``[L]`` unless noted):
         n: int64 samples.
         mean: ``sum x / n``.
-        variance: ``sum (x - mean)^2 / n`` (population, as in the seed).
+        variance: ``sum (x - mean)^2 / n`` (population, as in the reference).
         std: ``sqrt(variance)``.
-        skewness: ``sum ((x - mean) / std)^3 / n``; 0 when ``std == 0`` (seed).
+        skewness: ``sum ((x - mean) / std)^3 / n``; 0 when ``std == 0`` (as in the reference).
         kurtosis: excess kurtosis ``sum ((x - mean) / std)^4 / n - 3``; 0 when ``std == 0``.
     """
 
@@ -69,8 +73,11 @@ def moments(x: np.ndarray) -> Moments:
     return Moments(n.astype(np.int64), mean, m2, std, skew, kurt)
 
 
-def seed_percentiles(x: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Median, 5th and 95th percentiles of every row, as seed 003 defines them.
+def nearest_rank_percentiles(
+    x: np.ndarray, n: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Median, 5th and 95th percentiles of every row, as the reference implementation defines
+    them.
 
     With ``s`` the row's sorted samples (``n`` of them): ``median`` is the middle sample
     (mean of the two middle ones for even ``n``), ``p5 = s[floor(0.05 n)]``,
@@ -108,15 +115,15 @@ def pair_diffs(x: np.ndarray) -> np.ndarray:
 
 
 def flow_consistency(x: np.ndarray) -> np.ndarray:
-    """Seed 002/003 ``compute_flow_consistency``: ``1 / (1 + mean_t r_t)`` with the relative
+    """Flow consistency (``compute_flow_consistency``): ``1 / (1 + mean_t r_t)`` with the relative
     change ``r_t = |x_t - x_{t-1}| / x_{t-1}``.
 
-    The seed adds 1e-8 to the denominator; here a zero previous sample gives ``r_t = 0`` if
+    The reference adds 1e-8 to the denominator; here a zero previous sample gives ``r_t = 0`` if
     the next is zero too (no change) and ``r_t = inf`` otherwise (flow appearing from
-    nothing), making the consistency 0, which is the seed's limit.
+    nothing), making the consistency 0, which is the reference's limit.
 
     Returns:
-        float64 ``[L]`` in [0, 1]; 1.0 with fewer than two samples (seed).
+        float64 ``[L]`` in [0, 1]; 1.0 with fewer than two samples (as in the reference).
     """
     prev = x[:, :-1]
     change = np.abs(np.diff(x, axis=1))
@@ -131,9 +138,9 @@ def flow_consistency(x: np.ndarray) -> np.ndarray:
 
 
 def step_consistency(x: np.ndarray) -> np.ndarray:
-    """Seed 002 ``consistency_score`` of every sample:
-    ``1 - |x_t - x_{t-1}| / (x_t + x_{t-1})``, 1.0 for a row's first sample (seed) and for
-    two zero samples (0/0: no change; the seed's 1e-8 gives the same).
+    """Per-sample ``consistency_score`` of the flow network:
+    ``1 - |x_t - x_{t-1}| / (x_t + x_{t-1})``, 1.0 for a row's first sample (as in the
+    reference) and for two zero samples (0/0: no change; the reference's 1e-8 gives the same).
 
     Returns:
         float64 ``[L, W]`` in [0, 1]; NaN where ``x`` is absent.
@@ -152,8 +159,8 @@ def step_consistency(x: np.ndarray) -> np.ndarray:
 
 
 def bottleneck_score(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
-    """Seed 002 ``compute_bottleneck_score``: ``1 - min(min_t x / mean_t x, 1)``; 1.0 when
-    the mean is 0 (seed).
+    """Bottleneck score (``compute_bottleneck_score``): ``1 - min(min_t x / mean_t x, 1)``; 1.0 when
+    the mean is 0 (as in the reference).
 
     Args:
         x: float64 ``[L, W]``; mean: float64 ``[L]`` its row means.
@@ -168,11 +175,11 @@ def bottleneck_score(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
 
 
 def information_flow_rate(x: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Seed 002/003 ``compute_information_flow_rate``: ``sum_t |x_t - x_{t-1}| / n``, the
+    """Information flow rate (``compute_information_flow_rate``): ``sum_t |x_t - x_{t-1}| / n``, the
     total variation of the norm per sample (norm units per step).
 
     Returns:
-        float64 ``[L]``; 0.0 with fewer than two samples (seed).
+        float64 ``[L]``; 0.0 with fewer than two samples (as in the reference).
     """
     change = np.abs(np.diff(x, axis=1))
     total = np.where(np.isnan(change), 0.0, change).sum(axis=1)
@@ -184,13 +191,13 @@ def information_flow_rate(x: np.ndarray, n: np.ndarray) -> np.ndarray:
 def smoothness(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
     """Smoothness index: ``1 / (1 + mean_t |x_t - 2 x_{t-1} + x_{t-2}| / mean_t x)``.
 
-    Seed 003 ``compute_smoothness_index`` uses the mean absolute second difference in norm
+    The reference ``compute_smoothness_index`` uses the mean absolute second difference in norm
     units, so a layer with norms around 1e-6 is always "smooth" and one around 1e3 never;
     dividing by the layer's mean norm makes it scale-free (a curvature relative to the
     level). A row whose mean is 0 (all zero) is perfectly smooth (1.0).
 
     Returns:
-        float64 ``[L]`` in (0, 1]; 1.0 with fewer than three samples (seed).
+        float64 ``[L]`` in (0, 1]; 1.0 with fewer than three samples (as in the reference).
     """
     d2 = np.abs(x[:, 2:] - 2.0 * x[:, 1:-1] + x[:, :-2])
     valid = ~np.isnan(d2)
@@ -203,10 +210,10 @@ def smoothness(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
 
 
 def stability(std: np.ndarray, mean: np.ndarray) -> np.ndarray:
-    """Seed 003 ``compute_stability_measure``: ``1 / (1 + std / mean)`` (one over one plus
-    the coefficient of variation).
+    """Stability measure (``compute_stability_measure``): ``1 / (1 + std / mean)`` (one over
+    one plus the coefficient of variation).
 
-    The seed returns 0 for a zero mean; a row that is zero at every step does not vary at
+    The reference returns 0 for a zero mean; a row that is zero at every step does not vary at
     all, so it gets 1.0 here (constant = perfectly stable). Empty rows get NaN.
 
     Returns:
@@ -310,12 +317,12 @@ def _dense_trend(y: np.ndarray, x: np.ndarray, alpha: float) -> Trend:
 
 @dataclass(frozen=True)
 class TurningPoints:
-    """Direction reversals of every row (seed 003 ``compute_oscillation_frequency`` and the
+    """Direction reversals of every row (the reference ``compute_oscillation_frequency`` and the
     turning-point test of Wallis & Moore 1941 / Kendall).
 
     Attributes:
         count: int64 ``[L]`` samples ``t`` with ``(x_t - x_{t-1}) (x_{t+1} - x_t) < 0``.
-        frequency: ``count / n`` (seed: sign changes / history length).
+        frequency: ``count / n`` (reference: sign changes / history length).
         z: ``(count - 2 (n - 2) / 3) / sqrt((16 n - 29) / 90)``: for an i.i.d. series the
             count has that mean and variance, so ``z >> 0`` means more reversals than noise
             (a systematic oscillation), ``z << 0`` fewer (a trend). NaN for n < 3.
@@ -336,7 +343,8 @@ def turning_points(x: np.ndarray, n: np.ndarray, alpha: float = DEFAULT_ALPHA) -
         alpha: significance level.
 
     Returns:
-        :class:`TurningPoints`; rows with fewer than four samples get frequency 0 (seed).
+        :class:`TurningPoints`; rows with fewer than four samples get frequency 0 (as in the
+        reference).
     """
     d = np.diff(x, axis=1)
     count = (d[:, 1:] * d[:, :-1] < 0).sum(axis=1).astype(np.int64)

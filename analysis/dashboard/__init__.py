@@ -8,6 +8,6 @@
 - ``static/``: the page, its script and style sheet (no external resources).
 
 The package does not import the consumer: it is given a cursor provider, so the same
-server runs beside a consumer worker (``gradstream serve``, :mod:`analysis.serve_cli`) or
+server runs beside a consumer worker (``gradstream serve``, :mod:`deploy.serve`) or
 on a store no one writes (``gradstream serve --no-consume``). This module imports nothing.
 """

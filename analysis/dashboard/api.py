@@ -3,14 +3,19 @@
 Each function takes a cursor (from :class:`analysis.dashboard.cursors.ReadCursors`) and
 returns a JSON-ready dict; non-finite floats become ``None`` (JSON has no NaN). The
 heatmap and the layer series come from :mod:`analysis.plots.grid`, so the live page and
-``gradstream plot`` downsample the same way and print the same caption.
+``gradstream plot`` downsample the same way and print the same caption. The analyses come
+from :mod:`analysis.registry`, so the dashboard serves every analysis that ``gradstream
+analyze`` runs, with the same JSON.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from analysis import registry
 from analysis.plots.grid import load_grid, load_layer_series
 
 if TYPE_CHECKING:
@@ -66,8 +71,8 @@ def runs(cur: duckdb.DuckDBPyConnection) -> dict[str, object]:
         ``{"runs": [{run_id, health, frames, issue_frames, issue_ratio, last_step,
         world_size, num_layers, host, start_time, end_time, first_nonfinite_step,
         partial_frames, last_wall_time, alerts, finished}]}``; ``issue_ratio =
-        issue_frames / frames`` (seed 001, 0 with no frame); ``finished`` when every rank
-        sent RunFinished (``end_time`` set).
+        issue_frames / frames`` (the health rule's ratio, 0 with no frame); ``finished``
+        when every rank sent RunFinished (``end_time`` set).
     """
     out = _rows(cur, _RUNS_SQL, {})
     for run in out:
@@ -123,3 +128,51 @@ def layer(
     return load_layer_series(
         cur, run_id, layer_index, max_points, from_step=from_step, to_step=to_step
     ).to_json()
+
+
+def analyses() -> dict[str, object]:
+    """The registered analyses (:data:`analysis.registry.ANALYSES` order).
+
+    Returns:
+        ``{"analyses": [{name, help, options}]}``; ``options`` is the JSON Schema of the
+        analysis's options model (field names, types, defaults, bounds).
+    """
+    return {
+        "analyses": [
+            {"name": a.name, "help": a.help, "options": a.options.model_json_schema()}
+            for a in registry.all_analyses()
+        ]
+    }
+
+
+def analysis(
+    cur: duckdb.DuckDBPyConnection,
+    name: str,
+    run_id: str,
+    from_step: int | None,
+    to_step: int | None,
+    values: Mapping[str, str],
+) -> dict[str, object]:
+    """The report of the registered analysis ``name``, as ``gradstream analyze --kind name
+    --format json`` prints it (NaN and infinities as ``null``).
+
+    Args:
+        cur: read-only cursor on the store.
+        name: a key of :data:`analysis.registry.ANALYSES`.
+        run_id: the run; from_step, to_step: inclusive step range (``None`` = open).
+        values: options by field name, as strings (converted by the options model).
+
+    Raises:
+        UnknownAnalysisError: no analysis ``name``.
+        ValueError: an option the analysis does not declare, or an invalid value.
+        StoreError: unknown run, invalid range, no data in the range.
+    """
+    entry = registry.get(name)
+    unknown = sorted(set(values) - set(entry.option_names))
+    if unknown:
+        raise ValueError(
+            f"{name} has no option {', '.join(unknown)}; its options: "
+            f"{', '.join(entry.option_names) or 'none'}"
+        )
+    report = entry.run(cur, run_id, from_step, to_step, values)
+    return json.loads(report.model_dump_json())

@@ -3,24 +3,30 @@
 Routes (all reads go through :class:`~analysis.dashboard.cursors.ReadCursors`, a fresh
 read-only cursor per request):
 
-=====================  ==============================================================
-``GET /``              the dashboard page (``static/index.html``)
-``GET /static/<f>``    its script and style sheet, and the shared ``heatmap.js``
-``GET /api/status``    store path, whether this process writes it, worker counters
-``GET /api/runs``      runs with health, frames, issue ratio, alert counts
-``GET /api/grid``      ``run``, ``max_steps``, ``max_layers``, ``from_step``, ``to_step``:
-                       the downsampled heatmap grid (:mod:`analysis.plots.grid`)
-``GET /api/layer``     ``run``, ``layer``, ``max_points``: one layer's norm series
-``GET /api/alerts``    ``run`` (optional), ``limit``: newest alerts first
-``GET /api/export``    ``run``, ``format`` (csv/json/parquet/jsonl), ``from_step``,
-                       ``to_step``, ``order``: a download, written by DuckDB ``COPY``
-                       (header ``X-Gradstream-Rows``: rows written)
-``POST /api/query``    JSON ``{"sql": ..., "timeout_s": ...}`` with ``Authorization:
-                       Bearer <token>``: one read-only statement, Arrow IPC stream back
-=====================  ==============================================================
+============================  ======================================================================
+``GET /``                     the dashboard page (``static/index.html``)
+``GET /static/<f>``           its script and style sheet, and the shared ``heatmap.js``
+``GET /api/status``           store path, whether this process writes it, worker counters
+``GET /api/runs``             runs with health, frames, issue ratio, alert counts
+``GET /api/grid``             ``run``, ``max_steps``, ``max_layers``, ``from_step``, ``to_step``:
+                              the downsampled heatmap grid (:mod:`analysis.plots.grid`)
+``GET /api/layer``            ``run``, ``layer``, ``max_points``: one layer's norm series
+``GET /api/alerts``           ``run`` (optional), ``limit``: newest alerts first
+``GET /api/analyses``         the registered analyses (:mod:`analysis.registry`): name, help,
+                              JSON Schema of the options
+``GET /api/analysis/<name>``  ``run``, ``from_step``, ``to_step`` and the analysis's options by
+                              field name (``window=10``): its report, the JSON of ``gradstream
+                              analyze --kind <name> --format json``
+``GET /api/export``           ``run``, ``format`` (csv/json/parquet/jsonl), ``from_step``,
+                              ``to_step``, ``order``: a download, written by DuckDB ``COPY``
+                              (header ``X-Gradstream-Rows``: rows written)
+``POST /api/query``           JSON ``{"sql": ..., "timeout_s": ...}`` with ``Authorization:
+                              Bearer <token>``: one read-only statement, Arrow IPC stream back
+============================  ======================================================================
 
 Errors are JSON ``{"error": message, "kind": ...}`` with 400 (bad argument), 401 (token),
-403 (write refused, or a foreign Host/Origin), 404, 413, 503 (store closed).
+403 (write refused, or a foreign Host/Origin), 404 (also an unknown run or analysis), 413,
+503 (store closed).
 
 Served on loopback by default. With a loopback bind the server also rejects requests
 whose ``Host`` header is not a loopback name (DNS-rebinding defence) and cross-origin
@@ -53,6 +59,7 @@ from analysis.dashboard.cursors import ReadCursors, StoreClosedError
 from analysis.export import EXPORT_FORMATS, export_run
 from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, norm_palette
 from analysis.query import ARROW_STREAM, QueryError, ReadOnlyViolationError, execute_read_only
+from analysis.registry import UnknownAnalysisError
 from analysis.store import StoreError
 
 log = logging.getLogger("gradstream.dashboard")
@@ -93,6 +100,9 @@ _CSP = (
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+_JSON = "application/json; charset=utf-8"
+_RANGE_PARAMS = ("run", "from_step", "to_step")
+"""Query parameters of ``/api/analysis/<name>`` that are not options of the analysis."""
 
 
 class _HTTPError(Exception):
@@ -392,15 +402,30 @@ class _Handler(BaseHTTPRequestHandler):
                     self._send(200, body, "application/json; charset=utf-8")
                 elif name == "export":
                     self._export(cur, params)
+                elif name == "analyses":
+                    self._json(api.analyses())
+                elif name.startswith("analysis/"):
+                    self._analysis(cur, name.removeprefix("analysis/"), params)
                 else:
                     raise _HTTPError(HTTPStatus.NOT_FOUND, f"no endpoint /api/{name}", "not_found")
         except StoreClosedError as exc:
             raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "closed") from None
+        except UnknownAnalysisError as exc:
+            raise _HTTPError(HTTPStatus.NOT_FOUND, str(exc), "not_found") from None
         except StoreError as exc:
             status = HTTPStatus.NOT_FOUND if "unknown run" in str(exc) else HTTPStatus.BAD_REQUEST
             raise _HTTPError(status, str(exc), "invalid") from None
         except ValueError as exc:
             raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid") from None
+
+    def _analysis(self, cur: Any, name: str, params: dict[str, str]) -> None:
+        run = self._run(params)
+        steps = (self._int(params, "from_step", None), self._int(params, "to_step", None))
+        options = {k: v for k, v in params.items() if k not in _RANGE_PARAMS}
+        key = ("analysis", name, run, *steps, tuple(sorted(options.items())))
+        body = self.app.cached(cur, run, key,
+                               lambda: api.analysis(cur, name, run, *steps, options))
+        self._send(200, body, _JSON)
 
     def _export(self, cur: Any, params: dict[str, str]) -> None:
         run = self._run(params)

@@ -7,8 +7,9 @@ Modules, one job each:
   norm series.
 - :mod:`analysis.plots.png`: matplotlib PNGs: the heatmap (log10 gradient norm, vanishing
   and exploding cells marked) and the per-layer norm time series.
-- :mod:`analysis.plots.animation`: the seed-001 gradient-flow animation as one offline
-  HTML file (embedded data and JavaScript, step slider and play button).
+- :mod:`analysis.plots.animation`: the gradient-flow animation (per-layer flow intensity,
+  frame by frame) as one offline HTML file (embedded data and JavaScript, step slider and
+  play button).
 - :mod:`analysis.plots.colors`: the colour map shared by the PNGs, the animation and the
   dashboard.
 

@@ -1,10 +1,12 @@
-"""The seed-001 gradient-flow animation as one self-contained, offline HTML file.
+"""The gradient-flow animation (frames of per-layer flow intensity, step by step) as one
+self-contained, offline HTML file.
 
-Seed 001 (``GradientFlowAnimator``) records one *frame* per step (every layer's statistics
+The gradient-flow animator of trustformers-debug's ``gradient_flow`` module
+(``GradientFlowAnimator``) records one *frame* per step (every layer's statistics
 at that step) and renders the frames as an ASCII heatmap, step to the right and layer
 down. Here the same frames play in a browser: a step slider and a play button move through
 the frames; each frame shows every layer's flow intensity (``grad_norm / max_l grad_norm``
-of the step, the seed's bar length) coloured by log10 gradient norm, with vanishing,
+of the step, the ASCII rendering's bar length) coloured by log10 gradient norm, with vanishing,
 exploding and non-finite layers marked; above it, the whole layers x steps heatmap with the
 current frame outlined.
 

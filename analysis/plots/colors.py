@@ -29,7 +29,7 @@ HEALTH_COLORS: dict[str, str] = {
     "ProblemsDetected": "#ef6c00",
     "Critical": "#c62828",
 }
-"""Badge colours of the seed-001 health classes (same hues as the terminal report)."""
+"""Badge colours of the run health classes (same hues as the terminal report)."""
 
 
 @cache

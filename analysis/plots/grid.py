@@ -157,7 +157,7 @@ class GradientGrid:
         col_frames: int64[C], recorded frames in each column.
         max_norm: float64[R, C], maximum L2 gradient norm over the cell (NaN: no data).
         max_flow: float64[R, C], maximum flow intensity (grad_norm / max over layers of
-            the step, in [0, 1]; seed 001) over the cell (NaN: no data).
+            the step, in [0, 1]) over the cell (NaN: no data).
         flags: uint8[R, C], bit set of FLAG_VANISHING, FLAG_EXPLODING, FLAG_NONFINITE,
             FLAG_NO_DATA, FLAG_ZERO.
         steps_per_col: frames per column ``k`` (1 = every recorded step shown).

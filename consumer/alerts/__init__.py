@@ -2,7 +2,8 @@
 deduplication (fire once, resolve once), and sinks (alerts topic, DuckDB, webhook, log).
 
 Modules: ``config`` (rules and thresholds, rule files), ``robust`` (rolling modified
-z-scores), ``incident`` (the fire/resolve state machine), ``rules`` (the conditions),
+z-scores), ``incident`` (the fire/resolve state machine, incidents to restore), ``rules``
+(the rule registry, one module per rule; its docstring shows how to add one),
 ``engine`` (all runs of a worker), ``sinks`` (Kafka, webhook, log), ``rows`` (the DuckDB
 ``alerts`` table), ``service`` (what a worker holds), ``feed`` (reading the alerts topic)
 and ``watch`` (the live terminal view).

@@ -1,8 +1,8 @@
 """Alert rules and thresholds: pydantic models, TOML/YAML rule files, flag overrides.
 
-A rule file has one table (TOML) or mapping (YAML) per rule, named after
-:class:`schemas.alert.AlertRule`, plus the top-level ``max_layer_values``; everything left
-out keeps its default::
+A rule file has one table (TOML) or mapping (YAML) per registered rule, named after it
+(``consumer.alerts.rules.RULES``; each rule's module defines its settings), plus the
+top-level ``max_layer_values``; everything left out keeps its default::
 
     # rules.toml
     [exploding]
@@ -20,187 +20,101 @@ file. Mistakes are reported all at once, each with where it is (``file:line`` or
 and why: :class:`AlertConfigError`.
 
 Defaults are policy choices, not measured quantities; each is explained at its field.
+The model itself is built from the registry (:func:`rules_config_model`), so a new rule
+needs no change here.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from schemas.alert import AlertRule, AlertSeverity
-from schemas.wire import GradientHealth
-
-
-class _RuleConfig(BaseModel):
-    """Fields every rule has.
-
-    Attributes:
-        enabled: evaluate the rule at all.
-        severity: severity of its events.
-        resolve_after: consecutive frames (steps) with the condition clear before the
-            incident is resolved; 1 resolves on the first clear frame.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = True
-    severity: AlertSeverity = AlertSeverity.WARNING
-    resolve_after: int = Field(default=5, ge=1)
-    """Five clean frames in a row: a debounce so that a condition flickering on alternate
-    steps stays one incident instead of a pair of events per flicker."""
+from consumer.alerts.rules import Rule, RuleConfig, check_rules, registered_rules
+from schemas.alert import RuleName
 
 
-class RunHealthRuleConfig(_RuleConfig):
-    """Run health (seed 001 ``classify_health``, see ``consumer.health``) at or above
-    ``level``. The default level Critical is the seed's most severe class."""
-
-    severity: AlertSeverity = AlertSeverity.CRITICAL
-    level: GradientHealth = GradientHealth.CRITICAL
-
-
-class NonfiniteRuleConfig(_RuleConfig):
-    """Any NaN/Inf gradient element in any layer of a frame (a non-finite gradient
-    makes the frame Critical at once, ``consumer.health``)."""
-
-    severity: AlertSeverity = AlertSeverity.CRITICAL
-
-
-class StreakRuleConfig(_RuleConfig):
-    """A layer flagged (exploding / vanishing, seed 001 thresholds of the run) in at least
-    ``consecutive`` frames in a row."""
-
-    consecutive: int = Field(default=3, ge=1)
-
-
-class ExplodingRuleConfig(StreakRuleConfig):
-    """Exploding layers (max |g| above the run's exploding threshold). Default 3 frames: a
-    single step above the threshold is common right after a learning-rate change; three in
-    a row is a trend."""
-
-    consecutive: int = Field(default=3, ge=1)
-
-
-class VanishingRuleConfig(StreakRuleConfig):
-    """Vanishing layers (mean |g| below the run's vanishing threshold). Default 10 frames:
-    vanishing is a slow failure, and layers can start small at initialisation."""
-
-    consecutive: int = Field(default=10, ge=1)
-
-
-class SpikeRuleConfig(_RuleConfig):
-    """A layer's gradient norm far above its recent history (``consumer.alerts.robust``).
+class AlertRulesBase(BaseModel):
+    """Base of the rules-file models built by :func:`rules_config_model`: one field per
+    rule (named after it, holding its ``config_model``), then ``max_layer_values``.
 
     Attributes:
-        window: frames of history per layer (rolling).
-        min_samples: history needed before a layer is tested.
-        z_threshold: modified z-score above which a norm is a spike. 3.5 is the cut-off
-            recommended by Iglewicz & Hoaglin (1993), "How to Detect and Handle Outliers".
-        min_ratio: the norm must also be at least this many times the layer's median
-            norm: statistical unusualness and a practically large change together, like
-            the fold-change-plus-significance criterion of volcano plots (2-fold is that
-            criterion's conventional cut). Without it, a layer whose norm is very steady
-            flags harmless 20% wobbles, and with many layers and a short history the
-            z-score alone fires on noise.
-        log_scale: test ``ln(grad_norm)`` instead of ``grad_norm`` (gradient norms vary
-            multiplicatively: a 10x jump is as notable at 1e-3 as at 1e2).
-        refresh_every: frames between recomputations of the window's median and MAD
-            (``consumer.alerts.robust.RollingRobustZ``); None = ``max(1, window // 10)``,
-            so at most a tenth of the window is newer than the statistics. Measured with
-            1000 layers and window 100 (2-core VM): the whole engine costs 8-11 ms per
-            frame with 1, ~2 ms with 10, 0.3 ms without this rule.
-    """
-
-    window: int = Field(default=100, ge=3)
-    min_samples: int = Field(default=20, ge=3)
-    z_threshold: float = Field(default=3.5, gt=0, allow_inf_nan=False)
-    min_ratio: float = Field(default=2.0, ge=1, allow_inf_nan=False)
-    log_scale: bool = True
-    refresh_every: int | None = Field(default=None, ge=1)
-
-    @property
-    def refresh_frames(self) -> int:
-        """``refresh_every``, or its default ``max(1, window // 10)``."""
-        return self.refresh_every or max(1, self.window // 10)
-
-    @model_validator(mode="after")
-    def _samples_fit(self) -> SpikeRuleConfig:
-        if self.min_samples > self.window:
-            raise ValueError(
-                f"min_samples ({self.min_samples}) must not exceed window ({self.window})"
-            )
-        return self
-
-
-class StalledRuleConfig(_RuleConfig):
-    """No new frame of a run for a while, although not every rank has finished.
-
-    The threshold is ``after_s`` when given; otherwise it is computed from the run's own
-    pace: ``max(min_after_s, interval_factor * median interval between its last frames)``
-    (median over the last ``window`` intervals, worker clock), so a run doing one step a
-    minute is not declared stalled after ten seconds.
-
-    Attributes:
-        after_s: fixed threshold (s), or None for the data-driven one.
-        interval_factor: how many median step intervals without a frame make a stall.
-        min_after_s: floor of the data-driven threshold (s).
-        window: intervals kept per run for the median.
-    """
-
-    resolve_after: int = Field(default=1, ge=1)
-    after_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    interval_factor: float = Field(default=10.0, gt=1, allow_inf_nan=False)
-    min_after_s: float = Field(default=30.0, gt=0, allow_inf_nan=False)
-    window: int = Field(default=32, ge=1)
-
-
-class MissingRanksRuleConfig(_RuleConfig):
-    """Frames finalised without every rank (partial, after the worker's shard timeout) in
-    at least ``consecutive`` frames in a row."""
-
-    consecutive: int = Field(default=1, ge=1)
-
-
-class ReplicaDivergenceRuleConfig(_RuleConfig):
-    """Replicas of one piece of a parameter (DDP ranks, the replicate dimension of HSDP, a
-    DTensor ``Replicate`` placement) whose statistics disagree beyond
-    ``consumer.merge.REPLICA_RTOL`` in a frame. After an all-reduce they are bitwise
-    identical, so any disagreement is a desynchronised replica (a skipped all-reduce,
-    non-deterministic kernels after the reduction, a rank that loaded other weights).
-    Critical: the ranks no longer train the same model."""
-
-    severity: AlertSeverity = AlertSeverity.CRITICAL
-
-
-class AlertRulesConfig(BaseModel):
-    """Every rule's configuration.
-
-    Attributes:
-        run_health, nonfinite, exploding, vanishing, grad_norm_spike, stalled,
-            missing_ranks, replica_divergence: the rules (see each class).
+        rule_types: the rules the model was built from, in order (class attribute).
         max_layer_values: at most this many layers (the worst ones by the rule's statistic)
             get their frame values in ``Alert.values``; ``Alert.layers`` always names all.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    run_health: RunHealthRuleConfig = RunHealthRuleConfig()
-    nonfinite: NonfiniteRuleConfig = NonfiniteRuleConfig()
-    exploding: ExplodingRuleConfig = ExplodingRuleConfig()
-    vanishing: VanishingRuleConfig = VanishingRuleConfig()
-    grad_norm_spike: SpikeRuleConfig = SpikeRuleConfig()
-    stalled: StalledRuleConfig = StalledRuleConfig()
-    missing_ranks: MissingRanksRuleConfig = MissingRanksRuleConfig()
-    replica_divergence: ReplicaDivergenceRuleConfig = ReplicaDivergenceRuleConfig()
-    max_layer_values: int = Field(default=16, ge=1)
+    rule_types: ClassVar[tuple[type[Rule], ...]] = ()
 
-    def rule(self, rule: AlertRule) -> _RuleConfig:
-        """The configuration of ``rule``."""
-        return getattr(self, rule.value)
+    if TYPE_CHECKING:  # a field of the built models (declared there, after the rules)
+        max_layer_values: int
+
+    def rule(self, name: RuleName | str) -> RuleConfig:
+        """The configuration of the rule called ``name``.
+
+        Raises:
+            KeyError: no rule of that name in this model.
+        """
+        value = getattr(self, str(name), None)
+        if not isinstance(value, RuleConfig):
+            raise KeyError(f"no alert rule named {str(name)!r}")
+        return value
+
+
+MAX_LAYER_VALUES_DEFAULT = 16
+"""Layers with values in one event by default: enough for a human to read, small enough
+for a webhook message and a row of the ``alerts`` table."""
+
+
+@functools.lru_cache(maxsize=32)
+def _build_model(rules: tuple[type[Rule], ...]) -> type[AlertRulesBase]:
+    check_rules(rules)
+    fields: dict[str, Any] = {
+        str(r.name): (r.config_model, Field(default=r.config_model(),
+                                            description=r.description))
+        for r in rules
+    }
+    fields["max_layer_values"] = (int, Field(
+        default=MAX_LAYER_VALUES_DEFAULT, ge=1,
+        description="Layers (the worst ones by the rule's statistic) with frame values in "
+        "an event; Alert.layers always names all.",
+    ))
+    model = create_model(
+        "AlertRulesConfig", __base__=AlertRulesBase, __module__=__name__,
+        __doc__="Every rule's configuration: one field per registered rule (see "
+        "consumer.alerts.rules), then max_layer_values.",
+        **fields,
+    )
+    model.rule_types = rules
+    return model
+
+
+def rules_config_model(rules: Sequence[type[Rule]] | None = None) -> type[AlertRulesBase]:
+    """The rules-file model of ``rules`` (default: the registry,
+    ``consumer.alerts.rules.RULES``), built once per distinct tuple of rules.
+
+    Fields, in order: one per rule, named after it, of its ``config_model`` type with its
+    defaults and its ``description``; then ``max_layer_values`` (>= 1, default 16). Unknown
+    keys are refused (``extra="forbid"``) and instances are frozen.
+
+    Raises:
+        TypeError, ValueError: the rules cannot be registered together
+            (:func:`consumer.alerts.rules.check_rules`).
+    """
+    return _build_model(tuple(registered_rules() if rules is None else rules))
+
+
+AlertRulesConfig = rules_config_model()
+"""The rules-file model of the registry at import time; ``AlertRulesConfig()`` is the
+default configuration (every rule's own defaults)."""
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -328,8 +242,8 @@ def _line_of(lines: dict[tuple[str, ...], int], loc: tuple[str, ...]) -> int | N
     return None
 
 
-def _allowed_keys(loc: tuple[str, ...]) -> list[str]:
-    model: Any = AlertRulesConfig
+def _allowed_keys(loc: tuple[str, ...], root: type[BaseModel]) -> list[str]:
+    model: Any = root
     for part in loc:
         field = model.model_fields.get(part) if hasattr(model, "model_fields") else None
         if field is None:
@@ -338,9 +252,9 @@ def _allowed_keys(loc: tuple[str, ...]) -> list[str]:
     return list(model.model_fields) if hasattr(model, "model_fields") else []
 
 
-def _reason(err: dict[str, Any], loc: tuple[str, ...]) -> str:
+def _reason(err: dict[str, Any], loc: tuple[str, ...], root: type[BaseModel]) -> str:
     if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(loc[:-1])
+        allowed = _allowed_keys(loc[:-1], root)
         what = "rule or setting" if len(loc) == 1 else "key"
         return f"unknown {what} {loc[-1]!r}; expected one of: {', '.join(allowed)}"
     msg = str(err["msg"]).removeprefix("Value error, ")
@@ -418,17 +332,21 @@ def _load_file(path: Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
 
 
 def load_alert_rules(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
-) -> AlertRulesConfig:
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+    model: type[AlertRulesBase] | None = None,
+) -> AlertRulesBase:
     """Build the alert rules from an optional rule file and ``--alert-set`` overrides.
 
     Args:
         path: a ``.toml``, ``.yaml`` or ``.yml`` rule file (module doc), or None for the
             defaults.
         overrides: ``RULE.FIELD=VALUE`` strings applied over the file, in order.
+        model: the rules-file model (:func:`rules_config_model`); default: the
+            registry's as it is now.
 
     Returns:
-        The validated configuration.
+        The validated configuration (an instance of ``model``; it knows its rules:
+        ``type(config).rule_types``).
 
     Raises:
         AlertConfigError: unreadable file, syntax error, unknown rule or key, wrong type or
@@ -453,8 +371,9 @@ def load_alert_rules(
             node = child
         node[key[-1]] = value
         set_by[key] = f"--alert-set {text}"
+    root = rules_config_model() if model is None else model
     try:
-        return AlertRulesConfig.model_validate(data)
+        return root.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors(include_url=False):
@@ -463,15 +382,15 @@ def load_alert_rules(
                         None)
             where = ".".join(loc)
             if flag is not None:
-                problems.append(ConfigProblem(flag, None, where, _reason(err, loc)))
+                problems.append(ConfigProblem(flag, None, where, _reason(err, loc, root)))
             else:
                 problems.append(ConfigProblem(source, _line_of(lines, loc), where,
-                                              _reason(err, loc)))
+                                              _reason(err, loc, root)))
         problems.sort(key=lambda p: (p.source, p.line or 0))
         raise AlertConfigError(problems) from None
 
 
-def dump_alert_rules(rules: AlertRulesConfig) -> str:
+def dump_alert_rules(rules: AlertRulesBase) -> str:
     """The configuration as YAML text that :func:`load_alert_rules` reads back (``.yaml``)."""
     import yaml
 

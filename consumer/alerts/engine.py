@@ -6,10 +6,17 @@ finalised frame (after the run's health tracker has seen it) and :meth:`AlertEng
 from its poll loop (stalled runs, finished runs). Each returns the alert events it caused;
 :meth:`AlertEngine.take_statuses` returns the run-status records for the alerts topic.
 
+The rules are those the configuration was built from (``type(rules).rule_types``: the
+registry ``consumer.alerts.rules.RULES`` unless a caller built its own model); the engine
+knows nothing of any particular rule. Per run it holds a
+:class:`~consumer.alerts.rules.RunContext` and one instance of each enabled rule; per (run,
+rule) one :class:`~consumer.alerts.incident.Incident`.
+
 Which frames are evaluated: every frame in arrival order, except a frame rewritten by a
 late shard (a step this engine already saw as partial): its step has been evaluated, and
-the late rank's later steps will be. Cost per frame: O(layers) NumPy, plus
-O(layers x window) for the spike rule's medians.
+the late rank's later steps will be. The rules of a frame are evaluated, and their events
+returned, in registry order. Cost per frame: O(layers) NumPy, plus O(layers x window) for
+the spike rule's medians.
 """
 
 from __future__ import annotations
@@ -21,26 +28,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from consumer.alerts.config import AlertRulesConfig
+from consumer.alerts.config import AlertRulesBase
 from consumer.alerts.incident import ActiveIncident, Incident, Transition
-from consumer.alerts.rules import Finding, RunRules, preview
+from consumer.alerts.rules import Finding, Rule, RunContext, preview
 from consumer.frames import GradientFrame
 from consumer.health import RunHealthTracker
 from consumer.runs import RunInfo
-from schemas.alert import Alert, AlertRule, AlertState, RunStatus
+from schemas.alert import Alert, AlertState, RuleName, RunStatus
 from schemas.wire import GradientHealth, StepSummary
-
-RULE_TITLES: dict[AlertRule, str] = {
-    AlertRule.RUN_HEALTH: "run health",
-    AlertRule.NONFINITE: "non-finite gradients",
-    AlertRule.EXPLODING: "exploding layers",
-    AlertRule.VANISHING: "vanishing layers",
-    AlertRule.GRAD_NORM_SPIKE: "gradient-norm spike",
-    AlertRule.STALLED: "stalled run",
-    AlertRule.MISSING_RANKS: "missing ranks",
-    AlertRule.REPLICA_DIVERGENCE: "replica divergence",
-}
-"""Short human names of the rules (messages, terminal views)."""
 
 PARTIAL_STEPS_KEPT = 4096
 """Partial steps remembered per run to recognise their rewrites (oldest forgotten first;
@@ -58,6 +53,16 @@ class EngineCounters:
 
 
 @dataclass(slots=True)
+class _RunState:
+    """A run's shared context, its enabled rules' instances (registry order), and those
+    of them that want shards."""
+
+    context: RunContext
+    rules: list[Rule]
+    shard_rules: list[Rule]
+
+
+@dataclass(slots=True)
 class _LastFrame:
     step: int
     world_size: int
@@ -71,18 +76,19 @@ class AlertEngine:
     """Evaluates the alert rules of every run a worker sees.
 
     Args:
-        rules: the rule configuration.
+        rules: the rule configuration (from ``consumer.alerts.config.load_alert_rules``);
+            its model's ``rule_types`` are the rules evaluated.
         status_interval_s: at most one routine RunStatus per run per this many seconds
             (transitions always publish one).
         is_finished: run id -> whether every rank of the run has finished (the worker's
-            knowledge); finished runs are no longer checked for stalls.
+            knowledge); finished runs are retired (no more idle checks such as stalls).
         clock: monotonic clock (s) used when ``now`` is not given.
         wall_clock: unix time (s) for ``created_at`` / ``emitted_at``.
     """
 
     def __init__(
         self,
-        rules: AlertRulesConfig,
+        rules: AlertRulesBase,
         *,
         status_interval_s: float = 1.0,
         is_finished: Callable[[str], bool] | None = None,
@@ -90,12 +96,15 @@ class AlertEngine:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.rules = rules
+        self.rule_types: tuple[type[Rule], ...] = type(rules).rule_types
+        self._enabled = [r for r in self.rule_types if rules.rule(r.name).enabled]
+        self._by_name = {str(r.name): r for r in self.rule_types}
         self.status_interval_s = status_interval_s
         self._is_finished = is_finished or (lambda _run_id: False)
         self._clock = clock
         self._wall = wall_clock
-        self._runs: dict[str, RunRules] = {}
-        self._incidents: dict[tuple[str, AlertRule], Incident] = {}
+        self._runs: dict[str, _RunState] = {}
+        self._incidents: dict[tuple[str, str], Incident] = {}
         self._partial: dict[str, OrderedDict[int, None]] = {}
         self._finished: set[str] = set()
         self._last: dict[str, _LastFrame] = {}
@@ -106,22 +115,25 @@ class AlertEngine:
     # -- inputs --------------------------------------------------------------------------
 
     def restore(self, active: list[ActiveIncident]) -> None:
-        """Re-open incidents fired before a restart (their last stored event is
-        ``firing``), so they are not fired twice and still resolve. Their count of clear
-        frames starts again at zero: a restart can delay a resolution, never repeat a
-        firing."""
+        """Re-open incidents fired before a restart (their last event is ``firing``: from
+        the store, ``consumer.alerts.rows.load_active_incidents``, or from the alerts
+        topic, ``consumer.alerts.incident.active_from_events``), so they are not fired
+        twice and still resolve. Their count of clear frames starts again at zero: a
+        restart can delay a resolution, never repeat a firing. Incidents of rules this
+        engine does not have are skipped."""
         for a in active:
-            self._incident(a.run_id, a.rule).restore(a.incident_id, a.first_step,
-                                                     a.layers, a.ranks)
+            rule = self._by_name.get(str(a.rule))
+            if rule is None:
+                continue
+            self._incident(a.run_id, rule.name).restore(a.incident_id, a.first_step,
+                                                        a.layers, a.ranks)
 
     def note_shard(self, run: RunInfo, shard: StepSummary) -> None:
-        """Remember the layers in which ``shard`` counted non-finite elements (nothing to
-        do for a finite shard: one pass over its ``nonfinite`` list)."""
-        if not any(shard.nonfinite):
-            return
-        bad = np.asarray(shard.nonfinite) > 0
-        layers = np.asarray(shard.layer_indices, np.int64)[bad]
-        self._state(run).note_shard(shard.step, shard.rank, layers)
+        """Show a validated shard of ``run`` to the enabled rules that look at shards
+        (:meth:`consumer.alerts.rules.Rule.note_shard`; e.g. ``nonfinite`` remembers
+        which rank's shard held NaN/Inf), before its frame is evaluated."""
+        for rule in self._state(run).shard_rules:
+            rule.note_shard(shard)
 
     def on_frame(
         self, frame: GradientFrame, run: RunInfo, tracker: RunHealthTracker,
@@ -149,11 +161,12 @@ class AlertEngine:
             if len(partial) > PARTIAL_STEPS_KEPT:
                 partial.popitem(last=False)
         state = self._state(run)
-        state.frame_arrived(frame.step, now)
+        ctx = state.context.begin_frame(frame, tracker, now)
         self.counters.frames += 1
         alerts: list[Alert] = []
-        for rule, finding in state.evaluate(frame, tracker).items():
-            event = self._observe(state, rule, finding, frame.step, frame.wall_time)
+        for rule in state.rules:
+            event = self._observe(state.context, rule, rule.evaluate(ctx), frame.step,
+                                  frame.wall_time)
             if event is not None:
                 alerts.append(event)
         health = tracker.health
@@ -167,34 +180,43 @@ class AlertEngine:
         return alerts
 
     def tick(self, now: float | None = None) -> list[Alert]:
-        """Check every unfinished run for a stall; retire runs that finished.
+        """Ask every unfinished run's rules for idle verdicts (e.g. ``stalled``); retire
+        runs that finished.
 
         Args:
             now: monotonic time (s); the engine's clock by default.
 
         Returns:
-            Stalled events fired, and stalled incidents resolved because the run finished.
+            Events of idle verdicts (observed at the run's newest step, no wall time), and
+            incidents of ``resolves_when_run_finishes`` rules resolved because the run
+            finished.
         """
         now = self._clock() if now is None else now
         alerts: list[Alert] = []
-        stalled_cfg = self.rules.stalled
         retired = []
         for run_id, state in self._runs.items():
+            ctx = state.context
             if self._is_finished(run_id):
-                # Every rank finished: resolve a stall, publish the final status and drop
-                # the run's per-layer state (a late frame would start it afresh).
+                # Every rank finished: resolve what was about the run still sending (a
+                # stall), publish the final status and drop the run's per-layer state (a
+                # late frame would start it afresh).
                 self._finished.add(run_id)
                 retired.append(run_id)
-                inc = self._incidents.get((run_id, AlertRule.STALLED))
-                if inc is not None and inc.active:
-                    alerts.append(self._resolve_now(state, inc, "the run finished"))
+                for rule_type in self.rule_types:
+                    if not rule_type.resolves_when_run_finishes:
+                        continue
+                    inc = self._incidents.get((run_id, str(rule_type.name)))
+                    if inc is not None and inc.active:
+                        alerts.append(self._resolve_now(ctx, inc, "the run finished"))
                 self._status(run_id, now, force=True)
                 continue
-            if not stalled_cfg.enabled:
+            if ctx.last_step is None:
                 continue
-            finding = state.check_stall(now)
-            if finding.bad and state.last_step is not None:
-                event = self._observe(state, AlertRule.STALLED, finding, state.last_step, None)
+            for rule in state.rules:
+                finding = rule.check_idle(now)
+                if finding is None:
+                    continue
+                event = self._observe(ctx, rule, finding, ctx.last_step, None)
                 if event is not None:
                     alerts.append(event)
                     self._status(run_id, now, force=True)
@@ -217,28 +239,31 @@ class AlertEngine:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _state(self, run: RunInfo) -> RunRules:
+    def _state(self, run: RunInfo) -> _RunState:
         state = self._runs.get(run.run_id)
         if state is None:
-            state = self._runs[run.run_id] = RunRules(run, self.rules)
+            context = RunContext(run, self.rules.max_layer_values)
+            rules = [r(context, self.rules.rule(r.name)) for r in self._enabled]
+            shard_rules = [r for r in rules if type(r).note_shard is not Rule.note_shard]
+            state = self._runs[run.run_id] = _RunState(context, rules, shard_rules)
         return state
 
-    def _incident(self, run_id: str, rule: AlertRule) -> Incident:
-        key = (run_id, rule)
+    def _incident(self, run_id: str, rule: RuleName) -> Incident:
+        key = (run_id, str(rule))
         inc = self._incidents.get(key)
         if inc is None:
             inc = self._incidents[key] = Incident(run_id, rule)
         return inc
 
     def _observe(
-        self, state: RunRules, rule: AlertRule, finding: Finding, step: int,
+        self, ctx: RunContext, rule: Rule, finding: Finding, step: int,
         wall_time: float | None,
     ) -> Alert | None:
         if finding.bad is None:
             return None
-        run_id = state.run.run_id
-        cfg = self.rules.rule(rule)
-        inc = self._incident(run_id, rule)
+        run_id = ctx.info.run_id
+        cfg = rule.config
+        inc = self._incident(run_id, rule.name)
         transition = inc.observe(finding.bad, step, cfg.resolve_after, finding.layers,
                                  finding.ranks)
         if transition is Transition.FIRE:
@@ -249,35 +274,35 @@ class AlertEngine:
             )
         if transition is Transition.RESOLVE:
             return self._resolved(
-                state, inc, step, wall_time,
+                ctx, inc, step, wall_time,
                 f"clear for {cfg.resolve_after} step(s) at step {step}", finding.values,
             )
         return None
 
-    def _resolve_now(self, state: RunRules, inc: Incident, why: str) -> Alert:
+    def _resolve_now(self, ctx: RunContext, inc: Incident, why: str) -> Alert:
         inc.active = False
         inc.clear = 0
-        step = state.last_step if state.last_step is not None else inc.first_step
-        return self._resolved(state, inc, step, None, why, {})
+        step = ctx.last_step if ctx.last_step is not None else inc.first_step
+        return self._resolved(ctx, inc, step, None, why, {})
 
     def _resolved(
-        self, state: RunRules, inc: Incident, step: int, wall_time: float | None, why: str,
+        self, ctx: RunContext, inc: Incident, step: int, wall_time: float | None, why: str,
         values: dict,
     ) -> Alert:
         self.counters.resolved += 1
-        layers = state.model_order(inc.layers)
+        layers = ctx.model_order(inc.layers)
         ranks = sorted(inc.ranks)
         involved = ""
         if layers:
             involved += f"; layers {preview(layers)}"
         if ranks:
             involved += f"; ranks {ranks}"
-        merged = {**values, "layers": state.current_values(layers)} if layers else dict(values)
+        merged = {**values, "layers": ctx.current_values(layers)} if layers else dict(values)
         merged["incident_first_step"] = inc.first_step
         event = self._alert(
             inc, AlertState.RESOLVED, step, layers, ranks, merged,
-            f"run {inc.run_id}: {RULE_TITLES[inc.rule]} resolved, {why} (began at step "
-            f"{inc.first_step}{involved})", wall_time,
+            f"run {inc.run_id}: {self._by_name[str(inc.rule)].title} resolved, {why} "
+            f"(began at step {inc.first_step}{involved})", wall_time,
         )
         inc.reset_involved()
         return event
@@ -310,7 +335,10 @@ class AlertEngine:
         if not force and now - self._last_status.get(run_id, -np.inf) < self.status_interval_s:
             return
         self._last_status[run_id] = now
-        stalled = self._incidents.get((run_id, AlertRule.STALLED))
+        stalled = any(
+            inc.active and self._by_name[str(inc.rule)].marks_run_stalled
+            for inc in self.active(run_id)
+        )
         self._statuses.append(RunStatus(
             run_id=run_id,
             step=last.step,
@@ -320,7 +348,7 @@ class AlertEngine:
             ranks_seen=last.ranks_seen,
             wall_time=last.wall_time,
             finished=run_id in self._finished,
-            stalled=bool(stalled is not None and stalled.active),
+            stalled=stalled,
             active_rules=[inc.rule for inc in self.active(run_id)],
             emitted_at=self._wall(),
         ))

@@ -5,14 +5,20 @@ incident starts (``FIRE``). While it is active, bad observations only reset the 
 clear observations and add the layers/ranks involved. Each clear observation increments
 that count; when it reaches the rule's ``resolve_after``, the incident ends (``RESOLVE``).
 So one incident yields exactly one firing and one resolved event, however long it lasts.
+
+A restarted worker re-opens the incidents still open (:class:`ActiveIncident`), read from
+the store (``consumer.alerts.rows.load_active_incidents``) or rebuilt from the events on
+the alerts topic (:func:`active_from_events`), and hands them to
+``consumer.alerts.engine.AlertEngine.restore``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from schemas.alert import AlertRule, incident_id
+from schemas.alert import Alert, AlertState, RuleName, RunStatus, incident_id
 
 
 class Transition(Enum):
@@ -36,7 +42,7 @@ class Incident:
     """
 
     run_id: str
-    rule: AlertRule
+    rule: RuleName
     active: bool = False
     incident_id: str = ""
     first_step: int = 0
@@ -97,11 +103,65 @@ class Incident:
 
 @dataclass(frozen=True, slots=True)
 class ActiveIncident:
-    """An incident whose last stored event is ``firing`` (read back on worker start)."""
+    """An incident whose last event is ``firing`` (read back on worker start).
+
+    Attributes:
+        run_id, rule: the run and the rule's name. incident_id: the incident's id.
+        first_step: step at which it began. layers, ranks: involved when it fired.
+    """
 
     run_id: str
-    rule: AlertRule
+    rule: RuleName
     incident_id: str
     first_step: int
     layers: list[str]
     ranks: list[int]
+
+
+def active_from_events(
+    events: Iterable[Alert | RunStatus], rules: Collection[str] | None = None,
+) -> list[ActiveIncident]:
+    """The incidents still open after a sequence of alert events, e.g. the alerts topic
+    read from the beginning (``consumer.alerts.feed.AlertFeed.read_to_end``, records
+    decoded by ``schemas.alert.decode_alert_record``): what a restarted worker passes to
+    ``AlertEngine.restore`` when it has no store to read them from.
+
+    Per (run, rule) the last event in the given order decides: the engine holds one
+    incident per (run, rule) at a time, so that event's incident is the current one, open
+    when the event is ``firing``. (This is ``consumer.alerts.rows.load_active_incidents``
+    over the topic: there the order is ``created_at``; here it is the topic's, which is
+    the publication order because all records of a run share a partition, keyed by run
+    id, and stays right when workers' clocks disagree.) Replayed duplicates change
+    nothing: a second copy of the sequence, or of any event in place, leaves every last
+    event as it was.
+
+    Limits: events a crashed worker published for frames past its last committed offset
+    are on the topic although those frames will be evaluated again; their incident ids
+    are deterministic (``schemas.alert.incident_id``), so a replay that finds the same
+    incidents repeats the same ids.
+
+    Args:
+        events: Alert and RunStatus records (RunStatus records are skipped), oldest first
+            within each run.
+        rules: rule names to keep (e.g. the registered ones,
+            ``consumer.alerts.rules.rule_names()``); None keeps every rule.
+
+    Returns:
+        One ActiveIncident per (run, rule) whose last event is ``firing``, in the order
+        those (run, rule) pairs first appeared; ``layers`` and ``ranks`` are those of the
+        firing event.
+    """
+    keep = None if rules is None else {str(r) for r in rules}
+    last: dict[tuple[str, str], Alert] = {}
+    for event in events:
+        if not isinstance(event, Alert):
+            continue
+        rule = str(event.rule)
+        if keep is not None and rule not in keep:
+            continue
+        last[(event.run_id, rule)] = event
+    return [
+        ActiveIncident(e.run_id, e.rule, e.incident_id, e.first_step, list(e.layers),
+                       list(e.ranks))
+        for e in last.values() if e.state is AlertState.FIRING
+    ]

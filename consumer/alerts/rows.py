@@ -15,7 +15,8 @@ import duckdb
 import pyarrow as pa
 
 from consumer.alerts.incident import ActiveIncident
-from schemas.alert import Alert, AlertRule
+from consumer.alerts.rules import find_rule
+from schemas.alert import Alert
 
 ALERTS_COLUMNS: tuple[str, ...] = (
     "alert_id", "run_id", "step", "rule", "severity", "state", "layers", "ranks", "message",
@@ -31,7 +32,7 @@ def alerts_table(alerts: list[Alert]) -> pa.Table:
         "alert_id": pa.array([a.alert_id for a in alerts], pa.string()),
         "run_id": pa.array([a.run_id for a in alerts], pa.string()),
         "step": pa.array([a.step for a in alerts], pa.int64()),
-        "rule": pa.array([a.rule.value for a in alerts], pa.string()),
+        "rule": pa.array([str(a.rule) for a in alerts], pa.string()),
         "severity": pa.array([a.severity.value for a in alerts], pa.string()),
         "state": pa.array([a.state.value for a in alerts], pa.string()),
         "layers": pa.array([a.layers for a in alerts], pa.list_(pa.string())),
@@ -70,7 +71,8 @@ def write_alerts(con: duckdb.DuckDBPyConnection, alerts: list[Alert]) -> None:
 def load_active_incidents(con: duckdb.DuckDBPyConnection) -> list[ActiveIncident]:
     """Incidents whose latest stored event (per run and rule) is ``firing``.
 
-    Rows without ``incident_id`` (none are written by this version) are ignored.
+    Rows without ``incident_id`` (none are written by this version) and rows of rules not
+    in the registry (``consumer.alerts.rules.RULES``) are ignored.
     """
     rows = con.execute(
         "SELECT run_id, rule, incident_id, coalesce(first_step, step), layers, ranks "
@@ -78,12 +80,13 @@ def load_active_incidents(con: duckdb.DuckDBPyConnection) -> list[ActiveIncident
         "QUALIFY row_number() OVER (PARTITION BY run_id, rule "
         "ORDER BY created_at DESC, state = 'resolved' DESC) = 1 AND state = 'firing'"
     ).fetchall()
-    known = {r.value for r in AlertRule}
-    return [
-        ActiveIncident(run_id, AlertRule(rule), incident, int(first), list(layers or []),
-                       list(ranks or []))
-        for run_id, rule, incident, first, layers, ranks in rows if rule in known
-    ]
+    out = []
+    for run_id, rule, incident, first, layers, ranks in rows:
+        known = find_rule(rule)
+        if known is not None:
+            out.append(ActiveIncident(run_id, known.name, incident, int(first),
+                                      list(layers or []), list(ranks or [])))
+    return out
 
 
 def read_alerts(

@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from consumer.alerts.engine import RULE_TITLES
+from consumer.alerts.rules import rule_title
 from schemas.alert import Alert, AlertSeverity, AlertState, RunStatus, encode_alert_record
 from schemas.config import KafkaClientSettings
 
@@ -146,7 +146,7 @@ class LogSink(QueuedSink):
             level = logging.ERROR
         else:
             level = logging.WARNING
-        log.log(level, "[%s] %s %s: %s", alert.severity.value, alert.rule.value,
+        log.log(level, "[%s] %s %s: %s", alert.severity.value, alert.rule,
                 alert.state.value, alert.message)
 
 
@@ -177,7 +177,7 @@ def slack_payload(alert: Alert) -> dict[str, Any]:
     texts are cut to Slack's 3000 characters and fields to 2000.
     """
     icon = ":white_check_mark:" if alert.state is AlertState.RESOLVED else _EMOJI[alert.severity]
-    title = (f"{icon} [{alert.severity.value.upper()}] {RULE_TITLES[alert.rule]} "
+    title = (f"{icon} [{alert.severity.value.upper()}] {rule_title(alert.rule)} "
              f"{alert.state.value}: run {alert.run_id}, step {alert.step}")
     layers = ", ".join(alert.layers) if alert.layers else "-"
     ranks = ", ".join(str(r) for r in alert.ranks) if alert.ranks else "-"
@@ -195,7 +195,7 @@ def slack_payload(alert: Alert) -> dict[str, Any]:
             ]},
             {"type": "context", "elements": [{"type": "mrkdwn", "text": _mrkdwn(
                 f"gradstream · incident {alert.incident_id} · began at step "
-                f"{alert.first_step} · rule {alert.rule.value}", 3000)}]},
+                f"{alert.first_step} · rule {alert.rule}", 3000)}]},
         ],
         "metadata": {
             "event_type": "gradstream_alert",

@@ -15,7 +15,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from consumer.alerts.engine import RULE_TITLES
+from consumer.alerts.rules import rule_title
 from schemas.alert import Alert, AlertSeverity, AlertState, RunStatus
 from schemas.wire import GradientHealth
 
@@ -69,7 +69,7 @@ class WatchState:
                 self.runs[record.run_id] = record
             return
         self.recent.append(record)
-        key = (record.run_id, record.rule.value)
+        key = (record.run_id, str(record.rule))
         if record.state is AlertState.FIRING:
             self.open[key] = record
         else:
@@ -114,7 +114,7 @@ class WatchState:
             resolved = alert.state is AlertState.RESOLVED
             events.add_row(
                 clock_time(alert.created_at), alert.run_id, str(alert.step),
-                RULE_TITLES[alert.rule],
+                rule_title(alert.rule),
                 Text(alert.severity.value, style=SEVERITY_STYLE[alert.severity]),
                 Text(alert.state.value, style="green" if resolved else "red"),
                 alert.message.removeprefix(f"run {alert.run_id}: "),

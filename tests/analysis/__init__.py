@@ -1,8 +1,9 @@
 """Tests of the ``analysis`` package, and the store builder they share.
 
 :class:`StoreBuilder` writes a real DuckDB file with ``schemas.tables.SCHEMA_DDL`` and
-bulk-inserts rows from pyarrow tables (as the consumer's sink does), deriving the seed-001
-frame fields from a few per-layer numbers per step.
+bulk-inserts rows from pyarrow tables (as the consumer's sink does), deriving the frame
+fields (mean |g|, max |g|, L2 norm, flow intensity, vanishing / exploding flags) from a
+few per-layer numbers per step.
 """
 
 from __future__ import annotations

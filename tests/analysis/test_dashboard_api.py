@@ -12,9 +12,11 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
+from analysis import registry
 from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
 from analysis.plots.grid import FLAG_EXPLODING
+from analysis.registry import ANALYSES
 from tests.analysis import Stat, StoreBuilder
 
 NAMES = ["embed", "block", "head"]
@@ -139,3 +141,95 @@ def test_errors_and_page(live) -> None:  # type: ignore[no-untyped-def]
     assert json.loads(config)["writer"] is True
     for name in ("dashboard.js", "dashboard.css", "heatmap.js"):
         assert get(url + "/static/" + name)[0] == 200
+
+
+# -- the registered analyses ---------------------------------------------------------------
+
+
+def test_analyses_are_listed_with_their_options(live) -> None:  # type: ignore[no-untyped-def]
+    _writer, url = live
+    listed = get_json(url + "/api/analyses")["analyses"]
+    assert [a["name"] for a in listed] == list(ANALYSES)
+    by_name = {a["name"]: a for a in listed}
+    assert by_name["flow"]["help"] == registry.get("flow").help
+    window = by_name["flow"]["options"]["properties"]["window"]
+    assert (window["default"], window["minimum"]) == (50, 1)
+    assert set(by_name["explosion"]["options"]["properties"]) == {"threshold"}
+
+
+def test_analysis_reports_equal_the_direct_build(live) -> None:  # type: ignore[no-untyped-def]
+    writer, url = live
+    cur = writer.cursor()
+    for name, query, values in [
+        ("flow", "&window=4&color_scheme=Monochrome", {"window": 4, "color_scheme": "Monochrome"}),
+        ("explosion", "&threshold=2.5&from_step=3", {"threshold": 2.5}),
+        ("enhanced", "&window=5&alpha=0.05", {"window": 5, "alpha": 0.05}),
+    ]:
+        served = get_json(url + f"/api/analysis/{name}?run=a%2F1{query}")
+        start = 3 if "from_step" in query else None
+        direct = registry.get(name).run(cur, "a/1", start, None, values)
+        assert served == json.loads(direct.model_dump_json()), name
+    flow = get_json(url + "/api/analysis/flow?run=a/1&window=4")
+    assert flow["visualization_config"]["temporal_window"] == 4
+    explosion = get_json(url + "/api/analysis/explosion?run=a/1&threshold=2.5")
+    assert [x["layer_name"] for x in explosion["exploding_layers"]] == ["head"]
+    cur.close()
+
+
+def test_analysis_errors(live) -> None:  # type: ignore[no-untyped-def]
+    _writer, url = live
+
+    def error(path: str) -> tuple[int, str]:
+        status, body, _ = get(url + path)
+        return status, json.loads(body)["error"]
+
+    assert error("/api/analysis/nope?run=a/1") == (
+        404, "no analysis 'nope'; registered: flow, enhanced, explosion, weights")
+    assert error("/api/analysis/flow")[0] == 400
+    status, message = error("/api/analysis/flow?run=zzz")
+    assert status == 404 and "unknown run 'zzz'" in message
+    status, message = error("/api/analysis/flow?run=a/1&window=0")
+    assert status == 400 and "invalid flow options: window" in message
+    status, message = error("/api/analysis/explosion?run=a/1&window=3")
+    assert status == 400 and "explosion has no option window; its options: threshold" in message
+    status, message = error("/api/analysis/weights?run=a/1")
+    assert status == 400 and "weight_stats=True" in message
+    assert error("/api/analysis/flow?run=a/1&from_step=x")[0] == 400
+
+
+def test_weights_report_is_the_command_line_json(tmp_path: Path) -> None:
+    """Served from a store no one writes, the weight report (which holds NaN statistics
+    for a layer without finite weights) is byte-for-byte the JSON of `gradstream analyze`."""
+    import numpy as np
+    import typer
+    from typer.testing import CliRunner
+
+    from analysis.analyze_cli import register
+    from tests.analysis.crafted import write_history
+
+    rng = np.random.default_rng(3)
+    weights = {(i, s): rng.normal(0, 1, 40) for i in range(2) for s in (0, 5)}
+    weights[(2, 0)] = weights[(2, 5)] = np.full(40, np.nan)
+    db = write_history(tmp_path / "w.duckdb", np.ones((3, 6)), names=["x", "y", "z"],
+                       numel=[40, 40, 40], weights=weights)
+    cli = typer.Typer()
+    register(cli)
+
+    @cli.callback()
+    def _root() -> None:
+        """test root"""
+
+    printed = CliRunner().invoke(cli, ["analyze", "--db", str(db), "--kind", "weights",
+                                       "--alpha", "0.05", "--format", "json"])
+    assert printed.exit_code == 0, printed.output
+    cursors = ReadCursors.open_read_only(db)
+    server = DashboardServer(Dashboard(cursors, "token"), "127.0.0.1", 0)
+    server.start()
+    try:
+        served = get_json(server.url + "/api/analysis/weights?run=r&alpha=0.05")
+    finally:
+        server.stop()
+        cursors.close()
+    assert served == json.loads(printed.stdout)
+    z = served["distribution"]["layer_analyses"][2]["statistics"]
+    assert z["count"] == 0 and z["mean"] is None and z["nonfinite"] == 40

@@ -1,4 +1,4 @@
-"""Seed 003 enhanced analysis over crafted histories in a real DuckDB file."""
+"""Enhanced per-layer gradient analysis over crafted histories in a real DuckDB file."""
 
 from __future__ import annotations
 

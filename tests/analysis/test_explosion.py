@@ -1,4 +1,4 @@
-"""Seed 004 gradient explosion analysis over crafted histories in a real DuckDB file."""
+"""Gradient explosion analysis over crafted histories in a real DuckDB file."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""export_csv / export_json: seed formats, quoting of arbitrary names, order, ranges."""
+"""export_csv / export_json: reference formats, quoting of arbitrary names, order, ranges."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_csv_round_trips_nasty_names(nasty_store: Path, tmp_path: Path) -> None:
     assert all(len(r) == 7 for r in rows)
     for step in range(3):
         names = [r[1] for r in rows[1:] if r[0] == str(step)]
-        assert names == sorted(NASTY_NAMES)  # seed order: by name (code points)
+        assert names == sorted(NASTY_NAMES)  # reference order: by name (code points)
     last = {r[1]: r for r in rows[1:] if r[0] == "3"}
     assert last[NASTY_NAMES[0]][5:] == ["1", "0"]
     assert last[NASTY_NAMES[1]][5:] == ["0", "1"]

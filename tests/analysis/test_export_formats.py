@@ -12,9 +12,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from analysis.cli import register
 from analysis.export import TABLE_COLUMNS, export_jsonl, export_parquet, export_run
 from analysis.store import StoreError, open_store
+from deploy.cli.reports import register
 from tests.analysis import EXPLODING, NASTY_NAMES, VANISHING, Stat, StoreBuilder
 
 MODEL = ["z_embed", "m_block", "a_head"]

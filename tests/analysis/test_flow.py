@@ -1,4 +1,4 @@
-"""Seed 002 gradient flow visualisation data over crafted histories in a real DuckDB file."""
+"""Gradient-flow network analysis over crafted histories in a real DuckDB file."""
 
 from __future__ import annotations
 

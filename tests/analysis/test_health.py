@@ -1,4 +1,4 @@
-"""classify_health: the seed-001 thresholds, gradstream's non-finite rule, monotonicity."""
+"""classify_health: the health rule's thresholds, gradstream's non-finite rule, monotonicity."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from schemas.wire import GradientHealth
 H = GradientHealth
 
 
-def seed_classify(
+def float_classify(
     vanishing: bool, exploding: bool, issue_frames: int, frames: int, nonfinite: bool
 ) -> GradientHealth:
-    """Seed 001 ``classify_health`` transcribed with floats, plus the non-finite rule."""
+    """The reference implementation's ``classify_health`` transcribed with floats, plus the
+    non-finite rule."""
     ratio = issue_frames / max(frames, 1)
     if nonfinite:
         return H.CRITICAL
@@ -56,7 +57,7 @@ def seed_classify(
         (False, True, 0, 100, H.PROBLEMS_DETECTED),
         (True, True, 1, 100, H.PROBLEMS_DETECTED),
         (False, False, 0, 100, H.HEALTHY),
-        # no frames: denominator 1, like the seed
+        # no frames: denominator 1, like the reference implementation
         (False, False, 0, 0, H.HEALTHY),
         (True, False, 0, 0, H.MINOR_ISSUES),
         (False, True, 0, 0, H.PROBLEMS_DETECTED),
@@ -83,9 +84,9 @@ flags = st.tuples(st.booleans(), st.booleans(), st.booleans())
 
 
 @given(counts, flags)
-def test_matches_seed_float_rules(c: tuple[int, int], f: tuple[bool, bool, bool]) -> None:
+def test_matches_float_rules(c: tuple[int, int], f: tuple[bool, bool, bool]) -> None:
     issue, frames = c
-    assert classify_health(f[0], f[1], issue, frames, f[2]) is seed_classify(
+    assert classify_health(f[0], f[1], issue, frames, f[2]) is float_classify(
         f[0], f[1], issue, frames, f[2]
     )
 

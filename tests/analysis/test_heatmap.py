@@ -1,4 +1,4 @@
-"""ascii_heatmap: seed-001 layout, glyphs, absent layers, downsampling, ordering."""
+"""ascii_heatmap: reference layout, glyphs, absent layers, downsampling, ordering."""
 
 from __future__ import annotations
 

@@ -71,9 +71,9 @@ def bert_like(steps: int, seed: int = 0) -> np.ndarray:
 def test_layer_at_rounding_level_from_step_0_is_listed_apart_and_run_is_healthy(tmp_path):
     path = write(tmp_path, bert_like(20))
     con = duckdb.connect(str(path), read_only=True)
-    (seed_flags,) = con.execute("SELECT count(*) FROM layer_stats WHERE is_vanishing").fetchone()
+    (flags,) = con.execute("SELECT count(*) FROM layer_stats WHERE is_vanishing").fetchone()
     con.close()
-    assert seed_flags == 20  # the stored seed flag is unchanged
+    assert flags == 20  # the stored threshold flag is unchanged
     summary = report_of(path)
     assert summary.layers_without_gradient == ["attn.key.bias"]
     assert summary.no_gradient_since_step == 0

@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from analysis.cli import register
 from analysis.plots.animation import render_animation
 from analysis.plots.colors import FLAG_COLORS
 from analysis.plots.grid import (
@@ -26,6 +25,7 @@ from analysis.plots.grid import (
 )
 from analysis.plots.render import render_run
 from analysis.store import StoreError, open_store
+from deploy.cli.reports import register
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
 from tests.chromium import chromium_page, image_stats
 

@@ -29,7 +29,6 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from analysis.cli import register
 from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
 from analysis.dashboard.sidecar import (
@@ -46,6 +45,7 @@ from analysis.query import (
     execute_read_only,
     run_query,
 )
+from deploy.cli.reports import register
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
 
 REPO = Path(__file__).resolve().parents[2]

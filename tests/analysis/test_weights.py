@@ -1,4 +1,4 @@
-"""Seed 004 weight distribution and drift from weight statistics in a real DuckDB file."""
+"""Weight distribution and drift from weight statistics in a real DuckDB file."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from analysis.weights import (
     WeightAnalysisReport,
     WeightDriftSeverity,
     build_weight_analysis,
+    moments_from_power_sums,
 )
 from tests.analysis.crafted import open_read, write_history
 
@@ -56,6 +57,23 @@ def test_statistics_from_power_sums_by_hand(tmp_path: Path) -> None:
     assert s.entropy == pytest.approx(-(0.2 * math.log2(0.2) + 0.8 * math.log2(0.4)))
     assert (s.min, s.max, s.zero_fraction, s.count) == (0.0, 3.0, 0.2, 5)
     assert report.distribution.step == 0 and report.drift is None
+
+
+def test_moments_from_power_sums_match_numpy() -> None:
+    """Sets of 50, 2 and 0 values and a constant set: NumPy's central moments where
+    defined; skewness 0 below 3 values, both 0 for a constant set, NaN for an empty one."""
+    rng = np.random.default_rng(7)
+    sets = [rng.gamma(2.0, 1.5, 50) - 1.0, np.array([1.0, 3.0]), np.array([]), np.full(6, 2.5)]
+    n = np.array([w.size for w in sets], dtype=np.float64)
+    sums = [np.array([(w**k).sum() for w in sets]) for k in (1, 2, 3, 4)]
+    m = moments_from_power_sums(n, *sums)
+    mean, std, skew, kurt = central(sets[0])
+    assert (m["mean"][0], m["std"][0]) == pytest.approx((mean, std), rel=1e-12)
+    assert (m["skewness"][0], m["kurtosis"][0]) == pytest.approx((skew, kurt), rel=1e-9)
+    assert (m["mean"][1], m["std"][1], m["skewness"][1], m["kurtosis"][1]) == (2.0, 1.0, 0.0,
+                                                                               0.0)
+    assert all(np.isnan(m[k][2]) for k in ("mean", "std", "skewness", "kurtosis"))
+    assert (m["std"][3], m["skewness"][3], m["kurtosis"][3]) == (0.0, 0.0, 0.0)
 
 
 def test_one_binade_has_zero_entropy(tmp_path: Path) -> None:

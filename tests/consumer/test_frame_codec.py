@@ -67,3 +67,18 @@ def test_local_view_rows_travel_with_the_frame():
     back = LocalRows.from_shard(message)
     for name in ("rank", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs", "nonfinite"):
         np.testing.assert_array_equal(getattr(back, name), getattr(frame.local, name))
+
+
+def test_message_merge_equals_merging_the_message_statistics():
+    """MergedShards.merge_message (sparse histograms) == merge_at(from_message(...))."""
+    frame = _frame(False, True)
+    message = frame_to_message(frame)
+    layers = np.asarray(message.layer_indices)
+    dense = MergedShards.empty(5).merge_at(layers + 2, MergedShards.from_message(message))
+    sparse = MergedShards.empty(5)
+    sparse.merge_message(message.model_copy(update={"layer_indices": (layers + 2).tolist()}))
+    for name in ("gradient", "histogram"):
+        a, b = getattr(sparse, name).state(), getattr(dense, name).state()
+        for key in b:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"{name}.{key}")
+    assert sparse.weight_moments is None and dense.weight_moments is None

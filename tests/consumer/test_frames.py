@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from consumer.frames import MergedShards, compute_frame
 from producer.summary import summarize
+from schemas.stats import GradientSums
 
 
 def _frame_of(grads: dict[str, np.ndarray], van=1e-7, exp=1e3, ranks=(0,), world=1):
@@ -150,24 +151,36 @@ def test_mixed_modes_across_ranks_leave_abs_statistics_unknown():
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 4), st.integers(0, 2**31))
 def test_weight_distribution_merges_exactly_across_ranks(ranks, seed):
-    from consumer.frames import WeightDistribution
-    from producer.weights import weight_statistics
+    from producer.weights import summarize_weights
+    from schemas.stats import WeightMoments
 
     rng = np.random.default_rng(seed)
     parts = [rng.standard_normal(int(rng.integers(1, 50))).astype(np.float32) for _ in range(ranks)]
     parts[0][0] = 0.0
-    dist = WeightDistribution.empty(1)
+    dist = WeightMoments.empty(1)
     for p in parts:
-        w = weight_statistics({"w": p})
-        off = np.array([0, int((w.exp_hist > 0).sum())])
-        cols = np.flatnonzero(w.exp_hist[0])
-        dist.add(np.array([0]), np.array([w.sum, w.sum_cube, w.sum_quad]), w.min, w.max,
-                 w.nonfinite, off, cols, w.exp_hist[0, cols])
-    whole = weight_statistics({"w": np.concatenate(parts)})
+        dist += summarize_weights({"w": p}).moments
+    whole = summarize_weights({"w": np.concatenate(parts)})
     x = np.concatenate(parts).astype(np.float64)
-    assert dist.sum[0] == pytest.approx(x.sum(), rel=1e-9, abs=1e-9)
-    assert dist.sum_cube[0] == pytest.approx((x ** 3).sum(), rel=1e-9, abs=1e-9)
-    assert dist.sum_quad[0] == pytest.approx((x ** 4).sum(), rel=1e-12)
-    assert dist.min[0] == x.min() and dist.max[0] == x.max()
-    assert dist.exp_hist[0].tolist() == whole.exp_hist[0].tolist()
-    assert dist.exp_hist[0, 0] >= 1  # the exact zero
+    assert dist.power.s1[0] == pytest.approx(x.sum(), rel=1e-9, abs=1e-9)
+    assert dist.power.s3[0] == pytest.approx((x ** 3).sum(), rel=1e-9, abs=1e-9)
+    assert dist.power.s4[0] == pytest.approx((x ** 4).sum(), rel=1e-12)
+    assert dist.power.minimum[0] == x.min() and dist.power.maximum[0] == x.max()
+    assert dist.exp_hist.counts[0].tolist() == whole.exp_hist[0].tolist()
+    assert dist.exp_hist.counts[0, 0] >= 1  # the exact zero
+
+
+def test_weight_extremes_ignore_shards_without_finite_weights():
+    """A shard whose weights are all NaN sends min = max = 0.0 (no finite weight); merged
+    with another shard it must not pull the extremes to 0."""
+    from producer.weights import summarize_weights
+
+    merged = MergedShards.empty(1)
+    for w in (np.array([np.nan, np.nan], np.float32), np.array([1.0, 2.0], np.float32)):
+        s = summarize_weights({"w": w})
+        merged.merge_at(np.array([0]), MergedShards(
+            GradientSums.from_columns([2], [0.0], [0.0], [0.0], [0]),
+            weight_moments=s.moments))
+    f = compute_frame("r", 0, merged, vanishing_threshold=1e-7, exploding_threshold=1e3,
+                      ranks_seen=(0, 1), world_size=2, wall_time=0.0)
+    assert (f.weight_min[0], f.weight_max[0], f.weight_nonfinite[0]) == (1.0, 2.0, 2)

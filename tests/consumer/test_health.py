@@ -1,4 +1,4 @@
-"""Run health: the seed's rule at every threshold boundary, incremental updates,
+"""Run health: the health rule at every threshold boundary, incremental updates,
 replacement of rewritten frames, rolling window and restore."""
 
 import numpy as np
@@ -64,7 +64,7 @@ def test_nonfinite_frame_is_critical_and_first_step_kept():
     assert t.health is H.CRITICAL and t.first_nonfinite_step == 7
 
 
-def test_rolling_window_like_seed_max_frames():
+def test_rolling_window_like_reference_max_frames():
     t = RunHealthTracker(4, max_frames=3)
     _update(t, 0, exp=(1,))
     for s in range(1, 10):

@@ -1,4 +1,5 @@
-"""Tests of the local Kafka broker (deploy/broker.py) and `gradstream broker` commands.
+"""Tests of the local Kafka broker (:mod:`deploy.broker`); its commands are tested in
+:mod:`tests.deploy.cli.test_broker`.
 
 Everything here runs a real Kafka (Maven-resolved jars, real JVM, real sockets).
 """
@@ -12,10 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-import typer
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
-from typer.testing import CliRunner
 
 from deploy.broker import (
     KAFKA_VERSION,
@@ -24,7 +23,6 @@ from deploy.broker import (
     LocalBroker,
     resolve_kafka,
 )
-from deploy.broker_cli import register
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -81,12 +79,6 @@ def _find_java() -> Path:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate.resolve()
     pytest.fail("java is not installed: apt-get install openjdk-17-jre-headless")
-
-
-def _cli_app() -> typer.Typer:
-    app = typer.Typer()
-    register(app)
-    return app
 
 
 # ----------------------------------------------------------------------------- resolve
@@ -283,78 +275,6 @@ def test_context_manager(tmp_path: Path, unique_name: str) -> None:
         _produce(broker.bootstrap, topic, [b"x"])
         assert _consume_all(broker.bootstrap, topic, expected=1) == [b"x"]
     assert not broker.status().running
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def test_cli_status_not_running(tmp_path: Path) -> None:
-    result = CliRunner().invoke(_cli_app(), ["broker", "status", "--state-dir", str(tmp_path)])
-    assert result.exit_code == 1
-    assert "not running" in result.output
-
-
-def test_cli_help_lists_commands() -> None:
-    result = CliRunner().invoke(_cli_app(), ["broker", "--help"])
-    assert result.exit_code == 0
-    for command in ("fetch", "start", "stop", "status"):
-        assert command in result.output
-
-
-def test_cli_fetch_prints_directory() -> None:
-    result = CliRunner().invoke(_cli_app(), ["broker", "fetch"])
-    assert result.exit_code == 0, result.output
-    assert Path(result.stdout.strip()) == resolve_kafka()
-
-
-def test_cli_error_is_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))
-    result = CliRunner().invoke(
-        _cli_app(), ["broker", "fetch", "--cache-dir", str(tmp_path / "cache")]
-    )
-    assert result.exit_code == 1
-    assert "Error:" in result.output
-    assert "openjdk-17-jre-headless" in result.output
-    assert "Traceback" not in result.output
-    assert isinstance(result.exception, SystemExit)
-
-
-def test_cli_start_status_stop(tmp_path: Path, unique_name: str) -> None:
-    app = _cli_app()
-    runner = CliRunner()
-    state = ["--state-dir", str(tmp_path)]
-    try:
-        started = runner.invoke(app, ["broker", "start", *state])
-        assert started.exit_code == 0, started.output
-        broker = LocalBroker.from_state(tmp_path)
-        assert f"export KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap}" in started.output
-
-        # The broker outlives the command and really serves requests.
-        topic = f"test-cli-{unique_name}"
-        _produce(broker.bootstrap, topic, [b"hello"])
-        assert _consume_all(broker.bootstrap, topic, expected=1) == [b"hello"]
-
-        status = runner.invoke(app, ["broker", "status", *state])
-        assert status.exit_code == 0, status.output
-        assert "running" in status.output and broker.bootstrap in status.output
-
-        again = runner.invoke(app, ["broker", "start", *state])
-        assert again.exit_code == 0, again.output
-        assert "already running" in again.output
-        assert broker.bootstrap in again.output
-
-        stopped = runner.invoke(app, ["broker", "stop", *state])
-        assert stopped.exit_code == 0, stopped.output
-        assert "Stopped" in stopped.output
-        assert not LocalBroker.from_state(tmp_path).status().running
-
-        status = runner.invoke(app, ["broker", "status", *state])
-        assert status.exit_code == 1
-        stopped = runner.invoke(app, ["broker", "stop", *state])
-        assert stopped.exit_code == 0
-        assert "No Kafka broker running" in stopped.output
-    finally:
-        LocalBroker(tmp_path).stop()
 
 
 def test_kafka_bootstrap_fixture_serves(kafka_bootstrap: str, unique_name: str) -> None:

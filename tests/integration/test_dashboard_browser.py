@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.serve_cli import ServedWorker
 from consumer.settings import ConsumerSettings
+from deploy.serve import ServedWorker
 from producer import GradientProducer
 from tests.chromium import chromium_page, image_stats
 

@@ -357,3 +357,25 @@ def test_falls_back_to_numpy_when_a_kernel_fails(
 
 def test_warmup_returns_backend(backend: str):
     assert summary.warmup() == backend
+
+
+def test_summaries_convert_to_the_mergeable_statistics():
+    """Either backend's output wraps into schemas.stats objects equal to updating them
+    with the raw gradients, and back (LayerSummaries.from_statistics)."""
+    from schemas.stats import ExponentHistogram, GradientSums
+
+    grads = {"a": np.array([3.0, -4.0, np.nan], np.float32), "b": np.arange(-5.0, 6.0)}
+    s = summarize(grads, histogram=True)
+    sums, hist = s.gradient_sums(), s.exponent_histogram()
+    ref = GradientSums.from_layers(list(grads.values()))
+    for key, value in ref.state().items():
+        np.testing.assert_allclose(sums.state()[key], value, rtol=1e-15, err_msg=key)
+    np.testing.assert_array_equal(hist.counts, ExponentHistogram.from_layers(
+        list(grads.values())).counts)
+    back = LayerSummaries.from_statistics(s.names, sums, hist)
+    np.testing.assert_array_equal(back.exp_hist, s.exp_hist)
+    assert not s.norms_only().gradient_sums().has_abs().any()
+    with pytest.raises(ValueError, match="norms_only"):
+        LayerSummaries.from_statistics(s.names, s.norms_only().gradient_sums())
+    with pytest.raises(ValueError, match="2 layers"):
+        LayerSummaries.from_statistics(("a", "b"), GradientSums.empty(3))

@@ -1,10 +1,10 @@
-"""Weight statistics (producer.weights): power sums, extremes and histogram of the weights."""
+"""Weight summaries (producer.weights): power sums, extremes and histogram of the weights."""
 
 import numpy as np
 import pytest
 
 from producer.summary import exp_hist_column
-from producer.weights import weight_statistics
+from producer.weights import summarize_weights
 
 
 def test_moments_extremes_and_histogram_against_numpy():
@@ -12,7 +12,7 @@ def test_moments_extremes_and_histogram_against_numpy():
     w = rng.standard_normal((300, 7)).astype(np.float32)
     w[0, :3] = 0.0
     b = np.array([np.nan, 2.0, -0.5, np.inf], np.float32)
-    s = weight_statistics({"w": w, "b": b})
+    s = summarize_weights({"w": w, "b": b})
     x = w.astype(np.float64).ravel()
     assert s.sum[0] == pytest.approx(x.sum(), rel=1e-12)
     assert s.sum_cube[0] == pytest.approx((x ** 3).sum(), rel=1e-12)
@@ -31,11 +31,41 @@ def test_moments_extremes_and_histogram_against_numpy():
 def test_update_norm_against_previous_copy():
     w0 = {"w": np.ones(5, np.float32)}
     w1 = {"w": np.full(5, 1.5, np.float32)}
-    s = weight_statistics(w1, previous={"w": w0["w"].copy()})
+    s = summarize_weights(w1, previous={"w": w0["w"].copy()})
     assert s.update_sum_sq.tolist() == [5 * 0.25]
-    assert weight_statistics(w1, previous={"w": np.ones(4, np.float32)}).update_sum_sq is None
+    assert summarize_weights(w1, previous={"w": np.ones(4, np.float32)}).update_sum_sq is None
 
 
 def test_all_nonfinite_layer_has_zero_extremes():
-    s = weight_statistics({"w": np.array([np.nan, np.inf])})
+    s = summarize_weights({"w": np.array([np.nan, np.inf])})
     assert (s.min[0], s.max[0], s.sum[0], s.nonfinite[0]) == (0.0, 0.0, 0.0, 2)
+
+
+def test_former_names_warn_and_point_to_the_new_ones():
+    import producer.weights as weights
+
+    with pytest.warns(DeprecationWarning, match="summarize_weights"):
+        assert weights.weight_statistics is summarize_weights
+    with pytest.warns(DeprecationWarning, match="WeightSummaries"):
+        assert weights.WeightStatistics is weights.WeightSummaries
+    with pytest.raises(AttributeError):
+        _ = weights.no_such_name
+
+
+def test_parts_agree_with_the_mergeable_statistics():
+    """The fused histogram pass and the NumPy power sums describe the same weights:
+    WeightMoments.update over the raw weights gives the same state."""
+    from schemas.stats import WeightMoments
+
+    rng = np.random.default_rng(5)
+    w = {"a": rng.standard_normal(1000).astype(np.float32),
+         "b": np.array([0.0, np.nan, 3.0, -np.inf, 1e-30], np.float32)}
+    s = summarize_weights(w)
+    ref = WeightMoments.empty(2)
+    for i, x in enumerate(w.values()):
+        ref.update(x, i)
+    got, want = s.moments.state(), ref.state()
+    for key in s.moments.exact_fields():
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    for key in set(got) - s.moments.exact_fields():
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-12, err_msg=key)

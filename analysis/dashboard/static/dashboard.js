@@ -1,6 +1,7 @@
 /* gradstream live dashboard: polls the JSON endpoints of analysis.dashboard.server and
  * redraws the runs (health badges), the heatmap of the selected run, the alerts feed and
- * the selected layer's norm series. All text from the store goes in via textContent. */
+ * the selected layer's norm series, with download and analysis-report links for the
+ * selected run. All text from the store goes in via textContent. */
 (function () {
   "use strict";
   const config = JSON.parse(document.getElementById("config").textContent);
@@ -217,19 +218,36 @@
     refresh();
   }
 
+  // The registered analyses (name, help), fetched once: one report link each.
+  let analyses = [];
+  getJSON("/api/analyses").then((body) => {
+    analyses = body.analyses;
+    updateExports();
+  }).catch(() => {});
+
   function updateExports() {
-    const box = $("exports");
+    const box = $("exports"), reports = $("analyses");
     box.textContent = "";
+    reports.textContent = "";
     if (state.run === null) return;
+    let range = "";
+    if ($("from-step").value !== "") range += "&from_step=" + q($("from-step").value);
+    if ($("to-step").value !== "") range += "&to_step=" + q($("to-step").value);
     for (const fmt of config.export_formats) {
       const a = el("a", "export", fmt.toUpperCase());
       a.dataset.format = fmt;
-      let href = "/api/export?run=" + q(state.run) + "&format=" + fmt;
-      if ($("from-step").value !== "") href += "&from_step=" + q($("from-step").value);
-      if ($("to-step").value !== "") href += "&to_step=" + q($("to-step").value);
-      a.href = href;
+      a.href = "/api/export?run=" + q(state.run) + "&format=" + fmt + range;
       a.setAttribute("download", "");
       box.appendChild(a);
+    }
+    for (const analysis of analyses) {
+      const a = el("a", "analysis", analysis.name);
+      a.dataset.analysis = analysis.name;
+      a.title = analysis.help;
+      a.href = "/api/analysis/" + q(analysis.name) + "?run=" + q(state.run) + range;
+      a.target = "_blank";
+      a.rel = "noopener";
+      reports.appendChild(a);
     }
   }
   $("from-step").addEventListener("change", updateExports);

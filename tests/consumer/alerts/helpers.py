@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from consumer.alerts.config import AlertRulesConfig, load_alert_rules
+from consumer.alerts.config import AlertRulesBase, load_alert_rules
 from consumer.alerts.engine import AlertEngine
+from consumer.alerts.rules import rule_names
 from consumer.frames import GradientFrame, MergedShards, compute_frame
 from consumer.health import RunHealthTracker
 from consumer.runs import RunInfo
@@ -84,14 +85,15 @@ class Run:
         self.events.extend(out)
         return out
 
-    def of(self, rule: AlertRule) -> list[Alert]:
+    def of(self, rule: AlertRule | str) -> list[Alert]:
         """Events of one rule so far."""
-        return [e for e in self.events if e.rule is rule]
+        return [e for e in self.events if e.rule == rule]
 
 
-def only(rule: str, **fields: object) -> AlertRulesConfig:
-    """Rules with only ``rule`` enabled, with ``fields`` set on it."""
-    overrides = [f"{r.value}.enabled=false" for r in AlertRule if r.value != rule]
+def only(rule: str, **fields: object) -> AlertRulesBase:
+    """Rules with only ``rule`` enabled (of the registered rules), with ``fields`` set on
+    it."""
+    overrides = [f"{name}.enabled=false" for name in rule_names() if name != rule]
     overrides += [f"{rule}.{k}={v}" for k, v in fields.items()]
     return load_alert_rules(None, overrides)
 

@@ -1,15 +1,15 @@
-"""A straight port of seed 003's ``EnhancedGradientAnalyzer::generate_enhanced_analysis``
-(trustformers-debug ``enhanced_analysis.rs``), for the scaling comparison of
-``bench/analysis_scale.py``.
+"""A straight port of the reference enhanced analysis
+(``EnhancedGradientAnalyzer::generate_enhanced_analysis`` of trustformers-debug's
+``enhanced_analysis`` module), for the scaling comparison of ``bench/analysis_scale.py``.
 
-It keeps the seed's algorithm: one in-memory history per layer in a ``dict`` (the seed's
-``HashMap``), per-layer statistics recomputed by every helper that needs them (health
+It keeps the reference algorithm: one in-memory history per layer in a ``dict`` (the
+reference's ``HashMap``), per-layer statistics recomputed by every helper that needs them (health
 metrics and suggestions recompute the statistics and the flow characteristics), and the
 comparative analysis that computes the statistics of every other layer, twice, for every
 layer (O(L^2 x T) with a sort per history), then all layer pairs for the interactions.
-Inner loops over one history use NumPy (as fast per element as the seed's compiled
-loops), so the comparison isolates the algorithm, not the language. Placeholders are kept
-as in the seed: this is the reference to time, not an analysis to use.
+Inner loops over one history use NumPy (as fast per element as the reference's
+compiled loops), so the comparison isolates the algorithm, not the language. Placeholders are kept
+as in the reference: this is the algorithm to time, not an analysis to use.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 
 CONVERGENCE_WINDOW = 100
-"""Seed 003 ``EnhancedGradientAnalyzer::default`` convergence window."""
+"""Convergence window of the reference ``EnhancedGradientAnalyzer::default``."""
 STABILITY_THRESHOLD = 0.8
-"""Seed 003 ``EnhancedGradientAnalyzer::default`` stability threshold."""
+"""Stability threshold of the reference ``EnhancedGradientAnalyzer::default``."""
 
 
 def detailed_stats(norms: np.ndarray) -> dict[str, float]:

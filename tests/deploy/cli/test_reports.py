@@ -1,4 +1,5 @@
-"""The report and export commands, registered on a fresh Typer app."""
+"""`gradstream report` and `export` (:mod:`deploy.cli.reports`), registered on a fresh Typer
+app."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from analysis.cli import register
+from deploy.cli.reports import register
 from tests.analysis import EXPLODING, NASTY_NAMES, Stat, StoreBuilder, healthy_stat
 
 MODEL = ["z_embed", "m_block", "a_head"]

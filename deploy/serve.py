@@ -1,29 +1,25 @@
-"""``gradstream serve``: the consumer worker and the live dashboard in one process.
+"""A consumer worker and the live dashboard in one process (what ``gradstream serve`` runs).
 
 DuckDB lets one process write the store, and while it does no other process can read it.
-So the process that writes is the one that serves: ``serve`` runs a consumer worker
-(``consumer.worker.Worker``, the same as ``gradstream consume``) on a background thread,
-takes a read cursor on the worker's database instance as soon as the store is open, and
-serves the dashboard and ``/api/query`` from it (:mod:`analysis.dashboard`). It advertises
-itself in ``<db>.serve.json`` so that ``gradstream query`` finds it; the file is removed
-on exit. With ``--no-consume`` it serves an existing store read-only instead.
+So the process that writes is the one that serves: :class:`ServedWorker` runs a consumer
+worker (:class:`consumer.worker.Worker`, the same as ``gradstream consume``) on a background
+thread, takes a read cursor on the worker's database instance as soon as the store is open,
+and serves the dashboard and ``/api/query`` from it (:mod:`analysis.dashboard`). It
+advertises itself in ``<db>.serve.json`` so that ``gradstream query`` finds it; the file is
+removed on stop. :class:`ServedStore` serves a store no process writes, read-only.
 
-:class:`ServedWorker` packages this for other commands (e.g. a demo that wants its worker
-to serve the page too).
+This joins the consumer and the analysis packages, which do not import each other, so it
+lives in ``deploy``; the demo uses it too, to serve the page while it trains.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
-
-import typer
-from rich.console import Console
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from analysis.dashboard.cursors import ReadCursors
@@ -41,7 +37,7 @@ class ServeError(Exception):
     """The dashboard could not start; ``str(exc)`` tells the user what to do."""
 
 
-def _client_url(url: str, host: str) -> str:
+def client_url(url: str, host: str) -> str:
     """The URL clients should use: a wildcard bind is reached on loopback."""
     if host in ("0.0.0.0", ""):
         return url.replace("://0.0.0.0:", "://127.0.0.1:", 1)
@@ -101,7 +97,7 @@ class ServedWorker:
         while not opened.wait(0.05):
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self._thread.join(5)
-                raise ServeError(_worker_failure(self.worker.error, self.settings.db))
+                raise ServeError(worker_failure(self.worker.error, self.settings.db))
         self.cursors = ReadCursors.from_connection(roots[0], self.settings.db)
         self._serve(self.cursors, writer=True)
         return self.url
@@ -128,7 +124,7 @@ class ServedWorker:
                 "(choose another --port, or stop the process using it)"
             ) from None
         self.server.start()
-        self.url = _client_url(self.server.url, self.host)
+        self.url = client_url(self.server.url, self.host)
         write_sidecar(cursors.db, self.url, token, writer=writer)
 
     def _status(self) -> dict[str, Any]:
@@ -206,7 +202,9 @@ class ServedStore(ServedWorker):
         return True
 
 
-def _worker_failure(error: BaseException | None, db: str) -> str:
+def worker_failure(error: BaseException | None, db: str) -> str:
+    """What to tell the user when the worker serving ``db`` stopped with ``error`` (None:
+    it never opened the store)."""
     if error is None:
         return "the consumer worker did not open the store in time"
     text = str(error)
@@ -214,123 +212,3 @@ def _worker_failure(error: BaseException | None, db: str) -> str:
         return (f"the store {db} is held by another process (a `gradstream consume` or "
                 "`serve`?). Stop it, or use --db for another file.")
     return f"the consumer worker failed: {text}"
-
-
-def serve(
-    db: Annotated[
-        Path | None,
-        typer.Option(help="DuckDB store to write and serve (created if absent). "
-                     "Default: $GRADSTREAM_DB or ./gradstream.duckdb."),
-    ] = None,
-    host: Annotated[
-        str,
-        typer.Option(envvar="GRADSTREAM_SERVE_HOST",
-                     help="Address to listen on. Loopback by default; another address "
-                     "exposes your gradient history to that network."),
-    ] = "127.0.0.1",
-    port: Annotated[
-        int,
-        typer.Option(envvar="GRADSTREAM_SERVE_PORT", min=0, max=65535,
-                     help="TCP port (0 = any free port; the URL is printed)."),
-    ] = DEFAULT_PORT,
-    consume: Annotated[
-        bool,
-        typer.Option("--consume/--no-consume",
-                     help="Run the consumer worker (write the store from Kafka) or only "
-                     "serve an existing store read-only."),
-    ] = True,
-    bootstrap_servers: Annotated[
-        str | None,
-        typer.Option(help="Kafka bootstrap servers host:port[,host:port]. "
-                     "Default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092."),
-    ] = None,
-    topic: Annotated[str | None, typer.Option(help="Summaries topic to consume.")] = None,
-    dlq_topic: Annotated[
-        str | None, typer.Option(help="Dead-letter topic for unusable messages.")
-    ] = None,
-    alerts_topic: Annotated[
-        str | None, typer.Option(help="Topic for alert events and run statuses.")
-    ] = None,
-    group_id: Annotated[str | None, typer.Option("--group", help="Kafka consumer group.")] = None,
-    shard_timeout: Annotated[
-        float | None,
-        typer.Option(help="Seconds to wait for every rank of a step before storing the "
-                     "frame as partial."),
-    ] = None,
-    alert_rules: Annotated[
-        Path | None,
-        typer.Option("--alert-rules", metavar="FILE", help="Alert rules file (.toml/.yaml)."),
-    ] = None,
-    refresh: Annotated[
-        float,
-        typer.Option(min=0.1, help="Seconds between two refreshes of the page."),
-    ] = 1.0,
-    query_timeout: Annotated[
-        float,
-        typer.Option(min=0.1, help="Longest SQL query answered for `gradstream query`, s."),
-    ] = 120.0,
-    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR.")] = "INFO",
-) -> None:
-    """Consume gradient summaries into the store AND serve the live dashboard from the same
-    process: runs with health badges, a heatmap that grows while a run streams, the alerts
-    feed, drill-down into a layer, export downloads. `gradstream query` goes through this
-    process while it holds the store. Stops on Ctrl-C / SIGTERM.
-
-    Other worker settings: GRADSTREAM_<SETTING> environment variables, as for `consume`."""
-    from consumer.settings import ConsumerSettings
-
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    console = Console(stderr=True, highlight=False)
-    served: ServedWorker
-    if consume:
-        overrides: dict[str, Any] = {
-            "bootstrap_servers": bootstrap_servers, "db": str(db) if db else None,
-            "topic": topic, "dlq_topic": dlq_topic, "alerts_topic": alerts_topic,
-            "group_id": group_id, "shard_timeout_s": shard_timeout,
-            "alert_rules": str(alert_rules) if alert_rules else None,
-        }
-        settings = ConsumerSettings(**{k: v for k, v in overrides.items() if v is not None})
-        served = ServedWorker(settings, host, port, refresh, query_timeout)
-        store = settings.db
-    else:
-        store = str(db or Path(ConsumerSettings().db))
-        served = ServedStore(Path(store), host, port, refresh, query_timeout)
-
-    stop = threading.Event()
-
-    def _stop(signum: int, _frame: object) -> None:
-        log.info("received %s: stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        url = served.start()
-    except ServeError as exc:
-        console.print(f"error: {exc}", style="bold red", markup=False)
-        raise typer.Exit(1) from None
-    mode = "consuming into" if consume else "serving read-only"
-    console.print(f"gradstream dashboard: {url}/  ({mode} {store})", markup=False)
-    failed = False
-    try:
-        while not stop.wait(0.5):
-            if not served.alive():
-                failed = True
-                break
-    finally:
-        served.stop()
-    if failed:
-        error = served.worker.error if served.worker is not None else None
-        console.print(f"error: {_worker_failure(error, store)}", style="bold red", markup=False)
-        raise typer.Exit(1)
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``serve`` to the root application."""
-    app.command(
-        "serve", help=serve.__doc__,
-        short_help="Consume into DuckDB and serve the live dashboard (and SQL) from it.",
-    )(serve)

@@ -2,56 +2,42 @@
 
 ``alerts`` lists stored alert events from the DuckDB store, or tails the alerts topic with
 ``--follow``. While a worker holds the store (DuckDB allows one writing process), the list
-is read from the alerts topic instead. ``watch`` is a live terminal view fed by the alerts
-topic only, so it works next to running workers. ``alert-rules`` checks a rule file and
-prints the effective rules.
+is read from the alerts topic instead (:mod:`consumer.alerts.listing`). ``watch`` is a live
+terminal view fed by the alerts topic only (:mod:`consumer.alerts.watch`), so it works next
+to running workers. ``alert-rules`` checks a rule file and prints the effective rules
+(:mod:`consumer.alerts.config`).
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+
+from deploy.cli.errors import fail
+from deploy.cli.options import (
+    DEFAULT_DB,
+    AlertSetOption,
+    AlertsTopicOption,
+    BootstrapServersOption,
+    DbOption,
+    DurationOption,
+    given,
+)
 
 if TYPE_CHECKING:
     from consumer.settings import ConsumerSettings
     from schemas.alert import Alert
 
-DbOption = Annotated[
-    Path,
-    typer.Option("--db", envvar="GRADSTREAM_DB",
-                 help="DuckDB store written by `gradstream consume` (env GRADSTREAM_DB)."),
-]
-BootstrapOption = Annotated[
-    str | None,
-    typer.Option(help="Kafka bootstrap servers host:port[,...]. Default: "
-                 "$KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092."),
-]
-TopicOption = Annotated[
-    str | None,
-    typer.Option("--alerts-topic", help="Alerts topic. Default: $GRADSTREAM_ALERTS_TOPIC or "
-                 "gradstream.alerts."),
-]
-DurationOption = Annotated[
-    float | None,
-    typer.Option(min=0, help="Stop after this many seconds (default: until Ctrl-C)."),
-]
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    Console(stderr=True, highlight=False).print(f"error: {message}", style="bold red",
-                                                markup=False, soft_wrap=True)
-    raise typer.Exit(code)
-
 
 def _settings(bootstrap_servers: str | None, alerts_topic: str | None) -> ConsumerSettings:
     from consumer.settings import ConsumerSettings
 
-    given = {"bootstrap_servers": bootstrap_servers, "alerts_topic": alerts_topic}
-    return ConsumerSettings(**{k: v for k, v in given.items() if v is not None})
+    return ConsumerSettings(**given(bootstrap_servers=bootstrap_servers,
+                                    alerts_topic=alerts_topic))
 
 
 def _kafka_problem(settings: ConsumerSettings, exc: BaseException) -> str:
@@ -73,7 +59,7 @@ def _row(alert: Alert) -> list[str]:
         alert.created_at)
     layers = ", ".join(alert.layers[:5]) + (f" +{len(alert.layers) - 5}"
                                             if len(alert.layers) > 5 else "")
-    return [stamp, alert.run_id, str(alert.step), alert.rule.value, alert.severity.value,
+    return [stamp, alert.run_id, str(alert.step), str(alert.rule), alert.severity.value,
             alert.state.value, layers or "-", ",".join(map(str, alert.ranks)) or "-",
             alert.message.removeprefix(f"run {alert.run_id}: ")]
 
@@ -91,59 +77,11 @@ def _print_line(console: Console, alert: Alert, as_json: bool) -> None:
                   highlight=False)
 
 
-def _from_store(db: Path, run: str | None, rule: str | None, state: str | None,
-                limit: int) -> list[Alert] | None:
-    """Alerts from the store; None when a worker holds it (locked)."""
-    import duckdb
-
-    from consumer.alerts.rows import read_alerts
-
-    if not db.exists():
-        _fail(f"no gradstream store at {str(db)!r} (pass --db or set GRADSTREAM_DB; "
-              "--follow reads the alerts topic instead)")
-    try:
-        con = duckdb.connect(str(db), read_only=True)
-    except duckdb.IOException as exc:
-        if "lock" in str(exc).lower():
-            return None
-        _fail(f"cannot open the store {str(db)!r}: {exc}")
-    except duckdb.ConnectionException:
-        return None  # open for writing in this very process (a worker thread)
-    try:
-        has_table = con.execute(
-            "SELECT count(*) FROM duckdb_tables() WHERE table_name = 'alerts'").fetchone()
-        if not has_table or not has_table[0]:
-            _fail(f"{str(db)!r} has no alerts table: not a gradstream store")
-        return read_alerts(con, run, rule, state, limit or None)
-    finally:
-        con.close()
-
-
-def _from_topic(settings: ConsumerSettings, run: str | None, rule: str | None,
-                state: str | None, limit: int) -> list[Alert]:
-    from consumer.alerts.feed import AlertFeed
-    from schemas.alert import Alert
-
-    feed = AlertFeed(settings, settings.alerts_topic, since=0)
-    try:
-        records = feed.read_to_end()
-    finally:
-        feed.close()
-    alerts = [
-        r for r in records if isinstance(r, Alert)
-        and (run is None or r.run_id == run) and (rule is None or r.rule.value == rule)
-        and (state is None or r.state.value == state)
-    ]
-    unique = {a.alert_id: a for a in alerts}  # a replayed event appears once
-    ordered = sorted(unique.values(), key=lambda a: a.created_at)
-    return ordered[-limit:] if limit else ordered
-
-
 def alerts(
     run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
     rule: Annotated[str | None, typer.Option(
-        help="Only this rule: run_health, nonfinite, exploding, vanishing, grad_norm_spike, "
-        "stalled, missing_ranks or replica_divergence.")] = None,
+        help="Only this rule, by name (e.g. nonfinite; `gradstream alert-rules` lists "
+        "every rule).")] = None,
     state: Annotated[str | None, typer.Option(help="Only 'firing' or 'resolved' events.")] = None,
     follow: Annotated[bool, typer.Option(
         "--follow", "-f", help="Tail the alerts topic (works while workers run).")] = False,
@@ -152,9 +90,9 @@ def alerts(
     limit: Annotated[int, typer.Option(
         min=0, help="Show the newest N events (0 = all). Not with --follow.")] = 200,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
-    db: DbOption = Path("gradstream.duckdb"),
-    bootstrap_servers: BootstrapOption = None,
-    alerts_topic: TopicOption = None,
+    db: DbOption = Path(DEFAULT_DB),
+    bootstrap_servers: BootstrapServersOption = None,
+    alerts_topic: AlertsTopicOption = None,
     duration: DurationOption = None,
     count: Annotated[int | None, typer.Option(
         min=1, help="With --follow: stop after printing this many events.")] = None,
@@ -165,12 +103,19 @@ def alerts(
     from rich.table import Table
 
     from consumer.alerts.feed import AlertFeed, TopicMissingError
-    from schemas.alert import Alert, AlertRule, AlertState
+    from consumer.alerts.listing import (
+        StoreUnreadableError,
+        alert_matches,
+        alerts_from_store,
+        alerts_from_topic,
+    )
+    from consumer.alerts.rules import rule_names
+    from schemas.alert import Alert, AlertState
 
-    if rule is not None and rule not in {r.value for r in AlertRule}:
-        _fail(f"unknown rule {rule!r}; choose from {', '.join(r.value for r in AlertRule)}", 2)
+    if rule is not None and rule not in rule_names():
+        fail(f"unknown rule {rule!r}; choose from {', '.join(rule_names())}", 2)
     if state is not None and state not in {s.value for s in AlertState}:
-        _fail("--state must be 'firing' or 'resolved'", 2)
+        fail("--state must be 'firing' or 'resolved'", 2)
     console = Console(highlight=False)
     settings = _settings(bootstrap_servers, alerts_topic)
     if follow:
@@ -183,16 +128,14 @@ def alerts(
                                           f"{settings.alerts_topic!r} to be created..."),
             )
         except (TopicMissingError, KafkaError) as exc:
-            _fail(_kafka_problem(settings, exc))
+            fail(_kafka_problem(settings, exc))
         deadline = None if duration is None else time.monotonic() + duration
         printed = 0
         try:
             while (deadline is None or time.monotonic() < deadline) and (
                     count is None or printed < count):
                 for record in feed.poll(200):
-                    if (isinstance(record, Alert) and (run is None or record.run_id == run)
-                            and (rule is None or record.rule.value == rule)
-                            and (state is None or record.state.value == state)):
+                    if isinstance(record, Alert) and alert_matches(record, run, rule, state):
                         _print_line(console, record, as_json)
                         printed += 1
         except KeyboardInterrupt:
@@ -200,15 +143,18 @@ def alerts(
         finally:
             feed.close()
         return
-    events = _from_store(db, run, rule, state, limit)
+    try:
+        events = alerts_from_store(db, run, rule, state, limit)
+    except StoreUnreadableError as exc:
+        fail(str(exc))
     if events is None:
         Console(stderr=True).print(
             f"the store {str(db)!r} is held by a running worker: reading the alerts topic "
             f"{settings.alerts_topic!r} instead")
         try:
-            events = _from_topic(settings, run, rule, state, limit)
+            events = alerts_from_topic(settings, run, rule, state, limit)
         except (TopicMissingError, KafkaError, TimeoutError) as exc:
-            _fail(_kafka_problem(settings, exc))
+            fail(_kafka_problem(settings, exc))
     if as_json:
         for event in events:
             print(event.model_dump_json())
@@ -226,8 +172,8 @@ def alerts(
 
 
 def watch(
-    bootstrap_servers: BootstrapOption = None,
-    alerts_topic: TopicOption = None,
+    bootstrap_servers: BootstrapServersOption = None,
+    alerts_topic: AlertsTopicOption = None,
     since: Annotated[float, typer.Option(
         min=0, help="Start with the records of the last SECONDS (runs and alerts).")] = 600.0,
     max_alerts: Annotated[int, typer.Option(
@@ -256,7 +202,7 @@ def watch(
                                           f"{settings.alerts_topic!r} to be created..."),
         )
     except (TopicMissingError, KafkaError) as exc:
-        _fail(_kafka_problem(settings, exc))
+        fail(_kafka_problem(settings, exc))
     state = WatchState(max_alerts)
     deadline = None if duration is None else time.monotonic() + duration
     try:
@@ -275,27 +221,23 @@ def watch(
 def alert_rules(
     file: Annotated[Path | None, typer.Argument(
         help="Rule file (.toml, .yaml or .yml) to check. Default: built-in rules.")] = None,
-    alert_set: Annotated[list[str] | None, typer.Option(
-        "--alert-set", metavar="RULE.FIELD=VALUE",
-        help="Override one setting (repeatable), as `gradstream consume --alert-set`.")] = None,
+    alert_set: AlertSetOption = None,
 ) -> None:
     """Check alert rules and print the effective configuration (YAML, every default
     filled in). A mistake is reported with its file line and reason, exit status 2.
 
-    Rules: run_health (health at or above `level`), nonfinite (NaN/Inf in any layer),
-    exploding / vanishing (a layer flagged `consecutive` frames in a row),
-    grad_norm_spike (robust z-score of ln grad_norm over a rolling `window`),
-    stalled (no frame for `after_s`, or `interval_factor` x the run's median step
-    interval), missing_ranks (`consecutive` partial frames), replica_divergence
-    (replicas of a layer that disagree after the all-reduce). Each has `enabled`,
+    The output has one section per rule a worker evaluates (the registry
+    consumer.alerts.rules.RULES, e.g. nonfinite, exploding, stalled; each rule's module
+    there documents its condition), named after the rule, then `max_layer_values`.
+    Every rule has `enabled`,
     `severity` (info, warning, critical) and `resolve_after` (clear frames in a row
-    that resolve an incident)."""
+    that resolve an incident), plus its own settings."""
     from consumer.alerts.config import AlertConfigError, dump_alert_rules, load_alert_rules
 
     try:
         rules = load_alert_rules(file, alert_set or ())
     except AlertConfigError as exc:
-        _fail(f"invalid alert rules:\n{exc}", 2)
+        fail(f"invalid alert rules:\n{exc}", 2)
     print(dump_alert_rules(rules), end="")
 
 

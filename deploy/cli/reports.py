@@ -1,9 +1,10 @@
-"""The ``report``, ``export``, ``plot`` and ``query`` subcommands, and ``serve`` (from
-:mod:`analysis.serve_cli`), added to the root app by ``register``.
+"""``gradstream report``, ``export``, ``plot`` and ``query``: read the store
+(:mod:`analysis.report`, :mod:`analysis.export`, :mod:`analysis.plots`,
+:mod:`analysis.query`).
 
-DuckDB and the analysis modules are imported inside the commands, so building the
-``gradstream`` command (and ``--help``) stays fast. Errors are printed in red on stderr,
-without a traceback, and exit with status 1.
+While ``gradstream serve`` holds the store, ``export`` and ``query`` go through the
+serving process. Errors are printed in red on stderr, without a traceback, and exit with
+status 1.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
+from deploy.cli.errors import fail
+from deploy.cli.options import DEFAULT_DB, DbOption, FromStepOption, RunOption, ToStepOption
+
 if TYPE_CHECKING:
     from analysis.dashboard.sidecar import ServeInfo
-
-DEFAULT_DB = "gradstream.duckdb"
-"""Store file used when neither ``--db`` nor ``GRADSTREAM_DB`` is given."""
 
 
 class ReportFormat(StrEnum):
@@ -56,38 +57,6 @@ class LayerOrder(StrEnum):
 
     NAME = "name"
     MODEL = "model"
-
-
-DbOption = Annotated[
-    Path,
-    typer.Option(
-        "--db",
-        envvar="GRADSTREAM_DB",
-        help="DuckDB store written by `gradstream consume` (env GRADSTREAM_DB).",
-        show_default=True,
-    ),
-]
-RunOption = Annotated[
-    str | None,
-    typer.Option(
-        "--run",
-        help="Run id. Optional when the store holds exactly one run.",
-        show_default=False,
-    ),
-]
-FromOption = Annotated[
-    int | None,
-    typer.Option("--from-step", min=0, help="First optimiser step included (inclusive)."),
-]
-ToOption = Annotated[
-    int | None,
-    typer.Option("--to-step", min=0, help="Last optimiser step included (inclusive)."),
-]
-
-
-def _fail(message: str) -> NoReturn:
-    Console(stderr=True, highlight=False).print(f"error: {message}", style="bold red", markup=False)
-    raise typer.Exit(code=1)
 
 
 @contextmanager
@@ -141,8 +110,8 @@ def report(
     all_runs: Annotated[
         bool, typer.Option("--all", help="Report every run in the store (ignores --run).")
     ] = False,
-    from_step: FromOption = None,
-    to_step: ToOption = None,
+    from_step: FromStepOption = None,
+    to_step: ToStepOption = None,
     heatmap: Annotated[
         bool,
         typer.Option(
@@ -196,7 +165,7 @@ def report(
         finally:
             con.close()
     except (StoreError, ValueError, duckdb.Error) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if output_format is ReportFormat.JSON:
         payload: object = documents if all_runs else documents[0]
         typer.echo(json.dumps(payload, indent=2, ensure_ascii=False))
@@ -222,8 +191,8 @@ def export(
             show_default=False,
         ),
     ] = None,
-    from_step: FromOption = None,
-    to_step: ToOption = None,
+    from_step: FromStepOption = None,
+    to_step: ToStepOption = None,
     order: Annotated[
         LayerOrder,
         typer.Option("--order", help="Layers within a step: by name (seed) or model order."),
@@ -265,7 +234,7 @@ def export(
                 finally:
                     con.close()
     except (StoreError, QueryError, ValueError, duckdb.Error) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     unit = "frames" if output_format is ExportFormat.JSON else "rows"
     Console(stderr=True, highlight=False).print(
         f"wrote {count} {unit} of run {run_id!r} to {os.fspath(target)}", markup=False
@@ -279,8 +248,8 @@ def plot(
         Path,
         typer.Option("--out", help="Directory for the pictures (created)."),
     ] = Path("out"),
-    from_step: FromOption = None,
-    to_step: ToOption = None,
+    from_step: FromStepOption = None,
+    to_step: ToStepOption = None,
     max_steps: Annotated[
         int,
         typer.Option("--max-steps", min=1,
@@ -320,7 +289,7 @@ def plot(
         finally:
             con.close()
     except (StoreError, ValueError, OSError, duckdb.Error) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     console = Console(stderr=True, highlight=False)
     console.print(f"run {run_id!r}: {files.heatmap_caption}", markup=False, soft_wrap=True)
     for path in (files.heatmap, files.series, files.animation):
@@ -348,7 +317,7 @@ def query(
     try:
         result = run_query(db, sql, timeout)
     except QueryError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if output_format is QueryFormat.CSV:
         typer.echo(to_csv(result.table), nl=False)
     elif output_format is QueryFormat.JSON:
@@ -361,14 +330,7 @@ def query(
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``report``, ``export``, ``plot``, ``query`` and ``serve`` to ``app`` (the
-    ``gradstream`` root).
-
-    Args:
-        app: the Typer application to extend; nothing else is modified.
-    """
-    from analysis import analyze_cli, serve_cli
-
+    """Add ``report``, ``export``, ``plot`` and ``query`` to the root application."""
     app.command(name="report")(report)
     app.command(name="export", short_help="Export a run (or steps of it) as CSV, JSON, "
                 "Parquet or JSON Lines.")(export)
@@ -376,5 +338,3 @@ def register(app: typer.Typer) -> None:
                 "HTML animation.")(plot)
     app.command(name="query", short_help="Read-only SQL over the store, also while a worker "
                 "writes it.")(query)
-    serve_cli.register(app)
-    analyze_cli.register(app)

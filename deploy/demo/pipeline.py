@@ -1,32 +1,27 @@
-"""``gradstream demo``: a real data-parallel training run, end to end.
+"""The demo end to end: a Kafka broker, a consumer worker writing a fresh DuckDB file,
+the chosen scenarios trained data-parallel through Kafka, then each run's report read back
+from DuckDB and its CSV/JSON exports (``gradstream demo``).
 
-Starts (or reuses) a Kafka broker, runs a consumer worker writing a fresh DuckDB file,
-trains the four demo scenarios (healthy, vanishing, exploding, bad-rank) as N rank
-processes that each send the averaged gradient they apply (a replicated layout, counted
-once) with their own local gradient as the per-rank local view, then prints each run's
-report read back from DuckDB and writes the CSV/JSON exports.
+Kafka clients, DuckDB and the producer are imported inside the functions.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
-
-import typer
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
 SCENARIO_NAMES = ("healthy", "vanishing", "exploding", "bad-rank")
+"""The scenarios the demo runs by default, in this order."""
 
 
 @contextlib.contextmanager
@@ -58,83 +53,18 @@ def kafka_for_demo(bootstrap_servers: str | None) -> Iterator[str]:
             broker.stop()
 
 
-def demo(
-    ranks: Annotated[int, typer.Option(min=1, max=16, help="Data-parallel ranks (processes).")] = 3,
-    steps: Annotated[
-        int | None, typer.Option(min=1, help="Optimiser steps per scenario (default: each "
-                                 "scenario's own).")
-    ] = None,
-    scenario: Annotated[
-        list[str] | None,
-        typer.Option(help="Scenario to run (repeatable): healthy, vanishing, exploding, "
-                     "bad-rank. Default: all four."),
-    ] = None,
-    out: Annotated[Path, typer.Option(help="Directory for the DuckDB file and exports.")] = Path(
-        "out"
-    ),
-    bootstrap_servers: Annotated[
-        str | None, typer.Option(help="Use this Kafka cluster instead of a local broker. "
-                                 "Default: $KAFKA_BOOTSTRAP_SERVERS.")
-    ] = None,
-    heatmap: Annotated[bool, typer.Option(help="Print each run's ASCII heatmap too.")] = True,
-    webhook: Annotated[
-        str | None, typer.Option("--webhook", metavar="URL",
-                                 help="POST the worker's alert events (Slack-compatible JSON) "
-                                 "to this URL, e.g. a Slack incoming webhook.")
-    ] = None,
-    serve_port: Annotated[
-        int | None,
-        typer.Option(metavar="PORT", help="Serve the live dashboard (the demo's worker owns "
-                     "the DuckDB file, so it serves the page) on 127.0.0.1:PORT while training "
-                     "runs; 0 = any free port. Default: off."),
-    ] = None,
-) -> None:
-    """Train an MLP on the digits dataset, data-parallel, in four scenarios, and watch
-    gradstream catch vanishing and exploding gradients, and name the rank whose corrupted
-    data turned every rank's update NaN, end to end (Kafka -> worker -> DuckDB -> report).
-    Writes out/demo.duckdb and per-run CSV/JSON exports."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from deploy.broker import BrokerError
-    from deploy.demo.training import SCENARIOS
-
-    console = Console()
-    chosen = scenario or list(SCENARIO_NAMES)
-    unknown = [s for s in chosen if s not in SCENARIOS]
-    if unknown:
-        console.print(f"[red]unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}")
-        raise typer.Exit(2)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.ERROR)
-    out.mkdir(parents=True, exist_ok=True)
-    db = out / "demo.duckdb"
-    for stale in (db, db.with_suffix(".duckdb.wal")):
-        stale.unlink(missing_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    try:
-        with kafka_for_demo(bootstrap_servers) as bootstrap:
-            console.print(f"Kafka bootstrap servers: [bold]{bootstrap}[/]")
-            run_ids = _train_and_consume(
-                console, bootstrap, db, chosen, ranks, steps, stamp, webhook, serve_port,
-                Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                         TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
-                         console=console),
-            )
-    except BrokerError as exc:
-        console.print(f"[red]Could not start a Kafka broker:[/] {exc}")
-        raise typer.Exit(1) from None
-    _report(console, db, run_ids, out, heatmap)
-
-
-def _train_and_consume(
+def train_and_consume(
     console: Console, bootstrap: str, db: Path, chosen: list[str], ranks: int,
     steps: int | None, stamp: str, webhook: str | None, serve_port: int | None,
     progress: Progress,
 ) -> list[str]:
     """Run a worker in a thread (with the live dashboard when ``serve_port`` is given),
     train each chosen scenario through Kafka, and wait until every run is stored. Returns
-    the run ids."""
+    the run ids.
+
+    The worker reads its other settings from the environment as ``gradstream consume``
+    does; ``webhook`` (None: ``GRADSTREAM_WEBHOOK_URL``, if set) receives its alerts."""
     from consumer.settings import ConsumerSettings
     from consumer.worker import Worker
     from deploy.demo.training import SCENARIOS, kafka_telemetry, run_data_parallel
@@ -142,11 +72,11 @@ def _train_and_consume(
     settings = ConsumerSettings(
         bootstrap_servers=bootstrap, db=str(db), topic=f"gradstream.demo-{stamp}.summaries",
         dlq_topic=f"gradstream.demo-{stamp}.dlq", group_id=f"gradstream-demo-{stamp}",
-        shard_timeout_s=10.0, webhook_url=webhook,
+        shard_timeout_s=10.0, **({"webhook_url": webhook} if webhook else {}),
     )
     served = None
     if serve_port is not None:
-        from analysis.serve_cli import ServedWorker
+        from deploy.serve import ServedWorker
 
         served = ServedWorker(settings, port=serve_port)
         console.print(f"Live dashboard: [bold]{served.start()}/[/] (while the demo runs)")
@@ -196,7 +126,9 @@ def _train_and_consume(
     return run_ids
 
 
-def _report(console: Console, db: Path, run_ids: list[str], out: Path, heatmap: bool) -> None:
+def report_runs(console: Console, db: Path, run_ids: list[str], out: Path, heatmap: bool) -> None:
+    """Print each run's report (and ASCII heatmap when ``heatmap``) read back from ``db``,
+    and write its CSV and JSON exports into ``out``."""
     from analysis.export import export_csv, export_json
     from analysis.heatmap import ascii_heatmap
     from analysis.report import build_report, render_report
@@ -220,12 +152,3 @@ def _report(console: Console, db: Path, run_ids: list[str], out: Path, heatmap: 
     console.print(
         f"\nSQL over the history: duckdb -readonly {db}   or   gradstream report --db {db} --all"
     )
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``demo`` to the root application."""
-    app.command(
-        "demo",
-        help=demo.__doc__,
-        short_help="Real data-parallel training in four scenarios, end to end.",
-    )(demo)

@@ -1,22 +1,18 @@
-"""``gradstream dlq``: list the dead letters of the dead-letter topic, or tail them.
+"""Reading the dead-letter topic: the records a worker could not use, decoded.
 
-A dead letter is a record a worker could not use (``consumer.dlq``): the original key and
-value (cut at ``DLQ_VALUE_LIMIT`` bytes, header ``truncated``) with headers ``reason``,
-``error`` (error class: invalid, unknown_run, conflicting_run), ``source_topic``,
-``source_partition`` and ``source_offset``. The topic is read without a consumer group
-(every partition assigned, nothing committed), so listing never disturbs the workers.
+A dead letter (:mod:`consumer.dlq`) is the original key and value (cut at
+``DLQ_VALUE_LIMIT`` bytes, header ``truncated``) with headers ``reason``, ``error`` (error
+class: invalid, unknown_run, conflicting_run), ``source_topic``, ``source_partition`` and
+``source_offset``. :class:`DeadLetterReader` reads the topic without a consumer group (every
+partition assigned, nothing committed), so reading never disturbs the workers.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
-
-import typer
-from rich.console import Console
+from typing import TYPE_CHECKING, Any
 
 from consumer.dlq import decode_headers
 
@@ -167,98 +163,3 @@ class DeadLetterReader:
     def close(self) -> None:
         """Close the Kafka consumer."""
         self._consumer.close()
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    Console(stderr=True, highlight=False).print(f"error: {message}", style="bold red",
-                                                markup=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def _print_line(console: Console, letter: DeadLetter, fmt: str) -> None:
-    if fmt == "json":
-        print(json.dumps(letter.to_json(), ensure_ascii=False), flush=True)
-        return
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(letter.timestamp))
-    console.print(f"{stamp}  {letter.headers.get('error', '?'):<15} {letter.source}  "
-                  f"key={letter.key}\n    {letter.headers.get('reason', '')}", markup=False,
-                  highlight=False)
-
-
-def _table(letters: list[DeadLetter], topic: str) -> Any:
-    from rich.table import Table
-
-    table = Table(title=f"{len(letters)} dead letter(s) in {topic}", title_justify="left")
-    for column in ("time", "error", "reason", "source", "key", "bytes", "value"):
-        table.add_column(column, overflow="fold")
-    for d in letters:
-        size = f"{len(d.value)}" + ("+ (truncated)" if d.headers.get("truncated") else "")
-        table.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d.timestamp)),
-                      d.headers.get("error", "?"), d.headers.get("reason", ""), d.source,
-                      d.key or "-", size, d.preview())
-    return table
-
-
-def dlq(
-    topic: Annotated[str | None, typer.Option(
-        "--topic", help="Dead-letter topic. Default: $GRADSTREAM_DLQ_TOPIC or gradstream.dlq.")
-    ] = None,
-    limit: Annotated[int, typer.Option(
-        min=0, help="Show the newest N dead letters (0 = all of them).")] = 50,
-    follow: Annotated[bool, typer.Option(
-        "--follow", "-f", help="After the newest --limit, keep printing new dead letters "
-        "until Ctrl-C.")] = False,
-    fmt: Annotated[str, typer.Option(
-        "--format", help="'table', or 'json' (one object per line with the headers and the "
-        "original value).")] = "table",
-    bootstrap_servers: Annotated[str | None, typer.Option(
-        help="Kafka bootstrap servers host:port[,...]. Default: $KAFKA_BOOTSTRAP_SERVERS or "
-        "127.0.0.1:9092.")] = None,
-    duration: Annotated[float | None, typer.Option(
-        min=0, help="With --follow: stop after this many seconds (default: until Ctrl-C).")
-    ] = None,
-) -> None:
-    """List the messages workers could not use (undecodable, invalid, unknown schema
-    version, oversized, unknown run) with the reason and where each was read (source
-    topic, partition, offset). Reads the dead-letter topic without joining a consumer
-    group, so it is safe while workers run."""
-    from kafka.errors import KafkaError
-
-    from consumer.settings import ConsumerSettings
-
-    if fmt not in ("table", "json"):
-        _fail(f"--format must be 'table' or 'json', not {fmt!r}", 2)
-    given = {"bootstrap_servers": bootstrap_servers, "dlq_topic": topic}
-    settings = ConsumerSettings(**{k: v for k, v in given.items() if v is not None})
-    console = Console(highlight=False)
-    try:
-        reader = DeadLetterReader(settings, settings.dlq_topic, last=limit)
-    except (TopicMissingError, KafkaError) as exc:
-        _fail(str(exc))
-    try:
-        letters = reader.read_to_end()
-        if limit:
-            letters = letters[-limit:]
-        if fmt == "json" or follow:
-            for letter in letters:
-                _print_line(console, letter, fmt)
-        elif letters:
-            console.print(_table(letters, settings.dlq_topic))
-        else:
-            console.print(f"no dead letters in {settings.dlq_topic}")
-        deadline = None if duration is None else time.monotonic() + duration
-        while follow and (deadline is None or time.monotonic() < deadline):
-            for letter in reader.poll(200):
-                _print_line(console, letter, fmt)
-    except KeyboardInterrupt:
-        pass
-    except (KafkaError, TimeoutError) as exc:
-        _fail(f"{exc} (is the broker at {settings.bootstrap_servers} up?)")
-    finally:
-        reader.close()
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``dlq`` to the root application."""
-    app.command("dlq", help=dlq.__doc__,
-                short_help="List dead letters (unusable messages) with their reasons.")(dlq)

@@ -1,4 +1,5 @@
-"""``gradstream dlq``: dead letters written by a real worker, listed from the real topic."""
+"""``gradstream dlq`` (:mod:`deploy.cli.dlq`, :mod:`consumer.dlq_reader`): dead letters
+written by a real worker, listed from the real topic."""
 
 from __future__ import annotations
 

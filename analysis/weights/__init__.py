@@ -1,0 +1,153 @@
+"""Weight distribution analysis and weight drift of a stored run, from the weight
+statistics the producer sends with ``weight_stats=True`` (``GRADSTREAM_WEIGHT_STATS=1``;
+off by default), as in trustformers-debug's ``WeightAnalyzer``, which reads every weight.
+
+One module per concern:
+
+- :mod:`analysis.weights.models`: the pydantic report models, with the formula of every
+  field.
+- :mod:`analysis.weights.load`: the SQL: per-layer weight sums of one step (one copy of
+  each replicated tensor), the pooled exponent histogram, the update norms between two
+  steps, the first NaN/Inf step.
+- :mod:`analysis.weights.moments`: mean, std, skewness and kurtosis from power sums, and
+  the histogram entropy (self-contained, NumPy only).
+- :mod:`analysis.weights.compute`: statistics, outliers and health at one step, drift
+  between two steps, from loaded arrays (no I/O).
+- :mod:`analysis.weights.render`: the terminal tables.
+
+This module ties them together (:func:`build_weight_analysis`) and registers the analysis
+(:data:`ANALYSIS`, options :class:`WeightOptions`). Cost: SQL over at most two steps plus
+one aggregate of the update norms in between, then O(layers) in Python.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from analysis.analyses.stats import DEFAULT_ALPHA
+from analysis.registry import Analysis
+from analysis.store import require_run, stats_params
+from analysis.weights.compute import distribution_at, drift_between
+from analysis.weights.load import (
+    fetch_step,
+    first_nonfinite,
+    pooled_exponent_histogram,
+    require_weight_columns,
+    update_paths,
+    weight_step_range,
+)
+from analysis.weights.models import (
+    DistributionHealth,
+    DistributionHealthStatus,
+    LayerWeightAnalysis,
+    LayerWeightDrift,
+    OutlierSeverity,
+    WeightAnalysisReport,
+    WeightDistributionAnalysis,
+    WeightDriftAnalysis,
+    WeightDriftSeverity,
+    WeightOutlier,
+    WeightStatistics,
+)
+from analysis.weights.moments import moments_from_power_sums
+from analysis.weights.render import render_weights
+
+if TYPE_CHECKING:
+    import duckdb
+
+__all__ = [
+    "ANALYSIS",
+    "DistributionHealth",
+    "DistributionHealthStatus",
+    "LayerWeightAnalysis",
+    "LayerWeightDrift",
+    "OutlierSeverity",
+    "WeightAnalysisReport",
+    "WeightDistributionAnalysis",
+    "WeightDriftAnalysis",
+    "WeightDriftSeverity",
+    "WeightOptions",
+    "WeightOutlier",
+    "WeightStatistics",
+    "build_weight_analysis",
+    "moments_from_power_sums",
+    "render_weights",
+]
+
+
+def build_weight_analysis(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    alpha: float = DEFAULT_ALPHA,
+) -> WeightAnalysisReport:
+    """Weight distribution at the last step with weight statistics in the range, and the
+    drift since the first such step.
+
+    Args:
+        con: a connection from :func:`analysis.store.open_store` (or a read-only cursor).
+        run_id: the run.
+        from_step, to_step: inclusive step range (``None`` = open).
+        alpha: significance level of the outlier bound, in (0, 1).
+
+    Returns:
+        The :class:`WeightAnalysisReport`.
+
+    Raises:
+        StoreError: unknown run, invalid range, a store without the weight columns, or no
+            weight statistics in the range (the message says how to turn them on).
+        ValueError: ``alpha`` outside (0, 1).
+    """
+    params = stats_params(run_id, from_step, to_step)
+    require_run(con, run_id)
+    require_weight_columns(con)
+    a, b = weight_step_range(con, params)
+    last = fetch_step(con, run_id, b)
+    distribution = distribution_at(b, last, pooled_exponent_histogram(con, run_id, b), alpha)
+    drift = (
+        drift_between(a, b, fetch_step(con, run_id, a), last, update_paths(con, run_id, a, b))
+        if a < b else None
+    )
+    nonfinite_step, nonfinite_layers = first_nonfinite(con, params)
+    return WeightAnalysisReport(
+        run_id=run_id, from_step=from_step, to_step=to_step, alpha=alpha,
+        first_nonfinite_step=nonfinite_step, first_nonfinite_layers=nonfinite_layers,
+        distribution=distribution, drift=drift,
+    )
+
+
+class WeightOptions(BaseModel):
+    """Options of the weights analysis (``gradstream analyze --kind weights``,
+    ``/api/analysis/weights``).
+
+    - ``alpha``: significance level of the outlier bound, in (0, 1).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, lt=1.0)
+
+
+def _build(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None,
+    to_step: int | None,
+    options: WeightOptions,
+) -> WeightAnalysisReport:
+    """:func:`build_weight_analysis` with ``options``; raises what it raises."""
+    return build_weight_analysis(con, run_id, from_step, to_step, options.alpha)
+
+
+ANALYSIS = Analysis(
+    name="weights",
+    help="Weight distribution (moments, entropy, outliers, health) and drift between the "
+    "first and last steps with weight statistics (needs weight_stats=True in the producer).",
+    options=WeightOptions,
+    build=_build,
+    render=render_weights,
+)
+"""The weights analysis's entry in :data:`analysis.registry.ANALYSES`."""

@@ -1,0 +1,247 @@
+"""Computation of the weight analysis from loaded sums (no I/O): per-layer and pooled
+statistics, outliers and health scores at one step, and the drift between two steps.
+
+Inputs are the arrays of :func:`analysis.weights.load.fetch_step` (one copy of each
+tensor, model order); the moments come from :mod:`analysis.weights.moments`. Each function
+is O(layers). Scores and thresholds follow trustformers-debug's ``WeightAnalyzer``
+(documented on the report models, :mod:`analysis.weights.models`); the outlier bound is
+the extreme-value bound of :func:`analysis.analyses.stats.max_normal_z`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from analysis.analyses.stats import max_normal_z
+from analysis.weights.models import (
+    DistributionHealth,
+    DistributionHealthStatus,
+    LayerWeightAnalysis,
+    LayerWeightDrift,
+    OutlierSeverity,
+    WeightDistributionAnalysis,
+    WeightDriftAnalysis,
+    WeightDriftSeverity,
+    WeightOutlier,
+    WeightStatistics,
+)
+from analysis.weights.moments import histogram_entropy_bits, moments_from_power_sums
+
+__all__ = ["FLOAT32_EPSILON", "distribution_at", "drift_between"]
+
+FLOAT32_EPSILON = 2.0**-23
+"""Machine epsilon of IEEE 754 binary32: the relative spacing of float32 values at 1."""
+
+_POWER_SUMS = ("weight_sum", "weight_sum_sq", "weight_sum_cube", "weight_sum_quad")
+
+
+def _moments(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return moments_from_power_sums(data["n"], *(data[k] for k in _POWER_SUMS))
+
+
+def _issues(stats: WeightStatistics, outlier: bool) -> tuple[float, list[str], list[str]]:
+    score, issues, recs = 100.0, [], []
+    if stats.nonfinite:
+        share = stats.nonfinite / (stats.nonfinite + stats.count)
+        issues.append(f"{stats.nonfinite} weights ({share:.1%}) are NaN/Inf")
+        recs.append("The weights diverged: resume from a checkpoint before the first "
+                    "non-finite step with a lower learning rate or gradient clipping, and "
+                    "skip optimiser steps whose gradients are not finite.")
+        return 0.0, issues, recs
+    if outlier:
+        score -= 20
+        issues.append("Extreme weight values beyond what the layer's distribution explains")
+        recs.append("Add weight decay or weight clipping, and check the layer's updates.")
+    if stats.zero_fraction > 0.5:
+        score -= 30
+        issues.append(f"{stats.zero_fraction:.0%} of the weights are exactly zero")
+        recs.append("Lower the learning rate or change the activation; zeroed weights often "
+                    "come from dead units or aggressive pruning.")
+    if abs(stats.skewness) > 2:
+        score -= 15
+        issues.append(f"Highly skewed weight distribution (skewness {stats.skewness:.2g})")
+        recs.append("Consider weight normalisation or a different initialisation.")
+    if stats.kurtosis > 10:
+        score -= 15
+        issues.append(f"Heavy-tailed weight distribution (excess kurtosis {stats.kurtosis:.2g})")
+        recs.append("Watch for gradient instability: a few large weights dominate.")
+    return max(score, 0.0), issues, recs
+
+
+def distribution_at(
+    step: int, data: dict[str, np.ndarray], pooled_histogram: np.ndarray, alpha: float
+) -> WeightDistributionAnalysis:
+    """The weight distribution at ``step``: per-layer statistics, health and outliers,
+    and the pooled statistics of all the model's weights.
+
+    Args:
+        step: the optimiser step the sums belong to.
+        data: :func:`analysis.weights.load.fetch_step` at ``step`` (``L`` layers).
+        pooled_histogram: :func:`analysis.weights.load.pooled_exponent_histogram` at
+            ``step`` (float64 ``[B]``; empty without histograms).
+        alpha: significance level of the outlier bound, in (0, 1).
+
+    Returns:
+        The :class:`~analysis.weights.models.WeightDistributionAnalysis`.
+
+    Raises:
+        ValueError: ``alpha`` outside (0, 1).
+    """
+    n = data["n"]
+    moments = _moments(data)
+    total_n = float(n.sum())
+    z_layer = max_normal_z(n, alpha)
+    z_model = float(max_normal_z(total_n, alpha))
+    layers, outliers = [], []
+    for i in range(n.size):
+        stats = _stats(
+            moments["mean"][i], moments["std"][i], moments["skewness"][i],
+            moments["kurtosis"][i], data["entropy"][i], data["weight_min"][i],
+            data["weight_max"][i], data["zeros"][i], n[i], data["nonfinite"][i],
+        )
+        found = []
+        if stats.std_dev > 0:
+            for side, value in (("min", stats.min), ("max", stats.max)):
+                z = abs(value - stats.mean) / stats.std_dev
+                if z > z_layer[i]:
+                    severity = OutlierSeverity.HIGH if z > z_model else OutlierSeverity.MEDIUM
+                    found.append(WeightOutlier(
+                        layer_index=int(data["layer_index"][i]), layer_name=data["name"][i],
+                        side=side, value=value, z_score=z, severity=severity,
+                    ))
+        outliers += found
+        score, issues, recs = _issues(stats, bool(found))
+        layers.append(LayerWeightAnalysis(
+            layer_index=int(data["layer_index"][i]), layer_name=data["name"][i],
+            statistics=stats, health_score=score, issues=issues, recommendations=recs,
+        ))
+    pooled = moments_from_power_sums(
+        np.array([total_n]), *(np.array([data[k].sum()]) for k in _POWER_SUMS)
+    )
+    pooled_entropy = (
+        histogram_entropy_bits(pooled_histogram)
+        if pooled_histogram.size and not np.isnan(data["entropy"]).any() else math.nan
+    )
+    overall = _stats(
+        pooled["mean"][0], pooled["std"][0], pooled["skewness"][0], pooled["kurtosis"][0],
+        pooled_entropy,
+        float(np.min(data["weight_min"], where=n > 0, initial=np.inf)),
+        float(np.max(data["weight_max"], where=n > 0, initial=-np.inf)),
+        float(data["zeros"].sum()), total_n, float(data["nonfinite"].sum()),
+    )
+    score = 100.0
+    score -= 25 if overall.zero_fraction > 0.3 else 0
+    score -= 15 if abs(overall.skewness) > 1 else 0
+    score -= 15 if overall.kurtosis > 5 else 0
+    score -= 20 if outliers else 0
+    score = 0.0 if overall.nonfinite else score
+    status = (
+        DistributionHealthStatus.EXCELLENT if score >= 90
+        else DistributionHealthStatus.GOOD if score >= 75
+        else DistributionHealthStatus.FAIR if score >= 60
+        else DistributionHealthStatus.POOR if score >= 40
+        else DistributionHealthStatus.CRITICAL
+    )
+    return WeightDistributionAnalysis(
+        step=step, layer_analyses=layers, overall_statistics=overall,
+        distribution_health=DistributionHealth(score=score, status=status),
+        outlier_detection=outliers,
+    )
+
+
+def _stats(mean: float, std: float, skew: float, kurt: float, entropy: float, lo: float,
+           hi: float, zeros: float, n: float, nonfinite: float) -> WeightStatistics:
+    known = n > 0
+    return WeightStatistics(
+        mean=float(mean), std_dev=float(std), skewness=float(skew), kurtosis=float(kurt),
+        entropy=None if math.isnan(entropy) or not known else float(entropy),
+        min=float(lo) if known else math.nan, max=float(hi) if known else math.nan,
+        zero_fraction=float(zeros / n) if known else math.nan, count=round(n),
+        nonfinite=round(nonfinite),
+    )
+
+
+def _drift_class(d: float) -> WeightDriftSeverity:
+    if d < 1e-3:
+        return WeightDriftSeverity.MINIMAL
+    if d < 1e-2:
+        return WeightDriftSeverity.LOW
+    if d < 1e-1:
+        return WeightDriftSeverity.MEDIUM
+    return WeightDriftSeverity.HIGH
+
+
+def drift_between(
+    a: int,
+    b: int,
+    first: dict[str, np.ndarray],
+    last: dict[str, np.ndarray],
+    paths: dict[int, tuple[float | None, int, float | None]],
+) -> WeightDriftAnalysis:
+    """How each layer's weights moved from step ``a`` to step ``b`` (formulas:
+    :class:`~analysis.weights.models.LayerWeightDrift`).
+
+    Args:
+        a, b: the two optimiser steps, ``a < b``.
+        first, last: :func:`analysis.weights.load.fetch_step` at ``a`` and at ``b``; only
+            layers present at both are compared.
+        paths: :func:`analysis.weights.load.update_paths` over ``(a, b]``.
+
+    Returns:
+        The :class:`~analysis.weights.models.WeightDriftAnalysis` (layers in model order).
+    """
+    first_m = _moments(first)
+    last_m = _moments(last)
+    at_b = {int(k): i for i, k in enumerate(last["layer_index"])}
+    drifts, values, diverged = [], [], []
+    for i, index in enumerate(first["layer_index"].tolist()):
+        j = at_b.get(index)
+        if j is None:
+            continue
+        name = first["name"][i]
+        path, missing, ratio = paths.get(index, (None, 1, None))
+        ratio = None if ratio is None or math.isnan(ratio) else float(ratio)
+        stalled = ratio is not None and ratio < FLOAT32_EPSILON
+        if last["nonfinite"][j] > 0 or first["nonfinite"][i] > 0:
+            diverged.append((index, name))
+            drifts.append(LayerWeightDrift(
+                layer_index=index, layer_name=name, relative_norm_change=None,
+                mean_shift=None, std_ratio=None, relative_path_length=None,
+                mean_update_ratio=ratio, stalled=stalled, nonfinite=True,
+            ))
+            continue
+        norm_a = math.sqrt(first["weight_sum_sq"][i])
+        norm_b = math.sqrt(last["weight_sum_sq"][j])
+        std_a = first_m["std"][i]
+        change = (norm_b - norm_a) / norm_a if norm_a > 0 else None
+        if change is not None:
+            values.append((abs(change), index, name))
+        drifts.append(LayerWeightDrift(
+            layer_index=index, layer_name=name, relative_norm_change=change,
+            mean_shift=(last_m["mean"][j] - first_m["mean"][i]) / std_a if std_a > 0 else None,
+            std_ratio=last_m["std"][j] / std_a if std_a > 0 else None,
+            relative_path_length=(
+                path / norm_a if norm_a > 0 and missing == 0 and path is not None else None
+            ),
+            mean_update_ratio=ratio, stalled=stalled, nonfinite=False,
+        ))
+    magnitudes = np.array([v[0] for v in values])
+    top = float(magnitudes.max()) if magnitudes.size else 0.0
+    drifting = {index for d, index, _ in values
+                if _drift_class(d) in (WeightDriftSeverity.MEDIUM, WeightDriftSeverity.HIGH)}
+    drifting |= {index for index, _ in diverged}
+    affected = [(x.layer_index, x.layer_name) for x in drifts if x.layer_index in drifting]
+    stalled_layers = [(x.layer_index, x.layer_name) for x in drifts if x.stalled]
+    return WeightDriftAnalysis(
+        from_step=a, to_step=b,
+        mean_drift=float(magnitudes.mean()) if magnitudes.size else 0.0,
+        max_drift=top,
+        severity=WeightDriftSeverity.HIGH if diverged else _drift_class(top),
+        affected_layers=[x[0] for x in affected],
+        affected_layer_names=[x[1] for x in affected],
+        stalled_layers=[x[0] for x in stalled_layers],
+        stalled_layer_names=[x[1] for x in stalled_layers],
+        layer_drifts=drifts,
+    )

@@ -1,0 +1,247 @@
+"""SQL of the weight analysis: reads the per-layer weight sums of a run from the store.
+
+The producer sends, with ``weight_stats=True`` (``GRADSTREAM_WEIGHT_STATS=1``; off by
+default), per layer and step exactly mergeable sums over the finite weights
+(``layer_stats``: ``weight_sum`` = sum w, ``weight_sum_sq``, ``weight_sum_cube``,
+``weight_sum_quad``, ``weight_min``, ``weight_max``, ``weight_zeros``, ``weight_nonfinite``
+and the base-2 exponent histogram of |w|), with ``numel - weight_nonfinite`` finite
+weights, and the update norm ``update_sum_sq`` = ``||w_t - w_prev||^2``. The analysis
+reads at most two steps of sums plus one aggregate of the update norms in between.
+
+Replicated parameters. Ranks merge like gradients: a tensor sharded over the ranks (FSDP)
+is summed shard by shard into the whole tensor, while a data-parallel replica (DDP: every
+rank holds the whole tensor) is summed once per rank, so a row then holds ``R`` identical
+copies, ``R = numel / full numel`` (``numel`` of ``layer_stats`` against ``layers``). Every
+sum is divided by ``R`` here, which gives one copy's statistics exactly (moments, count,
+zero fraction, norms; the histogram's entropy does not change). A row of a sharded tensor
+has ``R = 1``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from analysis.store import StoreError
+
+if TYPE_CHECKING:
+    import duckdb
+
+__all__ = [
+    "WEIGHT_COLUMNS",
+    "fetch_step",
+    "first_nonfinite",
+    "pooled_exponent_histogram",
+    "require_weight_columns",
+    "update_paths",
+    "weight_step_range",
+]
+
+WEIGHT_COLUMNS: tuple[str, ...] = (
+    "weight_sum", "weight_sum_sq", "weight_sum_cube", "weight_sum_quad", "weight_min",
+    "weight_max", "weight_zeros", "weight_nonfinite", "weight_exp_hist_columns",
+    "weight_exp_hist_counts", "update_sum_sq",
+)
+"""``layer_stats`` columns the weight analysis reads (schema 1.2, ``schemas.tables``)."""
+
+_RANGE_SQL = """
+    SELECT min(step), max(step) FROM layer_stats
+    WHERE run_id = $run_id
+      AND ($from_step IS NULL OR step >= $from_step)
+      AND ($to_step IS NULL OR step <= $to_step)
+      AND weight_sum IS NOT NULL
+"""
+
+_ENTROPY = (
+    "CASE WHEN {c} IS NULL OR list_sum({c}) = 0 THEN NULL ELSE "
+    "list_sum(list_transform({c}, lambda x: -(x / list_sum({c})) * log2(x / list_sum({c}))))"
+    " END"
+)
+
+_REPLICAS = (
+    "CASE WHEN {l}.numel > 0 AND {s}.numel >= {l}.numel AND {s}.numel % {l}.numel = 0 "
+    "THEN ({s}.numel // {l}.numel)::DOUBLE ELSE 1.0 END"
+)
+"""Copies of the tensor merged into a ``layer_stats`` row (SQL over aliases ``s``/``l``):
+``numel`` over the layer's full ``numel`` from ``RunStarted`` when that is a whole number,
+else 1 (a sharded tensor, or a partial frame of one)."""
+
+_STEP_SQL = f"""
+    WITH r AS (
+        SELECT s.*, l.name, {_REPLICAS.format(s="s", l="l")} AS replicas
+        FROM layer_stats AS s
+        LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+        WHERE s.run_id = $run_id AND s.step = $step AND s.weight_sum IS NOT NULL
+    )
+    SELECT layer_index,
+           coalesce(name, 'layer[' || CAST(layer_index AS VARCHAR) || ']') AS name,
+           (numel - coalesce(weight_nonfinite, 0))::DOUBLE / replicas AS n,
+           weight_sum / replicas AS weight_sum, weight_sum_sq / replicas AS weight_sum_sq,
+           weight_sum_cube / replicas AS weight_sum_cube,
+           weight_sum_quad / replicas AS weight_sum_quad,
+           weight_min, weight_max, coalesce(weight_zeros, 0)::DOUBLE / replicas AS zeros,
+           coalesce(weight_nonfinite, 0)::DOUBLE / replicas AS nonfinite,
+           {_ENTROPY.format(c="weight_exp_hist_counts")} AS entropy
+    FROM r
+    ORDER BY layer_index
+"""
+
+_POOLED_HIST_SQL = """
+    WITH h AS (
+        SELECT unnest(weight_exp_hist_columns) AS col, unnest(weight_exp_hist_counts) AS cnt
+        FROM layer_stats
+        WHERE run_id = $run_id AND step = $step AND weight_sum IS NOT NULL
+    )
+    SELECT sum(cnt)::DOUBLE FROM h GROUP BY col
+"""
+
+_PATH_SQL = f"""
+    SELECT s.layer_index, sum(sqrt(s.update_sum_sq / {_REPLICAS.format(s="s", l="l")})) AS path,
+           count(*) FILTER (WHERE s.update_sum_sq IS NULL) AS missing,
+           avg(s.update_to_weight) FILTER (WHERE isfinite(s.update_to_weight)) AS ratio
+    FROM layer_stats AS s
+    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+    WHERE s.run_id = $run_id AND s.step > $a AND s.step <= $b
+    GROUP BY s.layer_index
+"""
+
+
+_FIRST_NONFINITE_SQL = """
+    WITH first AS (
+        SELECT min(step) AS step FROM layer_stats
+        WHERE run_id = $run_id AND weight_nonfinite > 0
+          AND ($from_step IS NULL OR step >= $from_step)
+          AND ($to_step IS NULL OR step <= $to_step)
+    )
+    SELECT first.step,
+           list(coalesce(l.name, 'layer[' || CAST(s.layer_index AS VARCHAR) || ']')
+                ORDER BY s.layer_index)
+    FROM first
+    JOIN layer_stats AS s ON s.run_id = $run_id AND s.step = first.step
+    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+    WHERE s.weight_nonfinite > 0
+    GROUP BY first.step
+"""
+
+
+def require_weight_columns(con: duckdb.DuckDBPyConnection) -> None:
+    """Check that the store's ``layer_stats`` has every column of :data:`WEIGHT_COLUMNS`.
+
+    Raises:
+        StoreError: some are missing (a store written before weight statistics existed);
+            the message names them and says how to add them.
+    """
+    present = {
+        row[0] for row in con.execute(
+            "SELECT column_name FROM duckdb_columns() WHERE table_name = 'layer_stats' "
+            "AND database_name = current_database()"
+        ).fetchall()
+    }
+    missing = [c for c in WEIGHT_COLUMNS if c not in present]
+    if missing:
+        raise StoreError(
+            "this store was written before weight distribution statistics existed (missing "
+            f"layer_stats columns: {', '.join(missing)}); a current `gradstream consume` "
+            "adds them when it opens the store"
+        )
+
+
+def weight_step_range(con: duckdb.DuckDBPyConnection, params: dict[str, object]) -> tuple[int, int]:
+    """First and last step with weight statistics in the range.
+
+    Args:
+        con: connection or cursor on the store.
+        params: ``{"run_id", "from_step", "to_step"}`` from
+            :func:`analysis.store.stats_params` (inclusive bounds, ``None`` = open).
+
+    Returns:
+        ``(first, last)`` optimiser steps, ``first <= last``.
+
+    Raises:
+        StoreError: no step in the range has weight statistics (the message says how to
+            record them).
+    """
+    first, last = con.execute(_RANGE_SQL, params).fetchall()[0]
+    if last is None:
+        raise StoreError(
+            f"run {params['run_id']!r} has no weight statistics in the step range: record "
+            "them with GradientProducer(..., weight_stats=True) or GRADSTREAM_WEIGHT_STATS=1 "
+            "and pass weights= to record_step"
+        )
+    return int(first), int(last)
+
+
+def fetch_step(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> dict[str, np.ndarray]:
+    """The weight sums of every layer with weight statistics at ``step``, for one copy of
+    each tensor (divided by the replicas, module docstring), in model order.
+
+    Returns:
+        Arrays of length ``L`` (layers): ``layer_index`` int64; ``name`` object (str;
+        ``layer[i]`` when the layer has no name); float64 ``n`` (finite weights),
+        ``weight_sum``, ``weight_sum_sq``, ``weight_sum_cube``, ``weight_sum_quad``,
+        ``weight_min``, ``weight_max``, ``zeros``, ``nonfinite`` (counts as float64) and
+        ``entropy`` (bits, of the layer's exponent histogram; NaN without one). NULLs are
+        NaN.
+    """
+    raw = con.sql(_STEP_SQL, params={"run_id": run_id, "step": step}).fetchnumpy()
+    out: dict[str, np.ndarray] = {}
+    for key, column in raw.items():
+        if key == "name":
+            out[key] = np.asarray(column.tolist(), dtype=object)
+        elif np.ma.isMaskedArray(column):
+            out[key] = column.astype(np.float64).filled(np.nan)
+        else:
+            out[key] = np.asarray(column, dtype=np.float64 if key != "layer_index" else np.int64)
+    return out
+
+
+def pooled_exponent_histogram(
+    con: duckdb.DuckDBPyConnection, run_id: str, step: int
+) -> np.ndarray:
+    """The exponent histograms of all layers at ``step`` summed bin by bin.
+
+    Returns:
+        float64 ``[B]``: the count of each bin present in any layer (bin order unspecified:
+        only the distribution matters); empty without histograms.
+    """
+    rows = con.execute(_POOLED_HIST_SQL, {"run_id": run_id, "step": step}).fetchall()
+    return np.asarray([r[0] for r in rows], dtype=np.float64)
+
+
+def update_paths(
+    con: duckdb.DuckDBPyConnection, run_id: str, a: int, b: int
+) -> dict[int, tuple[float | None, int, float | None]]:
+    """Per layer, the updates recorded at the steps in ``(a, b]``.
+
+    Returns:
+        ``layer_index -> (path, missing, ratio)``: ``path`` = sum of the update norms
+        ``||w_t - w_prev||`` of one copy of the tensor (``None`` if no step has one);
+        ``missing`` = steps without an update norm; ``ratio`` = mean of the finite
+        ``update_to_weight`` ratios (``None`` or NaN without any). Layers without rows in
+        the range are absent.
+    """
+    return {
+        int(index): (path, missing, ratio)
+        for index, path, missing, ratio in con.execute(
+            _PATH_SQL, {"run_id": run_id, "a": a, "b": b}
+        ).fetchall()
+    }
+
+
+def first_nonfinite(
+    con: duckdb.DuckDBPyConnection, params: dict[str, object]
+) -> tuple[int | None, list[str]]:
+    """The first step in the range at which some layer had NaN/Inf weights.
+
+    Args:
+        con: connection or cursor on the store.
+        params: as for :func:`weight_step_range`.
+
+    Returns:
+        ``(step, layer names in model order)``, or ``(None, [])`` if no layer had any.
+    """
+    rows = con.execute(_FIRST_NONFINITE_SQL, params).fetchall()
+    if not rows:
+        return None, []
+    return int(rows[0][0]), list(rows[0][1])

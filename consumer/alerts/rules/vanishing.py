@@ -1,0 +1,53 @@
+"""``vanishing``: some layer's mean |g| below the run's vanishing threshold in at least
+``consecutive`` frames in a row (streak semantics: ``consumer.alerts.rules.streak``; a
+NaN/Inf frame keeps a layer's count as it is).
+
+A layer with no gradient by construction (zero up to floating-point rounding in every
+frame so far, from its first: :attr:`consumer.health.RunHealthTracker.no_gradient`,
+``consumer.rounding``) is not vanishing for this rule.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+from pydantic import Field
+
+from consumer.alerts.rules.base import FrameContext, RuleConfig
+from consumer.alerts.rules.streak import StreakRule, StreakRuleConfig
+from schemas.alert import AlertRule, RuleName
+
+
+class VanishingRuleConfig(StreakRuleConfig):
+    """Vanishing layers (mean |g| below the run's vanishing threshold). Default 10 frames:
+    vanishing is a slow failure, and layers can start small at initialisation."""
+
+    consecutive: int = Field(default=10, ge=1)
+
+
+class VanishingRule(StreakRule[VanishingRuleConfig]):
+    """Layers vanishing for ``consecutive`` frames (module doc)."""
+
+    name: ClassVar[RuleName] = AlertRule.VANISHING
+    title: ClassVar[str] = "vanishing layers"
+    description: ClassVar[str] = (
+        "A layer's mean |g| below the run's vanishing threshold for `consecutive` frames "
+        "in a row (layers with no gradient by construction excepted)."
+    )
+    config_model: ClassVar[type[RuleConfig]] = VanishingRuleConfig
+    adjective: ClassVar[str] = "vanishing"
+    comparison: ClassVar[str] = "mean |g| <"
+
+    def flags(self, ctx: FrameContext) -> np.ndarray:
+        """The frame's ``is_vanishing``, minus layers with no gradient by construction."""
+        f = ctx.frame
+        return f.is_vanishing & ~ctx.tracker.no_gradient[f.layer_index]
+
+    def order_key(self, ctx: FrameContext) -> np.ndarray:
+        """-mean |g|: the smallest first."""
+        return -ctx.frame.mean_abs_grad
+
+    def threshold(self) -> float:
+        """The run's vanishing threshold."""
+        return self.run.info.vanishing_threshold

@@ -1,0 +1,226 @@
+"""``gradstream consume`` and ``gradstream store``: the pipeline's processes.
+
+:class:`WorkerOptions` is every option of a consumer worker; ``consume`` and ``serve``
+(which runs the same worker beside the dashboard) both take it, so they cannot drift apart.
+:class:`LoggingOptions` is taken by every long-running process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import signal
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+
+from deploy.cli.errors import fail
+from deploy.cli.options import (
+    AlertRulesOption,
+    AlertSetOption,
+    AlertsTopicOption,
+    BootstrapServersOption,
+    DlqTopicOption,
+    FramesTopicOption,
+    GroupInstanceIdOption,
+    GroupOption,
+    LogFormatOption,
+    LogLevelOption,
+    MaxFramesOption,
+    MetricsPortOption,
+    OptionGroup,
+    PartitionsOption,
+    RunsTopicOption,
+    ShardTimeoutOption,
+    SummariesTopicOption,
+    WebhookOption,
+    WriteDbOption,
+    given,
+    with_option_groups,
+)
+
+if TYPE_CHECKING:
+    from consumer.settings import ConsumerSettings
+
+ENVIRONMENT = "Environment: KAFKA_BOOTSTRAP_SERVERS and GRADSTREAM_<SETTING> (e.g. GRADSTREAM_DB)."
+"""The last paragraph of the help of the commands that start a worker or the store."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingOptions(OptionGroup):
+    """``--log-level`` and ``--log-format`` of a long-running process."""
+
+    log_level: LogLevelOption = "INFO"
+    log_format: LogFormatOption = "text"
+
+    def setup(self) -> None:
+        """Configure logging on stderr (:func:`consumer.logging_setup.setup_logging`).
+
+        Raises:
+            typer.BadParameter: unknown level or format.
+        """
+        from consumer.logging_setup import setup_logging
+
+        try:
+            setup_logging(self.log_level, self.log_format)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions(OptionGroup):
+    """The options of a consumer worker (:class:`consumer.settings.ConsumerSettings`)."""
+
+    bootstrap_servers: BootstrapServersOption = None
+    db: WriteDbOption = None
+    topic: SummariesTopicOption = None
+    dlq_topic: DlqTopicOption = None
+    group_id: GroupOption = None
+    group_instance_id: GroupInstanceIdOption = None
+    shard_timeout: ShardTimeoutOption = None
+    max_frames: MaxFramesOption = None
+    partitions: PartitionsOption = None
+    alerts_topic: AlertsTopicOption = None
+    alert_rules: AlertRulesOption = None
+    alert_set: AlertSetOption = None
+    webhook: WebhookOption = None
+    metrics_port: MetricsPortOption = None
+
+    def settings(self, **more: Any) -> ConsumerSettings:
+        """The worker's settings: the options given here and in ``more`` (settings fields),
+        then the environment, then the defaults. Exits with status 2, before anything
+        connects, when the alert rules are invalid."""
+        from consumer.alerts.config import AlertConfigError, load_alert_rules
+        from consumer.settings import ConsumerSettings
+
+        settings = ConsumerSettings(**given(
+            bootstrap_servers=self.bootstrap_servers, db=self.db, topic=self.topic,
+            dlq_topic=self.dlq_topic, group_id=self.group_id,
+            group_instance_id=self.group_instance_id, shard_timeout_s=self.shard_timeout,
+            max_frames=self.max_frames,
+            partitions=self.partitions, alerts_topic=self.alerts_topic,
+            alert_rules=self.alert_rules, alert_set=self.alert_set or None,
+            webhook_url=self.webhook, metrics_port=self.metrics_port, **more,
+        ))
+        try:
+            load_alert_rules(settings.alert_rules, settings.alert_set)
+        except AlertConfigError as exc:
+            fail(f"invalid alert rules:\n{exc}", 2)
+        return settings
+
+
+WorkersOption = Annotated[
+    int,
+    typer.Option("--workers", min=1,
+                 help="Start this many worker processes on this host (scale-out mode: needs "
+                 "--frames-topic; metrics ports are PORT, PORT+1, ...). A worker that dies "
+                 "is restarted."),
+]
+
+
+@with_option_groups
+def consume(
+    *,
+    worker: WorkerOptions,
+    frames_topic: FramesTopicOption = None,
+    runs_topic: RunsTopicOption = None,
+    workers: WorkersOption = 1,
+    logs: LoggingOptions,
+) -> None:
+    """Consume gradient summaries, merge ranks into frames, classify health and store
+    everything in DuckDB. Stops cleanly on Ctrl-C / SIGTERM (writes what is final, leaves
+    the group). Bad messages go to the dead-letter topic and never stop it."""
+    logs.setup()
+    settings = worker.settings(**given(frames_topic=frames_topic, runs_topic=runs_topic))
+    if workers > 1:
+        if settings.frames_topic is None:
+            raise typer.BadParameter(
+                "--workers N > 1 needs --frames-topic (scale-out mode): one DuckDB file has "
+                "one writing process; run `gradstream store --db FILE` to store the frames.",
+                param_hint="--workers",
+            )
+        from consumer.supervisor import run_workers
+
+        raise typer.Exit(run_workers(settings, workers, logs.log_level, logs.log_format))
+    from consumer.worker import Worker
+
+    process = Worker(settings)
+    _stop_on_signals(process.stop, "gradstream.consumer", "finishing the batch")
+    try:
+        process.run()
+    except Exception as exc:
+        _failed("consume", exc, f"The DuckDB file {settings.db} is held by another process "
+                "(another `gradstream consume`?). Stop it or use --db.")
+
+
+StoreGroupOption = Annotated[
+    str | None,
+    typer.Option("--group", help="Name under which the store keeps its consumed offsets in "
+                 "DuckDB (it joins no Kafka consumer group: it reads every partition "
+                 "itself)."),
+]
+
+
+@with_option_groups
+def store(
+    *,
+    bootstrap_servers: BootstrapServersOption = None,
+    db: WriteDbOption = None,
+    frames_topic: FramesTopicOption = None,
+    group_id: StoreGroupOption = None,
+    alerts_topic: AlertsTopicOption = None,
+    max_frames: MaxFramesOption = None,
+    metrics_port: MetricsPortOption = None,
+    logs: LoggingOptions,
+) -> None:
+    """Store the frames published by scale-out workers (`consume --frames-topic`) in
+    DuckDB: rows and consumed offsets in one transaction, each frame exactly once; a late
+    rank's frame is merged into the stored partial frame; the workers' alert events go
+    into the alerts table. Run exactly one per DuckDB file. Stops cleanly on Ctrl-C /
+    SIGTERM."""
+    from consumer.store import Store
+    from consumer.store_settings import StoreSettings
+
+    logs.setup()
+    settings = StoreSettings(**given(
+        bootstrap_servers=bootstrap_servers, db=db, frames_topic=frames_topic,
+        group_id=group_id, alerts_topic=alerts_topic, max_frames=max_frames,
+        metrics_port=metrics_port,
+    ))
+    process = Store(settings)  # serves the metrics itself, as a worker does
+    _stop_on_signals(process.stop, "gradstream.store", "writing the batch")
+    try:
+        process.run()
+    except Exception as exc:
+        _failed("store", exc, f"The DuckDB file {settings.db} is held by another process.")
+
+
+def _stop_on_signals(stop: Any, logger: str, doing: str) -> None:
+    """Call ``stop`` on SIGINT / SIGTERM, logging what the process does meanwhile."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logging.getLogger(logger).info("received %s: %s", signal.Signals(signum).name, doing)
+        stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+
+def _failed(command: str, exc: Exception, lock_hint: str) -> NoReturn:
+    """Report the error that ended a process, with ``lock_hint`` when the DuckDB file is
+    locked, and exit 1."""
+    lock = "lock" in str(exc).lower()
+    fail(f"gradstream {command} failed: {exc}" + (f"\n{lock_hint}" if lock else ""))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``consume`` and ``store`` to the root application."""
+    app.command(
+        "consume", help=f"{inspect.cleandoc(consume.__doc__ or '')}\n\n{ENVIRONMENT}",
+        short_help="Consume summaries from Kafka: merge ranks, frames, health -> DuckDB.",
+    )(consume)
+    app.command(
+        "store", help=f"{inspect.cleandoc(store.__doc__ or '')}\n\n{ENVIRONMENT}",
+        short_help="Scale-out mode: store the workers' frames topic in DuckDB (one process).",
+    )(store)

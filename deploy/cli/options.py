@@ -1,0 +1,274 @@
+"""The options of the ``gradstream`` commands that more than one command takes, each
+declared once: its flag, help text and environment variable.
+
+A command takes one by annotating a parameter with its type, e.g.
+``bootstrap_servers: BootstrapServersOption = None``; the default is written at the
+parameter (an ``Annotated`` ``typer.Option`` takes none). An option left at ``None`` is
+filled in by the settings class of the process the command starts (``GRADSTREAM_<SETTING>``
+or ``KAFKA_BOOTSTRAP_SERVERS``, then the class default), as its help text says. Options only
+one command takes are declared next to that command.
+
+:func:`given` keeps the options given on the command line, for a settings class.
+:class:`OptionGroup` and :func:`with_option_groups` hand a whole set of options to several
+commands: e.g. every option of the consumer worker, taken by ``consume`` and by ``serve``,
+which runs the same worker.
+
+This module imports typer and :mod:`consumer.defaults` (a constant) only, so a package's
+command module can use these types without loading DuckDB, Kafka clients or pydantic, and
+without importing the command modules of :mod:`deploy.cli`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from consumer.defaults import DEFAULT_DB
+
+__all__ = [
+    "DEFAULT_DB",
+    "AlertRulesOption",
+    "AlertSetOption",
+    "AlertsTopicOption",
+    "BootstrapServersOption",
+    "DbOption",
+    "DlqTopicOption",
+    "DurationOption",
+    "FramesTopicOption",
+    "FromStepOption",
+    "GroupOption",
+    "LogFormatOption",
+    "LogLevelOption",
+    "MaxFramesOption",
+    "MetricsPortOption",
+    "OptionGroup",
+    "PartitionsOption",
+    "RunOption",
+    "RunsTopicOption",
+    "ShardTimeoutOption",
+    "SummariesTopicOption",
+    "ToStepOption",
+    "WebhookOption",
+    "WriteDbOption",
+    "given",
+    "with_option_groups",
+]
+
+# --------------------------------------------------------------------------- Kafka
+
+BootstrapServersOption = Annotated[
+    str | None,
+    typer.Option("--bootstrap-servers",
+                 help="Kafka bootstrap servers host:port[,host:port]. "
+                 "Default: $KAFKA_BOOTSTRAP_SERVERS or 127.0.0.1:9092."),
+]
+GroupOption = Annotated[str | None, typer.Option("--group", help="Kafka consumer group.")]
+GroupInstanceIdOption = Annotated[
+    str | None,
+    typer.Option("--group-instance-id", metavar="ID",
+                 help="Static group membership (Kafka KIP-345), unique per worker: a worker "
+                 "restarted with the same id takes its partitions back at once instead of "
+                 "waiting for its predecessor's session to expire. With --workers N, worker "
+                 "i uses ID-i. Default: $GRADSTREAM_GROUP_INSTANCE_ID or dynamic membership."),
+]
+PartitionsOption = Annotated[
+    int | None, typer.Option("--partitions", help="Partitions of topics this worker creates.")
+]
+
+# --------------------------------------------------------------------------- topics
+
+SummariesTopicOption = Annotated[
+    str | None, typer.Option("--topic", help="Summaries topic to consume.")
+]
+DlqTopicOption = Annotated[
+    str | None,
+    typer.Option(metavar="TOPIC", help="Dead-letter topic for unusable messages. "
+                 "Default: $GRADSTREAM_DLQ_TOPIC or gradstream.dlq."),
+]
+"""The flag is the parameter's name: ``--dlq-topic`` for the worker, ``--topic`` for
+``gradstream dlq``, whose subject the dead-letter topic is."""
+AlertsTopicOption = Annotated[
+    str | None,
+    typer.Option("--alerts-topic", metavar="TOPIC",
+                 help="Topic of alert events and run statuses. "
+                 "Default: $GRADSTREAM_ALERTS_TOPIC or gradstream.alerts."),
+]
+FramesTopicOption = Annotated[
+    str | None,
+    typer.Option("--frames-topic", metavar="TOPIC",
+                 help="Scale-out mode: the topic of finished frames, which `consume` "
+                 "workers publish instead of writing DuckDB (as many workers as the "
+                 "summaries topic has partitions, on any hosts) and `store` writes to DuckDB. "
+                 "Default: $GRADSTREAM_FRAMES_TOPIC, else off (consume) or gradstream.frames "
+                 "(store)."),
+]
+RunsTopicOption = Annotated[
+    str | None,
+    typer.Option("--runs-topic", metavar="TOPIC",
+                 help="Scale-out mode: compacted topic where workers keep each run's start "
+                 "record, so a worker taking over a partition knows its runs. "
+                 "Default: $GRADSTREAM_RUNS_TOPIC or gradstream.runs."),
+]
+
+# --------------------------------------------------------------------------- the store
+
+WriteDbOption = Annotated[
+    Path | None,
+    typer.Option("--db", help="DuckDB file to write (created if absent). "
+                 f"Default: $GRADSTREAM_DB or ./{DEFAULT_DB}."),
+]
+"""The store a process writes; ``None`` leaves it to the settings (``GRADSTREAM_DB``)."""
+DbOption = Annotated[
+    Path,
+    typer.Option("--db", envvar="GRADSTREAM_DB", show_default=True,
+                 help="DuckDB store written by `gradstream consume` (env GRADSTREAM_DB)."),
+]
+"""The store a command reads; write the default as ``= Path(DEFAULT_DB)``."""
+RunOption = Annotated[
+    str | None,
+    typer.Option("--run", show_default=False,
+                 help="Run id. Optional when the store holds exactly one run."),
+]
+FromStepOption = Annotated[
+    int | None,
+    typer.Option("--from-step", min=0, help="First optimiser step included (inclusive)."),
+]
+ToStepOption = Annotated[
+    int | None,
+    typer.Option("--to-step", min=0, help="Last optimiser step included (inclusive)."),
+]
+
+# --------------------------------------------------------------------------- the worker
+
+ShardTimeoutOption = Annotated[
+    float | None,
+    typer.Option("--shard-timeout",
+                 help="Seconds to wait for every rank of a step before storing the frame as "
+                 "partial (a late rank rewrites it)."),
+]
+MaxFramesOption = Annotated[
+    int | None,
+    typer.Option("--max-frames",
+                 help="Rolling window of run health in frames; 0 = whole run."),
+]
+MetricsPortOption = Annotated[
+    int | None,
+    typer.Option("--metrics-port", min=0, max=65535, metavar="PORT",
+                 help="Serve Prometheus metrics on http://0.0.0.0:PORT/metrics; 0 = off. "
+                 "Default: $GRADSTREAM_METRICS_PORT or off."),
+]
+
+# --------------------------------------------------------------------------- alerts
+
+AlertRulesOption = Annotated[
+    Path | None,
+    typer.Option("--alert-rules", metavar="FILE",
+                 help="Alert rules and thresholds, a .toml or .yaml file (see `gradstream "
+                 "alert-rules --help`). Default: $GRADSTREAM_ALERT_RULES or built-in."),
+]
+AlertSetOption = Annotated[
+    list[str] | None,
+    typer.Option("--alert-set", metavar="RULE.FIELD=VALUE",
+                 help="Override one rule setting, e.g. exploding.consecutive=5 "
+                 "(repeatable; applied over the rule file)."),
+]
+WebhookOption = Annotated[
+    str | None,
+    typer.Option("--webhook", metavar="URL",
+                 help="POST every alert event as Slack-compatible JSON to this URL "
+                 "(e.g. a Slack incoming webhook). Default: $GRADSTREAM_WEBHOOK_URL."),
+]
+
+# --------------------------------------------------------------------------- running
+
+LogLevelOption = Annotated[str, typer.Option("--log-level",
+                                             help="DEBUG, INFO, WARNING or ERROR.")]
+LogFormatOption = Annotated[
+    str,
+    typer.Option("--log-format", envvar="GRADSTREAM_LOG_FORMAT",
+                 help="'text' (human-readable) or 'json' (one JSON object per line, for "
+                 "log collectors)."),
+]
+DurationOption = Annotated[
+    float | None,
+    typer.Option("--duration", min=0,
+                 help="Stop after this many seconds (default: until Ctrl-C)."),
+]
+
+
+# --------------------------------------------------------------------------- values
+
+
+def given(**values: Any) -> dict[str, Any]:
+    """The options given on the command line among ``values`` (those not left at ``None``),
+    paths as text: keyword arguments for a settings class, which takes the environment and
+    its defaults for the others."""
+    return {k: os.fspath(v) if isinstance(v, os.PathLike) else v
+            for k, v in values.items() if v is not None}
+
+
+# --------------------------------------------------------------------------- groups
+
+
+class OptionGroup:
+    """Base of a dataclass whose fields are options several commands take together.
+
+    Each field is annotated with an option type and has the option's default. A command
+    decorated with :func:`with_option_groups` declares one parameter annotated with the
+    group class; the command line then has one option per field, and the command receives
+    their values as one instance of the group.
+    """
+
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
+
+
+def with_option_groups(command: _Command) -> _Command:
+    """Expand the :class:`OptionGroup` parameters of ``command`` into their options.
+
+    Typer reads the returned function's signature: every parameter of ``command`` stays
+    where it is (all keyword-only), except that each parameter annotated with an
+    ``OptionGroup`` dataclass becomes that dataclass's fields, in their order. When the
+    command runs, the fields' values are collected back into an instance of the group.
+
+    Raises:
+        TypeError: a group's field has the name of another parameter or field.
+    """
+    signature = inspect.signature(command, eval_str=True)
+    parameters: list[inspect.Parameter] = []
+    groups: dict[str, tuple[type, list[str]]] = {}
+    for parameter in signature.parameters.values():
+        group = parameter.annotation
+        if not (isinstance(group, type) and issubclass(group, OptionGroup)):
+            parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+            continue
+        hints = typing.get_type_hints(group, include_extras=True)
+        fields = dataclasses.fields(group)
+        groups[parameter.name] = (group, [f.name for f in fields])
+        parameters += [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                              annotation=hints[f.name])
+            for f in fields
+        ]
+    names = [p.name for p in parameters]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise TypeError(f"{command.__qualname__}: option groups repeat {repeated}")
+
+    @functools.wraps(command)
+    def run(**values: Any) -> Any:
+        for name, (group, fields) in groups.items():
+            values[name] = group(**{f: values.pop(f) for f in fields})
+        return command(**values)
+
+    run.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in parameters}
+    return typing.cast(_Command, run)

@@ -1,0 +1,109 @@
+"""``gradstream serve``: a consumer worker and the live dashboard in one process
+(:mod:`deploy.serve`). It takes every option of the worker (:class:`WorkerOptions`, as
+``consume`` does) plus where and how to serve."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from deploy.cli.consume import ENVIRONMENT, LoggingOptions, WorkerOptions
+from deploy.cli.errors import fail
+from deploy.cli.options import with_option_groups
+from deploy.serve import DEFAULT_PORT, ServedStore, ServedWorker, ServeError, worker_failure
+
+log = logging.getLogger("gradstream.serve")
+
+
+@with_option_groups
+def serve(
+    *,
+    host: Annotated[
+        str,
+        typer.Option(envvar="GRADSTREAM_SERVE_HOST",
+                     help="Address to listen on. Loopback by default; another address "
+                     "exposes your gradient history to that network."),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int,
+        typer.Option(envvar="GRADSTREAM_SERVE_PORT", min=0, max=65535,
+                     help="TCP port (0 = any free port; the URL is printed)."),
+    ] = DEFAULT_PORT,
+    consume: Annotated[
+        bool,
+        typer.Option("--consume/--no-consume",
+                     help="Run the consumer worker (write the store from Kafka), or only "
+                     "serve an existing store read-only (then of the worker's options only "
+                     "--db applies)."),
+    ] = True,
+    refresh: Annotated[
+        float,
+        typer.Option(min=0.1, help="Seconds between two refreshes of the page."),
+    ] = 1.0,
+    query_timeout: Annotated[
+        float,
+        typer.Option(min=0.1, help="Longest SQL query answered for `gradstream query`, s."),
+    ] = 120.0,
+    worker: WorkerOptions,
+    logs: LoggingOptions,
+) -> None:
+    """Consume gradient summaries into the store AND serve the live dashboard from the same
+    process: runs with health badges, a heatmap that grows while a run streams, the alerts
+    feed, drill-down into a layer, export downloads. `gradstream query` goes through this
+    process while it holds the store. Stops on Ctrl-C / SIGTERM. The worker is the one of
+    `gradstream consume` and takes the same options."""
+    logs.setup()
+    console = Console(stderr=True, highlight=False)
+    served: ServedWorker
+    if consume:
+        settings = worker.settings()
+        if settings.frames_topic is not None:
+            fail("serve writes the store in this process: unset GRADSTREAM_FRAMES_TOPIC "
+                 "(scale-out workers publish their frames and have no store to serve)", 2)
+        served = ServedWorker(settings, host, port, refresh, query_timeout)
+        store = settings.db
+    else:
+        from consumer.settings import ConsumerSettings
+
+        store = str(worker.db or ConsumerSettings().db)
+        served = ServedStore(Path(store), host, port, refresh, query_timeout)
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        url = served.start()
+    except ServeError as exc:
+        fail(str(exc))
+    mode = "consuming into" if consume else "serving read-only"
+    console.print(f"gradstream dashboard: {url}/  ({mode} {store})", markup=False)
+    failed = False
+    try:
+        while not stop.wait(0.5):
+            if not served.alive():
+                failed = True
+                break
+    finally:
+        served.stop()
+    if failed:
+        fail(worker_failure(served.worker.error if served.worker else None, store))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to the root application."""
+    app.command(
+        "serve", help=f"{inspect.cleandoc(serve.__doc__ or '')}\n\n{ENVIRONMENT}",
+        short_help="Consume into DuckDB and serve the live dashboard (and SQL) from it.",
+    )(serve)

@@ -1,0 +1,89 @@
+"""`gradstream broker fetch|start|stop|status` (:mod:`deploy.cli.broker`), registered on a
+fresh Typer app. Runs a real Kafka (Maven-resolved jars, real JVM, real sockets)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from deploy.broker import LocalBroker, resolve_kafka
+from deploy.cli.broker import register
+from tests.deploy.test_broker import _consume_all, _produce
+
+
+def _cli_app() -> typer.Typer:
+    app = typer.Typer()
+    register(app)
+    return app
+
+
+def test_cli_status_not_running(tmp_path: Path) -> None:
+    result = CliRunner().invoke(_cli_app(), ["broker", "status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "not running" in result.output
+
+
+def test_cli_help_lists_commands() -> None:
+    result = CliRunner().invoke(_cli_app(), ["broker", "--help"])
+    assert result.exit_code == 0
+    for command in ("fetch", "start", "stop", "status"):
+        assert command in result.output
+
+
+def test_cli_fetch_prints_directory() -> None:
+    result = CliRunner().invoke(_cli_app(), ["broker", "fetch"])
+    assert result.exit_code == 0, result.output
+    assert Path(result.stdout.strip()) == resolve_kafka()
+
+
+def test_cli_error_is_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = CliRunner().invoke(
+        _cli_app(), ["broker", "fetch", "--cache-dir", str(tmp_path / "cache")]
+    )
+    assert result.exit_code == 1
+    assert "Error:" in result.output
+    assert "openjdk-17-jre-headless" in result.output
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+def test_cli_start_status_stop(tmp_path: Path, unique_name: str) -> None:
+    app = _cli_app()
+    runner = CliRunner()
+    state = ["--state-dir", str(tmp_path)]
+    try:
+        started = runner.invoke(app, ["broker", "start", *state])
+        assert started.exit_code == 0, started.output
+        broker = LocalBroker.from_state(tmp_path)
+        assert f"export KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap}" in started.output
+
+        # The broker outlives the command and really serves requests.
+        topic = f"test-cli-{unique_name}"
+        _produce(broker.bootstrap, topic, [b"hello"])
+        assert _consume_all(broker.bootstrap, topic, expected=1) == [b"hello"]
+
+        status = runner.invoke(app, ["broker", "status", *state])
+        assert status.exit_code == 0, status.output
+        assert "running" in status.output and broker.bootstrap in status.output
+
+        again = runner.invoke(app, ["broker", "start", *state])
+        assert again.exit_code == 0, again.output
+        assert "already running" in again.output
+        assert broker.bootstrap in again.output
+
+        stopped = runner.invoke(app, ["broker", "stop", *state])
+        assert stopped.exit_code == 0, stopped.output
+        assert "Stopped" in stopped.output
+        assert not LocalBroker.from_state(tmp_path).status().running
+
+        status = runner.invoke(app, ["broker", "status", *state])
+        assert status.exit_code == 1
+        stopped = runner.invoke(app, ["broker", "stop", *state])
+        assert stopped.exit_code == 0
+        assert "No Kafka broker running" in stopped.output
+    finally:
+        LocalBroker(tmp_path).stop()

@@ -1,0 +1,294 @@
+"""Mergeable statistics (schemas.stats): merging parts equals the whole, for every class.
+
+The property test runs over the registry ``schemas.stats.STATISTICS``. Counts, extremes and
+histograms must merge exactly; float sums up to rounding, within ``1e-12 * sum |x_i|`` of the
+same statistic over |x| (Higham's bound for recursive summation, ``gamma_n sum |x_i|``, for
+either order; see the module docstring of schemas.stats).
+"""
+
+from __future__ import annotations
+
+import doctest
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+import schemas.stats
+from schemas import wire
+from schemas.stats import (
+    STATISTICS,
+    ExponentHistogram,
+    GradientSums,
+    LayerStatistic,
+    PowerSums,
+    SumOfSquares,
+    WeightMoments,
+    exp_hist_column,
+)
+
+TINY = 5e-324  # smallest subnormal: the absolute rounding step of sums of subnormals
+VALUES = st.one_of(
+    st.floats(min_value=-1e60, max_value=1e60, allow_subnormal=True),
+    st.sampled_from([0.0, -0.0, np.nan, np.inf, -np.inf, 5e-324, -2.2e-308, 1e-300, -1e60,
+                     65504.0, 3.4e38]),
+)
+
+
+@st.composite
+def samples(draw: st.DrawFn) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(L, values[n] of a random float dtype, layer int64[n] in [0, L), split bool[n])."""
+    num_layers = draw(st.integers(1, 4))
+    n = draw(st.integers(0, 300))
+    values = draw(arrays(np.float64, n, elements=VALUES))
+    dtype = draw(st.sampled_from([np.float16, np.float32, np.float64]))
+    with np.errstate(over="ignore"):  # too large for float16/32: becomes inf, counted
+        values = values.astype(dtype)
+    layer = draw(arrays(np.int64, n, elements=st.integers(0, num_layers - 1)))
+    split = draw(arrays(np.bool_, n))
+    return num_layers, values, layer, split
+
+
+def assert_same(
+    got: LayerStatistic, want: LayerStatistic, bound: LayerStatistic | None = None,
+    n: int = 0,
+) -> None:
+    """Exact equality of the exact fields; float sums within 1e-12 * the same sums over |x|
+    (exact too when ``bound`` is None)."""
+    a, b = got.state(), want.state()
+    assert a.keys() == b.keys()
+    exact = want.exact_fields()
+    limits = None if bound is None else bound.state()
+    for key in b:
+        assert a[key].shape == b[key].shape, key
+        if key in exact or limits is None:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+        else:
+            tol = 1e-12 * np.abs(limits[key]) + n * TINY
+            assert np.all(np.abs(a[key] - b[key]) <= tol), (key, a[key], b[key], tol)
+
+
+@pytest.mark.parametrize("cls", STATISTICS, ids=lambda c: c.__name__)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sample=samples())
+def test_merged_parts_equal_the_whole(cls: type[LayerStatistic], sample) -> None:
+    num_layers, x, layer, split = sample
+    whole = cls.empty(num_layers)
+    assert whole.update(x, layer) is whole
+    bound = cls.empty(num_layers).update(np.abs(x), layer)
+    a = cls.empty(num_layers).update(x[split], layer[split])
+    b = cls.empty(num_layers).update(x[~split], layer[~split])
+    a_before = a.copy()
+
+    merged = a + b
+    assert merged is not a and merged is not b
+    assert_same(a, a_before)  # + leaves its operands alone
+    assert_same(merged, whole, bound, x.size)
+    in_place = a.copy()
+    in_place += b
+    assert_same(in_place, merged)
+
+    # the neutral element, on either side
+    assert_same(cls.empty(num_layers) + a, a)
+    assert_same(a + cls.empty(num_layers), a)
+
+    # one scalar-layer update per layer (the producer's path) gives the same statistic
+    per_layer = cls.empty(num_layers)
+    for i in range(num_layers):
+        assert per_layer.update(x[layer == i], i) is per_layer
+    assert_same(per_layer, whole, bound, x.size)
+    assert_same(cls.from_layers([x[layer == i] for i in range(num_layers)]), per_layer)
+
+    # stored / wire form round trip, sparse merge and selection, pooling
+    assert_same(cls.from_columns(**whole.to_columns()), whole)
+    spread = cls.empty(num_layers + 2)
+    at = np.arange(num_layers)[::-1] + 1
+    assert spread.merge_at(at, whole) is spread
+    assert_same(spread.take(at), whole)
+    assert_same(spread.take(np.array([0, num_layers + 1])), cls.empty(2))
+    assert_same(whole.pooled(), cls.empty(1).update(x, np.zeros(x.size, np.int64)),
+                bound.pooled(), x.size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sample=samples())
+def test_sparse_histogram_merge_equals_the_dense_one(sample) -> None:
+    num_layers, x, layer, _ = sample
+    part = ExponentHistogram.empty(num_layers).update(x, layer)
+    at = np.arange(num_layers)[::-1] * 2
+    dense = ExponentHistogram.empty(2 * num_layers).merge_at(at, part)
+    sparse = ExponentHistogram.empty(2 * num_layers)
+    assert sparse.merge_columns(at, **part.to_columns()) is sparse
+    assert_same(sparse, dense)
+    with pytest.raises(ValueError, match="one row per layer"):
+        sparse.merge_columns(at[:-1], **part.to_columns())
+
+
+@pytest.mark.parametrize("cls", STATISTICS, ids=lambda c: c.__name__)
+def test_merging_checks_class_and_layer_count(cls: type[LayerStatistic]) -> None:
+    with pytest.raises(ValueError, match="layers"):
+        cls.empty(2).__iadd__(cls.empty(3))
+    other = GradientSums if cls is not GradientSums else PowerSums
+    with pytest.raises(TypeError):
+        cls.empty(2).merge_at(np.arange(2), other.empty(2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out of range"):
+        cls.empty(2).update(np.ones(3), 2)
+    with pytest.raises(ValueError, match="shape"):
+        cls.empty(2).update(np.ones(3), np.zeros(2, np.int64))
+
+
+def test_doctests_run() -> None:
+    """pytest is not run with --doctest-modules: run the module's examples here."""
+    result = doctest.testmod(schemas.stats, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 10 and result.failed == 0
+
+
+def test_histogram_layout_equals_the_wire_contract() -> None:
+    assert (schemas.stats.EXP_HIST_MIN, schemas.stats.EXP_HIST_MAX,
+            schemas.stats.EXP_HIST_BINS) == (wire.EXP_HIST_MIN, wire.EXP_HIST_MAX,
+                                             wire.EXP_HIST_BINS)
+
+
+def test_histogram_bins_by_exact_exponent_in_every_dtype() -> None:
+    x = np.array([0.0, -0.0, 1.0, -1.5, 2.0**-140, 2.0**-134, 2.0**30, np.nan, -np.inf])
+    for dtype in (np.float16, np.float32, np.float64):
+        with np.errstate(over="ignore", under="ignore"):
+            v = x.astype(dtype)
+        h = ExponentHistogram.empty(1).update(v)
+        expected = np.zeros(schemas.stats.EXP_HIST_BINS, np.int64)
+        for value in v.astype(np.float64):
+            if np.isfinite(value):
+                col = 0 if value == 0 else exp_hist_column(np.frexp(abs(value))[1] - 1)
+                expected[col] += 1
+        np.testing.assert_array_equal(h.counts[0], expected, err_msg=str(dtype))
+        assert h.nonfinite[0] == int((~np.isfinite(v)).sum())
+
+
+def test_moments_match_scipy() -> None:
+    from scipy import stats as sps
+
+    rng = np.random.default_rng(2)
+    x = rng.gamma(2.0, 0.1, 5000) - 0.1
+    got = PowerSums.empty(1).update(x).get()
+    assert got["mean"][0] == pytest.approx(x.mean(), rel=1e-12)
+    assert got["std_dev"][0] == pytest.approx(x.std(), rel=1e-9)
+    assert got["skewness"][0] == pytest.approx(sps.skew(x), rel=1e-8)
+    assert got["kurtosis"][0] == pytest.approx(sps.kurtosis(x), rel=1e-8)
+    edge = PowerSums.empty(3).update(np.array([1.0, 2.0, 7.0, 7.0]), np.array([0, 0, 1, 1]))
+    out = edge.get()
+    assert out["skewness"].tolist()[:2] == [0.0, 0.0]  # n < 3, std = 0 (seed 004)
+    assert np.isnan(out["mean"][2]) and np.isnan(out["min"][2])
+
+
+def test_gradient_sums_frame_fields_and_norms_mode() -> None:
+    full = GradientSums.empty(1).update(np.array([3.0, -4.0, np.nan]))
+    norms = GradientSums.from_columns([2], None, [2.0], None, [0])
+    got = full.get()
+    assert (got["numel"][0], got["nonfinite"][0], got["max_abs"][0]) == (3, 1, 4.0)
+    assert (got["mean_abs"][0], got["norm"][0]) == (7.0 / 3.0, 5.0)
+    mixed = (full + norms).get()
+    assert np.isnan(mixed["sum_abs"][0]) and np.isnan(mixed["max_abs"][0])
+    assert np.isnan(mixed["mean_abs"][0]) and mixed["rms"][0] == pytest.approx(np.sqrt(27 / 5))
+
+
+def test_saturate_clips_overflowing_sums() -> None:
+    big = float(np.finfo(np.float64).max)
+    g = GradientSums.empty(1).update(np.array([big, big])).saturate()
+    assert g.sum_abs[0] == big and g.sum_sq[0] == big
+    p = PowerSums.empty(1).update(np.array([-big, -big])).saturate()
+    assert (p.s1[0], p.s2[0], p.s3[0], p.s4[0]) == (-big, big, -big, big)
+
+
+def test_weight_moments_per_copy_and_pooled_for_the_analysis() -> None:
+    """A replicated layer (R identical copies merged) reads as one copy; pooling the
+    layers gives the statistics of all the weights together."""
+    rng = np.random.default_rng(8)
+    w0, w1 = rng.standard_normal(100), np.concatenate([np.zeros(5), rng.standard_normal(50)])
+    one = WeightMoments.empty(2).update(w0, 0).update(w1, 1)
+    three = WeightMoments.empty(2)
+    for _ in range(3):
+        three.update(w0, 0)
+    three.update(w1, 1)
+    copies = np.array([3.0, 1.0])
+    got, want = three.per_copy(copies).get(), one.get()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-12, err_msg=key)
+    pooled = one.pooled().get()
+    everything = WeightMoments.empty(1).update(np.concatenate([w0, w1])).get()
+    for key in everything:
+        np.testing.assert_allclose(pooled[key], everything[key], rtol=1e-12, err_msg=key)
+    assert pooled["zero_fraction"][0] == pytest.approx(5 / 155)
+
+
+def _message(layers: list[int], grads: list[np.ndarray], weights: list[np.ndarray],
+             previous: list[np.ndarray], *, full: bool = True) -> tuple[wire.StepSummary, dict]:
+    """A StepSummary built from the statistics of ``grads`` / ``weights`` (k layers)."""
+    k = len(layers)
+    grad, hist = GradientSums.empty(k), ExponentHistogram.empty(k)
+    moments, update = WeightMoments.empty(k), SumOfSquares.empty(k)
+    for i in range(k):
+        grad.update(grads[i], i)
+        hist.update(grads[i], i)
+        moments.update(weights[i], i)
+        update.update(weights[i] - previous[i], i)
+    g, h, w = grad.to_columns(), hist.to_columns(), moments.to_columns()
+    msg = wire.StepSummary(
+        run_id="r", step=1, rank=0, world_size=1, wall_time=0.0, layer_indices=layers,
+        numel=g["numel"].tolist(), sum_sq=g["sum_sq"].tolist(),
+        nonfinite=g["nonfinite"].tolist(),
+        sum_abs=g["sum_abs"].tolist() if full else None,
+        max_abs=g["max_abs"].tolist() if full else None,
+        exp_hist_offsets=h["offsets"].tolist(), exp_hist_columns=h["columns"].tolist(),
+        exp_hist_counts=h["counts"].tolist(), weight_sum_sq=w["s2"].tolist(),
+        update_sum_sq=update.sum_sq.tolist(), weight_sum=w["s1"].tolist(),
+        weight_sum_cube=w["s3"].tolist(), weight_sum_quad=w["s4"].tolist(),
+        weight_min=w["minimum"].tolist(), weight_max=w["maximum"].tolist(),
+        weight_nonfinite=w["nonfinite"].tolist(),
+        weight_exp_hist_offsets=w["hist_offsets"].tolist(),
+        weight_exp_hist_columns=w["hist_columns"].tolist(),
+        weight_exp_hist_counts=w["hist_counts"].tolist(),
+    )
+    return msg, {"grad": grad, "hist": hist, "moments": moments, "update": update}
+
+
+def test_from_message_reads_back_what_was_sent() -> None:
+    rng = np.random.default_rng(4)
+    grads = [np.array([1.0, -2.0, np.nan, 0.0]), rng.standard_normal(50) * 1e-20]
+    weights = [np.array([np.nan, np.inf, 0.5, -0.25]), rng.standard_normal(50)]
+    previous = [w * 0.5 for w in weights]
+    msg, sent = _message([3, 1], grads, weights, previous)
+    assert_same(GradientSums.from_message(msg), sent["grad"])
+    assert_same(ExponentHistogram.from_message(msg), sent["hist"])
+    assert_same(WeightMoments.from_message(msg), sent["moments"])
+    at = np.array([0, 2])
+    into = WeightMoments.empty(3)
+    assert into.merge_message(at, msg)
+    assert_same(into, WeightMoments.empty(3).merge_at(at, sent["moments"]))
+    assert_same(SumOfSquares.from_message(msg, "update_sum_sq"), sent["update"])
+    norm = SumOfSquares.from_message(msg, "weight_sum_sq")
+    assert norm.numel.tolist() == [4, 50]
+    np.testing.assert_array_equal(norm.sum_sq, sent["moments"].power.s2)
+    bare = msg.model_copy(update={
+        name: None for name in (
+            "exp_hist_offsets", "exp_hist_columns", "exp_hist_counts", "weight_sum_sq",
+            "update_sum_sq", "weight_sum", "weight_sum_cube", "weight_sum_quad",
+            "weight_min", "weight_max", "weight_nonfinite", "weight_exp_hist_offsets",
+            "weight_exp_hist_columns", "weight_exp_hist_counts")})
+    assert ExponentHistogram.from_message(bare) is None
+    assert WeightMoments.from_message(bare) is None
+    assert not WeightMoments.empty(2).merge_message(np.arange(2), bare)
+    assert SumOfSquares.from_message(bare, "weight_sum_sq") is None
+    with pytest.raises(ValueError, match="no sum of squares"):
+        SumOfSquares.from_message(msg, "sum_sq")
+    norms, _ = _message([0], grads[:1], weights[:1], previous[:1], full=False)
+    assert not GradientSums.from_message(norms).has_abs().any()
+
+
+def test_weight_moments_reject_parts_that_disagree() -> None:
+    hist = ExponentHistogram.empty(1).update(np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="disagree"):
+        WeightMoments(PowerSums.empty(1).update(np.array([1.0])), hist)
+    with pytest.raises(ValueError, match="same layers"):
+        WeightMoments(PowerSums.empty(2), hist)
