@@ -6,7 +6,7 @@ SQL aggregate over ``layer_stats`` (O(layers x steps), done by DuckDB), plus ``f
 the partial-frame count and ``runs`` for the run's shape.
 
 Layers with no gradient by construction (zero up to floating-point rounding in every frame
-from their first on, ``consumer.rounding``; e.g. the key bias of softmax attention) are
+from their first on, ``schemas.rounding``; e.g. the key bias of softmax attention) are
 listed apart and count neither as vanishing layers nor in ``issue_frames`` nor in the
 health, the same rule as the consumer's incremental :mod:`consumer.health`.
 """
@@ -22,8 +22,8 @@ from rich.table import Table
 from rich.text import Text
 
 from analysis.store import require_run, stats_params
-from consumer.rounding import rounding_rows_sql
 from schemas.health import classify_health
+from schemas.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class GradientFlowSummary(BaseModel):
       as exploding); ``issue_ratio = issue_frames / max(frames, 1)``.
     - ``layers_without_gradient``: layers with no gradient by construction (model order):
       at rounding level in every stored frame from their first up to the end of the range
-      (``consumer.rounding``: mean |g|, or the RMS in norms mode, at most
+      (``schemas.rounding``: mean |g|, or the RMS in norms mode, at most
       ``eps(dtype) / 2`` times the step's largest and detached from the layers carrying
       gradient by a gap of at least ``(eps(dtype) / 2) ** -0.5``); judged from the run's
       first frame whatever ``from_step``. ``no_gradient_since_step``: the earliest first
@@ -206,7 +206,7 @@ def _summary_sql(with_dtype: bool) -> str:
     """One statement for the layer lists and the frame counts of :func:`build_report`.
 
     Rows of the run up to ``$to_step`` are judged by
-    :func:`consumer.rounding.rounding_rows_sql` (from the run's first frame, so that the
+    :func:`schemas.rounding.rounding_rows_sql` (from the run's first frame, so that the
     no-gradient state at ``$from_step`` is the run's); the rows from ``$from_step`` on are
     aggregated per layer and per step. One row per layer with a flag or no gradient
     (model order), each carrying the frame counts (frames, issue_frames, last_step,

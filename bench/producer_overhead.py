@@ -12,7 +12,7 @@ For each case it prints, measured in the same run and interleaved (best of ``--r
   ``summarize()``);
 * norms mode (``summarize(norms_only=True)``) and the encoded message size per step in full
   and norms mode;
-* the weight statistics (``producer.weights.weight_statistics``: sum w^2 and the update
+* the weight summaries (``producer.weights.summarize_weights``: sum w^2 and the update
   norm against a kept copy, power sums, extremes, exponent histogram of |w|), measured
   on weights of the same sizes as the gradients (setting ``weight_stats``);
 * ``summarize()`` when every layer holds a NaN (the masked re-run path), and with the
@@ -55,7 +55,7 @@ if str(ROOT) not in sys.path:
 from producer import GradientProducer  # noqa: E402
 from producer import summary as summary_mod  # noqa: E402
 from producer.summary import summarize  # noqa: E402
-from producer.weights import weight_statistics  # noqa: E402
+from producer.weights import summarize_weights  # noqa: E402
 from schemas.wire import StepSummary, encode_message  # noqa: E402
 
 _PROBE = r"""
@@ -182,7 +182,7 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
     weights = {name: g * 1e3 + 0.5 for name, g in grads.items()}
     previous = {name: w.copy() for name, w in weights.items()}
     # Warm-up (JIT/cache load and page faults excluded from the timings).
-    weight_statistics(weights, previous)
+    summarize_weights(weights, previous)
     summarize(grads)
     summarize(grads, histogram=True)
     summarize(nan_grads)
@@ -197,7 +197,7 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
             "hist": lambda: summarize(grads, histogram=True),
             "nan": lambda: summarize(nan_grads),
             "norms": lambda: summarize(grads, norms_only=True),
-            "weights": lambda: weight_statistics(weights, previous),
+            "weights": lambda: summarize_weights(weights, previous),
             "numpy": lambda: _summarize_numpy_backend(grads),
         },
         repeats,

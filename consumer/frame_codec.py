@@ -1,7 +1,7 @@
 """Frames on the wire (scale-out mode): GradientFrame -> MergedFrame -> MergedShards.
 
 A worker publishes each finished frame as its merged sums (:class:`schemas.wire.MergedFrame`)
-rather than its derived fields, so that the store can recompute the seed-001 fields with
+rather than its derived fields, so that the store can recompute the frame fields with
 :func:`consumer.frames.compute_frame` (identical to what a single-process worker stores) and
 can merge a late rank's frame into a stored partial one exactly.
 """

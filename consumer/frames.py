@@ -1,14 +1,14 @@
 """GradientFrame computation: one step of one run, all layers, vectorised over layers.
 
-Formulas (seed 001 ``GradientFlowAnimator::record_step``; README.md, "How it works"),
-for layer l after merging every rank's shard:
+Formulas (README.md, "How it works"; semantics follow trustformers-debug's
+``gradient_flow`` module), for layer l after merging every rank's shard:
 
 - ``mean_abs_grad = sum_abs / numel``
 - ``max_abs_grad = max_abs``
 - ``grad_norm = sqrt(sum_sq)``
 - ``is_vanishing = mean_abs_grad < vanishing_threshold`` and no non-finite element (a
   layer holding NaN/Inf is reported as non-finite, not as vanishing: its finite part says
-  nothing about how much gradient flows; seed 001 never sees NaN because it sums them in)
+  nothing about how much gradient flows)
 - ``is_exploding = max_abs_grad > exploding_threshold``
 - ``flow_intensity = clamp(grad_norm / max_l grad_norm, 0, 1)``, 0 when that max is 0.
 
@@ -25,7 +25,7 @@ every flag raised is one the full statistics would raise; a layer with a few ele
 above the exploding threshold but a smaller RMS is not flagged.
 
 Non-finite elements are left out of the sums by the producer and counted in
-``nonfinite``; ``numel`` counts every element, as in the seed's ``values.len()``.
+``nonfinite``; ``numel`` counts every element, finite or not.
 
 The merged sums are the statistic objects of :mod:`schemas.stats` (one per statistic,
 vectorised over layers), held together by :class:`MergedShards`; :func:`compute_frame` only
@@ -259,7 +259,8 @@ _LOCAL_FIELDS = ("rank", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs",
 
 @dataclass(slots=True)
 class GradientFrame:
-    """One frame (seed 001 ``GradientFrame``) in columnar form.
+    """One frame: the derived fields of every reported layer at one (run, step), in
+    columnar form.
 
     Arrays have one entry per *reported* layer (``numel > 0``), ordered by
     ``layer_index`` (model order).
@@ -349,7 +350,7 @@ def compute_frame(
     world_size: int,
     wall_time: float,
 ) -> GradientFrame:
-    """Derive the seed-001 frame fields from merged shard sums (formulas in the module doc).
+    """Derive the frame fields from merged shard sums (formulas in the module doc).
 
     Args:
         run_id, step: identify the frame.

@@ -12,7 +12,7 @@ rolling window is set, as the reference implementation's ``max_frames``):
   MinorIssues if any vanishing layer or ``issue_ratio > 0.1``; else Healthy.
 
 Layers with no gradient by construction (zero up to floating-point rounding at every frame
-from their first on, ``consumer.rounding``) keep their stored flag ``is_vanishing``,
+from their first on, ``schemas.rounding``) keep their stored flag ``is_vanishing``,
 but that flag counts nowhere here: not as a vanishing layer, not in ``issue_frames``. The
 tracker judges each frame's layers as it arrives (per layer: seen, ever above rounding
 level) and leaves out the vanishing flag of a layer that has not been above rounding level
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from consumer.rounding import at_rounding_level, unit_roundoff
 from schemas.health import classify_health
+from schemas.rounding import at_rounding_level, unit_roundoff
 from schemas.wire import GradientHealth
 
 _EMPTY = np.empty(0, dtype=np.int32)
@@ -58,7 +58,7 @@ class RunHealthTracker:
         max_frames: rolling window in frames (highest steps kept); 0 = whole run. The
             no-gradient-by-construction state is the whole run's, never windowed.
         roundoff: float64[L] unit roundoff of each layer's gradient dtype
-            (:func:`consumer.rounding.unit_roundoff`); None = float32 for every layer.
+            (:func:`schemas.rounding.unit_roundoff`); None = float32 for every layer.
 
     Attributes:
         seen: bool[L], the layer was in some frame. ordinary: bool[L], some frame showed
@@ -89,7 +89,7 @@ class RunHealthTracker:
     @property
     def no_gradient(self) -> np.ndarray:
         """bool[L]: layers with no gradient by construction so far (seen, and at rounding
-        level in every frame that had them; ``consumer.rounding``)."""
+        level in every frame that had them; ``schemas.rounding``)."""
         return self.seen & ~self.ordinary
 
     @property
@@ -121,7 +121,7 @@ class RunHealthTracker:
                 the rounding test compares the layers of a frame with each other).
             is_vanishing, is_exploding: bool[n]; nonfinite: int[n] counts (aligned).
             magnitude: float64[n] gradient magnitude per row
-                (:func:`consumer.rounding.gradient_magnitude`: mean |g|, or the RMS in
+                (:func:`schemas.rounding.gradient_magnitude`: mean |g|, or the RMS in
                 norms mode). None: the rows cannot be judged and count as ordinary layers
                 (every vanishing flag counts, as without the rounding test).
         """

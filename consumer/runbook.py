@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from consumer.health import RunHealthTracker, restore_tracker
-from consumer.rounding import gradient_magnitude
 from consumer.runs import RunInfo
 from consumer.sink import RunState, SinkBatch
+from schemas.rounding import gradient_magnitude
 from schemas.wire import GradientHealth, RunFinished, RunStarted
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from consumer.rounding import unit_roundoff
+from schemas.rounding import unit_roundoff
 from schemas.wire import RunStarted
 
 
@@ -39,7 +39,7 @@ class RunInfo:
     @property
     def roundoff(self) -> np.ndarray:
         """float64[L] unit roundoff of each layer's gradient dtype
-        (:func:`consumer.rounding.unit_roundoff`; unknown = float32)."""
+        (:func:`schemas.rounding.unit_roundoff`; unknown = float32)."""
         return unit_roundoff(self.dtypes, self.num_layers)
 
     @classmethod

@@ -23,9 +23,9 @@ import pyarrow as pa
 
 from consumer.alerts.rows import write_alerts
 from consumer.frames import GradientFrame, MergedShards
-from consumer.rounding import rounding_rows_sql
 from consumer.runs import RunInfo
 from schemas.alert import Alert
+from schemas.rounding import rounding_rows_sql
 from schemas.stats import ExponentHistogram, GradientSums, SumOfSquares, WeightMoments
 from schemas.tables import LAYER_STATS_COLUMNS, LOCAL_LAYER_STATS_COLUMNS, SCHEMA_DDL
 from schemas.wire import EXP_HIST_BINS, RunFinished, RunStarted
@@ -325,10 +325,10 @@ class DuckDBSink:
         """A run's stored layer rows with a flag that counts for run health: step,
         layer_index, is_vanishing, is_exploding, nonfinite (arrays of equal length).
 
-        ``is_vanishing`` is the stored seed flag except on the rows of a layer with no
-        gradient by construction up to that step (``consumer.rounding``), where it is
+        ``is_vanishing`` is the stored threshold flag except on the rows of a layer with no
+        gradient by construction up to that step (``schemas.rounding``), where it is
         False, as :class:`consumer.health.RunHealthTracker` counted it. One windowed
-        aggregate over the run's rows (:func:`consumer.rounding.rounding_rows_sql`).
+        aggregate over the run's rows (:func:`schemas.rounding.rounding_rows_sql`).
         """
         tbl = self.con.sql(
             f"WITH z AS ({rounding_rows_sql()}) "
@@ -350,7 +350,7 @@ class DuckDBSink:
 
         Returns:
             ``(seen, ordinary)``, bool[L] each: the layer has a stored row; some stored row
-            of it is above rounding level (``consumer.rounding``).
+            of it is above rounding level (``schemas.rounding``).
         """
         tbl = self.con.sql(
             f"WITH z AS ({rounding_rows_sql()}) "

@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from consumer.alerts.feed import AlertFeed
-from consumer.alerts.incident import active_from_events
 from consumer.alerts.rows import load_active_incidents
 from consumer.alerts.service import AlertService
 from consumer.frame_publisher import load_runs_topic
@@ -131,27 +129,12 @@ class Worker(ConsumerLoop):
             self._restore_incidents()
 
     def _restore_incidents(self) -> None:
-        """Re-open the incidents whose last event on the alerts topic is ``firing``, for
-        the runs this worker has not evaluated a frame of (a restarted worker, or runs of
-        partitions taken over): replayed frames then neither fire them again nor lose
-        their resolution. Reads the whole alerts topic (bounded by its retention).
-
-        Raises:
-            TimeoutError: the topic was not read to its end within 30 s.
-        """
-        if self.alerts is None:
-            return
-        feed = AlertFeed(self.settings, self.settings.alerts_topic, since=0)
-        try:
-            events = feed.read_to_end()
-        finally:
-            feed.close()
-        fresh = [a for a in active_from_events(events)
-                 if a.run_id in self.trackers and self.trackers[a.run_id].frames == 0]
-        if fresh:
-            self.alerts.engine.restore(fresh)
-            log.info("re-opened %d firing incident(s) from %s", len(fresh),
-                     self.settings.alerts_topic)
+        """Re-open the incidents still firing on the alerts topic for the runs this worker
+        has not evaluated a frame of (a restart, or partitions taken over): replayed
+        frames then neither fire them again nor lose their resolution."""
+        if self.alerts is not None and (n := self.alerts.restore_from_topic(
+                self.settings, lambda r: r in self.trackers and not self.trackers[r].frames)):
+            log.info("re-opened %d firing incident(s) from %s", n, self.settings.alerts_topic)
 
     def revoked(self, keys: set[PartitionKey]) -> None:
         """Forget the revoked partitions' pending frames."""

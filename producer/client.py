@@ -24,7 +24,7 @@ import numpy as np
 
 from producer.settings import ProducerSettings
 from producer.summary import LayerSummaries, summarize, warmup
-from producer.weights import WeightStatistics, weight_statistics
+from producer.weights import WeightSummaries, summarize_weights
 from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
 
 log = logging.getLogger("gradstream.producer")
@@ -146,8 +146,8 @@ class GradientProducer:
         Args:
             layer_numel: layer name -> number of elements of the full parameter, in model
                 order (the order defines ``layer_index`` everywhere downstream).
-            vanishing_threshold: mean |g| below which a layer is vanishing (seed 001).
-            exploding_threshold: max |g| above which a layer is exploding (seed 001).
+            vanishing_threshold: mean |g| below which a layer is vanishing.
+            exploding_threshold: max |g| above which a layer is exploding.
             config: free-form JSON-serialisable run configuration.
             dtypes: layer name -> gradient dtype name (``"float32"``, ``"bfloat16"``, ...)
                 for every layer, or None (unknown). The consumer uses it to tell a gradient
@@ -266,7 +266,7 @@ class GradientProducer:
 
     def _weight_stats(
         self, watched: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray] | None
-    ) -> WeightStatistics | None:
+    ) -> WeightSummaries | None:
         """Weight statistics of the watched layers (:mod:`producer.weights`), updating the
         kept float32 copy of the previous weights; None without ``weights``."""
         if weights is None:
@@ -280,7 +280,7 @@ class GradientProducer:
                 raise ValueError(
                     f"weights of {name!r} have shape {w.shape}, gradient {np.shape(watched[name])}"
                 )
-        stats = weight_statistics(current, self._previous_weights)
+        stats = summarize_weights(current, self._previous_weights)
         self._previous_weights = {n: w.astype(np.float32, copy=True) for n, w in current.items()}
         return stats
 
@@ -347,7 +347,7 @@ class GradientProducer:
 
     def _queue_summaries(
         self, step: int, summaries: LayerSummaries, t0: float,
-        extra: WeightStatistics | None,
+        extra: WeightSummaries | None,
     ) -> None:
         indices = np.fromiter(
             (self._layer_index[n] for n in summaries.names), dtype=np.int64, count=len(summaries)

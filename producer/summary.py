@@ -5,7 +5,7 @@ For each layer the summary holds ``numel``, ``sum_abs`` = sum |g|, ``sum_sq`` = 
 counted and left out of the three float statistics, which accumulate in float64 whatever
 the input dtype. They merge exactly across ranks (sums add, max takes the max, counts add),
 which is what lets the consumer rebuild a full-tensor frame from per-rank shards
-(``schemas.wire``; derived frame fields follow seed 001 ``record_step``).
+(``schemas.wire``; the frame fields derived from them: ``consumer.frames``).
 
 Optionally (``summarize(..., histogram=True)``) each layer also gets an exponent histogram:
 counts of elements per power-of-two magnitude band, which merge across ranks by addition

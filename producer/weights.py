@@ -6,11 +6,11 @@ Per layer, over this rank's shard of the weights, everything exactly mergeable a
 - ``sum_sq`` = sum w^2 (the weight norm squared) and ``update_sum_sq`` =
   sum (w_t - w_prev)^2, the squared norm of the change since the previous recorded step
   (needs one float32 copy of the watched weights, kept by the producer);
-- the distribution of seed 004 (``WeightDistributionAnalyzer``) as a
-  :class:`schemas.stats.WeightMoments`: power sums over the finite weights (``sum`` = sum w,
-  ``sum_cube`` = sum w^3, ``sum_quad`` = sum w^4), ``min`` / ``max`` (0.0 on the wire when a
-  layer has no finite weight), ``nonfinite`` = count of NaN/Inf weights, plus the base-2
-  exponent histogram of |w| (same layout as the gradient histogram,
+- the weight distribution (semantics follow trustformers-debug's ``weight_analysis``
+  module) as a :class:`schemas.stats.WeightMoments`: power sums over the finite weights
+  (``sum`` = sum w, ``sum_cube`` = sum w^3, ``sum_quad`` = sum w^4), ``min`` / ``max``
+  (0.0 on the wire when a layer has no finite weight), ``nonfinite`` = count of NaN/Inf
+  weights, plus the base-2 exponent histogram of |w| (same layout as the gradient histogram,
   :func:`producer.summary.exp_hist_edges`; column 0 counts exact zeros).
 
 Mean, variance, skewness and kurtosis follow from the power sums
@@ -19,10 +19,8 @@ Mean, variance, skewness and kurtosis follow from the power sums
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -136,22 +134,3 @@ def summarize_weights(
         update = SumOfSquares.from_columns(change.numel, change.sum_sq)
     return WeightSummaries(moments, update)
 
-
-_RENAMED = {"weight_statistics": summarize_weights, "WeightStatistics": WeightSummaries}
-
-
-def __getattr__(name: str) -> Any:
-    """The former names ``weight_statistics`` / ``WeightStatistics`` of
-    :func:`summarize_weights` / :class:`WeightSummaries` (renamed so that each name has one
-    meaning: ``analysis.weights`` has its own ``WeightStatistics``): warn
-    (DeprecationWarning) and return the renamed object.
-
-    Raises:
-        AttributeError: any other unknown name.
-    """
-    new = _RENAMED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"producer.weights.{name} is now {new.__name__}", DeprecationWarning,
-                  stacklevel=2)
-    return new

@@ -31,6 +31,10 @@ absolute error of at most ``gamma_(n-1) * sum |x_i|`` with ``gamma_n = n u / (1 
 twice that (below ``1e-12 * sum |x_i|`` up to about 4500 terms per sum; the property test
 ``tests/schemas/test_stats.py`` checks this bound).
 
+The derived values follow trustformers-debug (frame fields: its ``gradient_flow`` module;
+weight moments, with skewness and kurtosis 0 for a constant set: its ``weight_analysis``
+module).
+
 Moments are carried as power sums S_k rather than as central moments updated pairwise
 (Chan, Golub and LeVeque [1]; Pebay [2] for higher orders) because power sums merge by plain
 addition, which is what the wire and the store carry; the central moments follow from the
@@ -96,10 +100,11 @@ __all__ = [
     "exponent_lut",
 ]
 
-# The histogram layout is part of the wire contract; ``schemas.wire`` states the same
-# numbers (kept equal by tests/schemas/test_stats.py) so that this module imports NumPy only.
+# The histogram layout is part of the wire contract (``schemas.wire`` re-exports these
+# three names); this module imports NumPy only.
 EXP_HIST_MIN = -134
-"""Smallest binned base-2 exponent: |x| in [2^k, 2^(k+1)) goes to column k - MIN + 2."""
+"""Smallest binned base-2 exponent: |x| in [2^k, 2^(k+1)) goes to column k - MIN + 2.
+-134 reaches below bf16's smallest subnormal (2^-133; IEEE 754 binary32 range)."""
 EXP_HIST_MAX = 24
 """One past the largest binned exponent: |x| >= 2^MAX share the last column."""
 EXP_HIST_BINS = EXP_HIST_MAX - EXP_HIST_MIN + 3
@@ -611,7 +616,7 @@ class GradientSums(LayerStatistic):
         max_abs: float64 max |g| over the finite elements (0 when none).
         nonfinite: int64 NaN/+-Inf elements (left out of the float statistics).
 
-    Frame fields (:meth:`get`; seed 001 ``GradientFlowAnimator::record_step``):
+    Frame fields (:meth:`get`; ``consumer.frames``):
     ``mean_abs = sum_abs / numel``, ``norm = sqrt(sum_sq)``, ``rms = sqrt(sum_sq / numel)``.
 
     >>> g = GradientSums.empty(2)
@@ -1114,8 +1119,8 @@ def _central_moments(
     expansion of the central moments; Pebay 2008 eq. 1.1 with the mean expanded):
     ``m2 = S2/n - mean^2``, ``m3 = S3/n - 3 mean S2/n + 2 mean^3``,
     ``m4 = S4/n - 4 mean S3/n + 6 mean^2 S2/n - 3 mean^4``; skewness ``m3 / m2^1.5``
-    (0 when n < 3 or std = 0), excess kurtosis ``m4 / m2^2 - 3`` (0 when n < 4 or std = 0,
-    as seed 004); all NaN where n = 0."""
+    (0 when n < 3 or std = 0), excess kurtosis ``m4 / m2^2 - 3`` (0 when n < 4 or
+    std = 0); all NaN where n = 0."""
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         mean = s1 / n
         e2, e3, e4 = s2 / n, s3 / n, s4 / n
@@ -1329,10 +1334,9 @@ class PowerSums(LayerStatistic):
 
 @dataclass(slots=True, eq=False)
 class WeightMoments(LayerStatistic):
-    """The weight distribution of each layer (seed 004 ``WeightStatistics``), as exactly
-    mergeable statistics of the finite weights: power sums and extremes
-    (:class:`PowerSums`) and the exponent histogram of |w| (:class:`ExponentHistogram`,
-    whose column 0 counts the exact zeros).
+    """The weight distribution of each layer, as exactly mergeable statistics of the
+    finite weights: power sums and extremes (:class:`PowerSums`) and the exponent histogram
+    of |w| (:class:`ExponentHistogram`, whose column 0 counts the exact zeros).
 
     Attributes:
         power: PowerSums[L]. exp_hist: ExponentHistogram[L] of the same weights.
@@ -1473,7 +1477,7 @@ class WeightMoments(LayerStatistic):
         return self.exp_hist.entropy()
 
     def get(self) -> dict[str, np.ndarray]:
-        """[L] each, the fields of seed 004's ``WeightStatistics``: ``mean``, ``std_dev``,
+        """[L] each, the fields of a weight distribution: ``mean``, ``std_dev``,
         ``skewness``, ``kurtosis``, ``min``, ``max`` (:meth:`PowerSums.get`), ``entropy``,
         ``zero_fraction``, ``count`` (finite weights) and ``nonfinite``."""
         out = self.power.get()

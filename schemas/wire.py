@@ -33,6 +33,12 @@ from pydantic import (
     model_validator,
 )
 
+# The exponent-histogram layout of the wire (``exp_hist_*`` / ``weight_exp_hist_*``): its
+# one definition lives with the statistics that bin it; re-exported here.
+from schemas.stats import EXP_HIST_BINS as EXP_HIST_BINS
+from schemas.stats import EXP_HIST_MAX as EXP_HIST_MAX
+from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
+
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 3
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
@@ -49,13 +55,6 @@ per-rank *local* view (statistics of the rank's own gradient before the reductio
 gradient dtype of each layer in RunStarted. A 1.2 consumer ignores them and would count
 replicas once per rank."""
 
-EXP_HIST_MIN = -134
-"""Smallest binned base-2 exponent: |g| in [2^k, 2^(k+1)) goes to column k - MIN + 2.
--134 reaches below bf16's smallest subnormal (2^-133; IEEE 754 binary32 range)."""
-EXP_HIST_MAX = 24
-"""One past the largest binned exponent: |g| >= 2^MAX share the last column."""
-EXP_HIST_BINS = EXP_HIST_MAX - EXP_HIST_MIN + 3
-"""Columns: 0 exact zeros, 1 underflow (< 2^MIN), 2..B-2 one per exponent, B-1 overflow."""
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 """Largest encoded message accepted on either side (bytes). A 100k-layer StepSummary is

@@ -6,13 +6,12 @@ One module per concern:
 
 - :mod:`analysis.weights.models`: the pydantic report models, with the formula of every
   field.
-- :mod:`analysis.weights.load`: the SQL: per-layer weight sums of one step (one copy of
-  each replicated tensor), the pooled exponent histogram, the update norms between two
-  steps, the first NaN/Inf step.
-- :mod:`analysis.weights.moments`: mean, std, skewness and kurtosis from power sums, and
-  the histogram entropy (self-contained, NumPy only).
+- :mod:`analysis.weights.load`: the SQL: the stored per-layer weight statistics of one
+  step as a :class:`schemas.stats.WeightMoments` with each row's replica count, the update
+  norms between two steps, the first NaN/Inf step.
 - :mod:`analysis.weights.compute`: statistics, outliers and health at one step, drift
-  between two steps, from loaded arrays (no I/O).
+  between two steps, from the loaded statistics (no I/O); moments, entropy and zero
+  fraction come from :meth:`schemas.stats.WeightMoments.get`.
 - :mod:`analysis.weights.render`: the terminal tables.
 
 This module ties them together (:func:`build_weight_analysis`) and registers the analysis
@@ -33,7 +32,6 @@ from analysis.weights.compute import distribution_at, drift_between
 from analysis.weights.load import (
     fetch_step,
     first_nonfinite,
-    pooled_exponent_histogram,
     require_weight_columns,
     update_paths,
     weight_step_range,
@@ -51,7 +49,6 @@ from analysis.weights.models import (
     WeightOutlier,
     WeightStatistics,
 )
-from analysis.weights.moments import moments_from_power_sums
 from analysis.weights.render import render_weights
 
 if TYPE_CHECKING:
@@ -72,7 +69,6 @@ __all__ = [
     "WeightOutlier",
     "WeightStatistics",
     "build_weight_analysis",
-    "moments_from_power_sums",
     "render_weights",
 ]
 
@@ -106,7 +102,7 @@ def build_weight_analysis(
     require_weight_columns(con)
     a, b = weight_step_range(con, params)
     last = fetch_step(con, run_id, b)
-    distribution = distribution_at(b, last, pooled_exponent_histogram(con, run_id, b), alpha)
+    distribution = distribution_at(b, last, alpha)
     drift = (
         drift_between(a, b, fetch_step(con, run_id, a), last, update_paths(con, run_id, a, b))
         if a < b else None

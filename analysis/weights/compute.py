@@ -1,9 +1,12 @@
-"""Computation of the weight analysis from loaded sums (no I/O): per-layer and pooled
-statistics, outliers and health scores at one step, and the drift between two steps.
+"""Computation of the weight analysis from loaded statistics (no I/O): per-layer and
+pooled statistics, outliers and health scores at one step, and the drift between two steps.
 
-Inputs are the arrays of :func:`analysis.weights.load.fetch_step` (one copy of each
-tensor, model order); the moments come from :mod:`analysis.weights.moments`. Each function
-is O(layers). Scores and thresholds follow trustformers-debug's ``WeightAnalyzer``
+Inputs are the :class:`~analysis.weights.load.StepWeights` of
+:func:`analysis.weights.load.fetch_step` (model order); every statistic is read from one
+copy of each tensor (:meth:`~analysis.weights.load.StepWeights.one_copy`) with
+:meth:`schemas.stats.WeightMoments.get` per layer and, for the whole model, from the
+layers merged into one (:meth:`schemas.stats.LayerStatistic.pooled`). Each function is
+O(layers). Scores and thresholds follow trustformers-debug's ``WeightAnalyzer``
 (documented on the report models, :mod:`analysis.weights.models`); the outlier bound is
 the extreme-value bound of :func:`analysis.analyses.stats.max_normal_z`.
 """
@@ -11,6 +14,7 @@ the extreme-value bound of :func:`analysis.analyses.stats.max_normal_z`.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,18 +31,14 @@ from analysis.weights.models import (
     WeightOutlier,
     WeightStatistics,
 )
-from analysis.weights.moments import histogram_entropy_bits, moments_from_power_sums
+
+if TYPE_CHECKING:
+    from analysis.weights.load import StepWeights
 
 __all__ = ["FLOAT32_EPSILON", "distribution_at", "drift_between"]
 
 FLOAT32_EPSILON = 2.0**-23
 """Machine epsilon of IEEE 754 binary32: the relative spacing of float32 values at 1."""
-
-_POWER_SUMS = ("weight_sum", "weight_sum_sq", "weight_sum_cube", "weight_sum_quad")
-
-
-def _moments(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return moments_from_power_sums(data["n"], *(data[k] for k in _POWER_SUMS))
 
 
 def _issues(stats: WeightStatistics, outlier: bool) -> tuple[float, list[str], list[str]]:
@@ -70,37 +70,31 @@ def _issues(stats: WeightStatistics, outlier: bool) -> tuple[float, list[str], l
     return max(score, 0.0), issues, recs
 
 
-def distribution_at(
-    step: int, data: dict[str, np.ndarray], pooled_histogram: np.ndarray, alpha: float
-) -> WeightDistributionAnalysis:
+def distribution_at(step: int, data: StepWeights, alpha: float) -> WeightDistributionAnalysis:
     """The weight distribution at ``step``: per-layer statistics, health and outliers,
-    and the pooled statistics of all the model's weights.
+    and the pooled statistics of all the model's weights (one copy of each tensor).
 
     Args:
-        step: the optimiser step the sums belong to.
+        step: the optimiser step the statistics belong to.
         data: :func:`analysis.weights.load.fetch_step` at ``step`` (``L`` layers).
-        pooled_histogram: :func:`analysis.weights.load.pooled_exponent_histogram` at
-            ``step`` (float64 ``[B]``; empty without histograms).
         alpha: significance level of the outlier bound, in (0, 1).
 
     Returns:
-        The :class:`~analysis.weights.models.WeightDistributionAnalysis`.
+        The :class:`~analysis.weights.models.WeightDistributionAnalysis`. The pooled
+        ``entropy`` is that of the layers' exponent histograms summed bin by bin, and
+        ``None`` when some layer has no finite weight.
 
     Raises:
         ValueError: ``alpha`` outside (0, 1).
     """
-    n = data["n"]
-    moments = _moments(data)
-    total_n = float(n.sum())
+    one = data.one_copy()
+    per_layer = one.get()
+    n = per_layer["count"]
     z_layer = max_normal_z(n, alpha)
-    z_model = float(max_normal_z(total_n, alpha))
+    z_model = float(max_normal_z(float(n.sum()), alpha))
     layers, outliers = [], []
     for i in range(n.size):
-        stats = _stats(
-            moments["mean"][i], moments["std"][i], moments["skewness"][i],
-            moments["kurtosis"][i], data["entropy"][i], data["weight_min"][i],
-            data["weight_max"][i], data["zeros"][i], n[i], data["nonfinite"][i],
-        )
+        stats = _stats(per_layer, i)
         found = []
         if stats.std_dev > 0:
             for side, value in (("min", stats.min), ("max", stats.max)):
@@ -108,29 +102,19 @@ def distribution_at(
                 if z > z_layer[i]:
                     severity = OutlierSeverity.HIGH if z > z_model else OutlierSeverity.MEDIUM
                     found.append(WeightOutlier(
-                        layer_index=int(data["layer_index"][i]), layer_name=data["name"][i],
+                        layer_index=int(data.layer_index[i]), layer_name=data.name[i],
                         side=side, value=value, z_score=z, severity=severity,
                     ))
         outliers += found
         score, issues, recs = _issues(stats, bool(found))
         layers.append(LayerWeightAnalysis(
-            layer_index=int(data["layer_index"][i]), layer_name=data["name"][i],
+            layer_index=int(data.layer_index[i]), layer_name=data.name[i],
             statistics=stats, health_score=score, issues=issues, recommendations=recs,
         ))
-    pooled = moments_from_power_sums(
-        np.array([total_n]), *(np.array([data[k].sum()]) for k in _POWER_SUMS)
-    )
-    pooled_entropy = (
-        histogram_entropy_bits(pooled_histogram)
-        if pooled_histogram.size and not np.isnan(data["entropy"]).any() else math.nan
-    )
-    overall = _stats(
-        pooled["mean"][0], pooled["std"][0], pooled["skewness"][0], pooled["kurtosis"][0],
-        pooled_entropy,
-        float(np.min(data["weight_min"], where=n > 0, initial=np.inf)),
-        float(np.max(data["weight_max"], where=n > 0, initial=-np.inf)),
-        float(data["zeros"].sum()), total_n, float(data["nonfinite"].sum()),
-    )
+    pooled = one.pooled().get()
+    if np.isnan(per_layer["entropy"]).any():
+        pooled["entropy"] = np.array([math.nan])
+    overall = _stats(pooled, 0)
     score = 100.0
     score -= 25 if overall.zero_fraction > 0.3 else 0
     score -= 15 if abs(overall.skewness) > 1 else 0
@@ -151,15 +135,17 @@ def distribution_at(
     )
 
 
-def _stats(mean: float, std: float, skew: float, kurt: float, entropy: float, lo: float,
-           hi: float, zeros: float, n: float, nonfinite: float) -> WeightStatistics:
-    known = n > 0
+def _stats(values: dict[str, np.ndarray], i: int) -> WeightStatistics:
+    """Entry ``i`` of :meth:`schemas.stats.WeightMoments.get` as the report model (a NaN
+    entropy, from a set without finite weights, becomes ``None``)."""
+    entropy = float(values["entropy"][i])
     return WeightStatistics(
-        mean=float(mean), std_dev=float(std), skewness=float(skew), kurtosis=float(kurt),
-        entropy=None if math.isnan(entropy) or not known else float(entropy),
-        min=float(lo) if known else math.nan, max=float(hi) if known else math.nan,
-        zero_fraction=float(zeros / n) if known else math.nan, count=round(n),
-        nonfinite=round(nonfinite),
+        mean=float(values["mean"][i]), std_dev=float(values["std_dev"][i]),
+        skewness=float(values["skewness"][i]), kurtosis=float(values["kurtosis"][i]),
+        entropy=None if math.isnan(entropy) else entropy,
+        min=float(values["min"][i]), max=float(values["max"][i]),
+        zero_fraction=float(values["zero_fraction"][i]),
+        count=round(float(values["count"][i])), nonfinite=round(float(values["nonfinite"][i])),
     )
 
 
@@ -176,8 +162,8 @@ def _drift_class(d: float) -> WeightDriftSeverity:
 def drift_between(
     a: int,
     b: int,
-    first: dict[str, np.ndarray],
-    last: dict[str, np.ndarray],
+    first: StepWeights,
+    last: StepWeights,
     paths: dict[int, tuple[float | None, int, float | None]],
 ) -> WeightDriftAnalysis:
     """How each layer's weights moved from step ``a`` to step ``b`` (formulas:
@@ -192,19 +178,19 @@ def drift_between(
     Returns:
         The :class:`~analysis.weights.models.WeightDriftAnalysis` (layers in model order).
     """
-    first_m = _moments(first)
-    last_m = _moments(last)
-    at_b = {int(k): i for i, k in enumerate(last["layer_index"])}
+    first_one, last_one = first.one_copy(), last.one_copy()
+    first_m, last_m = first_one.get(), last_one.get()
+    at_b = {int(k): i for i, k in enumerate(last.layer_index.tolist())}
     drifts, values, diverged = [], [], []
-    for i, index in enumerate(first["layer_index"].tolist()):
+    for i, index in enumerate(first.layer_index.tolist()):
         j = at_b.get(index)
         if j is None:
             continue
-        name = first["name"][i]
+        name = first.name[i]
         path, missing, ratio = paths.get(index, (None, 1, None))
         ratio = None if ratio is None or math.isnan(ratio) else float(ratio)
         stalled = ratio is not None and ratio < FLOAT32_EPSILON
-        if last["nonfinite"][j] > 0 or first["nonfinite"][i] > 0:
+        if last_m["nonfinite"][j] > 0 or first_m["nonfinite"][i] > 0:
             diverged.append((index, name))
             drifts.append(LayerWeightDrift(
                 layer_index=index, layer_name=name, relative_norm_change=None,
@@ -212,16 +198,16 @@ def drift_between(
                 mean_update_ratio=ratio, stalled=stalled, nonfinite=True,
             ))
             continue
-        norm_a = math.sqrt(first["weight_sum_sq"][i])
-        norm_b = math.sqrt(last["weight_sum_sq"][j])
-        std_a = first_m["std"][i]
+        norm_a = math.sqrt(first_one.power.s2[i])
+        norm_b = math.sqrt(last_one.power.s2[j])
+        std_a = first_m["std_dev"][i]
         change = (norm_b - norm_a) / norm_a if norm_a > 0 else None
         if change is not None:
             values.append((abs(change), index, name))
         drifts.append(LayerWeightDrift(
             layer_index=index, layer_name=name, relative_norm_change=change,
             mean_shift=(last_m["mean"][j] - first_m["mean"][i]) / std_a if std_a > 0 else None,
-            std_ratio=last_m["std"][j] / std_a if std_a > 0 else None,
+            std_ratio=last_m["std_dev"][j] / std_a if std_a > 0 else None,
             relative_path_length=(
                 path / norm_a if norm_a > 0 and missing == 0 and path is not None else None
             ),

@@ -11,28 +11,32 @@ reads at most two steps of sums plus one aggregate of the update norms in betwee
 Replicated parameters. Ranks merge like gradients: a tensor sharded over the ranks (FSDP)
 is summed shard by shard into the whole tensor, while a data-parallel replica (DDP: every
 rank holds the whole tensor) is summed once per rank, so a row then holds ``R`` identical
-copies, ``R = numel / full numel`` (``numel`` of ``layer_stats`` against ``layers``). Every
-sum is divided by ``R`` here, which gives one copy's statistics exactly (moments, count,
-zero fraction, norms; the histogram's entropy does not change). A row of a sharded tensor
-has ``R = 1``.
+copies, ``R = numel / full numel`` (``numel`` of ``layer_stats`` against ``layers``).
+:func:`fetch_step` returns the stored sums as a :class:`schemas.stats.WeightMoments` with
+``R`` per row, and :meth:`StepWeights.one_copy` divides every count and sum by ``R``
+(:meth:`schemas.stats.LayerStatistic.per_copy`), which gives one copy's statistics exactly
+(moments, count, zero fraction, histogram); the update norms are divided here in SQL. A
+row of a sharded tensor has ``R = 1``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from analysis.store import StoreError
+from schemas.stats import WeightMoments, csr_from_lists
 
 if TYPE_CHECKING:
     import duckdb
 
 __all__ = [
     "WEIGHT_COLUMNS",
+    "StepWeights",
     "fetch_step",
     "first_nonfinite",
-    "pooled_exponent_histogram",
     "require_weight_columns",
     "update_paths",
     "weight_step_range",
@@ -40,7 +44,7 @@ __all__ = [
 
 WEIGHT_COLUMNS: tuple[str, ...] = (
     "weight_sum", "weight_sum_sq", "weight_sum_cube", "weight_sum_quad", "weight_min",
-    "weight_max", "weight_zeros", "weight_nonfinite", "weight_exp_hist_columns",
+    "weight_max", "weight_nonfinite", "weight_exp_hist_columns",
     "weight_exp_hist_counts", "update_sum_sq",
 )
 """``layer_stats`` columns the weight analysis reads (schema 1.2, ``schemas.tables``)."""
@@ -53,12 +57,6 @@ _RANGE_SQL = """
       AND weight_sum IS NOT NULL
 """
 
-_ENTROPY = (
-    "CASE WHEN {c} IS NULL OR list_sum({c}) = 0 THEN NULL ELSE "
-    "list_sum(list_transform({c}, lambda x: -(x / list_sum({c})) * log2(x / list_sum({c}))))"
-    " END"
-)
-
 _REPLICAS = (
     "CASE WHEN {l}.numel > 0 AND {s}.numel >= {l}.numel AND {s}.numel % {l}.numel = 0 "
     "THEN ({s}.numel // {l}.numel)::DOUBLE ELSE 1.0 END"
@@ -68,32 +66,16 @@ _REPLICAS = (
 else 1 (a sharded tensor, or a partial frame of one)."""
 
 _STEP_SQL = f"""
-    WITH r AS (
-        SELECT s.*, l.name, {_REPLICAS.format(s="s", l="l")} AS replicas
-        FROM layer_stats AS s
-        LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
-        WHERE s.run_id = $run_id AND s.step = $step AND s.weight_sum IS NOT NULL
-    )
-    SELECT layer_index,
-           coalesce(name, 'layer[' || CAST(layer_index AS VARCHAR) || ']') AS name,
-           (numel - coalesce(weight_nonfinite, 0))::DOUBLE / replicas AS n,
-           weight_sum / replicas AS weight_sum, weight_sum_sq / replicas AS weight_sum_sq,
-           weight_sum_cube / replicas AS weight_sum_cube,
-           weight_sum_quad / replicas AS weight_sum_quad,
-           weight_min, weight_max, coalesce(weight_zeros, 0)::DOUBLE / replicas AS zeros,
-           coalesce(weight_nonfinite, 0)::DOUBLE / replicas AS nonfinite,
-           {_ENTROPY.format(c="weight_exp_hist_counts")} AS entropy
-    FROM r
-    ORDER BY layer_index
-"""
-
-_POOLED_HIST_SQL = """
-    WITH h AS (
-        SELECT unnest(weight_exp_hist_columns) AS col, unnest(weight_exp_hist_counts) AS cnt
-        FROM layer_stats
-        WHERE run_id = $run_id AND step = $step AND weight_sum IS NOT NULL
-    )
-    SELECT sum(cnt)::DOUBLE FROM h GROUP BY col
+    SELECT s.layer_index,
+           coalesce(l.name, 'layer[' || CAST(s.layer_index AS VARCHAR) || ']') AS name,
+           {_REPLICAS.format(s="s", l="l")} AS replicas,
+           s.numel, coalesce(s.weight_nonfinite, 0) AS weight_nonfinite,
+           s.weight_sum, s.weight_sum_sq, s.weight_sum_cube, s.weight_sum_quad,
+           s.weight_min, s.weight_max, s.weight_exp_hist_columns, s.weight_exp_hist_counts
+    FROM layer_stats AS s
+    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+    WHERE s.run_id = $run_id AND s.step = $step AND s.weight_sum IS NOT NULL
+    ORDER BY s.layer_index
 """
 
 _PATH_SQL = f"""
@@ -172,41 +154,75 @@ def weight_step_range(con: duckdb.DuckDBPyConnection, params: dict[str, object])
     return int(first), int(last)
 
 
-def fetch_step(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> dict[str, np.ndarray]:
-    """The weight sums of every layer with weight statistics at ``step``, for one copy of
-    each tensor (divided by the replicas, module docstring), in model order.
+@dataclass(frozen=True, slots=True)
+class StepWeights:
+    """The stored weight statistics of every layer with weight statistics at one step, in
+    model order (``L`` layers).
+
+    Attributes:
+        layer_index: int64[L] layer indices.
+        name: object[L] layer names (str; ``layer[i]`` when the layer has no name).
+        replicas: float64[L] copies of the tensor merged into each row, ``R >= 1``
+            (module docstring).
+        moments: the rows' weight distributions as stored (``R`` copies of a replicated
+            tensor), :class:`schemas.stats.WeightMoments` over ``L`` layers.
+    """
+
+    layer_index: np.ndarray
+    name: np.ndarray
+    replicas: np.ndarray
+    moments: WeightMoments
+
+    def one_copy(self) -> WeightMoments:
+        """The statistics of one copy of each tensor: every count and sum divided by
+        :attr:`replicas` (:meth:`schemas.stats.LayerStatistic.per_copy`; float64 counts,
+        for reading with ``get``, ``pooled`` and the parts' arrays, not for merging)."""
+        return self.moments.per_copy(self.replicas)
+
+
+def fetch_step(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> StepWeights:
+    """The stored weight statistics of every layer with weight statistics at ``step``.
+
+    Reads ``numel``, ``weight_nonfinite``, the power sums ``weight_sum`` ..
+    ``weight_sum_quad``, ``weight_min``, ``weight_max`` and the exponent histogram list
+    columns of ``layer_stats`` with each row's replica count, and builds one
+    :class:`schemas.stats.WeightMoments` over the rows.
 
     Returns:
-        Arrays of length ``L`` (layers): ``layer_index`` int64; ``name`` object (str;
-        ``layer[i]`` when the layer has no name); float64 ``n`` (finite weights),
-        ``weight_sum``, ``weight_sum_sq``, ``weight_sum_cube``, ``weight_sum_quad``,
-        ``weight_min``, ``weight_max``, ``zeros``, ``nonfinite`` (counts as float64) and
-        ``entropy`` (bits, of the layer's exponent histogram; NaN without one). NULLs are
-        NaN.
+        The :class:`StepWeights` (no layer when none has weight statistics at ``step``).
+
+    Raises:
+        StoreError: rows whose exponent histogram disagrees with their finite weight count
+            (the wire and the worker never store such rows).
     """
     raw = con.sql(_STEP_SQL, params={"run_id": run_id, "step": step}).fetchnumpy()
-    out: dict[str, np.ndarray] = {}
-    for key, column in raw.items():
-        if key == "name":
-            out[key] = np.asarray(column.tolist(), dtype=object)
-        elif np.ma.isMaskedArray(column):
-            out[key] = column.astype(np.float64).filled(np.nan)
-        else:
-            out[key] = np.asarray(column, dtype=np.float64 if key != "layer_index" else np.int64)
-    return out
 
+    def floats(key: str) -> np.ndarray:
+        column = raw[key]
+        if np.ma.isMaskedArray(column):
+            return column.astype(np.float64).filled(np.nan)
+        return np.asarray(column, dtype=np.float64)
 
-def pooled_exponent_histogram(
-    con: duckdb.DuckDBPyConnection, run_id: str, step: int
-) -> np.ndarray:
-    """The exponent histograms of all layers at ``step`` summed bin by bin.
-
-    Returns:
-        float64 ``[B]``: the count of each bin present in any layer (bin order unspecified:
-        only the distribution matters); empty without histograms.
-    """
-    rows = con.execute(_POOLED_HIST_SQL, {"run_id": run_id, "step": step}).fetchall()
-    return np.asarray([r[0] for r in rows], dtype=np.float64)
+    hist_offsets, hist_columns = csr_from_lists(raw["weight_exp_hist_columns"].tolist())
+    _, hist_counts = csr_from_lists(raw["weight_exp_hist_counts"].tolist())
+    try:
+        moments = WeightMoments.from_columns(
+            np.asarray(raw["numel"], np.int64), np.asarray(raw["weight_nonfinite"], np.int64),
+            *(floats(key) for key in (
+                "weight_sum", "weight_sum_sq", "weight_sum_cube", "weight_sum_quad",
+                "weight_min", "weight_max")),
+            hist_offsets, hist_columns, hist_counts,
+        )
+    except ValueError as exc:
+        raise StoreError(
+            f"run {run_id!r} has inconsistent weight statistics at step {step}: {exc}"
+        ) from exc
+    return StepWeights(
+        layer_index=np.asarray(raw["layer_index"], np.int64),
+        name=np.asarray(raw["name"].tolist(), dtype=object),
+        replicas=np.asarray(raw["replicas"], np.float64),
+        moments=moments,
+    )
 
 
 def update_paths(

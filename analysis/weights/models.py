@@ -3,8 +3,8 @@ distribution at one step and the drift between two steps.
 
 Field names and semantics follow trustformers-debug's ``weight_analysis`` module (the
 ``WeightAnalyzer`` reports); the formula of every field is in its class docstring. The
-statistics are computed in :mod:`analysis.weights.compute` from the power sums that
-:mod:`analysis.weights.load` reads (moments: :mod:`analysis.weights.moments`).
+statistics are computed in :mod:`analysis.weights.compute` from the mergeable weight
+statistics that :mod:`analysis.weights.load` reads (:class:`schemas.stats.WeightMoments`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class _Model(BaseModel):
 class WeightStatistics(_Model):
     """Distribution of a set of weights (``WeightStatistics``): ``mean``,
     ``std_dev`` (population), ``skewness``, excess ``kurtosis`` from the power sums
-    (:func:`analysis.weights.moments.moments_from_power_sums`); ``min``, ``max`` of the
+    (:meth:`schemas.stats.PowerSums.get`); ``min``, ``max`` of the
     finite weights; ``zero_fraction`` = exact zeros / finite weights; ``count``: finite
     weights.
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from consumer.alerts.config import load_alert_rules
 from consumer.alerts.engine import AlertEngine
-from consumer.alerts.incident import ActiveIncident
+from consumer.alerts.incident import ActiveIncident, active_from_events
 from consumer.alerts.sinks import KafkaAlertSink, LogSink, QueuedSink, WebhookSink
 from consumer.frames import GradientFrame
 from consumer.health import RunHealthTracker
@@ -127,6 +127,31 @@ class AlertService:
         if self.kafka is not None:
             for status in statuses:
                 self.kafka.publish(status)
+
+    def restore_from_topic(self, settings: ConsumerSettings,
+                           keep: Callable[[str], bool]) -> int:
+        """Re-open the incidents whose last event on the alerts topic is ``firing``, for
+        the runs ``keep(run_id)`` accepts (a scale-out worker has no store to read them
+        from: :func:`consumer.alerts.incident.active_from_events`). Reads the whole topic,
+        which its retention bounds.
+
+        Returns:
+            The number of incidents re-opened.
+
+        Raises:
+            TimeoutError: the topic was not read to its end within 30 s.
+            kafka.errors.KafkaError: the cluster cannot be reached.
+        """
+        from consumer.alerts.feed import AlertFeed
+
+        feed = AlertFeed(settings, settings.alerts_topic, since=0)
+        try:
+            events = feed.read_to_end()
+        finally:
+            feed.close()
+        active = [a for a in active_from_events(events) if keep(a.run_id)]
+        self.engine.restore(active)
+        return len(active)
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush the alerts topic and give each queued sink at most ``timeout`` seconds to

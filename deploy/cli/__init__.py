@@ -9,9 +9,9 @@ module per command group defines the commands and adds them to the root applicat
 ``register(app)``: :mod:`~deploy.cli.consume` (``consume``, ``store``),
 :mod:`~deploy.cli.alerts` (``alerts``, ``watch``, ``alert-rules``), :mod:`~deploy.cli.dlq`,
 :mod:`~deploy.cli.reports` (``report``, ``export``, ``plot``, ``query``),
-:mod:`~deploy.cli.serve`, :mod:`~deploy.cli.demo` and :mod:`~deploy.cli.broker`;
-``analyze`` is registered by :mod:`analysis.analyze_cli` itself. A command function only
-parses its options, builds the settings of what it runs (``consumer.settings``,
+:mod:`~deploy.cli.serve`, :mod:`~deploy.cli.analyze` (generic over
+:mod:`analysis.registry`), :mod:`~deploy.cli.demo` and :mod:`~deploy.cli.broker`. A command
+function only parses its options, builds the settings of what it runs (``consumer.settings``,
 ``consumer.store_settings``) and calls the logic, which stays in its package
 (:mod:`consumer.worker`, :mod:`consumer.store`, :mod:`consumer.supervisor`,
 :mod:`consumer.dlq_reader`, :mod:`analysis.report`, :mod:`analysis.export`,
@@ -37,8 +37,7 @@ __all__ = ["app", "build_app", "main"]
 
 def build_app() -> typer.Typer:
     """A new root ``gradstream`` application with every subcommand registered."""
-    from analysis import analyze_cli
-    from deploy.cli import alerts, broker, consume, demo, dlq, reports, serve
+    from deploy.cli import alerts, analyze, broker, consume, demo, dlq, reports, serve
 
     root = typer.Typer(
         name="gradstream",
@@ -58,7 +57,7 @@ def build_app() -> typer.Typer:
     dlq.register(root)
     reports.register(root)
     serve.register(root)
-    analyze_cli.register(root)
+    analyze.register(root)
     demo.register(root)
     broker.register(root)
     return root

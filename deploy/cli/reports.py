@@ -178,7 +178,8 @@ def export(
         ExportFormat,
         typer.Option(
             "--format",
-            help="csv: one row per (step, layer), seed columns; json: array of frames (seed); "
+            help="csv: one row per (step, layer) with the frame fields; json: an array of "
+            "frames, each with its layers; "
             "parquet / jsonl: one row per (step, layer) with every stored column.",
         ),
     ] = ExportFormat.CSV,
@@ -195,11 +196,14 @@ def export(
     to_step: ToStepOption = None,
     order: Annotated[
         LayerOrder,
-        typer.Option("--order", help="Layers within a step: by name (seed) or model order."),
+        typer.Option("--order", help="Layers within a step: by name (as trustformers-debug "
+                     "exports them) or in model order."),
     ] = LayerOrder.NAME,
 ) -> None:
-    """Export a run's per-layer gradient statistics: CSV or JSON (seed 001 formats), Parquet
-    or JSON Lines (every stored column). Streamed by DuckDB, with a progress bar. While
+    """Export a run's per-layer gradient statistics: CSV (one row per step and layer: mean
+    and max |g|, norm, vanishing / exploding flags) or JSON (an array of frames, one per
+    step, with each layer's fields and flow intensity), Parquet or JSON Lines (every
+    stored column). Streamed by DuckDB, with a progress bar. While
     `gradstream serve` holds the store, the serving process writes the file."""
     import duckdb
 

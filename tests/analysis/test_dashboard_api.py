@@ -204,7 +204,7 @@ def test_weights_report_is_the_command_line_json(tmp_path: Path) -> None:
     import typer
     from typer.testing import CliRunner
 
-    from analysis.analyze_cli import register
+    from deploy.cli.analyze import register
     from tests.analysis.crafted import write_history
 
     rng = np.random.default_rng(3)

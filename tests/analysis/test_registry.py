@@ -25,10 +25,11 @@ from rich.console import RenderableType
 from rich.text import Text
 from typer.testing import CliRunner
 
-from analysis import analyze_cli, registry
+from analysis import registry
 from analysis.dashboard import api
 from analysis.registry import ANALYSES, Analysis, UnknownAnalysisError
 from analysis.store import require_run, stats_params
+from deploy.cli import analyze as analyze_cli
 from tests.analysis.crafted import open_read, write_history
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,7 +145,7 @@ def test_command_line_imports_no_analysis() -> None:
     analysis either."""
     code = (
         "import sys, typer, typer.main\n"
-        "from analysis import analyze_cli\n"
+        "from deploy.cli import analyze as analyze_cli\n"
         "app = typer.Typer()\n"
         "analyze_cli.register(app)\n"
         "typer.main.get_command(app)\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pytest
 
@@ -16,8 +17,8 @@ from analysis.weights import (
     WeightAnalysisReport,
     WeightDriftSeverity,
     build_weight_analysis,
-    moments_from_power_sums,
 )
+from schemas.stats import PowerSums
 from tests.analysis.crafted import open_read, write_history
 
 
@@ -59,21 +60,25 @@ def test_statistics_from_power_sums_by_hand(tmp_path: Path) -> None:
     assert report.distribution.step == 0 and report.drift is None
 
 
-def test_moments_from_power_sums_match_numpy() -> None:
-    """Sets of 50, 2 and 0 values and a constant set: NumPy's central moments where
-    defined; skewness 0 below 3 values, both 0 for a constant set, NaN for an empty one."""
+def test_moments_from_stored_power_sums_match_numpy() -> None:
+    """Sets of 50, 2 and 0 values and a constant set, read back from their stored power
+    sums (``PowerSums.from_columns``, as the analysis reads them): NumPy's central moments
+    where defined; skewness 0 below 3 values, both 0 for a constant set, NaN for an empty
+    one."""
     rng = np.random.default_rng(7)
     sets = [rng.gamma(2.0, 1.5, 50) - 1.0, np.array([1.0, 3.0]), np.array([]), np.full(6, 2.5)]
-    n = np.array([w.size for w in sets], dtype=np.float64)
+    n = np.array([w.size for w in sets])
     sums = [np.array([(w**k).sum() for w in sets]) for k in (1, 2, 3, 4)]
-    m = moments_from_power_sums(n, *sums)
+    lo = [w.min() if w.size else 0.0 for w in sets]
+    hi = [w.max() if w.size else 0.0 for w in sets]
+    m = PowerSums.from_columns(n, *sums, lo, hi, np.zeros(4, np.int64)).get()
     mean, std, skew, kurt = central(sets[0])
-    assert (m["mean"][0], m["std"][0]) == pytest.approx((mean, std), rel=1e-12)
+    assert (m["mean"][0], m["std_dev"][0]) == pytest.approx((mean, std), rel=1e-12)
     assert (m["skewness"][0], m["kurtosis"][0]) == pytest.approx((skew, kurt), rel=1e-9)
-    assert (m["mean"][1], m["std"][1], m["skewness"][1], m["kurtosis"][1]) == (2.0, 1.0, 0.0,
-                                                                               0.0)
-    assert all(np.isnan(m[k][2]) for k in ("mean", "std", "skewness", "kurtosis"))
-    assert (m["std"][3], m["skewness"][3], m["kurtosis"][3]) == (0.0, 0.0, 0.0)
+    assert (m["mean"][1], m["std_dev"][1], m["skewness"][1], m["kurtosis"][1]) == (
+        2.0, 1.0, 0.0, 0.0)
+    assert all(np.isnan(m[k][2]) for k in ("mean", "std_dev", "skewness", "kurtosis"))
+    assert (m["std_dev"][3], m["skewness"][3], m["kurtosis"][3]) == (0.0, 0.0, 0.0)
 
 
 def test_one_binade_has_zero_entropy(tmp_path: Path) -> None:
@@ -144,6 +149,33 @@ def test_pooled_statistics_equal_those_of_all_weights(tmp_path: Path) -> None:
     assert health.score == 100 - (15 if kurt > 5 else 0) - (15 if abs(skew) > 1 else 0) - (
         20 if report.distribution.outlier_detection else 0)
     assert health.status in DistributionHealthStatus
+
+
+def test_replicated_layers_count_one_copy(tmp_path: Path) -> None:
+    """Layer 0 is a data-parallel replica merged from 3 ranks (its row holds 3 copies,
+    numel 3 x 40), layer 1 a single copy: per-layer and pooled statistics, the pooled
+    exponent histogram (hence its entropy) included, are those of one copy of each."""
+    rng = np.random.default_rng(8)
+    a = np.r_[np.zeros(8), rng.normal(0.0, 4.0, 32)]
+    b = rng.normal(0.0, 1e-3, 30)
+    path = store(tmp_path, [np.tile(a, 3), b])
+    con = duckdb.connect(str(path))
+    try:
+        con.execute("UPDATE layers SET numel = 40 WHERE layer_index = 0")
+    finally:
+        con.close()
+    report = weights_of(path)
+    first, second = (x.statistics for x in report.distribution.layer_analyses)
+    assert (first.count, first.zero_fraction, second.count) == (40, 0.2, 30)
+    assert (first.mean, first.std_dev) == pytest.approx(central(a)[:2])
+    o = report.distribution.overall_statistics
+    everything = np.r_[a, b]
+    assert o.count == 70 and o.zero_fraction == pytest.approx(8 / 70)
+    assert (o.mean, o.std_dev, o.skewness, o.kurtosis) == pytest.approx(central(everything))
+    _, exponents = np.frexp(np.abs(everything[everything != 0]))
+    _, counts = np.unique(np.r_[exponents, np.full(8, -999)], return_counts=True)
+    p = counts / counts.sum()
+    assert o.entropy == pytest.approx(-(p * np.log2(p)).sum())
 
 
 def test_drift_between_two_steps(tmp_path: Path) -> None:

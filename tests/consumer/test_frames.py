@@ -1,4 +1,5 @@
-"""Frame fields (seed 001 record_step) and the exactness of the cross-rank merge."""
+"""Frame fields (mean |g|, norm, vanishing / exploding flags, flow intensity) and the
+exactness of the cross-rank merge."""
 
 import numpy as np
 import pytest
@@ -27,14 +28,14 @@ def test_seed_fields():
 
 
 def test_vanishing_threshold_is_strict():
-    # seed: is_vanishing = mean_abs < threshold
+    # is_vanishing = mean_abs < threshold
     f = _frame_of({"at": np.array([1e-6, 1e-6]), "below": np.array([9.99e-7, 9.99e-7])},
                   van=1e-6)
     assert f.is_vanishing.tolist() == [False, True]
 
 
 def test_exploding_threshold_is_strict():
-    # seed: is_exploding = max_abs > threshold
+    # is_exploding = max_abs > threshold
     f = _frame_of({"at": np.array([100.0, 1.0]), "above": np.array([100.001, 1.0])},
                   exp=100.0)
     assert f.is_exploding.tolist() == [False, True]

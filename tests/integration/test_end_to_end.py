@@ -187,7 +187,7 @@ def test_run_through_broker_into_duckdb_report_and_exports(settings, tmp_path, u
     data = json.loads(json_path.read_text(encoding="utf-8"))
     assert [f["step"] for f in data] == list(range(total))
     names = [layer["name"] for layer in data[0]["layers"]]
-    assert names == sorted(LAYERS)  # the seed orders a frame's layers by name
+    assert names == sorted(LAYERS)  # the reference export orders a frame's layers by name
     top = max(layer["flow_intensity"] for layer in data[5]["layers"])
     assert top == pytest.approx(1.0)
     con.close()

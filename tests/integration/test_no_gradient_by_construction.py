@@ -5,9 +5,9 @@ score, so the key bias gets only rounding noise), are reported apart, no other l
 and the run is Healthy with no vanishing alert.
 
 The query / key weights of this tiny BERT carry a real but small gradient near
-initialisation (mean |g| about 1e-7, the seed's vanishing threshold: attention is almost
+initialisation (mean |g| about 1e-7, the default vanishing threshold: attention is almost
 uniform); averaging over larger batches or longer sequences brings them below it at some
-steps, and the seed rule then rightly flags them. With sequences of 8 tokens, batches of 2
+steps, and the vanishing rule then rightly flags them. With sequences of 8 tokens, batches of 2
 and this seed, every layer but the key biases stays above 2.6e-7 (measured)."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_bert_key_biases_have_no_gradient_by_construction(
     key_biases = [n for n in names if n.endswith("attention.self.key.bias")]
     assert len(key_biases) == 2
     assert dtypes <= {"float32", None}  # float32 training; unknown also counts as float32
-    # The seed's stored flag: the key biases are vanishing (mean |g| ~ 1e-13) at every step.
+    # The stored threshold flag: the key biases are vanishing (mean |g| ~ 1e-13) at every step.
     assert [(n, c) for n, c, _ in flagged] == [(n, STEPS) for n in sorted(key_biases)]
     assert all(m < 1e-11 for _, _, m in flagged)
     # ... but they do not drive health, issue frames or the vanishing alert.

@@ -16,12 +16,12 @@ from kafka import KafkaConsumer, KafkaProducer
 
 from consumer.frames import MergedShards, compute_frame
 from consumer.health import RunHealthTracker
-from consumer.rounding import gradient_magnitude
 from consumer.settings import ConsumerSettings
 from consumer.store import Store
 from consumer.store_settings import StoreSettings
 from consumer.worker import Worker
 from schemas.alert import Alert, decode_alert_record
+from schemas.rounding import gradient_magnitude
 from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
 
 WORLD = 2

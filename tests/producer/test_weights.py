@@ -41,17 +41,6 @@ def test_all_nonfinite_layer_has_zero_extremes():
     assert (s.min[0], s.max[0], s.sum[0], s.nonfinite[0]) == (0.0, 0.0, 0.0, 2)
 
 
-def test_former_names_warn_and_point_to_the_new_ones():
-    import producer.weights as weights
-
-    with pytest.warns(DeprecationWarning, match="summarize_weights"):
-        assert weights.weight_statistics is summarize_weights
-    with pytest.warns(DeprecationWarning, match="WeightSummaries"):
-        assert weights.WeightStatistics is weights.WeightSummaries
-    with pytest.raises(AttributeError):
-        _ = weights.no_such_name
-
-
 def test_parts_agree_with_the_mergeable_statistics():
     """The fused histogram pass and the NumPy power sums describe the same weights:
     WeightMoments.update over the raw weights gives the same state."""

@@ -4,7 +4,7 @@ NaN/Inf frame keeps a layer's count as it is).
 
 A layer with no gradient by construction (zero up to floating-point rounding in every
 frame so far, from its first: :attr:`consumer.health.RunHealthTracker.no_gradient`,
-``consumer.rounding``) is not vanishing for this rule.
+``schemas.rounding``) is not vanishing for this rule.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No gradient by construction (consumer.rounding): the per-frame test, its SQL twin, the
+"""No gradient by construction (schemas.rounding): the per-frame test, its SQL twin, the
 incremental tracker, the vanishing alert rule and the restore after a worker restart."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from hypothesis import strategies as st
 from consumer.alerts.engine import AlertEngine
 from consumer.frames import GradientFrame, MergedShards, compute_frame
 from consumer.health import RunHealthTracker, restore_tracker
-from consumer.rounding import (
+from consumer.runs import RunInfo
+from consumer.sink import DuckDBSink, SinkBatch
+from schemas.alert import AlertRule
+from schemas.rounding import (
     DTYPE_EPS,
     at_rounding_level,
     gradient_magnitude,
     rounding_rows_sql,
     unit_roundoff,
 )
-from consumer.runs import RunInfo
-from consumer.sink import DuckDBSink, SinkBatch
-from schemas.alert import AlertRule
 from schemas.tables import SCHEMA_DDL
 from schemas.wire import GradientHealth as H
 from schemas.wire import RunStarted
@@ -177,7 +177,7 @@ def test_layer_at_rounding_level_from_step_0_has_no_gradient_and_run_is_healthy(
     rng = np.random.default_rng(1)
     for s in range(20):
         f = frame(s, [1e-2, 3e-3, float(rng.uniform(2e-14, 3e-13)), 5e-2])
-        assert f.is_vanishing.tolist() == [False, False, True, False]  # the seed's flag
+        assert f.is_vanishing.tolist() == [False, False, True, False]  # the stored threshold flag
         assert feed(t, f) is H.HEALTHY
     assert t.no_gradient.tolist() == [False, False, True, False]
     assert t.frames == 20 and t.issue_frames == 0 and not t.vanishing_frames.any()

@@ -13,19 +13,18 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
 from analysis.registry import ANALYSES
+from deploy.cli.errors import fail
+from deploy.cli.options import DEFAULT_DB, DbOption, FromStepOption, RunOption, ToStepOption
 
 if TYPE_CHECKING:
     from analysis.registry import Analysis
-
-DEFAULT_DB = "gradstream.duckdb"
-"""Store file used when neither ``--db`` nor ``GRADSTREAM_DB`` is given."""
 
 AnalysisKind = StrEnum("AnalysisKind", [(name.upper(), name) for name in ANALYSES])
 """Which analysis ``gradstream analyze`` runs: one member per name in
@@ -47,11 +46,6 @@ class Scheme(StrEnum):
     HIGH_CONTRAST = "HighContrast"
     COLOR_BLIND = "ColorBlind"
     MONOCHROME = "Monochrome"
-
-
-def _fail(message: str) -> NoReturn:
-    Console(stderr=True, highlight=False).print(f"error: {message}", style="bold red", markup=False)
-    raise typer.Exit(code=1)
 
 
 class AnalyzeCommand(TyperCommand):
@@ -76,28 +70,10 @@ def analyze(
         typer.Option("--kind", "-k", help="Which analysis to run (each is described at the "
                      "end of this help)."),
     ],
-    db: Annotated[
-        Path,
-        typer.Option("--db", envvar="GRADSTREAM_DB",
-                     help="DuckDB store written by `gradstream consume` (env GRADSTREAM_DB)."),
-    ] = Path(DEFAULT_DB),
-    run: Annotated[
-        str | None,
-        typer.Option("--run", help="Run id. Optional when the store holds exactly one run.",
-                     show_default=False),
-    ] = None,
-    from_step: Annotated[
-        int | None,
-        typer.Option("--from-step", min=0, help="First optimiser step included (inclusive). "
-                     "weights: the drift starts at the first step with weight statistics "
-                     "from here."),
-    ] = None,
-    to_step: Annotated[
-        int | None,
-        typer.Option("--to-step", min=0, help="Last optimiser step included (inclusive). "
-                     "weights: the distribution is taken at the last step with weight "
-                     "statistics up to here."),
-    ] = None,
+    db: DbOption = Path(DEFAULT_DB),
+    run: RunOption = None,
+    from_step: FromStepOption = None,
+    to_step: ToStepOption = None,
     output_format: Annotated[
         OutputFormat,
         typer.Option("--format", help="table: for people; json: the full report."),
@@ -156,7 +132,7 @@ def analyze(
         finally:
             con.close()
     except (StoreError, ValueError, duckdb.Error) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if output_format is OutputFormat.JSON:
         typer.echo(report.model_dump_json(indent=2))
     else:
@@ -171,9 +147,9 @@ def _named_options(entry: Analysis[Any, Any], pairs: list[str]) -> dict[str, str
         name, sep, value = pair.partition("=")
         name = name.strip().replace("-", "_")
         if not sep or not name:
-            _fail(f"--option takes NAME=VALUE, got {pair!r}")
+            fail(f"--option takes NAME=VALUE, got {pair!r}")
         if name not in entry.option_names:
-            _fail(f"{entry.name} has no option {name!r}; its options: "
+            fail(f"{entry.name} has no option {name!r}; its options: "
                   f"{', '.join(entry.option_names) or 'none'}")
         out[name] = value
     return out

@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from analysis.analyze_cli import register
+from deploy.cli.analyze import register
 from tests.analysis.crafted import write_history
 
 
