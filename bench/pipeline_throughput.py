@@ -17,12 +17,24 @@
    transaction). Timed from partition assignment to the last frame written; afterwards
    the store is checked to hold every expected row.
 
+4. **Stages.** The same records, built in this process, go through the worker's stage
+   functions called in order without Kafka (:func:`stage_costs`): CPU µs per layer-row of
+   decode, merge, frame, health, rules and write. The hot path carries no timers.
+
 A layer-row is one ``layer_stats`` row (one layer of one frame). Both rates divide the same
 stored row count by the time each consumer needs to get through the same topic, so
 ``ratio_to_consume_floor = floor seconds / pipeline seconds``.
 
-Run: ``python bench/pipeline_throughput.py [--steps N] [--layers L] [--ranks R]
-[--profile FILE.html]``. The last line is ``pipeline_rows_per_s=N ratio_to_consume_floor=X.XX``.
+``--shapes`` (default ``all``) picks the cases (:func:`shapes`): ``insert`` (the DuckDB
+insert with and without the old ``layer_stats`` primary key, :func:`insert_cost`),
+``sharded64``, ``replicated64`` and ``runs20`` (their messages sent from this process,
+:func:`produce_direct`), then ``default``, the shape of the options above, produced by SDK
+processes. Each case prints ``shape=NAME rows_per_s=N floor_rows_per_s=N ratio=X.XX
+us_cpu_per_row=X.XX``.
+
+Run: ``python bench/pipeline_throughput.py [--shapes all|NAME,...] [--steps N] [--layers L]
+[--ranks R] [--profile FILE.html]``. The last line is ``pipeline_rows_per_s=N
+ratio_to_consume_floor=X.XX`` for the default case.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import threading
 import time
 import uuid
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -213,8 +226,329 @@ def run_pipeline(settings: object, run_ids: list[str], rows: int, span: Span,
                                    time="percent_of_total")[:6000])
 
 
+STAGES = ("decode", "merge", "frame", "health", "rules", "write")
+
+
+def _stage_messages(run_ids: list[str], ranks: int, layers: int, steps: int,
+                    replicated: bool) -> tuple[list[bytes], list[bytes]]:
+    """Encoded RunStarted (one per run, rank 0) and StepSummary records (step-major, then
+    run, then rank: concurrent runs interleave as they would on one partition), with the
+    values the producer processes of :func:`_produce_rank` send (same generators, same
+    shapes)."""
+    from schemas.wire import RunStarted, StepSummary, encode_message
+
+    starts: list[bytes] = []
+    records: list[bytes] = []
+    total_layers = layers if replicated else layers * ranks
+    names = [f"block{i // 8}.layer{i % 8}.weight" for i in range(total_layers)]
+    runs = []
+    for run_id in run_ids:
+        run_rng = np.random.default_rng(zlib.crc32(run_id.encode()))
+        numel = run_rng.integers(1_000, 5_000_000, total_layers)
+        scale = run_rng.lognormal(-6.0, 2.0, total_layers)
+        starts.append(encode_message(RunStarted(
+            run_id=run_id, rank=0, world_size=ranks, layer_names=names,
+            numel=numel.tolist(), vanishing_threshold=1e-7, exploding_threshold=1e3,
+            host="bench", start_time=time.time(), config={})))
+        rngs = [np.random.default_rng([r, zlib.crc32(run_id.encode())]) for r in range(ranks)]
+        runs.append((run_id, numel, scale, rngs))
+    for step in range(steps):
+        for run_id, numel, scale, rngs in runs:
+            for rank in range(ranks):
+                lo = 0 if replicated else rank * layers
+                shard = np.maximum(numel[lo:lo + layers] // (ranks if replicated else 1), 1)
+                rms = scale[lo:lo + layers] * rngs[rank].lognormal(0.0, 0.1, layers)
+                records.append(encode_message(StepSummary(
+                    run_id=run_id, step=step, rank=rank, world_size=ranks,
+                    wall_time=time.time(), layer_indices=list(range(lo, lo + layers)),
+                    numel=shard.tolist(), sum_abs=(rms * shard * 0.8).tolist(),
+                    sum_sq=(rms * rms * shard).tolist(),
+                    max_abs=(rms * rngs[rank].uniform(2, 6, layers)).tolist(),
+                    nonfinite=[0] * layers)))
+    return starts, records
+
+
+def produce_direct(bootstrap: str, topic: str, run_ids: list[str], ranks: int, layers: int,
+                   steps: int, replicated: bool) -> tuple[int, float]:
+    """Send the messages of every rank of every run from this process (for shapes with
+    many ranks, where one process per rank would take minutes to start on a small
+    machine): each rank's RunStarted, the records of :func:`_stage_messages` (same values
+    as the SDK processes) and each rank's RunFinished, keyed by run id, through one
+    KafkaProducer with the SDK's settings (acks=all, idempotence, zstd, 256 KiB batches).
+
+    Returns:
+        (messages, wall seconds).
+    """
+    from kafka import KafkaProducer
+
+    from schemas.wire import RunFinished, decode_message, encode_message
+
+    starts, records = _stage_messages(run_ids, ranks, layers, steps, replicated)
+    begin = time.perf_counter()
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True,
+                             compression_type="zstd", batch_size=256 * 1024,
+                             max_request_size=20 * 1024 * 1024)
+    sent = 0
+    for raw in starts:
+        start = decode_message(raw)
+        for rank in range(ranks):
+            producer.send(topic, encode_message(start.model_copy(update={"rank": rank})),
+                          key=start.run_id.encode())
+            sent += 1
+    for raw, run_id in zip(records, (r for _ in range(steps) for r in run_ids
+                                     for _ in range(ranks)), strict=True):
+        producer.send(topic, raw, key=run_id.encode())
+        sent += 1
+    for run_id in run_ids:
+        for rank in range(ranks):
+            producer.send(topic, encode_message(RunFinished(
+                run_id=run_id, rank=rank, world_size=ranks, last_step=steps - 1,
+                steps_recorded=steps, end_time=time.time())), key=run_id.encode())
+            sent += 1
+    producer.flush()
+    producer.close()
+    return sent, time.perf_counter() - begin
+
+
+def stage_costs(run_ids: list[str], ranks: int, layers: int, steps: int, replicated: bool,
+                db: Path, batch_rows: int = 100_000) -> tuple[int, dict[str, float]]:
+    """CPU seconds (``time.process_time``, this process) of each worker stage over the same
+    records, called directly in order (no Kafka, no threads): ``decode``
+    (``schemas.wire.decode_message``), ``merge`` (``ShardMerger.add`` without the frame
+    fields), ``frame`` (``consumer.frames.compute_frame``), ``health``
+    (``RunBook.record``), ``rules`` (``AlertEngine.note_shard`` + ``on_frame``, default
+    rules) and ``write`` (``DuckDBSink.write`` in the calling thread, a transaction per
+    ``batch_rows`` layer rows, into a new store at ``db``).
+
+    Returns:
+        (layer rows stored, stage -> CPU seconds).
+    """
+    import consumer.merge as merge_module
+    from consumer.alerts.config import load_alert_rules
+    from consumer.alerts.engine import AlertEngine
+    from consumer.merge import ShardMerger
+    from consumer.runbook import RunBook
+    from consumer.sink import DuckDBSink, SinkBatch
+    from schemas.wire import RunStarted, decode_message
+
+    starts, records = _stage_messages(run_ids, ranks, layers, steps, replicated)
+    cpu = dict.fromkeys(STAGES, 0.0)
+    clock = time.process_time
+    t = clock()
+    messages = [decode_message(r) for r in records]
+    cpu["decode"] = clock() - t
+
+    book = RunBook(0)
+    engine = AlertEngine(load_alert_rules())
+    sink = DuckDBSink(db, write_behind=False)
+    merger = ShardMerger(3600.0, lambda _run, _step: None)
+    batch = SinkBatch()
+    for raw in starts:
+        msg = decode_message(raw)
+        assert isinstance(msg, RunStarted)
+        book.start(msg)
+        batch.runs_started.append(msg)
+    compute_frame = merge_module.compute_frame
+
+    def timed_frame(*args: object, **kwargs: object) -> object:
+        t0 = clock()
+        try:
+            return compute_frame(*args, **kwargs)
+        finally:
+            cpu["frame"] += clock() - t0
+
+    merge_module.compute_frame = timed_frame  # the merger's reference to it
+    rows = 0
+    try:
+        for offset, msg in enumerate(messages):
+            run = book.runs[msg.run_id]
+            t = clock()
+            engine.note_shard(run, msg)
+            t1 = clock()
+            frame = merger.add(run, msg, ("bench", 0), offset, 0.0)
+            t2 = clock()
+            cpu["rules"] += t1 - t
+            cpu["merge"] += t2 - t1
+            if frame is None:
+                continue
+            book.record(frame, batch)
+            t3 = clock()
+            engine.on_frame(frame, run, book.trackers[frame.run_id], now=0.0)
+            t4 = clock()
+            cpu["health"] += t3 - t2
+            cpu["rules"] += t4 - t3
+            rows += len(frame.layer_index)
+            if batch.layer_rows() >= batch_rows or offset == len(messages) - 1:
+                batch.offsets[("bench", 0)] = offset + 1
+                sink.write(batch, "bench")
+                cpu["write"] += clock() - t4
+                batch = SinkBatch()
+    finally:
+        merge_module.compute_frame = compute_frame
+        sink.close()
+    cpu["merge"] -= cpu["frame"]
+    return rows, cpu
+
+
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark case: ``runs`` concurrent runs of ``ranks`` ranks, each rank sending
+    ``layers`` layer entries per step (a disjoint shard, or every layer with
+    ``replicated``) for ``steps`` steps."""
+
+    name: str
+    runs: int
+    ranks: int
+    layers: int
+    steps: int
+    replicated: bool
+
+    @property
+    def rows(self) -> int:
+        """layer_stats rows the case stores."""
+        return self.runs * self.steps * self.layers * (1 if self.replicated else self.ranks)
+
+    def describe(self) -> str:
+        return (f"{self.runs} run(s) x {self.ranks} ranks x {self.steps} steps, "
+                f"{self.layers} layers each, {'replicated' if self.replicated else 'sharded'}")
+
+
+def shapes(args: argparse.Namespace) -> dict[str, Shape]:
+    """The cases ``--shapes`` picks from: ``default`` (the command-line shape) and three
+    fixed ones sized to run in about half a minute each on a 2-core machine:
+    ``sharded64`` (64 ranks, each a disjoint 16-layer shard of a 1024-layer model),
+    ``replicated64`` (64 ranks each reporting all 1000 layers, merged: 64 message rows per
+    stored row), ``runs20`` (20 concurrent 2-rank runs of 2 x 1000 layers, interleaved on
+    one partition)."""
+    return {
+        "default": Shape("default", args.runs, args.ranks, args.layers, args.steps,
+                         args.replicated),
+        "sharded64": Shape("sharded64", 1, 64, 16, 200, False),
+        "replicated64": Shape("replicated64", 1, 64, 1000, 40, True),
+        "runs20": Shape("runs20", 20, 2, 1000, 30, False),
+    }
+
+
+def insert_cost(rows: int, layers: int = 1000, batch_frames: int = 100) -> dict[str, float]:
+    """CPU µs per layer-row of :meth:`DuckDBSink.write` (transaction: delete the batch's
+    (run, step) rows, append, frames, offsets, commit; calling thread) for ``rows`` rows in
+    batches of ``batch_frames`` frames of ``layers`` layers, into a new store and into one
+    whose ``layer_stats`` carries the primary key (run_id, step, layer_index) that stores
+    created before had; batches alternate between the two, so that both see the same
+    machine load."""
+    import duckdb
+
+    from consumer.frames import MergedShards, compute_frame
+    from consumer.sink import DuckDBSink, SinkBatch
+    from schemas.stats import GradientSums
+    from schemas.tables import SCHEMA_DDL
+    from schemas.wire import RunStarted
+
+    rng = np.random.default_rng(0)
+    n = layers
+    merged = MergedShards(GradientSums.from_columns(
+        np.full(n, 1000, np.int64), rng.random(n), rng.random(n), rng.random(n),
+        np.zeros(n, np.int64)))
+    start = RunStarted(run_id="r", rank=0, world_size=1, layer_names=[str(i) for i in range(n)],
+                       numel=[1000] * n, vanishing_threshold=1e-7, exploding_threshold=1e3,
+                       host="h", start_time=0.0, config={})
+    cpu = {"no key": 0.0, "primary key": 0.0}
+    with tempfile.TemporaryDirectory(prefix="gradstream-insert-") as tmp:
+        sinks = {}
+        for label in cpu:
+            path = Path(tmp) / f"{label.replace(' ', '_')}.duckdb"
+            if label == "primary key":
+                con = duckdb.connect(str(path))
+                for ddl in SCHEMA_DDL:
+                    con.execute(ddl)
+                con.execute("ALTER TABLE layer_stats ADD PRIMARY KEY (run_id, step, layer_index)")
+                con.close()
+            sinks[label] = DuckDBSink(path, write_behind=False)
+            sinks[label].write(SinkBatch(runs_started=[start]), "g")
+        batches = max(1, rows // (layers * batch_frames))
+        for b in range(batches):
+            batch = SinkBatch()
+            for step in range(b * batch_frames, (b + 1) * batch_frames):
+                frame = compute_frame("r", step, merged, vanishing_threshold=1e-7,
+                                      exploding_threshold=1e3, ranks_seen=(0,), world_size=1,
+                                      wall_time=0.0)
+                batch.frames[("r", step)] = (frame, "Healthy")
+            batch.offsets[("t", 0)] = b
+            for label, sink in sinks.items():
+                t = time.process_time()
+                sink.write(batch, "g")
+                cpu[label] += time.process_time() - t
+        for sink in sinks.values():
+            sink.close()
+    total = batches * batch_frames * layers
+    return {label: seconds / total * 1e6 for label, seconds in cpu.items()}
+
+
+def run_shape(settings_args: dict[str, object], shape: Shape, broker_pid: int | None,
+              tmp: Path, profile: str | None) -> tuple[float, float]:
+    """Produce, read at the floor, run the worker and check the store for one shape;
+    print the figures and the per-stage CPU. Returns (pipeline rows/s, ratio to floor)."""
+    from consumer.settings import ConsumerSettings
+    from consumer.topic_admin import ensure_topics
+
+    tag = uuid.uuid4().hex[:8]
+    settings = ConsumerSettings(
+        **settings_args, topic=f"bench-sum-{tag}", dlq_topic=f"bench-dlq-{tag}",
+        alerts_topic=f"bench-alerts-{tag}", group_id=f"bench-{tag}",
+        db=str(tmp / f"bench-{tag}.duckdb"),
+    )
+    run_ids = [f"bench-{tag}-{i}" for i in range(shape.runs)]
+    ensure_topics(settings, [settings.topic])
+    send = produce if shape.name == "default" else produce_direct
+    messages, produce_s = send(settings.bootstrap_servers, settings.topic, run_ids,
+                               shape.ranks, shape.layers, shape.steps, shape.replicated)
+    rows = shape.rows
+    how = (f"{shape.ranks * shape.runs} SDK processes" if send is produce
+           else "pre-encoded, one process")
+    print(f"== {shape.name}: produced {messages} messages ({shape.describe()}) in "
+          f"{produce_s:.1f} s ({messages / produce_s:.0f} msg/s, {how})")
+    floors = [Span(broker_pid), Span(broker_pid)]
+    records, size = consume_floor(settings, settings.topic, floors[0])
+    assert records == messages, f"floor read {records} of {messages} records"
+    print(f"floor 1: bare consumer read {records} records, {size / 2**20:.0f} MiB, "
+          f"in {floors[0].wall:.2f} s")
+    pipeline = Span(broker_pid)
+    run_pipeline(settings, run_ids, rows, pipeline, profile)
+    consume_floor(settings, settings.topic, floors[1])
+    print(f"floor 2: {floors[1].wall:.2f} s")
+    floor = min(floors, key=lambda f: f.wall)
+
+    import duckdb
+
+    con = duckdb.connect(settings.db, read_only=True)
+    stored, frames = con.execute(
+        "SELECT (SELECT count(*) FROM layer_stats), (SELECT count(*) FROM frames)"
+    ).fetchone()
+    con.close()
+    assert stored == rows and frames == shape.runs * shape.steps, (stored, rows, frames)
+    pipeline_rate = rows / pipeline.wall
+    floor_rate = rows / floor.wall
+    print(f"pipeline: {rows} layer-rows ({frames} frames) stored in {pipeline.wall:.2f} s = "
+          f"{pipeline_rate:,.0f} layer-rows/s ({messages / pipeline.wall:,.0f} msg/s, "
+          f"{size / pipeline.wall / 2**20:.0f} MiB/s)\n"
+          f"          {pipeline.describe(rows)}")
+    print(f"floor:    {floor_rate:,.0f} layer-rows/s ({size / floor.wall / 2**20:.0f} MiB/s)"
+          f"\n          {floor.describe(rows)}")
+    print(f"ratio pipeline / floor: {pipeline_rate / floor_rate:.2f}")
+    stage_rows, cpu = stage_costs(run_ids, shape.ranks, shape.layers, shape.steps,
+                                  shape.replicated, tmp / f"stages-{tag}.duckdb")
+    assert stage_rows == rows, (stage_rows, rows)
+    print("stages (CPU µs per layer-row, called in order on the same records): " + "  ".join(
+        f"{name} {cpu[name] / rows * 1e6:.2f}" for name in STAGES)
+        + f"  | sum {sum(cpu.values()) / rows * 1e6:.2f}")
+    print(f"shape={shape.name} rows_per_s={pipeline_rate:.0f} floor_rows_per_s={floor_rate:.0f} "
+          f"ratio={pipeline_rate / floor_rate:.2f} "
+          f"us_cpu_per_row={pipeline.cpu / rows * 1e6:.2f}")
+    return pipeline_rate, pipeline_rate / floor_rate
 
 
 def main() -> None:
@@ -227,73 +561,53 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=1, help="topic partitions")
     parser.add_argument("--replicated", action="store_true",
                         help="every rank reports every layer (DDP) instead of a shard")
+    parser.add_argument("--shapes", default="all", metavar="NAME,...",
+                        help="cases to run: default (the shape of the options above), "
+                        "sharded64, replicated64, runs20, insert (the insert micro-benchmark);"
+                        " `all` (default) runs every one, the default case last")
     parser.add_argument("--alert-set", action="append", default=[], metavar="RULE.FIELD=VALUE",
                         help="alert rule override for the worker, as `gradstream consume "
                         "--alert-set` (repeatable)")
     parser.add_argument("--profile", metavar="FILE.html",
-                        help="profile the worker with pyinstrument, HTML written here")
+                        help="profile the worker of the default case with pyinstrument, "
+                        "HTML written here")
     args = parser.parse_args()
-
-    from consumer.settings import ConsumerSettings
-    from consumer.topic_admin import ensure_topics
+    cases = shapes(args)
+    names = (["insert", *[n for n in cases if n != "default"], "default"]
+             if args.shapes == "all" else args.shapes.split(","))
+    unknown = set(names) - set(cases) - {"insert"}
+    if unknown:
+        parser.error(f"unknown shape(s) {sorted(unknown)}: choose from {[*cases, 'insert']}")
 
     signal.signal(signal.SIGTERM, _interrupt)  # unwind, so that the local broker is stopped
     tmp = tempfile.TemporaryDirectory(prefix="gradstream-bench-")
     broker = None
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap:
-        from deploy.broker import LocalBroker
-
-        broker = LocalBroker(Path(tmp.name) / "broker")
-        bootstrap = broker.start(timeout=LOCAL_BROKER_TIMEOUT_S)
-    tag = uuid.uuid4().hex[:8]
-    settings = ConsumerSettings(
-        bootstrap_servers=bootstrap, topic=f"bench-sum-{tag}", dlq_topic=f"bench-dlq-{tag}",
-        alerts_topic=f"bench-alerts-{tag}", group_id=f"bench-{tag}",
-        db=str(Path(tmp.name) / "bench.duckdb"), partitions=args.partitions,
-        alert_set=args.alert_set,
-    )
-    run_ids = [f"bench-{tag}-{i}" for i in range(args.runs)]
     try:
-        ensure_topics(settings, [settings.topic])
-        messages, produce_s = produce(bootstrap, settings.topic, run_ids, args.ranks,
-                                      args.layers, args.steps, args.replicated)
-        rows = args.runs * args.steps * args.layers * (1 if args.replicated else args.ranks)
-        print(f"produced {messages} messages ({args.runs} run(s) x {args.ranks} ranks x "
-              f"{args.steps} steps, {args.layers} layers each, "
-              f"{'replicated' if args.replicated else 'sharded'}) in {produce_s:.1f} s "
-              f"({messages / produce_s:.0f} msg/s, {args.ranks * args.runs} processes)")
+        if "insert" in names:
+            cost = insert_cost(300_000)
+            print(f"insert: {cost['no key']:.2f} µs CPU/layer-row into layer_stats without "
+                  f"a key, {cost['primary key']:.2f} with the old primary key (ratio "
+                  f"{cost['primary key'] / cost['no key']:.2f}; 300k rows, 100-frame "
+                  "transactions, alternating)")
+        if set(names) - {"insert"} and not bootstrap:
+            from deploy.broker import LocalBroker
+
+            broker = LocalBroker(Path(tmp.name) / "broker")
+            bootstrap = broker.start(timeout=LOCAL_BROKER_TIMEOUT_S)
         broker_pid = broker.status().pid if broker is not None else None
-        floors = [Span(broker_pid), Span(broker_pid)]
-        records, size = consume_floor(settings, settings.topic, floors[0])
-        assert records == messages, f"floor read {records} of {messages} records"
-        print(f"floor 1: bare consumer read {records} records, {size / 2**20:.0f} MiB of JSON, "
-              f"in {floors[0].wall:.2f} s")
-        pipeline = Span(broker_pid)
-        run_pipeline(settings, run_ids, rows, pipeline, args.profile)
-        consume_floor(settings, settings.topic, floors[1])
-        print(f"floor 2: {floors[1].wall:.2f} s")
-        floor = min(floors, key=lambda f: f.wall)
-
-        import duckdb
-
-        con = duckdb.connect(settings.db, read_only=True)
-        stored, frames = con.execute(
-            "SELECT (SELECT count(*) FROM layer_stats), (SELECT count(*) FROM frames)"
-        ).fetchone()
-        con.close()
-        assert stored == rows and frames == args.runs * args.steps, (stored, rows, frames)
-        pipeline_rate = rows / pipeline.wall
-        floor_rate = rows / floor.wall
-        print(f"pipeline: {rows} layer-rows ({frames} frames) stored in {pipeline.wall:.2f} s = "
-              f"{pipeline_rate:,.0f} layer-rows/s ({messages / pipeline.wall:,.0f} msg/s, "
-              f"{size / pipeline.wall / 2**20:.0f} MiB/s)\n"
-              f"          {pipeline.describe(rows)}")
-        print(f"floor:    {floor_rate:,.0f} layer-rows/s ({size / floor.wall / 2**20:.0f} MiB/s)"
-              f"\n          {floor.describe(rows)}")
-        print(f"ratio pipeline / floor: {pipeline_rate / floor_rate:.2f}")
-        print(f"pipeline_rows_per_s={pipeline_rate:.0f} "
-              f"ratio_to_consume_floor={pipeline_rate / floor_rate:.2f}")
+        common = {"bootstrap_servers": bootstrap, "partitions": args.partitions,
+                  "alert_set": args.alert_set}
+        result = None
+        for name in names:
+            if name == "insert":
+                continue
+            rate, ratio = run_shape(common, cases[name], broker_pid, Path(tmp.name),
+                                    args.profile if name == "default" else None)
+            if name == "default":
+                result = (rate, ratio)
+        if result is not None:
+            print(f"pipeline_rows_per_s={result[0]:.0f} ratio_to_consume_floor={result[1]:.2f}")
     finally:
         if broker is not None:
             broker.stop()

@@ -12,11 +12,13 @@ For each case it prints, measured in the same run and interleaved (best of ``--r
   ``summarize()``);
 * norms mode (``summarize(norms_only=True)``) and the encoded message size per step in full
   and norms mode;
-* the weight summaries (``producer.weights.summarize_weights``: sum w^2 and the update
-  norm against a kept copy, power sums, extremes, exponent histogram of |w|), measured
-  on weights of the same sizes as the gradients (setting ``weight_stats``);
-* ``summarize()`` when every layer holds a NaN (the masked re-run path), and with the
-  pure-NumPy fallback backend;
+* the weight summaries (``producer.weights.summarize_weights``: power sums S1..S4,
+  extremes, non-finite count, exponent histogram of |w|; one fused numba pass per layer),
+  measured on weights of the same sizes as the gradients (setting ``weight_stats``), with
+  the update norm against a kept float32 copy (what the producer runs: it reads a second
+  array, so its memory floor is 2x) and without it;
+* ``summarize()`` when every layer holds a NaN (the block holding it is redone masked
+  while in L1: no second read of the layer), and with the pure-NumPy fallback backend;
 * ``GradientProducer.record_step`` (summary + enqueue) with the producer pointed at an
   unreachable broker (127.0.0.1:9): the sender thread cannot connect, the bounded queue
   drops, and the training thread must not notice.
@@ -198,6 +200,7 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
             "nan": lambda: summarize(nan_grads),
             "norms": lambda: summarize(grads, norms_only=True),
             "weights": lambda: summarize_weights(weights, previous),
+            "weights_only": lambda: summarize_weights(weights),
             "numpy": lambda: _summarize_numpy_backend(grads),
         },
         repeats,
@@ -215,8 +218,9 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
         ("summarize(histogram=True)", best["hist"]),
         ("  histogram extra cost (hist - summary)", best["hist"] - best["summary"]),
         ("summarize(norms_only=True) (norms mode)", best["norms"]),
-        ("weight statistics (weight_stats=True)", best["weights"]),
-        ("summarize(), a NaN in every layer (masked re-run)", best["nan"]),
+        ("weight statistics (weight_stats=True, + update norm)", best["weights"]),
+        ("  weight statistics without the update norm", best["weights_only"]),
+        ("summarize(), a NaN in every layer (skipped inline)", best["nan"]),
         ("summarize(), pure-NumPy fallback backend", best["numpy"]),
         ("record_step, no broker, back-to-back: best", rs["back_to_back"][0]),
         ("record_step, no broker, back-to-back: median", rs["back_to_back"][1]),

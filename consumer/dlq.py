@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-DLQ_VALUE_LIMIT = 1024 * 1024
+DLQ_RECORD_LIMIT = 1024 * 1024
+"""Largest dead-letter record (value + key + headers) sent (bytes): Kafka's default
+``message.max.bytes`` (1 MiB + 12 bytes) less the batch overhead. A record the broker
+refused as too large would break the (idempotent) dead-letter producer for good."""
+
+DLQ_VALUE_LIMIT = DLQ_RECORD_LIMIT - 16 * 1024
 """Largest original value copied into a dead-letter record (bytes); longer ones are cut
-and marked with the ``truncated`` header."""
+(less when the key and headers are long) and marked with the ``truncated`` header."""
 
 
 def dead_letter_headers(
@@ -28,11 +33,11 @@ def dead_letter_headers(
     ]
 
 
-def dead_letter_value(value: bytes | None) -> tuple[bytes, bool]:
-    """(value to store, truncated?) for an original record value."""
+def dead_letter_value(value: bytes | None, limit: int = DLQ_VALUE_LIMIT) -> tuple[bytes, bool]:
+    """(value to store, truncated?) for an original record value cut at ``limit`` bytes."""
     raw = value or b""
-    if len(raw) > DLQ_VALUE_LIMIT:
-        return raw[:DLQ_VALUE_LIMIT], True
+    if len(raw) > limit:
+        return raw[:limit], True
     return raw, False
 
 
@@ -80,9 +85,11 @@ class DeadLetterQueue:
             self.reasons.append(reason)
         if self.producer is None:
             return
-        value, truncated = dead_letter_value(record.value)
-        headers = dead_letter_headers(reason, record.topic, record.partition, record.offset,
-                                      error)
+        headers = dead_letter_headers(reason[:4096], record.topic, record.partition,
+                                      record.offset, error)
+        room = DLQ_RECORD_LIMIT - 1024 - len(record.key or b"") - sum(
+            len(k) + len(v) for k, v in headers)
+        value, truncated = dead_letter_value(record.value, min(DLQ_VALUE_LIMIT, room))
         if truncated:
             headers.append(("truncated", b"true"))
         self.producer.send(self.topic, key=record.key, value=value, headers=headers)

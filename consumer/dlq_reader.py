@@ -5,16 +5,21 @@ A dead letter (:mod:`consumer.dlq`) is the original key and value (cut at
 class: invalid, unknown_run, conflicting_run), ``source_topic``, ``source_partition`` and
 ``source_offset``. :class:`DeadLetterReader` reads the topic without a consumer group (every
 partition assigned, nothing committed), so reading never disturbs the workers.
+:func:`read_topic` reads any gradstream topic the same way for ``gradstream inspect``,
+binary messages decoded to JSON (:func:`record_to_json`).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from consumer.dlq import decode_headers
+from schemas.wire import is_binary, to_display
 
 if TYPE_CHECKING:
     from consumer.settings import ConsumerSettings
@@ -57,8 +62,10 @@ class DeadLetter:
                 f"@{h.get('source_offset', '?')}")
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict: positions, headers and the value (``value`` as text when it is
-        UTF-8, else ``value_base64``)."""
+        """JSON-ready dict: positions, headers and the value: a binary gradstream message
+        decoded for people (``value`` an object, ``value_encoding`` "binary"; cut or
+        malformed ones as ``value_base64``), else ``value`` as text when it is UTF-8, else
+        ``value_base64``."""
         h = self.headers
         out: dict[str, Any] = {
             "dlq_partition": self.partition, "dlq_offset": self.offset,
@@ -69,6 +76,14 @@ class DeadLetter:
             "source_offset": _int_or_none(h.get("source_offset")),
             "truncated": h.get("truncated") == "true", "value_bytes": len(self.value),
         }
+        if is_binary(self.value):
+            shown = to_display(self.value)
+            out["value_encoding"] = "binary"
+            if isinstance(shown, dict):
+                out["value"] = shown
+            else:
+                out["value_base64"] = base64.b64encode(self.value).decode()
+            return out
         try:
             out["value"] = self.value.decode()
         except UnicodeDecodeError:
@@ -76,8 +91,12 @@ class DeadLetter:
         return out
 
     def preview(self) -> str:
-        """The start of the value as one line of text."""
-        text = self.value[: PREVIEW_CHARS * 4].decode(errors="replace")
+        """The start of the value as one line of text (a binary message as its JSON)."""
+        shown = to_display(self.value) if is_binary(self.value) else None
+        if isinstance(shown, dict):
+            text = "binary " + json.dumps(shown, separators=(",", ":"))[: PREVIEW_CHARS * 4]
+        else:
+            text = self.value[: PREVIEW_CHARS * 4].decode(errors="replace")
         text = " ".join(text.split())
         return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 3] + "..."
 
@@ -163,3 +182,85 @@ class DeadLetterReader:
     def close(self) -> None:
         """Close the Kafka consumer."""
         self._consumer.close()
+
+
+def record_to_json(record: Any) -> dict[str, Any]:
+    """A record of any gradstream topic as a JSON-ready dict for people: its position,
+    key, headers and value, a binary message decoded (``encoding`` "binary", the arrays
+    as lists), JSON parsed (``encoding`` "json"), other UTF-8 text as a string
+    (``encoding`` "text") and other bytes as ``value_base64`` (``encoding`` "bytes").
+    Nothing is validated: an invalid message is shown as it is.
+
+    Args:
+        record: a kafka-python ConsumerRecord.
+    """
+    raw = record.value
+    out: dict[str, Any] = {
+        "topic": record.topic, "partition": record.partition, "offset": record.offset,
+        "timestamp": record.timestamp / 1000.0,
+        "key": None if record.key is None else record.key.decode(errors="replace"),
+    }
+    headers = decode_headers(record.headers)
+    if headers:
+        out["headers"] = headers
+    shown = to_display(raw)
+    if raw is None:
+        out["encoding"], out["value"] = "none", None
+    elif is_binary(raw):
+        out["encoding"] = "binary"
+        if isinstance(shown, dict):
+            out["value"] = shown
+        else:
+            out["value_base64"] = base64.b64encode(raw).decode()
+    elif shown is None:
+        out["encoding"], out["value_base64"] = "bytes", base64.b64encode(raw).decode()
+    else:
+        out["encoding"] = "text" if isinstance(shown, str) else "json"
+        out["value"] = shown
+    return out
+
+
+def read_topic(
+    settings: ConsumerSettings, topic: str, *, from_beginning: bool = False,
+    max_records: int = 0, duration_s: float | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Records of ``topic`` as :func:`record_to_json` dicts, read without a consumer group
+    (every partition assigned, nothing committed).
+
+    Args:
+        settings: connection settings. topic: any topic.
+        from_beginning: start at the first record of each partition (else at the end:
+            only records arriving from now on).
+        max_records: stop after this many records (0: no limit).
+        duration_s: stop after this many seconds (None: no limit).
+
+    Raises:
+        TopicMissingError: the topic does not exist.
+        kafka.errors.KafkaError: the cluster cannot be reached.
+    """
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(**settings.kafka_kwargs(), group_id=None,
+                             enable_auto_commit=False, fetch_max_bytes=64 * 1024 * 1024)
+    try:
+        parts = consumer.partitions_for_topic(topic)
+        if not parts:
+            raise TopicMissingError(f"topic {topic!r} does not exist on "
+                                    f"{settings.bootstrap_servers}")
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        if from_beginning:
+            consumer.seek_to_beginning(*tps)
+        else:
+            consumer.seek_to_end(*tps)
+        deadline = None if duration_s is None else time.monotonic() + duration_s
+        count = 0
+        while deadline is None or time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=200).values():
+                for record in batch:
+                    yield record_to_json(record)
+                    count += 1
+                    if max_records and count >= max_records:
+                        return
+    finally:
+        consumer.close()

@@ -3,7 +3,9 @@
 A worker publishes each finished frame as its merged sums (:class:`schemas.wire.MergedFrame`)
 rather than its derived fields, so that the store can recompute the frame fields with
 :func:`consumer.frames.compute_frame` (identical to what a single-process worker stores) and
-can merge a late rank's frame into a stored partial one exactly.
+can merge a late rank's frame into a stored partial one exactly. On the topic a frame
+travels in the columnar binary form (:func:`encode_frame`, ``schemas.wire.encode_binary``);
+:func:`schemas.wire.decode_frame_message` reads it and JSON alike.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from consumer.frames import GradientFrame, MergedShards
-from schemas.wire import MergedFrame
+from schemas.wire import MergedFrame, WireFormat, encode_message
 
 
 def _csr(hist: np.ndarray) -> tuple[list[int], list[int], list[int]]:
@@ -75,6 +77,17 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
         layer_indices=frame.layer_index.tolist(), numel=frame.numel.tolist(),
         sum_sq=frame.sum_sq.tolist(), nonfinite=frame.nonfinite.tolist(), **optional,
     )
+
+
+def encode_frame(frame: GradientFrame, wire_format: WireFormat = "binary") -> bytes:
+    """The record value of ``frame`` on the frames topic: its MergedFrame
+    (:func:`frame_to_message`) in the columnar binary form (default) or as JSON.
+
+    Raises:
+        schemas.wire.WireError: the encoded frame exceeds ``MAX_MESSAGE_BYTES``.
+        pydantic.ValidationError: as :func:`frame_to_message`.
+    """
+    return encode_message(frame_to_message(frame), wire_format)
 
 
 def message_to_merged(message: MergedFrame, num_layers: int) -> MergedShards:

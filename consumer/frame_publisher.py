@@ -4,7 +4,8 @@
 RunStarted, the finished frames (:class:`schemas.wire.MergedFrame`, key = run id, so a
 run's messages stay ordered in one partition) and the RunFinished messages; it waits until
 Kafka acknowledged all of them (acks=all, idempotent) before the worker commits its
-offsets, so a crash in between only republishes frames, which the store reconciles by
+offsets, so a crash in between only republishes frames (in the columnar binary form,
+:func:`consumer.frame_codec.encode_frame`), which the store reconciles by
 their rank sets (``consumer.store``). New runs are then recorded in the compacted runs
 topic, which a worker reads when it is assigned partitions (:func:`load_runs_topic`).
 """
@@ -15,7 +16,7 @@ import logging
 import time
 from typing import Any
 
-from consumer.frame_codec import frame_to_message
+from consumer.frame_codec import encode_frame
 from consumer.settings import ConsumerSettings
 from consumer.sink import SinkBatch
 from schemas.wire import MAX_MESSAGE_BYTES, RunStarted, WireError, decode_message, encode_message
@@ -59,7 +60,7 @@ class FramePublisher:
                                 value=encode_message(started)))
         for frame, _health in batch.frames.values():
             futures.append(send(self.frames_topic, key=frame.run_id.encode(),
-                                value=encode_message(frame_to_message(frame))))
+                                value=encode_frame(frame)))
         for finished in batch.runs_finished:
             futures.append(send(self.frames_topic, key=finished.run_id.encode(),
                                 value=encode_message(finished)))

@@ -6,6 +6,13 @@ missing ranks recorded. A shard arriving later for a partial frame is merged int
 stored sums and the frame is finalised again (the store rewrites it). A duplicate shard
 (same run, step, rank) changes nothing (README.md, "How it works").
 
+Parts (schema 1.4). A rank whose summary was too large for one Kafka message sends it as
+``part_count`` messages over disjoint layer ranges. Pieces are keyed by (rank, part): each
+part is merged once (a repeated part is a duplicate), and the rank counts as reported only
+when all its parts arrived. A frame finalised as partial lists only complete ranks in
+``ranks_seen`` (the parts that did arrive are in its sums); the parts still missing merge
+into it later like a late rank.
+
 Replicas count once. A StepSummary with a shard layout (``shard_index``/``shard_count``)
 says which disjoint piece of each parameter its statistics cover; the first rank to report
 a piece (layer, shard_index) of a frame has it counted, and every later rank reporting the
@@ -136,6 +143,8 @@ class _Pending:
     wall_time: float
     ledger: PieceLedger | None = None
     local: list[LocalRows] = field(default_factory=list)
+    parts: dict[int, set[int]] = field(default_factory=dict)
+    """rank -> part indices arrived, for ranks with some but not all of their parts."""
 
 
 @dataclass(slots=True)
@@ -144,6 +153,29 @@ class _RunFrames:
 
     complete: set[int] = field(default_factory=set)
     partial: dict[int, frozenset[int]] = field(default_factory=dict)
+    parts: dict[int, dict[int, set[int]]] = field(default_factory=dict)
+    """step -> rank -> part indices already merged into a partial frame (incomplete ranks)."""
+
+
+def _admit(complete: set[int] | frozenset[int], parts: dict[int, set[int]],
+           shard: StepSummary) -> tuple[bool, bool]:
+    """(new, rank_complete) for ``shard`` given the complete ranks and the parts of
+    incomplete ranks; records a new part in ``parts`` (and forgets the rank there once it
+    is complete). A shard without parts is the whole of its rank."""
+    if shard.rank in complete:
+        return False, True
+    if shard.part_index is None or shard.part_count is None:
+        if shard.rank in parts:  # a whole summary after some parts: parts win
+            return False, False
+        return True, True
+    seen = parts.setdefault(shard.rank, set())
+    if shard.part_index in seen:
+        return False, False
+    seen.add(shard.part_index)
+    if len(seen) >= shard.part_count:
+        del parts[shard.rank]
+        return True, True
+    return True, False
 
 
 class ShardMerger:
@@ -221,11 +253,13 @@ class ShardMerger:
                 shard.wall_time,
             )
             self._pending[key] = pending
-        if shard.rank in pending.ranks:
+        new, rank_complete = _admit(pending.ranks, pending.parts, shard)
+        if not new:
             self.duplicates += 1
             return None
         _merge_counted(pending, shard, run.world_size)
-        pending.ranks.add(shard.rank)
+        if rank_complete:
+            pending.ranks.add(shard.rank)
         pending.wall_time = max(pending.wall_time, shard.wall_time)
         if len(pending.ranks) < run.world_size:
             return None
@@ -236,7 +270,11 @@ class ShardMerger:
     def _late_shard(
         self, run: RunInfo, shard: StepSummary, ranks: frozenset[int], record: _RunFrames
     ) -> GradientFrame | None:
-        if shard.rank in ranks:
+        parts = record.parts.setdefault(shard.step, {})
+        new, rank_complete = _admit(ranks, parts, shard)
+        if not parts:
+            del record.parts[shard.step]
+        if not new:
             self.duplicates += 1
             return None
         cached = self._partial_sums.pop((run.run_id, shard.step), None)
@@ -256,7 +294,7 @@ class ShardMerger:
             pending = cached
             pending.local = []  # the rows of the earlier ranks are stored already
             _merge_counted(pending, shard, run.world_size)
-        new_ranks = ranks | {shard.rank}
+        new_ranks = ranks | {shard.rank} if rank_complete else ranks
         if len(new_ranks) == run.world_size:
             del record.partial[shard.step]
             record.complete.add(shard.step)
@@ -280,9 +318,10 @@ class ShardMerger:
         for run_id, step in expired:
             pending = self._pending.pop((run_id, step))
             run = runs[run_id]
-            self._finalised.setdefault(run_id, _RunFrames()).partial[step] = frozenset(
-                pending.ranks
-            )
+            record = self._finalised.setdefault(run_id, _RunFrames())
+            record.partial[step] = frozenset(pending.ranks)
+            if pending.parts:
+                record.parts[step] = {r: set(p) for r, p in pending.parts.items()}
             self._remember_partial(run_id, step, pending)
             frames.append(self._frame(run, step, pending, pending.ranks, pending.wall_time))
         return frames

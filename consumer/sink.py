@@ -1,9 +1,12 @@
 """DuckDB sink: frames, runs and consumed Kafka offsets, written in one transaction.
 
-Rows are written in bulk from Arrow tables (``INSERT OR REPLACE ... SELECT``), never row
-by row. Upserts on the primary keys (run, step, layer) and (run, step) make a rewritten
-frame (late shard, replay after a crash) replace the old rows, and make a frame written
-twice appear once. The next offset to consume per partition is written in the same
+Rows are written in bulk from Arrow tables, never row by row. A batch's frames replace
+what is stored for their (run, step): the ``layer_stats`` rows of those keys are deleted,
+then the new rows appended with a plain ``INSERT ... SELECT`` (``layer_stats`` has no index
+to maintain in stores created now; an old store's primary key stays satisfied by the same
+writes), and ``frames`` rows are upserted on their (run, step) key. So a rewritten frame
+(late shard, replay after a crash) replaces the old rows, and a frame written twice
+appears once. The next offset to consume per partition is written in the same
 transaction as the rows it covers, so the store is exactly-once with respect to Kafka
 (README.md, "Tables"). Each transaction runs on a writer thread while the caller prepares
 the next batch (``write_behind``); reads wait for it.

@@ -11,6 +11,7 @@ queue, and when it is full the oldest pending *step* summary is dropped and coun
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import logging
 import socket
 import threading
@@ -25,7 +26,13 @@ import numpy as np
 from producer.settings import ProducerSettings
 from producer.summary import LayerSummaries, summarize, warmup
 from producer.weights import WeightSummaries, summarize_weights
-from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
+from schemas.wire import (
+    RunFinished,
+    RunStarted,
+    StepSummary,
+    encode_message,
+    split_step_summary,
+)
 
 log = logging.getLogger("gradstream.producer")
 
@@ -42,7 +49,10 @@ class ProducerStats:
         failed: messages Kafka rejected or that could not be delivered in time.
         queued: messages waiting for the sender thread now.
         in_flight: messages handed to Kafka and not yet acknowledged.
-        training_thread_s: total seconds spent inside ``record_step`` (summary + enqueue).
+        training_thread_s: total seconds the training thread spent on telemetry: inside
+            ``record_step`` / ``record_summaries`` (summary + enqueue) plus the time an
+            adapter reports with ``add_training_time`` (e.g. ``GradientTap``'s reductions
+            and device->host copies).
     """
 
     recorded: int
@@ -122,6 +132,10 @@ class GradientProducer:
         self._training_s = 0.0
         self._kafka: Any = None
         self._last_error: str | None = None
+        self.value_limit: int | None = None
+        """Largest record value this producer sends (bytes), set when it connects."""
+        self.oversized_dropped = 0
+        """Layer ranges of step summaries dropped because one layer alone is too large."""
         self._thread = threading.Thread(
             target=self._sender_loop, name=f"gradstream-sender-{rank}", daemon=True
         )
@@ -437,6 +451,23 @@ class GradientProducer:
             )
         return self.stats()
 
+    def add_training_time(self, seconds: float) -> None:
+        """Count training-thread seconds spent outside this producer on its behalf (an
+        adapter's gradient reductions and copies before ``record_summaries``) in
+        ``stats().training_thread_s``.
+
+        Args:
+            seconds: wall-clock seconds (``time.perf_counter`` differences), >= 0.
+
+        Raises:
+            ValueError: ``seconds`` is negative or not finite.
+        """
+        seconds = float(seconds)
+        if not 0.0 <= seconds < float("inf"):
+            raise ValueError(f"seconds must be finite and >= 0, got {seconds!r}")
+        with self._cond:
+            self._training_s += seconds
+
     def stats(self) -> ProducerStats:
         """Current counters (thread-safe snapshot)."""
         with self._cond:
@@ -522,25 +553,110 @@ class GradientProducer:
         from kafka import KafkaProducer
 
         s = self.settings
-        try:
-            self._kafka = KafkaProducer(
+
+        def producer(batch_size: int) -> Any:
+            return KafkaProducer(
                 **s.kafka_kwargs(),
                 acks=-1 if s.acks == "all" else int(s.acks),
                 enable_idempotence=s.enable_idempotence,
                 compression_type=None if s.compression_type == "none" else s.compression_type,
                 linger_ms=s.linger_ms,
-                batch_size=s.batch_size,
+                batch_size=batch_size,
                 max_request_size=s.max_request_size,
                 delivery_timeout_ms=s.delivery_timeout_ms,
                 request_timeout_ms=s.request_timeout_ms,
                 max_block_ms=s.max_block_ms,
             )
+
+        try:
+            # Connect first (an unreachable broker fails here, once), then read the limit.
+            batch_size = min(s.batch_size, s.message_max_bytes, s.max_request_size)
+            kafka = producer(batch_size)
+            limit = min(self._cluster_limit(), s.max_request_size)
+            if limit < batch_size:
+                # A batch larger than the limit is refused as a whole: keep batches below it.
+                kafka.close(timeout=0)
+                kafka = producer(limit)
+            self._kafka = kafka
+            self.value_limit = limit - _RECORD_OVERHEAD - len(self.run_id.encode())
             return True
         except Exception as exc:  # broker unreachable: keep queueing, retry with backoff
             if str(exc) != self._last_error:
                 log.warning("cannot connect to Kafka at %s yet: %s", s.bootstrap_servers, exc)
                 self._last_error = str(exc)
             return False
+
+    def _cluster_limit(self) -> int:
+        """The topic's ``max.message.bytes`` (its own or the broker's default), read with
+        the admin client; ``settings.message_max_bytes`` when it cannot be read (no
+        DescribeConfigs permission, topic not created yet)."""
+        s = self.settings
+        try:
+            from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
+
+            admin = KafkaAdminClient(**s.kafka_kwargs(),
+                                     request_timeout_ms=min(s.request_timeout_ms, 10_000))
+            try:
+                found = admin.describe_configs(
+                    [ConfigResource(ConfigResourceType.TOPIC, s.topic, ["max.message.bytes"])],
+                    config_filter="all",
+                )
+            finally:
+                admin.close()
+            entry = found["topic"][s.topic]["max.message.bytes"]
+            value = int(entry["value"] if isinstance(entry, dict) else entry)
+            log.debug("topic %s: max.message.bytes = %d", s.topic, value)
+            return value
+        except Exception as exc:  # any failure: the documented fallback
+            log.info("cannot read max.message.bytes of %s (%s); assuming %d bytes", s.topic,
+                     exc, s.message_max_bytes)
+            return s.message_max_bytes
+
+    def _encode(self, item: _Pending) -> list[bytes]:
+        """The record values of one queued item: one, or the parts of a StepSummary too
+        large for ``value_limit`` (layer ranges halved until each part fits; a single
+        layer that alone does not fit is dropped, counted in ``oversized_dropped`` and in
+        ``failed``, and logged)."""
+        message = self._build(item)
+        value = encode_message(message, self.settings.wire_format)
+        limit = self.value_limit
+        if limit is None or len(value) <= limit or not isinstance(message, StepSummary):
+            return [value]
+        n = len(message.layer_indices)
+        k = min(n, -(-len(value) // max(int(limit * 0.9), 1)))
+        edges = np.linspace(0, n, k + 1).astype(int).tolist()
+        bounds = [(a, b) for a, b in itertools.pairwise(edges) if b > a]
+        dropped: list[tuple[int, int]] = []
+        while True:
+            values = [encode_message(part, self.settings.wire_format)
+                      for part in split_step_summary(message, bounds)] if bounds else []
+            over = {i for i, v in enumerate(values) if len(v) > limit}
+            if not over:
+                break
+            refined: list[tuple[int, int]] = []
+            for i, (a, b) in enumerate(bounds):
+                if i not in over:
+                    refined.append((a, b))
+                elif b - a > 1:
+                    mid = (a + b) // 2
+                    refined.extend([(a, mid), (mid, b)])
+                else:
+                    dropped.append((a, b))
+            bounds = refined
+        if dropped:
+            layers = [message.layer_indices[a] for a, _b in dropped]
+            log.error("gradstream: step %d rank %d: %d layer(s) (layer_index %s) each alone "
+                      "exceed the %d-byte message limit; their statistics for this step are "
+                      "dropped", message.step, self.rank, len(layers),
+                      ", ".join(map(str, layers[:10])) + (", ..." if len(layers) > 10 else ""),
+                      limit)
+            with self._cond:
+                self.oversized_dropped += len(dropped)
+                self._failed += len(dropped)
+        if len(values) > 1:
+            log.debug("step %d rank %d: %d bytes sent as %d parts", message.step, self.rank,
+                      len(value), len(values))
+        return values
 
     def _build(self, item: _Pending) -> StepSummary | RunStarted | RunFinished:
         if item.kind != "step":
@@ -595,17 +711,25 @@ class GradientProducer:
 
     def _send(self, item: _Pending) -> None:
         try:
-            value = encode_message(self._build(item))
-            future = self._kafka.send(self.settings.topic, key=self.run_id.encode(), value=value)
+            values = self._encode(item)
         except Exception as exc:
-            log.error("could not send a %s message: %s", item.kind, exc)
+            log.error("could not encode a %s message: %s", item.kind, exc)
             with self._cond:
                 self._failed += 1
             return
-        with self._cond:
-            self._in_flight += 1
-        future.add_callback(self._on_sent)
-        future.add_errback(self._on_failed)
+        for value in values:
+            try:
+                future = self._kafka.send(self.settings.topic, key=self.run_id.encode(),
+                                          value=value)
+            except Exception as exc:
+                log.error("could not send a %s message: %s", item.kind, exc)
+                with self._cond:
+                    self._failed += 1
+                continue
+            with self._cond:
+                self._in_flight += 1
+            future.add_callback(self._on_sent)
+            future.add_errback(self._on_failed)
 
     def _on_sent(self, _metadata: object) -> None:
         with self._cond:
@@ -617,6 +741,11 @@ class GradientProducer:
         with self._cond:
             self._failed += 1
             self._in_flight -= 1
+
+
+_RECORD_OVERHEAD = 512
+"""Bytes kept free below the message limit for the record batch and record headers
+(61 + about 30 bytes in Kafka's v2 format) besides the key."""
 
 
 def _sparse_histogram(prefix: str, hist: np.ndarray) -> dict[str, list[int]]:

@@ -42,6 +42,18 @@ class ProducerSettings(KafkaClientSettings):
     sends sum w^2 of the weights passed to ``record_step(..., weights=...)`` and the
     squared norm of the update since the previous recorded step, for which the producer
     keeps one float32 copy of the watched weights.
+
+    ``wire_format``: ``"binary"`` (default) sends each StepSummary in the columnar binary
+    form (``schemas.wire.encode_binary``: typed little-endian buffers in a safetensors
+    container, about a third smaller than JSON and decoded without parsing numbers);
+    ``"json"`` (``GRADSTREAM_WIRE_FORMAT=json``) sends JSON, e.g. for consumers older than
+    this build. RunStarted and RunFinished are always JSON.
+
+    Message size: a StepSummary larger than the cluster's limit (the topic's
+    ``max.message.bytes``, read once when connecting; ``message_max_bytes`` when it cannot
+    be read), and never larger than ``max_request_size``, is split into several messages
+    holding disjoint layer ranges, which the consumer merges. A record refused as too
+    large would otherwise break an idempotent producer for every later send.
     """
 
     topic: str = DEFAULT_SUMMARIES_TOPIC
@@ -63,6 +75,8 @@ class ProducerSettings(KafkaClientSettings):
     mode: Literal["full", "norms"] = "full"
     exp_histogram: bool = False
     weight_stats: bool = False
+    wire_format: Literal["binary", "json"] = "binary"
+    message_max_bytes: int = Field(default=1024 * 1024, gt=0)
 
     @field_validator("include", "exclude", mode="before")
     @classmethod

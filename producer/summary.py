@@ -19,10 +19,11 @@ Backends. The statistics are computed by one of two interchangeable implementati
   (or loaded from numba's on-disk cache) on the first summary, not at ``import producer``;
   call :func:`warmup` at start-up to pay that cost before the first training step.
 * ``"numpy"``: pure NumPy, the mergeable statistics of :mod:`schemas.stats`
-  (``GradientSums``, ``ExponentHistogram``) updated layer by layer, several passes over a
-  reusable float64 chunk buffer (about 4-9x the cost of one read pass; the histogram ~10x
-  more); used when numba is missing or fails to import or compile (a warning is logged),
-  or when forced.
+  (``GradientSums``, ``ExponentHistogram``), computed with fewer passes: per 64k-element
+  chunk one widening ``abs`` into a reusable float64 buffer and three reductions, small
+  layers batched into one chunk (about 3-5x the cost of one read pass; the histogram
+  several times more); used when numba is missing or fails to import or compile (a
+  warning is logged), or when forced.
 
 Choose with :func:`set_backend` or the environment variable
 ``GRADSTREAM_SUMMARY_BACKEND`` = ``auto`` (default) | ``numba`` | ``numpy``. Both backends
@@ -33,7 +34,8 @@ objects (:meth:`LayerSummaries.gradient_sums`, :meth:`LayerSummaries.exponent_hi
 Cost, measured by ``bench/producer_overhead.py`` on the 2-core development machine, in
 units of one ``np.add.reduce`` pass over the same float32 arrays (the floor): the numba
 backend 1.1-1.3x on one thread (100 x 500k and 1000 x 4k elements); the histogram adds
-1.2-1.8x; a step with NaN/Inf in every layer costs about 2.2-2.9x (masked re-run). The
+1.2-1.8x; a step with NaN/Inf in every layer costs about 1.1-1.8x (only the block holding
+it is redone, masked, while in L1). The
 first call in a process pays the numba import and JIT, ~3 s with an empty numba cache and
 ~0.5 s with a warm one (``cache=True``; see :func:`warmup`).
 """
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -558,13 +561,84 @@ def _summarize_numba(
 # -- pure NumPy backend -------------------------------------------------------------------
 
 
+#: Elements per float64 scratch chunk of the NumPy backend (512 KiB: L2-resident).
+_NP_CHUNK = 1 << 16
+#: Layers of at most this many elements are batched into one chunk (one NumPy call per
+#: statistic for many layers); recursive summation of n <= 4096 non-negative terms has a
+#: relative error below (n - 1) u < 4.6e-13 (Higham 2002, section 4.2), whatever order
+#: ``reduceat`` uses.
+_NP_SMALL = 4096
+_MAX_DOUBLE = float(np.finfo(np.float64).max)
+
+
 def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> LayerSummaries:
-    """The NumPy backend: :meth:`schemas.stats.GradientSums.from_layers` and
-    :meth:`schemas.stats.ExponentHistogram.from_layers` over the layers (each layer read in
-    float64 chunks of a reused scratch buffer: several passes, no float64 copy of a large
-    layer), saturated for the wire."""
+    """The NumPy backend, the same statistics as :meth:`schemas.stats.GradientSums.from_layers`
+    in fewer passes: each chunk of ``_NP_CHUNK`` elements is widened and made absolute in
+    one ufunc call into a reused float64 buffer, then read by three reductions (``dot`` for
+    sum g^2, ``add.reduce``, ``maximum.reduce``); runs of small layers share one chunk and
+    are reduced per layer with ``reduceat``. A chunk (or small layer) whose sum of squares
+    is non-finite (a NaN/Inf element, or a float64 square that overflows) is redone with
+    masking. Sums saturate at the largest double; the histogram is
+    :meth:`schemas.stats.ExponentHistogram.from_layers`."""
     names = tuple(gradients)
     flats = [_as_float_array(name, gradients[name]).reshape(-1) for name in names]
-    sums = GradientSums.from_layers(flats).saturate()
-    counts = ExponentHistogram.from_layers(flats) if histogram else None
-    return LayerSummaries.from_statistics(names, sums, counts)
+    count = len(flats)
+    sums = np.zeros((3, count))  # sum |g|, sum g^2, max |g|
+    nonfinite = np.zeros(count, np.int64)
+    buf = np.empty(_NP_CHUNK)
+    squares = np.empty(_NP_CHUNK)
+    with np.errstate(over="ignore", invalid="ignore"):
+        i = 0
+        while i < count:
+            if flats[i].size > _NP_SMALL:
+                _numpy_layer(flats[i], buf, sums, nonfinite, i)
+                i += 1
+                continue
+            j, total = i, 0
+            while j < count and flats[j].size <= _NP_SMALL and total + flats[j].size <= _NP_CHUNK:
+                total += flats[j].size
+                j += 1
+            x = buf[:total]
+            np.concatenate(flats[i:j], out=x, casting="same_kind")
+            np.abs(x, out=x)
+            starts = np.cumsum([0] + [f.size for f in flats[i:j - 1]])
+            q = np.add.reduceat(np.multiply(x, x, out=squares[:total]), starts)
+            sums[0, i:j] = np.add.reduceat(x, starts)
+            sums[1, i:j] = q
+            sums[2, i:j] = np.maximum.reduceat(x, starts)
+            for k in np.flatnonzero(~np.isfinite(q)):
+                sums[:, i + k] = 0.0
+                _numpy_layer(flats[i + k], buf, sums, nonfinite, i + k)
+            i = j
+    np.minimum(sums[:2], _MAX_DOUBLE, out=sums[:2])
+    counts = ExponentHistogram.from_layers(flats).counts if histogram else None
+    return LayerSummaries(names, np.array([f.size for f in flats], np.int64), sums[0],
+                          sums[1], sums[2], nonfinite, counts)
+
+
+def _numpy_layer(
+    flat: np.ndarray, buf: np.ndarray, sums: np.ndarray, nonfinite: np.ndarray, i: int
+) -> None:
+    """Add the statistics of one 1-D layer into ``sums[:, i]`` / ``nonfinite[i]``, chunk
+    by chunk (float64 accumulation; sums not saturated). Call under
+    ``np.errstate(over="ignore", invalid="ignore")``."""
+    sum_abs = sum_sq = max_abs = 0.0
+    bad = 0
+    for lo in range(0, flat.size, _NP_CHUNK):
+        part = flat[lo:lo + _NP_CHUNK]
+        x = buf[:part.size]
+        np.abs(part, out=x)  # widen to float64 and take |g| in one pass
+        q = float(np.dot(x, x))
+        if not math.isfinite(q):  # NaN/Inf element (or an overflowing square): mask
+            x = x[np.isfinite(x)]
+            bad += part.size - x.size
+            if x.size == 0:
+                continue
+            q = float(np.dot(x, x))
+        sum_abs += float(np.add.reduce(x))
+        sum_sq += q
+        max_abs = max(max_abs, float(np.maximum.reduce(x)))
+    sums[0, i] += sum_abs
+    sums[1, i] += sum_sq
+    sums[2, i] = max(sums[2, i], max_abs)
+    nonfinite[i] += bad

@@ -25,7 +25,11 @@ layer_stats
     elements as sparse ``exp_hist_columns`` / ``exp_hist_counts`` (column layout in
     ``schemas.wire``: EXP_HIST_MIN, EXP_HIST_MAX, EXP_HIST_BINS). ``sum_abs``,
     ``max_abs_grad`` and ``mean_abs_grad`` are NULL for a layer some rank sent in norms
-    mode. The weight distribution over the finite weights (schema 1.2; NULL unless every
+    mode. Unique on (run_id, step, layer_index) without an index: the sink writes a
+    frame by deleting the batch's (run_id, step) rows, then appending the new ones, in one
+    transaction (an index would cost more per inserted row than the rest of the insert).
+    Stores created before carry that primary key; it stays and the same writes keep it
+    satisfied. The weight distribution over the finite weights (schema 1.2; NULL unless every
     shard sent it): ``weight_sum`` = sum w, ``weight_sum_cube`` = sum w^3,
     ``weight_sum_quad`` = sum w^4, ``weight_min``, ``weight_max``, ``weight_zeros`` (exact
     zeros), ``weight_nonfinite`` and the exponent histogram of |w|
@@ -110,8 +114,7 @@ SCHEMA_DDL: tuple[str, ...] = (
         update_sum_sq  DOUBLE,
         update_to_weight DOUBLE,
         exp_hist_columns SMALLINT[],
-        exp_hist_counts  BIGINT[],
-        PRIMARY KEY (run_id, step, layer_index)
+        exp_hist_counts  BIGINT[]
     )
     """,
     # Stores created by schema 1.0 gain the richer-statistics columns (NULL when not sent).

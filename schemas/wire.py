@@ -1,7 +1,14 @@
-"""Versioned, columnar pydantic v2 wire models (JSON on the wire).
+"""Versioned, columnar pydantic v2 wire models, as JSON or as typed binary buffers.
 
 A message is one JSON object with a ``type`` discriminator and a ``schema_version``
-``"MAJOR.MINOR"``. Consumers accept every minor version of the major version they know
+``"MAJOR.MINOR"``, or, for StepSummary and MergedFrame, the same fields in the columnar
+binary form (:func:`encode_binary`: the per-layer arrays as little-endian int64 / float64
+buffers in a safetensors container behind a 4-byte prefix ``BINARY_MAGIC`` + layout byte).
+The first byte tells the two apart (JSON never starts with NUL); a binary message of an
+unknown layout is refused with a :class:`WireError` ("unknown wire encoding"). Both are
+validated against the same pydantic models: binary arrays by vectorised NumPy checks of
+each field's element rule and the models' own cross-field validators, never per element in
+Python. Consumers accept every minor version of the major version they know
 (unknown fields are ignored, so a newer minor version still parses) and reject any other
 major version with :class:`WireError`.
 
@@ -18,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -27,6 +33,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -40,7 +47,7 @@ from schemas.stats import EXP_HIST_MAX as EXP_HIST_MAX
 from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 3
+SCHEMA_MINOR = 4
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """1.0: per-layer numel, sum_abs, sum_sq, max_abs, nonfinite. 1.1 adds the optional richer
 statistics (exponent histogram, weight and update norms); 1.0 messages still parse (the new
@@ -53,7 +60,10 @@ norms-mode message does not (1.1 requires ``sum_abs``) and goes to its dead-lett
 piece of each parameter a rank's statistics cover, so that replicas count once), the
 per-rank *local* view (statistics of the rank's own gradient before the reduction) and the
 gradient dtype of each layer in RunStarted. A 1.2 consumer ignores them and would count
-replicas once per rank."""
+replicas once per rank. 1.4 adds the optional ``part_index``/``part_count`` of a
+StepSummary: a summary too large for the cluster's message limit travels as several
+messages, each holding a disjoint range of layers; a 1.3 consumer would take every part
+after the first for a duplicate."""
 
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -207,6 +217,11 @@ class StepSummary(_Wire):
     that the replicas agree. Without a layout every rank's piece is its own
     (``shard_index = rank``, ``shard_count = world_size``: disjoint shards, the 1.2 meaning).
 
+    Parts (schema 1.4, optional, both or neither): a summary too large for one Kafka
+    message is sent as ``part_count`` messages, part ``part_index`` holding a disjoint
+    range of the layers (and the local rows of those layers); the consumer counts the
+    rank as reported once all its parts arrived.
+
     Local view (schema 1.3, optional, all or none): statistics of this rank's *own*
     gradient before the cross-rank reduction (a DDP communication hook, a data-parallel
     rank's local gradient), for ``local_layer_indices`` with the meaning of the main arrays.
@@ -247,6 +262,18 @@ class StepSummary(_Wire):
     local_sum_sq: list[NonNegFloat] | None = None
     local_max_abs: list[NonNegFloat] | None = None
     local_nonfinite: list[NonNegInt] | None = None
+    part_index: NonNegInt | None = None
+    part_count: PosInt | None = None
+
+    _arrays: dict[str, np.ndarray] | None = PrivateAttr(default=None)
+
+    def _np(self, name: str) -> np.ndarray:
+        """Field ``name`` as an int64 / float64 array: the decoded buffer of a binary
+        message, else converted from the list."""
+        if self._arrays is not None and name in self._arrays:
+            return self._arrays[name]
+        kind = _ARRAY_FIELDS[name]
+        return np.asarray(getattr(self, name), np.float64 if kind in _FLOAT_KINDS else np.int64)
 
     @property
     def has_abs(self) -> bool:
@@ -280,10 +307,12 @@ class StepSummary(_Wire):
                 raise ValueError(
                     f"{name} has {got} entries but layer_indices has {n}: arrays must be aligned"
                 )
-        if len(set(self.layer_indices)) != n:
+        if not _unique(self._np("layer_indices")):
             raise ValueError("layer_indices must be unique within one summary")
-        if any(map(operator.gt, self.nonfinite, self.numel)):  # C-level scan, hot path
-            i = next(i for i, x in enumerate(self.nonfinite) if x > self.numel[i])
+        nonfinite, numel = self._np("nonfinite"), self._np("numel")
+        over = np.flatnonzero(nonfinite > numel)
+        if over.size:
+            i = int(over[0])
             raise ValueError(
                 f"nonfinite[{i}]={self.nonfinite[i]} exceeds numel[{i}]={self.numel[i]}"
             )
@@ -298,29 +327,26 @@ class StepSummary(_Wire):
                 "the weight distribution goes together: weight_sum_sq, "
                 + ", ".join(_WEIGHT_DISTRIBUTION) + " and weight_exp_hist_*"
             )
-        if any(given) and any(
-            lo > hi for lo, hi in zip(self.weight_min, self.weight_max, strict=True)  # type: ignore[arg-type]
-        ):
+        if any(given) and np.any(self._np("weight_min") > self._np("weight_max")):
             raise ValueError("weight_min must be <= weight_max for every layer")
-        self._check_histogram(
-            n, "exp_hist", (self.exp_hist_offsets, self.exp_hist_columns, self.exp_hist_counts),
-            self.nonfinite,
-        )
+        self._check_histogram(n, "exp_hist", "nonfinite")
         if self.weight_exp_hist_offsets is not None and self.weight_nonfinite is None:
             raise ValueError("weight_exp_hist_* needs the rest of the weight distribution")
-        self._check_histogram(
-            n, "weight_exp_hist",
-            (self.weight_exp_hist_offsets, self.weight_exp_hist_columns,
-             self.weight_exp_hist_counts),
-            self.weight_nonfinite or [],
-        )
+        self._check_histogram(n, "weight_exp_hist", "weight_nonfinite")
         self._check_layout(n)
         self._check_local()
+        if (self.part_index is None) != (self.part_count is None):
+            raise ValueError("part_index and part_count go together")
+        if self.part_index is not None and self.part_index >= self.part_count:  # type: ignore[operator]
+            raise ValueError(
+                f"part_index {self.part_index} must be < part_count {self.part_count}"
+            )
         return self
 
-    def _local_keys(self) -> list[Any]:
-        """What makes a local row unique: its layer (one rank per StepSummary)."""
-        return list(self.local_layer_indices or ())
+    def _local_unique(self) -> bool:
+        """Whether the local rows are unique by their key: the layer (one rank per
+        StepSummary)."""
+        return _unique(self._np("local_layer_indices"))
 
     def _check_layout(self, n: int) -> None:
         if self.shard_index is None and self.shard_count is None:
@@ -331,8 +357,8 @@ class StepSummary(_Wire):
             raise ValueError(
                 f"shard_index and shard_count must have {n} entries, one per layer_indices"
             )
-        index = np.asarray(self.shard_index, np.int64)
-        count = np.asarray(self.shard_count, np.int64)
+        index = self._np("shard_index")
+        count = self._np("shard_count")
         bad = np.flatnonzero((index >= count) | (count > self.world_size))
         if bad.size:
             i = int(bad[0])
@@ -356,17 +382,16 @@ class StepSummary(_Wire):
                 )
         if m == 0:
             raise ValueError("local_layer_indices must not be empty when given")
-        if len(set(self._local_keys())) != m:
+        if not self._local_unique():
             raise ValueError("local_layer_indices must be unique within one summary (per rank)")
-        if np.any(np.asarray(self.local_nonfinite) > np.asarray(self.local_numel)):
+        if np.any(self._np("local_nonfinite") > self._np("local_numel")):
             raise ValueError("local_nonfinite exceeds local_numel for some layer")
 
-    def _check_histogram(
-        self, n: int, prefix: str, parts: tuple[list[int] | None, ...], nonfinite: list[int],
-    ) -> None:
-        if all(p is None for p in parts):
+    def _check_histogram(self, n: int, prefix: str, nonfinite_field: str) -> None:
+        offsets, columns, counts = (getattr(self, f"{prefix}_{part}")
+                                    for part in ("offsets", "columns", "counts"))
+        if offsets is None and columns is None and counts is None:
             return
-        offsets, columns, counts = parts
         if offsets is None or columns is None or counts is None:
             raise ValueError(
                 f"{prefix}_offsets, {prefix}_columns and {prefix}_counts go together"
@@ -377,17 +402,17 @@ class StepSummary(_Wire):
             )
         if len(counts) != len(columns):
             raise ValueError(f"{prefix}_counts and {prefix}_columns must have equal lengths")
-        off = np.asarray(offsets, dtype=np.int64)
+        off = self._np(f"{prefix}_offsets")
         if np.any(np.diff(off) < 0):
             raise ValueError(f"{prefix}_offsets must be non-decreasing")
-        cols = np.asarray(columns, dtype=np.int64)
+        cols = self._np(f"{prefix}_columns")
         starts = np.zeros(len(cols), dtype=bool)
         starts[off[:-1][off[:-1] < len(cols)]] = True
         if np.any((np.diff(cols) <= 0) & ~starts[1:]):
             raise ValueError(f"{prefix}_columns must be strictly ascending within each layer")
-        cum = np.concatenate(([0], np.cumsum(np.asarray(counts, dtype=np.int64))))
+        cum = np.concatenate(([0], np.cumsum(self._np(f"{prefix}_counts"))))
         per_layer = cum[off[1:]] - cum[off[:-1]]
-        expected = np.asarray(self.numel, np.int64) - np.asarray(nonfinite, np.int64)
+        expected = self._np("numel") - self._np(nonfinite_field)
         bad = np.flatnonzero(per_layer != expected)
         if bad.size:
             i = int(bad[0])
@@ -395,6 +420,16 @@ class StepSummary(_Wire):
                 f"{prefix}_counts of layer {i} sum to {per_layer[i]}, expected "
                 f"numel - nonfinite = {expected[i]}"
             )
+
+
+def _unique(values: np.ndarray) -> bool:
+    """Whether the int64[k] ``values`` are pairwise distinct (O(k) when ascending)."""
+    if values.size < 2:
+        return True
+    step = np.diff(values)
+    if (step > 0).all():
+        return True
+    return bool((np.diff(np.sort(values)) != 0).all())
 
 
 _WEIGHT_DISTRIBUTION = (
@@ -444,8 +479,9 @@ class MergedFrame(StepSummary):
     ranks_seen: list[NonNegInt] = Field(min_length=1)
     local_ranks: list[NonNegInt] | None = None
 
-    def _local_keys(self) -> list[Any]:
-        return list(zip(self.local_ranks or (), self.local_layer_indices or (), strict=False))
+    def _local_unique(self) -> bool:
+        ranks, layers = self._np("local_ranks"), self._np("local_layer_indices")
+        return _unique(ranks * (int(layers.max(initial=0)) + 1) + layers)
 
     def _check_local(self) -> None:
         if (self.local_ranks is None) != (self.local_layer_indices is None):
@@ -484,23 +520,205 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err['msg']}{more}"
 
 
+WireFormat = Literal["json", "binary"]
+"""How a message is encoded: ``"json"`` (UTF-8 JSON object) or ``"binary"`` (columnar,
+see :func:`encode_binary`)."""
+
+BINARY_MAGIC = b"\x00GS"
+"""First three bytes of a binary message. A JSON text never starts with NUL, so the first
+byte tells the encodings apart; the fourth byte names the binary layout."""
+
+BINARY_LAYOUT_SAFETENSORS = b"T"
+"""The one binary layout this build reads and writes: the safetensors container."""
+
+_ST_DTYPES: dict[str, np.dtype[Any]] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+}
+_NONNEG_FLOAT, _FINITE_FLOAT, _NONNEG_INT, _POS_INT, _HIST_COL = range(5)
+_FLOAT_KINDS = (_NONNEG_FLOAT, _FINITE_FLOAT)
+
+_ARRAY_FIELDS: dict[str, int] = {
+    "layer_indices": _NONNEG_INT, "numel": _POS_INT, "sum_abs": _NONNEG_FLOAT,
+    "sum_sq": _NONNEG_FLOAT, "max_abs": _NONNEG_FLOAT, "nonfinite": _NONNEG_INT,
+    "exp_hist_offsets": _NONNEG_INT, "exp_hist_columns": _HIST_COL, "exp_hist_counts": _POS_INT,
+    "weight_sum_sq": _NONNEG_FLOAT, "update_sum_sq": _NONNEG_FLOAT,
+    "weight_sum": _FINITE_FLOAT, "weight_sum_cube": _FINITE_FLOAT,
+    "weight_sum_quad": _NONNEG_FLOAT, "weight_min": _FINITE_FLOAT, "weight_max": _FINITE_FLOAT,
+    "weight_nonfinite": _NONNEG_INT, "weight_exp_hist_offsets": _NONNEG_INT,
+    "weight_exp_hist_columns": _HIST_COL, "weight_exp_hist_counts": _POS_INT,
+    "shard_index": _NONNEG_INT, "shard_count": _POS_INT,
+    "local_layer_indices": _NONNEG_INT, "local_numel": _POS_INT,
+    "local_sum_abs": _NONNEG_FLOAT, "local_sum_sq": _NONNEG_FLOAT,
+    "local_max_abs": _NONNEG_FLOAT, "local_nonfinite": _NONNEG_INT,
+    "ranks_seen": _NONNEG_INT, "local_ranks": _NONNEG_INT,
+}
+"""Every list field of StepSummary / MergedFrame and the element rule its pydantic type
+states (finite and >= 0, finite, int >= 0, int > 0, histogram column in [0, BINS))."""
+
+_NON_EMPTY = frozenset({"layer_indices", "ranks_seen"})
+
+
+def _scalar_model(model: type[_Wire]) -> type[_Wire]:
+    """A pydantic model with ``model``'s non-array fields (same types and constraints)."""
+    from pydantic import create_model
+
+    fields: dict[str, Any] = {
+        name: (info.annotation, info) for name, info in model.model_fields.items()
+        if name not in _ARRAY_FIELDS and name != "schema_version"
+    }
+    return create_model(f"{model.__name__}Scalars", __base__=_Wire, **fields)
+
+
+_BINARY_MODELS: dict[str, tuple[type[StepSummary], type[_Wire], tuple[str, ...]]] = {
+    m.model_fields["type"].default: (
+        m, _scalar_model(m), tuple(
+            name for name, dec in m.__pydantic_decorators__.model_validators.items()
+            if dec.info.mode == "after"
+        ),
+    )
+    for m in (StepSummary, MergedFrame)
+}
+
+
+def _check_elements(name: str, kind: int, values: np.ndarray) -> None:
+    """Vectorised element rule of one decoded array (ValueError names the first bad one)."""
+    if kind in _FLOAT_KINDS:
+        bad = ~np.isfinite(values)
+        if kind == _NONNEG_FLOAT:
+            bad |= values < 0
+        rule = "finite and >= 0" if kind == _NONNEG_FLOAT else "finite"
+    elif kind == _NONNEG_INT:
+        bad, rule = values < 0, ">= 0"
+    elif kind == _POS_INT:
+        bad, rule = values <= 0, "> 0"
+    else:
+        bad, rule = (values < 0) | (values >= EXP_HIST_BINS), f"in [0, {EXP_HIST_BINS})"
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}.{i}: must be {rule}, got {values[i]}")
+
+
+def _binary_parts(raw: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Scalars and arrays of a binary message, unvalidated (ValueError when malformed)."""
+    layout = raw[3:4]
+    if layout != BINARY_LAYOUT_SAFETENSORS:
+        raise WireError(
+            f"unknown wire encoding: binary layout {layout!r} (this build reads JSON and the "
+            f"binary layout {BINARY_LAYOUT_SAFETENSORS!r}, safetensors)"
+        )
+    if len(raw) < 12:
+        raise ValueError("binary message truncated before its header")
+    size = int.from_bytes(raw[4:12], "little")
+    if 12 + size > len(raw):
+        raise ValueError(f"binary header of {size} bytes runs past the message end")
+    header = json.loads(raw[12 : 12 + size])
+    if not isinstance(header, dict):
+        raise ValueError("binary header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    scalars = json.loads(meta.get("gradstream", "null"))
+    if not isinstance(scalars, dict):
+        raise ValueError("binary header has no gradstream metadata object")
+    data = memoryview(raw)[12 + size :]
+    arrays: dict[str, np.ndarray] = {}
+    for name, spec in header.items():
+        dtype = _ST_DTYPES.get(spec.get("dtype")) if isinstance(spec, dict) else None
+        if dtype is None:
+            raise ValueError(f"{name}: unsupported or missing dtype in the binary header")
+        shape = spec.get("shape")
+        begin, end = spec.get("data_offsets", (0, -1))
+        if (not isinstance(shape, list) or len(shape) != 1 or not isinstance(shape[0], int)
+                or not 0 <= begin <= end <= len(data)
+                or end - begin != shape[0] * dtype.itemsize):
+            raise ValueError(f"{name}: shape / data_offsets do not match the buffer")
+        arrays[name] = np.frombuffer(data, dtype, count=shape[0], offset=begin)
+    return scalars, arrays
+
+
+def _decode_binary(raw: bytes, allowed: tuple[str, ...]) -> StepSummary:
+    """Validate a binary message: scalars by pydantic, arrays by NumPy, then the model's
+    own cross-field validators."""
+    try:
+        scalars, arrays = _binary_parts(raw)
+    except WireError:
+        raise
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise WireError(f"undecodable binary message: {exc}") from None
+    kind = scalars.get("type")
+    if kind not in allowed:
+        raise WireError(f"type: binary messages of type {kind!r} are not accepted here "
+                        f"(expected one of {', '.join(allowed)})")
+    model, scalar_model, validators = _BINARY_MODELS[kind]
+    try:
+        head = scalar_model.model_validate(scalars)
+    except ValidationError as exc:
+        raise WireError(_first_error(exc)) from None
+    values: dict[str, Any] = dict(head)
+    try:
+        for name, info in model.model_fields.items():
+            if name not in _ARRAY_FIELDS:
+                continue
+            array = arrays.get(name)
+            if array is None:
+                if info.is_required():
+                    raise ValueError(f"{name}: Field required")
+                values[name] = None
+                continue
+            kind_ = _ARRAY_FIELDS[name]
+            if kind_ not in _FLOAT_KINDS and array.dtype.kind != "i" and array.dtype.kind != "u":
+                raise ValueError(f"{name}: integer array expected, got {array.dtype}")
+            if name in _NON_EMPTY and array.size == 0:
+                raise ValueError(f"{name}: List should have at least 1 item")
+            _check_elements(name, kind_, array)
+            array = array.astype(np.float64 if kind_ in _FLOAT_KINDS else np.int64, copy=False)
+            arrays[name] = array
+            values[name] = array.tolist()
+        message = model.model_construct(**values)
+        message._arrays = arrays  # the validators read the decoded buffers, not the lists
+        try:
+            for validator in validators:
+                getattr(message, validator)()
+        finally:
+            message._arrays = None
+    except ValueError as exc:
+        raise WireError(f"{exc}") from None
+    return message
+
+
+def _check_size(raw: bytes | str | None) -> None:
+    if raw is None:
+        raise WireError("empty message (no value)")
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+
+
+def is_binary(raw: bytes | str | None) -> bool:
+    """True when ``raw`` starts like a binary message (``BINARY_MAGIC``), of any layout."""
+    return isinstance(raw, bytes | bytearray | memoryview) and bytes(raw[:3]) == BINARY_MAGIC
+
+
 def decode_message(raw: bytes | str) -> RunStarted | StepSummary | RunFinished:
-    """Parse and validate one wire message.
+    """Parse and validate one wire message, JSON or binary (:func:`encode_binary`).
+
+    The first byte says which: ``BINARY_MAGIC`` starts a binary message (its fourth byte
+    names the layout), anything else is parsed as JSON.
 
     Args:
-        raw: UTF-8 JSON bytes (or str) of one message, at most ``MAX_MESSAGE_BYTES``.
+        raw: one message, at most ``MAX_MESSAGE_BYTES``: UTF-8 JSON bytes (or str), or
+            binary bytes.
 
     Returns:
         The validated RunStarted, StepSummary or RunFinished.
 
     Raises:
-        WireError: oversized, not JSON, unknown ``type``, unknown major schema version,
-            or any field invalid; ``reason`` names the field.
+        WireError: oversized, not JSON, unknown binary layout ("unknown wire encoding"),
+            unknown ``type``, unknown major schema version, or any field invalid;
+            ``reason`` names the field.
     """
-    if raw is None:
-        raise WireError("empty message (no value)")
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise WireError(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    _check_size(raw)
+    if is_binary(raw):
+        return _decode_binary(bytes(raw), ("step_summary",))
     try:
         return _ADAPTER.validate_json(raw)
     except ValidationError as exc:
@@ -508,33 +726,184 @@ def decode_message(raw: bytes | str) -> RunStarted | StepSummary | RunFinished:
 
 
 def decode_frame_message(raw: bytes | str) -> RunStarted | MergedFrame | RunFinished:
-    """Parse and validate one message of the frames topic (scale-out mode).
+    """Parse and validate one message of the frames topic (scale-out mode), JSON or binary.
 
     Raises:
         WireError: as :func:`decode_message`.
     """
-    if raw is None:
-        raise WireError("empty message (no value)")
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise WireError(f"message of {len(raw)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    _check_size(raw)
+    if is_binary(raw):
+        return _decode_binary(bytes(raw), ("merged_frame",))  # type: ignore[return-value]
     try:
         return _FRAME_ADAPTER.validate_json(raw)
     except ValidationError as exc:
         raise WireError(_first_error(exc)) from None
 
 
-def encode_message(message: RunStarted | StepSummary | RunFinished) -> bytes:
-    """Serialise a wire model to compact UTF-8 JSON bytes.
+def encode_binary(message: StepSummary) -> bytes:
+    """Serialise a StepSummary or MergedFrame to the columnar binary form.
+
+    Layout: ``BINARY_MAGIC`` + ``BINARY_LAYOUT_SAFETENSORS`` (4 bytes), then a safetensors
+    container (the Hugging Face safetensors format): an unsigned 64-bit little-endian
+    header length N, N bytes of UTF-8 JSON header, then the raw buffers. The header maps
+    each array field present to ``{"dtype": "I64" | "F64", "shape": [n], "data_offsets":
+    [begin, end]}`` (byte offsets into the buffer area; integers as little-endian int64,
+    floats as little-endian IEEE-754 float64) and holds the scalar fields (``type``,
+    ``schema_version``, ``run_id``, ``step``, ...) as a JSON object text under
+    ``__metadata__["gradstream"]``. The header is padded with spaces so that the buffers
+    start 8-byte aligned in the message. Absent (None) arrays are left out.
 
     Raises:
         WireError: the encoded message exceeds ``MAX_MESSAGE_BYTES``.
     """
+    scalars: dict[str, Any] = {}
+    header: dict[str, Any] = {}
+    buffers: list[bytes] = []
+    offset = 0
+    for name in type(message).model_fields:
+        value = getattr(message, name)
+        if name not in _ARRAY_FIELDS:
+            if value is not None:
+                scalars[name] = value
+            continue
+        if value is None:
+            continue
+        floats = _ARRAY_FIELDS[name] in _FLOAT_KINDS
+        buf = np.asarray(value, "<f8" if floats else "<i8").tobytes()
+        header[name] = {"dtype": "F64" if floats else "I64", "shape": [len(value)],
+                        "data_offsets": [offset, offset + len(buf)]}
+        buffers.append(buf)
+        offset += len(buf)
+    header["__metadata__"] = {"gradstream": json.dumps(scalars, separators=(",", ":"))}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(12 + len(text)) % 8)
+    data = b"".join([BINARY_MAGIC, BINARY_LAYOUT_SAFETENSORS, len(text).to_bytes(8, "little"),
+                     text, *buffers])
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(
+            f"encoded {message.type} is {len(data)} bytes, over the {MAX_MESSAGE_BYTES}-byte limit"
+        )
+    return data
+
+
+def encode_message(
+    message: RunStarted | StepSummary | RunFinished, wire_format: WireFormat = "json"
+) -> bytes:
+    """Serialise a wire model: compact UTF-8 JSON, or with ``wire_format="binary"`` the
+    columnar binary form (:func:`encode_binary`) for a StepSummary or MergedFrame
+    (RunStarted and RunFinished are always JSON).
+
+    Raises:
+        WireError: the encoded message exceeds ``MAX_MESSAGE_BYTES``.
+    """
+    if wire_format == "binary" and isinstance(message, StepSummary):
+        return encode_binary(message)
     data = message.model_dump_json().encode()
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(
             f"encoded {message.type} is {len(data)} bytes, over the {MAX_MESSAGE_BYTES}-byte limit"
         )
     return data
+
+
+def _json_safe(values: np.ndarray) -> list[Any]:
+    """A list for display: non-finite floats as the strings "NaN" / "Infinity"."""
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
+        return [v if math.isfinite(v) else str(v).replace("inf", "Infinity").replace(
+            "nan", "NaN") for v in values.tolist()]
+    return values.tolist()
+
+
+def to_display(raw: bytes | str | None) -> dict[str, Any] | str | None:
+    """A message for people, without validating it: a binary message as a dict (scalars
+    and arrays as lists; non-finite floats as strings), JSON as the parsed object, other
+    text as the text itself; None when the bytes are neither (the caller shows them
+    base64) or the binary message is malformed."""
+    if raw is None:
+        return None
+    if is_binary(raw):
+        try:
+            scalars, arrays = _binary_parts(bytes(raw))
+        except (ValueError, TypeError, AttributeError):
+            return None
+        return {**scalars, **{k: _json_safe(v) for k, v in arrays.items()}}
+    try:
+        text = raw if isinstance(raw, str) else bytes(raw).decode()
+    except UnicodeDecodeError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+_PER_LAYER = (
+    "layer_indices", "numel", "sum_abs", "sum_sq", "max_abs", "nonfinite", "weight_sum_sq",
+    "update_sum_sq", *_WEIGHT_DISTRIBUTION, "shard_index", "shard_count",
+)
+
+
+def split_step_summary(
+    message: StepSummary, bounds: list[tuple[int, int]]
+) -> list[StepSummary]:
+    """Cut a StepSummary into parts (schema 1.4) holding disjoint layer ranges.
+
+    Part i holds the entries ``bounds[i][0]:bounds[i][1]`` of every per-layer array (the
+    exponent histograms' CSR rows with them, offsets rebased to 0) and the local-view rows
+    of those layers; local rows of layers in no range go with the first part. Every part
+    carries ``part_index = i`` and ``part_count = len(bounds)``. The parts are built from an
+    already validated message and are not validated again.
+
+    Args:
+        message: a validated StepSummary without parts.
+        bounds: non-empty, disjoint ``(start, stop)`` ranges of positions in
+            ``message.layer_indices`` (start < stop).
+
+    Returns:
+        ``len(bounds)`` StepSummary messages.
+
+    Raises:
+        ValueError: ``bounds`` is empty, or ``message`` is already a part.
+    """
+    if not bounds:
+        raise ValueError("split_step_summary needs at least one layer range")
+    if message.part_count is not None:
+        raise ValueError("cannot split a StepSummary that is already a part")
+    layers = np.asarray(message.layer_indices, np.int64)
+    owner = None
+    if message.local_layer_indices is not None:
+        part_of = np.full(len(layers), -1, np.int64)
+        for i, (a, b) in enumerate(bounds):
+            part_of[a:b] = i
+        order = np.argsort(layers)
+        local = np.asarray(message.local_layer_indices, np.int64)
+        at = np.minimum(np.searchsorted(layers[order], local), len(layers) - 1)
+        found = layers[order][at] == local
+        position = np.where(found, order[at], -1)
+        owner = np.where(position >= 0, part_of[np.maximum(position, 0)], -1)
+        owner[owner < 0] = 0
+    parts = []
+    for i, (a, b) in enumerate(bounds):
+        update: dict[str, Any] = {"part_index": i, "part_count": len(bounds)}
+        for name in _PER_LAYER:
+            values = getattr(message, name)
+            if values is not None:
+                update[name] = values[a:b]
+        for prefix in ("exp_hist", "weight_exp_hist"):
+            offsets = getattr(message, f"{prefix}_offsets")
+            if offsets is None:
+                continue
+            lo, hi = offsets[a], offsets[b]
+            update[f"{prefix}_offsets"] = [o - lo for o in offsets[a : b + 1]]
+            update[f"{prefix}_columns"] = getattr(message, f"{prefix}_columns")[lo:hi]
+            update[f"{prefix}_counts"] = getattr(message, f"{prefix}_counts")[lo:hi]
+        if owner is not None:
+            rows = np.flatnonzero(owner == i)
+            for name in _LOCAL_VIEW:
+                values = getattr(message, name)
+                update[name] = np.asarray(values)[rows].tolist() if rows.size else None
+        parts.append(message.model_copy(update=update))
+    return parts
 
 
 def is_finite_number(value: object) -> bool:

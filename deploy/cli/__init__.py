@@ -37,7 +37,7 @@ __all__ = ["app", "build_app", "main"]
 
 def build_app() -> typer.Typer:
     """A new root ``gradstream`` application with every subcommand registered."""
-    from deploy.cli import alerts, analyze, broker, consume, demo, dlq, reports, serve
+    from deploy.cli import alerts, analyze, broker, consume, demo, dlq, inspect, reports, serve
 
     root = typer.Typer(
         name="gradstream",
@@ -55,6 +55,7 @@ def build_app() -> typer.Typer:
     consume.register(root)
     alerts.register(root)
     dlq.register(root)
+    inspect.register(root)
     reports.register(root)
     serve.register(root)
     analyze.register(root)

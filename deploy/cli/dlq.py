@@ -50,7 +50,7 @@ def dlq(
         "until Ctrl-C.")] = False,
     fmt: Annotated[str, typer.Option(
         "--format", help="'table', or 'json' (one object per line with the headers and the "
-        "original value).")] = "table",
+        "original value; a binary gradstream message decoded to JSON).")] = "table",
     bootstrap_servers: BootstrapServersOption = None,
     duration: DurationOption = None,
 ) -> None:

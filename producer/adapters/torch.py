@@ -40,9 +40,13 @@ function here is called.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 import math
+import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -209,36 +213,211 @@ def _values(grad: torch.Tensor, torch: Any) -> torch.Tensor:
     return grad
 
 
-def _norms(tensors: Sequence[torch.Tensor], ord_: float, torch: Any) -> list[torch.Tensor]:
-    """Float64 vector norms of each tensor (batched with ``_foreach_norm`` when available)."""
+#: Accumulation dtype of the torch reductions: "auto" is float64 on the CPU and float32
+#: on an accelerator (see :func:`summarize_tensors` for the error bound).
+Accumulate = str
+
+#: Below this many elements in all, the CPU summary runs on one thread (a hand-off to a
+#: worker thread costs tens of microseconds).
+_PARALLEL_MIN_ELEMENTS = 1 << 20
+#: Every this many calls with the same layer sizes, the CPU summary re-times the mode
+#: (threads or one thread) it is not using (see :func:`_summarize_host`).
+_RETIME_EVERY = 256
+_host_pool: Any = None
+_host_timing: dict[tuple[int, ...], list[float]] = {}
+_host_pool_size = 0
+_keys: list[str] = []
+
+
+def _key_names(count: int) -> list[str]:
+    """``["0", "1", ...]`` of at least ``count`` names, built once (mapping keys for
+    ``summarize`` on chunks)."""
+    if len(_keys) < count:
+        _keys.extend(str(i) for i in range(len(_keys), count))
+    return _keys
+
+
+def _host_threads(torch: Any) -> int:
+    """Threads for the CPU summary: torch's intra-op thread count, at most the CPU count."""
+    return max(1, min(int(torch.get_num_threads()), os.cpu_count() or 1))
+
+
+def _pool(workers: int) -> Any:
+    """A process-wide thread pool of ``workers`` threads (rebuilt when the count changes)."""
+    global _host_pool, _host_pool_size
+    if _host_pool is None or _host_pool_size != workers:
+        if _host_pool is not None:
+            _host_pool.shutdown(wait=False)
+        _host_pool = ThreadPoolExecutor(workers, thread_name_prefix="gradstream-tap")
+        _host_pool_size = workers
+    return _host_pool
+
+
+@functools.lru_cache(maxsize=32)
+def _chunk_plan(
+    sizes: tuple[int, ...], threads: int
+) -> tuple[tuple[tuple[tuple[int, int, int], ...], ...], np.ndarray]:
+    """Cut layers of ``sizes`` elements into ``threads`` groups of contiguous chunks with
+    (nearly) equal element counts, in layer order.
+
+    Returns:
+        ``(groups, starts)``: ``groups[t]`` is a tuple of ``(layer, lo, hi)`` chunks (element
+        ranges of the flattened layer); concatenated in group order the chunks are sorted by
+        layer, and ``starts`` (int64[L]) is the index of each layer's first chunk in that
+        sequence (the ``reduceat`` offsets that merge chunks back into layers).
+    """
+    target = -(-sum(sizes) // threads)
+    groups: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]
+    starts = np.empty(len(sizes), dtype=np.int64)
+    group, fill, chunk = 0, 0, 0
+    for layer, size in enumerate(sizes):
+        starts[layer] = chunk
+        lo = 0
+        while lo < size:
+            last = group == threads - 1
+            take = size - lo if last else min(size - lo, target - fill)
+            groups[group].append((layer, lo, lo + take))
+            chunk += 1
+            lo += take
+            fill += take
+            if not last and fill >= target:
+                group, fill = group + 1, 0
+    return tuple(tuple(g) for g in groups), starts
+
+
+def _summarize_host(
+    arrays: Sequence[np.ndarray], torch: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(sum_abs, sum_sq, max_abs, nonfinite)`` of dense CPU NumPy arrays, one read pass.
+
+    Runs :func:`producer.summary.summarize` (one fused, GIL-free pass per array, float64
+    accumulation) on ``threads`` threads at once (torch's intra-op thread count): the
+    elements are cut into equal contiguous chunks (:func:`_chunk_plan`, cached per layer
+    sizes), each thread summarises its chunks, and the chunk results are merged per layer
+    (sums add, maxima take the max, counts add: exact for max and counts, one more float64
+    addition per chunk for the sums). The training thread runs one group itself.
+
+    Threads help only when they get a core: on an oversubscribed machine each GIL hand-off
+    between the threads (one per chunk) can wait for a scheduler slice. So the call times
+    itself: for each set of layer sizes the first two calls use the threads, the next two
+    one thread, then whichever mode has the lower moving-average time, re-timing the other
+    every ``_RETIME_EVERY`` calls. Both modes give the same statistics up to the float64
+    rounding of the chunk merge (relative ~1e-16).
+
+    Args:
+        arrays: float16/32/64 arrays of any shape, each with at least one element.
+
+    Returns:
+        float64[L], float64[L], float64[L], int64[L], aligned with ``arrays``.
+    """
+    flat = [a.reshape(-1) for a in arrays]
+    sizes = tuple(a.size for a in flat)
+    threads = _host_threads(torch)
+    keys = _key_names(len(flat) + threads)
+    if threads == 1 or sum(sizes) < _PARALLEL_MIN_ELEMENTS:
+        one = summarize(dict(zip(keys, flat, strict=False)))
+        return one.sum_abs, one.sum_sq, one.max_abs, one.nonfinite  # type: ignore[return-value]
+    # timing: [calls, moving-average seconds with threads, with one thread]
+    timing = _host_timing.setdefault(sizes, [0.0, math.inf, math.inf])
+    calls = int(timing[0])
+    timing[0] += 1
+    if calls < 4:
+        parallel = calls < 2
+    else:
+        parallel = timing[1] <= timing[2]
+        if calls % _RETIME_EVERY == 0:
+            parallel = not parallel
+    t0 = time.perf_counter()
+    if parallel:
+        stats = _summarize_threads(flat, sizes, threads, keys)
+    else:
+        one = summarize(dict(zip(keys, flat, strict=False)))
+        stats = one.sum_abs, one.sum_sq, one.max_abs, one.nonfinite  # type: ignore[assignment]
+    spent = time.perf_counter() - t0
+    slot = 1 if parallel else 2
+    timing[slot] = spent if math.isinf(timing[slot]) else 0.7 * timing[slot] + 0.3 * spent
+    return stats  # type: ignore[return-value]
+
+
+def _summarize_threads(
+    flat: list[np.ndarray], sizes: tuple[int, ...], threads: int, keys: list[str]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The threaded branch of :func:`_summarize_host` (chunks of ``_chunk_plan``)."""
+    groups, starts = _chunk_plan(sizes, threads)
+    jobs = [
+        {keys[k]: flat[layer][lo:hi] for k, (layer, lo, hi) in enumerate(group)}
+        for group in groups
+        if group
+    ]
+    futures = [_pool(threads - 1).submit(summarize, job) for job in jobs[1:]]
+    parts = [summarize(jobs[0])] + [f.result() for f in futures]
+    sum_abs = np.add.reduceat(np.concatenate([q.sum_abs for q in parts]), starts)  # type: ignore[misc]
+    sum_sq = np.add.reduceat(np.concatenate([q.sum_sq for q in parts]), starts)
+    max_abs = np.maximum.reduceat(np.concatenate([q.max_abs for q in parts]), starts)  # type: ignore[misc]
+    nonfinite = np.add.reduceat(np.concatenate([q.nonfinite for q in parts]), starts)
+    return (np.minimum(sum_abs, _MAX_DOUBLE), np.minimum(sum_sq, _MAX_DOUBLE), max_abs,
+            nonfinite)
+
+
+def _accumulation_dtype(accumulate: Accumulate, device: Any, dtype: Any, torch: Any) -> Any:
+    """The ``dtype=`` of the norm reductions for tensors of ``dtype`` on ``device``."""
+    if accumulate not in ("auto", "float32", "float64"):
+        raise ValueError(f"accumulate must be 'auto', 'float32' or 'float64', got {accumulate!r}")
+    if dtype == torch.float64:
+        return torch.float64
+    wide = accumulate == "float64" or (accumulate == "auto" and device.type == "cpu")
+    return torch.float64 if wide else torch.float32
+
+
+def _norms(
+    tensors: Sequence[torch.Tensor], ord_: float, dtype: Any, torch: Any
+) -> list[torch.Tensor]:
+    """Vector norms of each tensor as 0-d tensors of ``dtype``: one ``torch._foreach_norm``
+    call (a single multi-tensor kernel on CUDA for same-dtype dense tensors), else one
+    ``linalg.vector_norm`` per tensor."""
     foreach = getattr(torch, "_foreach_norm", None)
-    if foreach is not None and len(tensors) > 1:
+    if foreach is not None:
         try:
-            return list(foreach(list(tensors), ord_, dtype=torch.float64))
+            return list(foreach(list(tensors), ord_, dtype=dtype))
         except (RuntimeError, TypeError, NotImplementedError):
             pass
-    return [torch.linalg.vector_norm(t, ord_, dtype=torch.float64) for t in tensors]
+    return [torch.linalg.vector_norm(t, ord_, dtype=dtype) for t in tensors]
 
 
 def _stats_on_device(
-    tensors: Sequence[torch.Tensor], torch: Any, norms_only: bool = False
-) -> np.ndarray:
-    """float64[k, 3] host array of (sum |g|, sqrt(sum g^2), max |g|) for k same-device
-    tensors; with ``norms_only`` only the L2 norm is computed (one batched norm kernel
-    instead of three) and columns 0 and 2 are NaN."""
-    l2 = torch.stack(_norms(tensors, 2.0, torch))
-    if norms_only:
-        nan = torch.full_like(l2, math.nan)
-        return torch.stack([nan, l2, nan], dim=1).cpu().numpy()
-    l1 = _norms(tensors, 1.0, torch)
-    linf = _norms(tensors, math.inf, torch)
-    stacked = torch.stack([torch.stack(l1), l2, torch.stack(linf)], dim=1)
-    return stacked.cpu().numpy()
+    tensors: Sequence[torch.Tensor], torch: Any, norms_only: bool = False,
+    accumulate: Accumulate = "auto",
+) -> torch.Tensor:
+    """float64[k, 3] tensor, on the tensors' (common) device, of (sum |g|, sqrt(sum g^2),
+    max |g|) for k same-device tensors: per dtype, one batched norm reduction per
+    statistic (``ord`` 1, 2 and inf), stacked into one tensor so that a single small copy
+    brings all of them to the host. With ``norms_only`` only the L2 norm is computed and
+    columns 0 and 2 are NaN. Nothing here waits for the device."""
+    device = tensors[0].device
+    by_dtype: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    ords = (2.0,) if norms_only else (1.0, 2.0, math.inf)
+    blocks = []
+    for dtype, idx in by_dtype.items():
+        group = [tensors[i] for i in idx] if len(by_dtype) > 1 else list(tensors)
+        acc = _accumulation_dtype(accumulate, device, dtype, torch)
+        cols = [torch.stack(_norms(group, o, acc, torch)).to(torch.float64) for o in ords]
+        if norms_only:
+            nan = torch.full_like(cols[0], math.nan)
+            cols = [nan, cols[0], nan]
+        blocks.append(torch.stack(cols, dim=1))
+    if len(blocks) == 1:
+        return blocks[0]
+    order = np.concatenate([np.asarray(idx) for idx in by_dtype.values()])
+    inverse = torch.as_tensor(np.argsort(order), device=device)
+    return torch.cat(blocks).index_select(0, inverse)
 
 
 def _finite_stats_on_device(tensors: Sequence[torch.Tensor], torch: Any) -> np.ndarray:
     """float64[k, 4] host array of (sum |g|, sqrt(sum g^2), max |g|, nonfinite) over the
-    finite elements of each of k same-device tensors (the slow path, for NaN/Inf)."""
+    finite elements of each of k same-device tensors, accumulated in float64 (the slow
+    path, run only for tensors whose fast statistics came out NaN/Inf or overflowed)."""
     rows = []
     for t in tensors:
         finite = torch.isfinite(t)
@@ -257,55 +436,133 @@ def _finite_stats_on_device(tensors: Sequence[torch.Tensor], torch: Any) -> np.n
     return torch.stack(rows).cpu().numpy()
 
 
-def summarize_tensors(
-    gradients: Mapping[str, torch.Tensor], *, host_numpy: bool = True, norms_only: bool = False,
-) -> LayerSummaries:
-    """Summarise torch gradients where they live; the torch twin of ``summarize``.
+def _to_host(stats: torch.Tensor, torch: Any) -> tuple[torch.Tensor, Any]:
+    """Start the one device->host copy of a small statistics tensor.
 
-    Per tensor: ``numel`` (all elements; the dense size for a sparse COO gradient);
-    over the finite elements ``sum_abs`` = sum |g| and ``sum_sq`` = sum g^2 (both
-    saturating at the largest finite double instead of overflowing) and ``max_abs`` =
-    max |g| (0.0 when none); ``nonfinite`` = number of NaN/+-Inf elements. Accumulation is
-    in float64 whatever the tensor dtype (float16, bfloat16, float32, float64).
-
-    Tensors on an accelerator (and, with ``host_numpy=False``, every tensor) are reduced
-    with torch ops on their device; all their statistics are stacked and copied to the
-    host at once (one small transfer per device; a second one only when some tensor holds
-    NaN/Inf or its float64 sum overflows). Dense float16/32/64 CPU tensors are by default
-    summarised by :func:`producer.summary.summarize` on a zero-copy NumPy view, which is
-    several times faster on a CPU than torch's three float64 norm passes.
-
-    Args:
-        gradients: name -> floating-point tensor of any shape with at least one element,
-            in the order the summaries should have. Plain tensors only: turn DTensors
-            into their local part first (:func:`gradient_piece`).
-        host_numpy: summarise dense CPU tensors with NumPy (default True); False uses
-            the torch reductions for CPU tensors too.
-        norms_only: the producer's norms mode: only ``sum_sq`` and ``nonfinite`` (one norm
-            kernel per device batch instead of three); ``sum_abs``/``max_abs`` are None.
+    On CUDA: a ``non_blocking`` copy into page-locked (pinned) host memory and a CUDA event
+    recorded after it on the current stream; the host does not wait here (read the buffer
+    after ``event.synchronize()``). Elsewhere: ``stats.cpu()`` (no copy for a CPU tensor)
+    and no event.
 
     Returns:
-        LayerSummaries aligned with the mapping's order (int64 ``numel``/``nonfinite``,
-        float64 ``sum_abs``/``sum_sq``/``max_abs``).
+        ``(host tensor, event or None)``.
+    """
+    if stats.device.type != "cuda":
+        return stats.cpu(), None
+    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+    host.copy_(stats, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+class PendingSummaries:
+    """Statistics of one set of gradients whose device part may still be in flight.
+
+    Built by :func:`launch_summaries`; :meth:`result` waits for the copies (if any) and
+    returns the :class:`~producer.summary.LayerSummaries`. Holding one does not keep the
+    gradients alive unless it was launched with ``keep_gradients=True``.
+
+    Attributes:
+        names: the layer names, in the order of the summaries.
+        inexact: after :meth:`result`, the number of layers whose fast statistics were
+            non-finite but could not be recounted (launched without ``keep_gradients``):
+            they are reported with ``nonfinite = numel`` and zero sums (see
+            :func:`launch_summaries`).
+    """
+
+    def __init__(
+        self, names: tuple[str, ...], numel: np.ndarray, norms_only: bool,
+        host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        batches: list[tuple[np.ndarray, torch.Tensor, Any, list[torch.Tensor] | None]],
+    ) -> None:
+        self.names = names
+        self._numel = numel
+        self._norms_only = norms_only
+        self._host = host
+        self._batches = batches
+        self._result: LayerSummaries | None = None
+        self.inexact = 0
+
+    def ready(self) -> bool:
+        """True when every device->host copy has completed (never waits)."""
+        return all(event is None or event.query() for _, _, event, _ in self._batches)
+
+    def result(self) -> LayerSummaries:
+        """Wait for the copies (``event.synchronize()``, a no-op once complete), recount
+        the layers whose statistics came out non-finite, and return the summaries (the
+        same object on later calls)."""
+        if self._result is not None:
+            return self._result
+        torch = _import_torch()
+        sum_abs, sum_sq, max_abs, nonfinite = self._host
+        for sel, host, event, values in self._batches:
+            if event is not None:
+                event.synchronize()
+            stats = host.numpy()
+            bad = ~np.isfinite(stats[:, 1] if self._norms_only else stats)
+            bad = bad.reshape(len(sel), -1).any(axis=1)
+            if bad.any():
+                stats = stats.copy()
+                redo = np.flatnonzero(bad)
+                if values is not None:
+                    with torch.no_grad():
+                        again = _finite_stats_on_device([values[j] for j in redo], torch)
+                    stats[redo] = again[:, :3]
+                    nonfinite[sel[redo]] = again[:, 3].astype(np.int64)
+                else:
+                    stats[redo] = 0.0
+                    nonfinite[sel[redo]] = self._numel[sel[redo]]
+                    self.inexact += len(redo)
+            sum_abs[sel] = np.minimum(stats[:, 0], _MAX_DOUBLE)
+            with np.errstate(over="ignore"):
+                sum_sq[sel] = np.minimum(stats[:, 1] * stats[:, 1], _MAX_DOUBLE)
+            max_abs[sel] = stats[:, 2]
+        self._batches = []
+        result = LayerSummaries(self.names, self._numel, sum_abs, sum_sq, max_abs, nonfinite)
+        self._result = result.norms_only() if self._norms_only else result
+        return self._result
+
+
+def launch_summaries(
+    gradients: Mapping[str, torch.Tensor], *, host_numpy: bool = True,
+    norms_only: bool = False, accumulate: Accumulate = "auto", keep_gradients: bool = True,
+) -> PendingSummaries:
+    """Start :func:`summarize_tensors` without waiting for the device.
+
+    Same statistics, arguments and errors as :func:`summarize_tensors`; CPU tensors on the
+    NumPy path are summarised at once, device tensors get their batched reductions and one
+    asynchronous copy per device queued (:func:`_to_host`), and
+    :meth:`PendingSummaries.result` finishes.
+
+    Args:
+        keep_gradients: keep references to the device tensors until ``result()`` so that
+            a layer whose fast statistics are NaN/Inf (or overflow in float32) is recounted
+            exactly over its finite elements. False frees them at once (for a result read
+            at the next step, when the gradients are gone): such a layer is then reported
+            with ``nonfinite = numel`` and sums 0 (an upper bound on the count; the sums over
+            the finite elements are unknown), counted in ``PendingSummaries.inexact``.
 
     Raises:
-        ValueError: the mapping is empty, or a tensor has no elements (names it).
-        TypeError: a value is not a torch tensor, is a DTensor, or is not of a
-            floating-point dtype (names it).
+        ValueError / TypeError: as :func:`summarize_tensors`; ValueError also for an
+            unknown ``accumulate``.
     """
     torch = _import_torch()
     if not gradients:
         raise ValueError("no gradients to summarise (empty mapping)")
+    if accumulate not in ("auto", "float32", "float64"):
+        raise ValueError(f"accumulate must be 'auto', 'float32' or 'float64', got {accumulate!r}")
     numpy_dtypes = (torch.float16, torch.float32, torch.float64)
+    strided = torch.strided
     names = tuple(gradients)
     count = len(names)
     numel = np.empty(count, dtype=np.int64)
     values: list[Any] = []
     on_host: list[int] = []
     by_device: dict[Any, list[int]] = {}
-    for i, name in enumerate(names):
-        grad = gradients[name]
-        if not isinstance(grad, torch.Tensor):
+    tensor_type = torch.Tensor
+    for i, (name, grad) in enumerate(gradients.items()):
+        if not isinstance(grad, tensor_type):
             raise TypeError(f"gradient {name!r} is a {type(grad).__name__}, not a torch.Tensor")
         if hasattr(grad, "placements") and hasattr(grad, "to_local"):
             raise TypeError(
@@ -315,15 +572,16 @@ def summarize_tensors(
             raise TypeError(
                 f"gradient {name!r} has dtype {grad.dtype}; expected a floating-point dtype"
             )
-        if grad.numel() == 0:
+        n = grad.numel()
+        if n == 0:
             raise ValueError(f"gradient {name!r} is empty (0 elements)")
-        numel[i] = grad.numel()
-        vals = _values(grad.detach(), torch)
+        numel[i] = n
+        vals = grad.detach() if grad.layout == strided else _values(grad.detach(), torch)
         values.append(vals)
         if (
             host_numpy
             and vals.device.type == "cpu"
-            and vals.layout == torch.strided
+            and vals.layout == strided
             and vals.dtype in numpy_dtypes
             and vals.numel() > 0
         ):
@@ -336,30 +594,82 @@ def summarize_tensors(
     max_abs = np.zeros(count, dtype=np.float64)
     nonfinite = np.zeros(count, dtype=np.int64)
     if on_host:
-        host = summarize({names[i]: values[i].numpy() for i in on_host})
         sel = np.asarray(on_host, dtype=np.int64)
-        sum_abs[sel], sum_sq[sel], max_abs[sel] = host.sum_abs, host.sum_sq, host.max_abs
-        nonfinite[sel] = host.nonfinite
+        stats = _summarize_host([values[i].numpy() for i in on_host], torch)
+        sum_abs[sel], sum_sq[sel], max_abs[sel], nonfinite[sel] = stats
+    batches = []
     with torch.no_grad():
         for idx in by_device.values():
             nonempty = [i for i in idx if values[i].numel() > 0]
             if not nonempty:
                 continue
-            stats = _stats_on_device([values[i] for i in nonempty], torch, norms_only)
-            bad = ~np.isfinite(stats[:, 1] if norms_only else stats).reshape(len(nonempty), -1)
-            bad = bad.any(axis=1)
-            if bad.any():
-                redo = np.flatnonzero(bad)
-                again = _finite_stats_on_device([values[nonempty[j]] for j in redo], torch)
-                stats[redo] = again[:, :3]
-                nonfinite[np.asarray(nonempty)[redo]] = again[:, 3].astype(np.int64)
-            sel = np.asarray(nonempty, dtype=np.int64)
-            sum_abs[sel] = np.minimum(stats[:, 0], _MAX_DOUBLE)
-            with np.errstate(over="ignore"):
-                sum_sq[sel] = np.minimum(stats[:, 1] * stats[:, 1], _MAX_DOUBLE)
-            max_abs[sel] = stats[:, 2]
-    result = LayerSummaries(names, numel, sum_abs, sum_sq, max_abs, nonfinite)
-    return result.norms_only() if norms_only else result
+            tensors = [values[i] for i in nonempty]
+            host, event = _to_host(_stats_on_device(tensors, torch, norms_only, accumulate), torch)
+            batches.append((np.asarray(nonempty, dtype=np.int64), host, event,
+                            tensors if keep_gradients else None))
+    return PendingSummaries(names, numel, norms_only, (sum_abs, sum_sq, max_abs, nonfinite),
+                            batches)
+
+
+def summarize_tensors(
+    gradients: Mapping[str, torch.Tensor], *, host_numpy: bool = True, norms_only: bool = False,
+    accumulate: Accumulate = "auto",
+) -> LayerSummaries:
+    """Summarise torch gradients where they live; the torch twin of ``summarize``.
+
+    Per tensor: ``numel`` (all elements; the dense size for a sparse COO gradient);
+    over the finite elements ``sum_abs`` = sum |g| and ``sum_sq`` = sum g^2 (both
+    saturating at the largest finite double instead of overflowing) and ``max_abs`` =
+    max |g| (exact; 0.0 when none); ``nonfinite`` = number of NaN/+-Inf elements.
+
+    CPU (default): dense float16/32/64 tensors are summarised by
+    :func:`producer.summary.summarize` on zero-copy NumPy views, one fused float64 pass
+    per element, split over torch's intra-op threads (:func:`_summarize_host`).
+
+    Devices (accelerators, and every tensor with ``host_numpy=False``): per device and
+    dtype one batched ``torch._foreach_norm`` per statistic (ord 1, 2 and inf; ord 2 only
+    in norms mode), the results stacked into one float64[k, 3] tensor and copied to the
+    host at once (one small transfer per device; a second one only when some tensor holds
+    NaN/Inf or a sum overflows, for an exact float64 recount of those tensors over their
+    finite elements). The norms accumulate in ``accumulate``:
+
+    - ``"float64"``: relative error of ``sum_abs``/``sum_sq`` ~1e-15 (the CPU default).
+    - ``"float32"`` (the accelerator default under ``"auto"``; float64 arithmetic is 32-64x
+      slower than float32 on most non-datacenter GPUs): every term is non-negative, so
+      whatever the summation order the relative error of a float32 sum of n terms is at
+      most gamma_h = h*u / (1 - h*u), u = 2^-24, where h <= n - 1 is the height of the
+      summation tree (recursive summation: h = n - 1; pairwise/blocked reductions: h ~
+      the serial run per thread plus log2 of the tree) [Higham, Accuracy and Stability of
+      Numerical Algorithms, 2nd ed., section 4.2]. Rounding |g|, g^2 and the norm to
+      float32 adds at most 3u to ``sum_sq`` and u to ``sum_abs``: a bound of (h + 3)u,
+      e.g. <= 6e-8 * n for any order. ``max_abs`` stays exact (float16/bfloat16 ->
+      float32 is exact). Float64 tensors always accumulate in float64.
+    - ``"auto"``: float64 on the CPU, float32 elsewhere.
+
+    Args:
+        gradients: name -> floating-point tensor of any shape with at least one element,
+            in the order the summaries should have. Plain tensors only: turn DTensors
+            into their local part first (:func:`gradient_piece`).
+        host_numpy: summarise dense CPU tensors with NumPy (default True); False uses
+            the torch reductions for CPU tensors too.
+        norms_only: the producer's norms mode: only ``sum_sq`` and ``nonfinite`` (one norm
+            kernel per device batch instead of three); ``sum_abs``/``max_abs`` are None.
+        accumulate: ``"auto"``, ``"float32"`` or ``"float64"`` (see above).
+
+    Returns:
+        LayerSummaries aligned with the mapping's order (int64 ``numel``/``nonfinite``,
+        float64 ``sum_abs``/``sum_sq``/``max_abs``).
+
+    Raises:
+        ValueError: the mapping is empty, or a tensor has no elements (names it); an
+            unknown ``accumulate``.
+        TypeError: a value is not a torch tensor, is a DTensor, or is not of a
+            floating-point dtype (names it).
+    """
+    return launch_summaries(
+        gradients, host_numpy=host_numpy, norms_only=norms_only, accumulate=accumulate,
+        keep_gradients=True,
+    ).result()
 
 
 class GradientTap:
@@ -405,6 +715,23 @@ class GradientTap:
             :func:`~producer.adapters.naming.normalize_name`).
         host_numpy: summarise CPU gradients with NumPy (see :func:`summarize_tensors`);
             False uses torch reductions for them too.
+        accumulate: accumulation dtype of the torch reductions, ``"auto"`` (float64 on the
+            CPU, float32 on accelerators), ``"float32"`` or ``"float64"``; error bound in
+            :func:`summarize_tensors`.
+        defer: read a step's statistics at the next summarised step (or :meth:`flush`)
+            instead of waiting for the device: the training thread then never waits for
+            the GPU; the one small copy per step is ``non_blocking`` into pinned memory with
+            a CUDA event. The gradients are not kept, so a layer whose fast statistics are
+            NaN/Inf is reported with ``nonfinite = numel`` and zero sums (counted in
+            :attr:`inexact_layers`) and the tap switches to synchronous reads for the rest
+            of the run (exact counts from then on). Off by default (exact counts at every
+            step); opt in where the wait for the device shows in the step time. Call
+            :meth:`flush` (the framework callbacks do) before ``finish_run``.
+
+    Training-thread time: everything :meth:`step` does (collecting the gradients,
+    reductions, copies, ``record_summaries``) is counted in the producer's
+    ``stats().training_thread_s`` when the producer has ``add_training_time`` (a
+    ``GradientProducer`` does).
 
     Raises:
         TypeError: ``model`` has no ``named_parameters``; a pattern is not a ``str``.
@@ -420,6 +747,8 @@ class GradientTap:
         steps_recorded: summaries handed to the producer.
         steps_without_gradients: summarised steps where no watched parameter had a
             gradient (nothing is sent for them).
+        inexact_layers: (layer, step) pairs reported without an exact non-finite count
+            (deferred mode only, see ``defer``).
         every_n_steps: the effective sampling period (see the argument).
         next_step: the step number :meth:`step` uses when called without one.
     """
@@ -434,8 +763,14 @@ class GradientTap:
         exclude: str | Iterable[str] | None = None,
         name_fn: Callable[[str], str] = normalize_name,
         host_numpy: bool = True,
+        accumulate: Accumulate = "auto",
+        defer: bool = False,
     ) -> None:
         _import_torch()
+        if accumulate not in ("auto", "float32", "float64"):
+            raise ValueError(
+                f"accumulate must be 'auto', 'float32' or 'float64', got {accumulate!r}"
+            )
         if not hasattr(model, "named_parameters"):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         own_n = 1 if every_n_steps is None else every_n_steps
@@ -470,6 +805,22 @@ class GradientTap:
         self._handles: list[Any] = []
         self._name_of = {id(param): name for name, param in self._params}
         self._local_rows: dict[str, tuple[int, float, float, float, int]] = {}
+        self.accumulate = accumulate
+        self._inside = 0.0
+        self.defer = defer
+        self.inexact_layers = 0
+        self._pending: tuple[int, PendingSummaries, np.ndarray, np.ndarray,
+                             LayerSummaries | None] | None = None
+        # The hot path: plain (non-DTensor) parameters, all with a gradient, need no
+        # per-parameter work beyond reading .grad (layout arrays built once).
+        self._tensors = [param for _, param in self._params]
+        self._names = tuple(name for name, _ in self._params)
+        self._plain = not any(
+            hasattr(param, "placements") and hasattr(param, "to_local")
+            for param in self._tensors
+        )
+        self._whole_index = np.zeros(len(self._params), dtype=np.int64)
+        self._whole_count = np.ones(len(self._params), dtype=np.int64)
 
     @property
     def layer_names(self) -> list[str]:
@@ -646,10 +997,65 @@ class GradientTap:
         )
 
     def detach(self) -> None:
-        """Remove every optimiser hook this tap registered."""
+        """Remove every optimiser hook this tap registered (a deferred summary still
+        waiting is handed over first, see :meth:`flush`)."""
+        self.flush()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def flush(self) -> LayerSummaries | None:
+        """Hand a deferred summary (``defer``) to the producer now, waiting for its copy.
+
+        Returns:
+            The summaries handed over, or None when none was waiting.
+
+        Raises:
+            Whatever ``producer.record_summaries`` raises.
+        """
+        t0 = time.perf_counter()
+        handed, inside = self._hand_over_pending()
+        self._count_time(time.perf_counter() - t0 - inside)
+        return handed
+
+    def _hand_over_pending(self) -> tuple[LayerSummaries | None, float]:
+        """Finish the waiting deferred summary and record it; (summaries or None, seconds
+        spent inside ``record_summaries``)."""
+        if self._pending is None:
+            return None, 0.0
+        step, pending, index, count, local = self._pending
+        self._pending = None
+        summaries = pending.result()
+        if pending.inexact:
+            self.inexact_layers += pending.inexact
+            self.defer = False
+            log.warning(
+                "step %d: %d layer(s) had NaN/Inf gradients read after the step (deferred "
+                "mode); reported with nonfinite = numel; reading synchronously from now on",
+                step, pending.inexact,
+            )
+        return self._record(step, summaries, index, count, local)
+
+    def _record(
+        self, step: int, summaries: LayerSummaries, index: np.ndarray, count: np.ndarray,
+        local: LayerSummaries | None,
+    ) -> tuple[LayerSummaries, float]:
+        """Attach layout and local view, call ``record_summaries``; (the summaries handed
+        over, seconds spent inside ``record_summaries``: the producer counts those)."""
+        summaries = summaries.with_layout(index, count)
+        if local is not None:
+            summaries = summaries.with_local(local)
+        t0 = time.perf_counter()
+        self.producer.record_summaries(step, summaries)
+        inside = time.perf_counter() - t0
+        self.steps_recorded += 1
+        return summaries, inside
+
+    def _count_time(self, seconds: float) -> None:
+        """Add the tap's own training-thread seconds to the producer's accounting."""
+        add = getattr(self.producer, "add_training_time", None)
+        if add is not None and seconds > 0:
+            add(seconds)
 
     def step(self, step: int | None = None) -> LayerSummaries | None:
         """Summarise the current ``.grad`` of the watched parameters for one optimiser step.
@@ -662,8 +1068,10 @@ class GradientTap:
                 :attr:`next_step` is ``step + 1``.
 
         Returns:
-            The summaries handed to ``producer.record_summaries``, or ``None`` when the step
-            is not a multiple of ``every_n_steps`` or no watched parameter has a gradient.
+            The summaries handed to ``producer.record_summaries`` in this call, or ``None``
+            when the step is not a multiple of ``every_n_steps``, no watched parameter has a
+            gradient, or (deferred mode) nothing was waiting: in deferred mode a summarised
+            step hands over the previous summarised step's statistics and queues its own.
 
         Raises:
             ValueError: a negative or non-integer step.
@@ -671,6 +1079,16 @@ class GradientTap:
             Whatever ``producer.record_summaries`` raises (e.g. RuntimeError before
             ``start_run``).
         """
+        t0 = time.perf_counter()
+        self._inside = 0.0
+        try:
+            return self._step(step)
+        finally:
+            self._count_time(time.perf_counter() - t0 - self._inside)
+
+    def _step(self, step: int | None) -> LayerSummaries | None:
+        """:meth:`step` without the time accounting (``self._inside`` collects the seconds
+        spent inside ``record_summaries``)."""
         if step is None:
             step = self.next_step
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
@@ -679,34 +1097,45 @@ class GradientTap:
         self.next_step = step + 1
         if step % self.every_n_steps:
             return None
-        grads: dict[str, Any] = {}
-        index: list[int] = []
-        count: list[int] = []
-        for name, param in self._params:
-            grad = param.grad
-            if grad is None:
-                self.skipped_without_grad += 1
-                continue
-            piece = gradient_piece(grad)
-            if piece is None or piece[0].numel() == 0:
-                self.skipped_not_local += 1
-                continue
-            grads[name] = piece[0]
-            index.append(piece[1])
-            count.append(piece[2])
+        handed, inside = self._hand_over_pending()
+        self._inside += inside
+        grads: dict[str, Any]
+        current = [param.grad for param in self._tensors]
+        if self._plain and not any(grad is None for grad in current):
+            grads = dict(zip(self._names, current, strict=True))
+            index, count = self._whole_index, self._whole_count
+        else:
+            grads = {}
+            index_list: list[int] = []
+            count_list: list[int] = []
+            for (name, _), grad in zip(self._params, current, strict=True):
+                if grad is None:
+                    self.skipped_without_grad += 1
+                    continue
+                piece = gradient_piece(grad)
+                if piece is None or piece[0].numel() == 0:
+                    self.skipped_not_local += 1
+                    continue
+                grads[name] = piece[0]
+                index_list.append(piece[1])
+                count_list.append(piece[2])
+            index, count = np.asarray(index_list), np.asarray(count_list)
         local = self._take_local()
         if not grads:
             self.steps_without_gradients += 1
-            return None
+            return handed
         settings = getattr(self.producer, "settings", None)
         norms_only = getattr(settings, "mode", "full") == "norms"
-        summaries = summarize_tensors(grads, host_numpy=self.host_numpy, norms_only=norms_only)
-        summaries = summaries.with_layout(np.asarray(index), np.asarray(count))
-        if local is not None:
-            summaries = summaries.with_local(local)
-        self.producer.record_summaries(step, summaries)
-        self.steps_recorded += 1
-        return summaries
+        pending = launch_summaries(
+            grads, host_numpy=self.host_numpy, norms_only=norms_only,
+            accumulate=self.accumulate, keep_gradients=not self.defer,
+        )
+        if self.defer:
+            self._pending = (step, pending, index, count, local)
+            return handed
+        handed, inside = self._record(step, pending.result(), index, count, local)
+        self._inside += inside
+        return handed
 
 
 class _TapSession:
@@ -787,6 +1216,7 @@ class _TapSession:
     def end(self) -> None:
         if self.tap is None:
             return
+        self.tap.flush()
         if self.finish_run:
             self.producer.finish_run()
         if self.close_producer:

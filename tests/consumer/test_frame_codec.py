@@ -82,3 +82,15 @@ def test_message_merge_equals_merging_the_message_statistics():
         for key in b:
             np.testing.assert_array_equal(a[key], b[key], err_msg=f"{name}.{key}")
     assert sparse.weight_moments is None and dense.weight_moments is None
+
+
+@pytest.mark.parametrize(("norms_only", "histogram"), [(False, False), (True, True)])
+def test_binary_frame_decodes_to_the_json_frame(norms_only, histogram):
+    from consumer.frame_codec import encode_frame
+    from schemas.wire import BINARY_MAGIC
+
+    frame = _frame(norms_only, histogram)
+    raw = encode_frame(frame)
+    assert raw.startswith(BINARY_MAGIC)
+    assert len(raw) < len(encode_frame(frame, "json")) + 1024
+    assert decode_frame_message(raw) == decode_frame_message(encode_frame(frame, "json"))

@@ -171,3 +171,46 @@ def test_late_replica_of_a_stored_partial_frame_is_not_added():
     m.restore_finalised("d", np.array([5]), np.array([False]), [[0, 1]])
     frame = m.add(DDP, replica(5, 2, 1.0), P, 9, 0.0)
     assert frame.complete and frame.numel.tolist() == [2, 2]  # not 4: counted once
+
+
+# -- parts (schema 1.4): a rank's summary split over several messages -----------------------
+
+def part(step: int, rank: int, index: int, count: int, value: float = 1.0) -> StepSummary:
+    """Part ``index`` of ``count`` of rank ``rank``: layer ``index`` of RUN's two layers
+    (count 2) or both layers (count 1)."""
+    layers = [index] if count == 2 else [0, 1]
+    k = len(layers)
+    return StepSummary(
+        run_id="r", step=step, rank=rank, world_size=3, wall_time=float(rank),
+        layer_indices=layers, numel=[2] * k, sum_abs=[2 * value] * k,
+        sum_sq=[2 * value**2] * k, max_abs=[value] * k, nonfinite=[0] * k,
+        part_index=index, part_count=count,
+    )
+
+
+def test_rank_counts_once_all_its_parts_arrived():
+    m = ShardMerger(10.0, StoreStub().load)
+    assert m.add(RUN, shard(0, 0), P, 1, 0.0) is None
+    assert m.add(RUN, part(0, 1, 0, 2, 2.0), P, 2, 0.0) is None
+    assert m.add(RUN, shard(0, 2, 3.0), P, 3, 0.0) is None  # rank 1 still misses a part
+    assert m.add(RUN, part(0, 1, 0, 2, 50.0), P, 4, 0.0) is None  # repeated part
+    assert m.duplicates == 1
+    frame = m.add(RUN, part(0, 1, 1, 2, 2.0), P, 5, 0.0)
+    assert frame is not None and frame.complete and frame.ranks_seen == (0, 1, 2)
+    assert frame.mean_abs_grad.tolist() == [2.0, 2.0]  # (2+4+6)/6 in each layer
+    assert frame.numel.tolist() == [6, 6]
+
+
+def test_missing_part_gives_partial_frame_then_late_part_completes_it():
+    m = ShardMerger(5.0, StoreStub().load)
+    m.add(RUN, shard(1, 0), P, 1, 100.0)
+    m.add(RUN, shard(1, 2), P, 2, 100.0)
+    m.add(RUN, part(1, 1, 1, 2, 2.0), P, 3, 100.0)
+    (partial,) = m.expire({"r": RUN}, 106.0)
+    assert not partial.complete and partial.ranks_seen == (0, 2)
+    assert partial.numel.tolist() == [4, 6]  # rank 1's layer-1 part is in the sums
+    assert m.add(RUN, part(1, 1, 1, 2, 9.0), P, 4, 107.0) is None  # repeated late part
+    frame = m.add(RUN, part(1, 1, 0, 2, 2.0), P, 5, 107.0)
+    assert frame is not None and frame.complete and frame.ranks_seen == (0, 1, 2)
+    assert frame.numel.tolist() == [6, 6]
+    assert frame.mean_abs_grad.tolist() == pytest.approx([8 / 6, 8 / 6])  # (2+4+2)/6

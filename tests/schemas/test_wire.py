@@ -216,3 +216,136 @@ def test_layout_and_local_view_round_trip():
         local_sum_abs=[3.0], local_sum_sq=[2.0], local_max_abs=[1.0], local_nonfinite=[0]))
     again = decode_message(encode_message(msg))
     assert again == msg and again.has_local
+
+
+# -- binary form (safetensors container) and parts (schema 1.4) ---------------------------
+
+from schemas.wire import (  # noqa: E402
+    BINARY_MAGIC,
+    MergedFrame,
+    decode_frame_message,
+    encode_binary,
+    split_step_summary,
+    to_display,
+)
+
+
+def _binary(**over) -> bytes:
+    """A binary StepSummary whose arrays are written as given (bypassing the model)."""
+    import numpy as np
+
+    d = _summary(**over)
+    arrays = {k: v for k, v in d.items() if isinstance(v, list)}
+    scalars = {k: v for k, v in d.items() if not isinstance(v, list)}
+    scalars.update(type="step_summary", schema_version="1.4")
+    header, bufs, off = {}, [], 0
+    for k, v in arrays.items():
+        floats = any(isinstance(x, float) for x in v)
+        b = np.asarray(v, "<f8" if floats else "<i8").tobytes()
+        header[k] = {"dtype": "F64" if floats else "I64", "shape": [len(v)],
+                     "data_offsets": [off, off + len(b)]}
+        bufs.append(b)
+        off += len(b)
+    header["__metadata__"] = {"gradstream": json.dumps(scalars)}
+    text = json.dumps(header).encode()
+    return BINARY_MAGIC + b"T" + len(text).to_bytes(8, "little") + text + b"".join(bufs)
+
+
+def test_binary_round_trip_equals_json():
+    msg = StepSummary(**_summary(shard_index=[0, 1], shard_count=[2, 2],
+                                 part_index=1, part_count=3))
+    raw = encode_message(msg, "binary")
+    assert raw.startswith(BINARY_MAGIC + b"T")
+    assert (len(raw) - raw.index(b"}", 12) - 1) % 8 < 8
+    assert decode_message(raw) == msg == decode_message(encode_message(msg))
+
+
+def test_binary_is_smaller_than_json_for_many_layers():
+    import numpy as np
+
+    n = 1000
+    rng = np.random.default_rng(0)
+    msg = StepSummary(**_summary(
+        layer_indices=list(range(n)), numel=rng.integers(1, 10**7, n).tolist(),
+        sum_abs=rng.random(n).tolist(), sum_sq=rng.random(n).tolist(),
+        max_abs=rng.random(n).tolist(), nonfinite=[0] * n))
+    assert len(encode_binary(msg)) < 0.8 * len(encode_message(msg))
+    assert decode_message(encode_binary(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ({"sum_abs": [1.0, float("nan")]}, "sum_abs.1: must be finite and >= 0"),
+        ({"sum_sq": [-1.0, 1.0]}, "sum_sq.0: must be finite and >= 0"),
+        ({"numel": [4, 0]}, "numel.1: must be > 0"),
+        ({"numel": [4]}, "numel has 1 entries"),
+        ({"layer_indices": [1, 1]}, "layer_indices must be unique"),
+        ({"nonfinite": [0, 9]}, "nonfinite[1]=9 exceeds numel[1]=8"),
+        ({"rank": 5}, "rank 5 must be < world_size 2"),
+        ({"step": -1}, "step"),
+        ({"part_index": 2, "part_count": 2}, "part_index 2 must be < part_count 2"),
+        ({"part_index": 0}, "part_index and part_count go together"),
+        ({"layer_indices": []}, "layer_indices: List should have at least 1 item"),
+        ({"schema_version": "2.0"}, "unsupported schema major version 2"),
+    ],
+)
+def test_binary_is_validated_like_json(override, reason):
+    raw = _binary(**override)
+    if "schema_version" in override:  # _binary sets 1.4: patch the metadata
+        raw = raw.replace(b'\\"schema_version\\": \\"1.4\\"', b'\\"schema_version\\": \\"2.0\\"')
+    with pytest.raises(WireError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        decode_message(raw)
+
+
+def test_unknown_encoding_and_malformed_binary_are_refused():
+    with pytest.raises(WireError, match="unknown wire encoding"):
+        decode_message(BINARY_MAGIC + b"Z" + b"\x00" * 20)
+    good = _binary()
+    with pytest.raises(WireError, match="undecodable binary message"):
+        decode_message(good[:-5])  # buffers cut short
+    with pytest.raises(WireError, match="undecodable binary message"):
+        decode_message(good[:10])
+    with pytest.raises(WireError, match="not accepted here"):
+        decode_frame_message(good)  # a StepSummary on the frames topic
+
+
+def test_merged_frame_binary_round_trip():
+    frame = MergedFrame(**_summary(rank=0, ranks_seen=[0, 1], local_ranks=[0, 1],
+                                   local_layer_indices=[0, 0], local_numel=[4, 4],
+                                   local_sum_abs=[1.0, 1.0], local_sum_sq=[1.0, 1.0],
+                                   local_max_abs=[1.0, 1.0], local_nonfinite=[0, 0]))
+    raw = encode_message(frame, "binary")
+    assert decode_frame_message(raw) == frame
+    with pytest.raises(WireError, match="local_layer_indices must be unique"):
+        bad = frame.model_copy(update={"local_ranks": [1, 1]})
+        decode_frame_message(encode_binary(bad))
+
+
+def test_to_display_shows_binary_as_json_without_validating():
+    shown = to_display(_binary(sum_abs=[1.0, float("nan")]))
+    assert shown["sum_abs"] == [1.0, "NaN"] and shown["run_id"] == "r"
+    json.dumps(shown, allow_nan=False)
+    assert to_display(b'{"a": 1}') == {"a": 1}
+    assert to_display(b"\xff\xfe") is None
+
+
+def test_split_keeps_every_layer_once_with_histograms_and_local_rows():
+    msg = StepSummary(**_summary(
+        layer_indices=[5, 2, 7], numel=[4, 8, 2], sum_abs=[1.0, 2.0, 3.0],
+        sum_sq=[1.0, 1.0, 1.0], max_abs=[0.5, 0.7, 0.9], nonfinite=[0, 1, 0],
+        exp_hist_offsets=[0, 1, 3, 4], exp_hist_columns=[3, 1, 4, 0],
+        exp_hist_counts=[4, 3, 4, 2],
+        local_layer_indices=[7, 9, 5], local_numel=[1, 1, 1], local_sum_abs=[1.0] * 3,
+        local_sum_sq=[1.0] * 3, local_max_abs=[1.0] * 3, local_nonfinite=[0] * 3,
+    ))
+    parts = split_step_summary(msg, [(0, 1), (1, 3)])
+    decoded = [decode_message(encode_binary(p)) for p in parts]
+    assert [p.part_index for p in decoded] == [0, 1]
+    assert all(p.part_count == 2 for p in decoded)
+    assert decoded[0].layer_indices == [5] and decoded[1].layer_indices == [2, 7]
+    assert decoded[1].exp_hist_offsets == [0, 2, 3]
+    assert decoded[1].exp_hist_columns == [1, 4, 0]
+    # layer 7 goes with part 1; 5 and the unknown layer 9 with part 0
+    assert sorted(decoded[0].local_layer_indices) == [5, 9]
+    assert decoded[1].local_layer_indices == [7]

@@ -55,7 +55,9 @@ class NonfiniteRule(Rule[NonfiniteRuleConfig]):
             return
         bad = np.asarray(shard.nonfinite) > 0
         layers = np.asarray(shard.layer_indices, np.int64)[bad]
-        self._shard_nonfinite.setdefault(shard.step, {})[shard.rank] = layers
+        by_rank = self._shard_nonfinite.setdefault(shard.step, {})
+        earlier = by_rank.get(shard.rank)  # a summary split into parts: union of the parts
+        by_rank[shard.rank] = layers if earlier is None else np.union1d(earlier, layers)
         if len(self._shard_nonfinite) > SHARD_STEPS_PER_RANK * self.run.info.world_size:
             self._shard_nonfinite.pop(next(iter(self._shard_nonfinite)))
 

@@ -111,3 +111,55 @@ def test_refreshing_every_k_frames_scores_against_a_recent_window():
         cached.push(layers, x)
         windows.append(cached.history[:, : min(i + 1, 20)].copy())
     assert stale >= 20  # most frames after warm-up reuse older statistics
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    arrays(np.float64, st.tuples(st.integers(1, 12), st.integers(1, 15)),
+           elements=st.one_of(st.integers(-4, 4).map(float),
+                              st.floats(-1e6, 1e6, allow_nan=False),
+                              st.just(float("nan")))),
+    st.booleans(),
+)
+def test_window_stats_equals_numpy_medians(history: np.ndarray, with_buffer: bool) -> None:
+    """The in-place selections give, row by row, exactly ``np.nanmedian`` / ``np.nanmean``
+    (rows with gaps) or ``np.median`` / ``mean`` (whole rows), ties and odd/even widths."""
+    import warnings
+
+    from consumer.alerts.robust import window_stats
+
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        med = np.nanmedian(history, axis=1)
+        dev = np.abs(history - med[:, None])
+        mad, mean_ad = np.nanmedian(dev, axis=1), np.nanmean(dev, axis=1)
+        got = window_stats(history, np.empty(history.size + 3) if with_buffer else None)
+    np.testing.assert_array_equal(got.median, med)
+    np.testing.assert_array_equal(got.mad, mad)
+    np.testing.assert_array_equal(got.mean_ad, mean_ad)
+    assert got.samples.tolist() == (~np.isnan(history)).sum(axis=1).tolist()
+
+
+def test_min_samples_skips_statistics_and_keeps_counts():
+    """Below min_samples frames nothing is scored (NaN) but the sample counts are exact
+    (gaps included, and after the ring wraps); from then on the scores are those of a
+    RollingRobustZ without the minimum."""
+    rng = np.random.default_rng(2)
+    lazy = RollingRobustZ(4, 6, refresh_every=1, min_samples=3)
+    eager = RollingRobustZ(4, 6, refresh_every=1)
+    layers = np.arange(4)
+    for i in range(15):
+        x = rng.normal(size=4)
+        if i % 4 == 1:
+            x[2] = np.nan  # layer 2 not testable in this frame
+        z, med, n = lazy.score(layers, x)
+        z_ref, med_ref, n_ref = eager.score(layers, x)
+        assert n.tolist() == n_ref.tolist()
+        assert n.tolist() == (~np.isnan(eager.history)).sum(axis=1).tolist()
+        if i < 3:
+            assert np.isnan(z).all() and np.isnan(med).all()
+        else:
+            np.testing.assert_array_equal(z, z_ref)
+            np.testing.assert_array_equal(med, med_ref)
+        lazy.push(layers, x)
+        eager.push(layers, x)
