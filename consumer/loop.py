@@ -77,8 +77,10 @@ class FrameOutput(Protocol):
         """Make ``batch`` (rows and ``batch.offsets``) durable in one step (step 4)."""
         ...
 
-    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int]) -> None:
-        """Commit ``offsets`` to Kafka after ``write`` (step 5)."""
+    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
+                    blocking: bool = True) -> None:
+        """Commit ``offsets`` to Kafka after ``write`` (step 5); ``blocking=False`` inside
+        a rebalance callback, where kafka-python 3 refuses blocking calls."""
         ...
 
     def close(self) -> None:
@@ -330,8 +332,13 @@ class ConsumerLoop(ABC):
             return True
         return time.monotonic() - self._last_flush >= self.settings.flush_interval_s
 
-    def flush(self) -> None:
+    def flush(self, blocking: bool = True) -> None:
         """Write the batch with its offsets: the commit protocol in the module docstring.
+
+        Args:
+            blocking: commit to Kafka synchronously in step 5; False inside a rebalance
+                callback (kafka-python 3 runs it on its network thread and refuses
+                blocking calls there), where the commit is sent asynchronously.
 
         Raises:
             duckdb.Error / kafka.errors.KafkaError: the write failed; the offsets were not
@@ -352,7 +359,7 @@ class ConsumerLoop(ABC):
         self.dlq.flush()                                                           # 3
         self.output.write(batch)                                                   # 4
         if offsets and self._consumer is not None:
-            self.output.acknowledge(self._consumer, offsets)                       # 5
+            self.output.acknowledge(self._consumer, offsets, blocking)             # 5
         self._stored.update(offsets)                                               # 6
         self._batch = SinkBatch()
         self.counters.writes += 1
@@ -400,7 +407,7 @@ class ConsumerLoop(ABC):
         """Write what is final, then forget the revoked partitions (their next owner
         rebuilds pending frames from the stored offsets)."""
         with self._lock:
-            self.flush()
+            self.flush(blocking=False)  # on kafka-python's network thread
             keys = {(tp.topic, tp.partition) for tp in partitions}
             self.revoked(keys)
             for key in keys:

@@ -63,9 +63,10 @@ class DuckDBOutput:
         assert self.sink is not None
         self.sink.write(batch, self.group)
 
-    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int]) -> None:
-        """Mirror the stored offsets to Kafka (asynchronously; a failure is only logged:
-        DuckDB holds the positions)."""
+    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
+                    blocking: bool = True) -> None:
+        """Mirror the stored offsets to Kafka (always asynchronously; a failure is only
+        logged: DuckDB holds the positions)."""
         try:
             _commit(consumer, offsets, sync=False)
         except Exception as exc:
@@ -104,14 +105,18 @@ class FramesTopicOutput:
         """
         self.publisher.publish(batch)
 
-    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int]) -> None:
-        """Commit the offsets synchronously.
+    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
+                    blocking: bool = True) -> None:
+        """Commit the offsets: synchronously, or asynchronously when ``blocking`` is False
+        (inside a rebalance callback, which kafka-python 3 runs on its network thread
+        where a blocking call is refused; the frames are on the topic already, so a
+        commit lost there only makes the next owner republish them).
 
         Raises:
-            kafka.errors.KafkaError: the commit failed; the frames are on the topic
-                already, so a replay only republishes them (the store reconciles).
+            kafka.errors.KafkaError: the synchronous commit failed; a replay only
+                republishes the frames (the store reconciles).
         """
-        _commit(consumer, offsets, sync=True)
+        _commit(consumer, offsets, sync=blocking)
 
     def close(self) -> None:
         """Deliver what is pending and close the producer."""
