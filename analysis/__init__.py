@@ -1,20 +1,67 @@
 """Everything that reads the gradstream store (DuckDB): reports, heatmaps, exports.
 
+In a notebook::
+
+    from analysis import Store
+
+    store = Store("out/demo.duckdb")
+    run = store.run("demo-exploding-")
+    run.layer_stats(steps=(10, 30), layers="layers.0.*")
+
 Modules, one job each:
 
+- :mod:`analysis.history`: the notebook API (:class:`~analysis.history.Store`,
+  :class:`~analysis.history.Run`): runs, per-layer and per-rank statistics, frames and
+  alerts as pandas / Arrow / polars tables, reports, analyses and the heatmap figure.
+- :mod:`analysis.reader`: the one read path (the file read-only, or the writing process's
+  endpoint).
 - :mod:`analysis.store`: open the store read-only, list runs, resolve a run argument.
 - :mod:`analysis.report`: run summary (health, flagged layers, recommendations).
 - :mod:`analysis.heatmap`: ASCII heatmap of flow intensity (layers x steps).
-- :mod:`analysis.export`: CSV and JSON exports (plus Parquet and JSON Lines), written by
-  DuckDB ``COPY``.
+- :mod:`analysis.export`: CSV and JSON exports (plus Parquet and JSON Lines), streamed
+  from the read connection as Arrow batches and written by this process (read connections
+  have no file access).
 - :mod:`analysis.registry`: the analyses (``flow``, ``enhanced``, ``explosion``,
   ``weights``), one module each, registered in one place and used by ``gradstream analyze``
   and the dashboard.
-- :mod:`analysis.dashboard`: the live dashboard's HTTP server and read cursors.
+- :mod:`analysis.plots`: the heatmap grid, its PNG figures and the HTML animation.
+- :mod:`analysis.dashboard`: the read endpoint every writing process serves (the live
+  dashboard's HTTP server, its read cursors and the sidecar that advertises it).
 
 The commands that read the store are wired in :mod:`deploy.cli`.
 
 ``analysis`` imports ``schemas`` and never ``producer`` or ``consumer``: what runs a worker
 and the dashboard together is :mod:`deploy.serve`. This package module imports nothing, so
-that ``gradstream --help`` does not load DuckDB.
+that ``gradstream --help`` does not load DuckDB: ``Store``, ``Run`` and ``RunReport`` are
+imported from :mod:`analysis.history` on first access (module ``__getattr__``, PEP 562).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from analysis.history import Run, RunReport, Store
+
+__all__ = ["Run", "RunReport", "Store"]
+
+_LAZY: dict[str, str] = {"Store": "analysis.history", "Run": "analysis.history",
+                         "RunReport": "analysis.history"}
+"""Name exported by this package -> the module that defines it (imported when used)."""
+
+
+def __getattr__(name: str) -> Any:
+    """``analysis.Store`` and the other names of :data:`_LAZY`, imported on first use.
+
+    Raises:
+        AttributeError: ``name`` is not exported.
+    """
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'analysis' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,4 +1,4 @@
-"""Exports of one run (or a step range of it), written by DuckDB ``COPY``.
+"""Exports of one run (or a step range of it), streamed from a read connection.
 
 - ``export_csv`` / ``export_json``: the reference CSV and JSON formats of
   trustformers-debug's ``gradient_flow`` module (``export_csv``, ``export_json``).
@@ -6,18 +6,23 @@
   layer name, one row per (step, layer), typed (Parquet) or one JSON object per line.
 - ``export_run``: any of the four by name, with an optional progress callback.
 
-Every file is produced by ``COPY (SELECT ...) TO path``: DuckDB streams the rows, so a
-run of any length exports in bounded memory, and its writers quote and escape arbitrary
-layer names (commas, quotes, newlines, unicode). Progress comes
-from DuckDB's own query progress (``query_progress()``, polled while ``COPY`` runs on a
-cursor in a background thread).
+DuckDB reads the rows and, for the text formats, renders each one (a CSV line with its
+quoting, a JSON object with ``to_json``), so Python never loops over rows: the result
+streams as Arrow record batches of :data:`BATCH_ROWS` rows (``to_arrow_reader``), and
+this module writes them with pyarrow, a batch at a time, so a run of any length exports
+in bounded memory. No DuckDB ``COPY ... TO`` is used: read connections have file access
+turned off (:func:`analysis.query.harden`), and the file is written by this process. The
+bytes are those DuckDB's ``COPY`` writers produced (CSV quoted when a field is empty or
+holds a comma, quote, CR or LF; a JSON array ``[\n\t{...},\n\t{...}\n]\n``; one object
+per line; zstd Parquet). The file is written to ``<path>.part`` and renamed when complete.
+Progress is the fraction of rows written (a ``count(*)`` of the range first).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -26,12 +31,13 @@ from schemas.tables import LAYER_STATS_COLUMNS
 
 if TYPE_CHECKING:
     import duckdb
+    import pyarrow as pa
 
 Progress = Callable[[float | None], None]
-"""Progress callback: fraction done in [0, 1], or ``None`` while DuckDB cannot tell yet."""
+"""Progress callback: fraction done in [0, 1], or ``None`` while it cannot be told yet."""
 
-PROGRESS_POLL_S = 0.1
-"""Seconds between two reads of DuckDB's query progress during an export."""
+BATCH_ROWS = 65_536
+"""Rows per Arrow record batch fetched from DuckDB and written at once (a few MB)."""
 
 EXPORT_FORMATS: tuple[str, ...] = ("csv", "json", "parquet", "jsonl")
 """Formats of :func:`export_run` (also the file extensions)."""
@@ -93,65 +99,142 @@ def _target(path: str | os.PathLike[str]) -> Path:
     return target
 
 
-def _sql_string(text: str) -> str:
-    """A SQL string literal (DuckDB: single quotes doubled, no backslash escapes)."""
+def _csv_field(column: str) -> str:
+    """SQL rendering a VARCHAR as a CSV field the way DuckDB's CSV writer does: quoted
+    (quotes doubled) when empty or when it holds a comma, a quote, CR or LF; NULL stays
+    NULL (the caller writes an empty field)."""
+    needs = (f"{column} = '' OR contains({column}, ',') OR contains({column}, '\"') "
+             f"OR contains({column}, chr(10)) OR contains({column}, chr(13))")
+    return (f"CASE WHEN {needs} THEN '\"' || replace({column}, '\"', '\"\"') || '\"' "
+            f"ELSE {column} END")
+
+
+@dataclass(frozen=True)
+class _Text:
+    """How rendered rows (one VARCHAR column) become a text file: ``prefix``, the rows
+    separated by ``separator``, ``suffix``. The SQL renders ``separator`` in front of every
+    row (see :func:`_sql_text`); the writer drops it before the first row."""
+
+    prefix: str
+    separator: str
+    suffix: str
+
+
+_CSV = _Text(CSV_HEADER + "\n", "", "")
+"""CSV: the header line, then the rows, each ending in a line feed."""
+_JSON_ARRAY = _Text("[\n\t", ",\n\t", "\n]\n")
+"""A JSON array laid out as DuckDB's ``FORMAT json, ARRAY true`` writer does."""
+_JSON_LINES = _Text("", "", "")
+"""JSON Lines: the rows, each ending in a line feed."""
+
+
+def _sql_text(text: str) -> str:
+    """``text`` as a SQL string literal (DuckDB: quotes doubled, no backslash escapes, so
+    line feeds and tabs stand as themselves)."""
     return "'" + text.replace("'", "''") + "'"
 
 
-def _copy(
+def _utf8_bytes(column: pa.Array) -> memoryview:
+    """The bytes of every value of a string column, concatenated: a zero-copy view of the
+    Arrow data buffer between the first and the last offset (NULLs add nothing)."""
+    import numpy as np
+    import pyarrow as pa
+
+    if pa.types.is_large_string(column.type):
+        width = np.int64
+    elif pa.types.is_string(column.type):
+        width = np.int32
+    else:
+        column, width = column.cast(pa.large_string()), np.int64
+    _validity, offsets_buffer, data = column.buffers()
+    if data is None or len(column) == 0:
+        return memoryview(b"")
+    offsets = np.frombuffer(offsets_buffer, dtype=width, count=len(column) + 1,
+                            offset=column.offset * np.dtype(width).itemsize)
+    return memoryview(data)[int(offsets[0]):int(offsets[-1])]
+
+
+def _write_text(batches: pa.RecordBatchReader, out: Path, text: _Text,
+                on_rows: Callable[[int], None]) -> int:
+    """Write the single string column of ``batches`` as ``text`` says; returns the rows."""
+    lead = len(text.separator.encode("utf-8"))
+    rows = 0
+    with out.open("wb") as fh:
+        fh.write(text.prefix.encode("utf-8"))
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            data = _utf8_bytes(batch.column(0))
+            fh.write(data if rows else data[lead:])
+            rows += batch.num_rows
+            on_rows(rows)
+        fh.write(text.suffix.encode("utf-8"))
+    return rows
+
+
+def _write_parquet(batches: pa.RecordBatchReader, out: Path,
+                   on_rows: Callable[[int], None]) -> int:
+    """Write ``batches`` as one zstd-compressed Parquet file; returns the rows."""
+    import pyarrow.parquet as pq
+
+    rows = 0
+    with pq.ParquetWriter(out, batches.schema, compression="zstd") as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+            rows += batch.num_rows
+            on_rows(rows)
+    return rows
+
+
+def _export(
     con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    path: str | os.PathLike[str],
     select: str,
-    target: Path,
-    options: str,
     params: dict[str, object],
-    progress: Progress | None = None,
+    text: _Text | None,
+    count_sql: str,
+    progress: Progress | None,
 ) -> int:
-    sql = f"COPY ({select}) TO {_sql_string(str(target))} ({options})"
-    if progress is None:
-        row = con.execute(sql, params).fetchone()
-        return 0 if row is None else int(row[0])
-    return _copy_with_progress(con, sql, params, progress)
+    """Stream ``select`` (bound with ``params``) into ``path`` (Parquet if ``text`` is None).
 
-
-def _copy_with_progress(
-    con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, object], progress: Progress
-) -> int:
-    """Run ``sql`` on a new cursor in a thread; report DuckDB's query progress meanwhile.
-
-    ``enable_progress_bar`` makes DuckDB track progress (``enable_progress_bar_print =
-    false`` keeps it from drawing its own bar); both are set on the cursor only. Ctrl-C
-    interrupts the query.
+    Raises:
+        StoreError: unknown run or unusable output path.
     """
-    cur = con.cursor()
-    outcome: dict[str, object] = {}
+    require_run(con, run_id)
+    target = _target(path)
+    total = 0
+    if progress is not None:
+        rows = con.execute(count_sql, params).fetchall()
+        total = int(rows[0][0]) if rows else 0
+        progress(0.0 if total else None)
 
-    def work() -> None:
-        try:
-            outcome["row"] = cur.execute(sql, params).fetchone()
-        except BaseException as exc:  # re-raised in the calling thread
-            outcome["error"] = exc
+    def on_rows(rows: int) -> None:
+        if progress is not None and total:
+            progress(min(rows / total, 1.0))
 
+    part = target.with_name(target.name + ".part")
+    batches = con.sql(select, params=params).to_arrow_reader(BATCH_ROWS)
     try:
-        cur.execute("SET enable_progress_bar = true")
-        cur.execute("SET enable_progress_bar_print = false")
-        thread = threading.Thread(target=work, name="gradstream-export", daemon=True)
-        thread.start()
-        try:
-            while thread.is_alive():
-                thread.join(PROGRESS_POLL_S)
-                percent = cur.query_progress()
-                progress(percent / 100.0 if percent >= 0 else None)
-        except BaseException:
-            cur.interrupt()
-            thread.join()
-            raise
-        if "error" in outcome:
-            raise outcome["error"]  # type: ignore[misc]
+        if text is None:
+            rows = _write_parquet(batches, part, on_rows)
+        else:
+            rows = _write_text(batches, part, text, on_rows)
+        os.replace(part, target)
+    except OSError as exc:
+        part.unlink(missing_ok=True)
+        raise StoreError(f"cannot write {str(target)!r}: {exc}") from None
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    if progress is not None:
         progress(1.0)
-        row = outcome.get("row")
-        return 0 if row is None else int(row[0])  # type: ignore[index]
-    finally:
-        cur.close()
+    return rows
+
+
+def _count_sql(distinct_steps: bool) -> str:
+    what = "count(DISTINCT step)" if distinct_steps else "count(*)"
+    return f"WITH s AS ({STATS_SQL}) SELECT {what} FROM s"
 
 
 def export_csv(
@@ -189,21 +272,21 @@ def export_csv(
     """
     order_by = _order_sql(order)
     params = stats_params(run_id, from_step, to_step)
-    require_run(con, run_id)
-    target = _target(path)
+    # concat() skips NULLs, so a NULL statistic is an empty field, as in DuckDB's CSV writer.
     select = f"""
         WITH s AS ({STATS_SQL})
-        SELECT step,
-               name AS layer,
-               {rust_exp_sql("mean_abs_grad")} AS mean_abs_grad,
-               {rust_exp_sql("max_abs_grad")} AS max_abs_grad,
-               {rust_exp_sql("grad_norm")} AS grad_norm,
-               CAST(is_vanishing AS INTEGER) AS is_vanishing,
-               CAST(is_exploding AS INTEGER) AS is_exploding
+        SELECT concat(
+                   step, ',', {_csv_field("name")}, ',',
+                   {rust_exp_sql("mean_abs_grad")}, ',',
+                   {rust_exp_sql("max_abs_grad")}, ',',
+                   {rust_exp_sql("grad_norm")}, ',',
+                   CAST(is_vanishing AS INTEGER), ',',
+                   CAST(is_exploding AS INTEGER), chr(10)
+               ) AS line
         FROM s
         ORDER BY step, {order_by}
     """
-    return _copy(con, select, target, "FORMAT csv, HEADER true", params, progress)
+    return _export(con, run_id, path, select, params, _CSV, _count_sql(False), progress)
 
 
 def export_json(
@@ -221,8 +304,9 @@ def export_json(
     "grad_norm", "is_vanishing", "is_exploding", "flow_intensity"}, ...]}, ...]``; frames
     in step order, layers within a frame by name (reference order) or model order; flags are JSON
     booleans; non-finite floats are ``null`` (as serde_json writes them). Built with
-    ``GROUP BY step`` and ``list(struct_pack(...) ORDER BY ...)``, written by
-    ``COPY ... (FORMAT json, ARRAY true)``; the file is compact JSON, not pretty-printed.
+    ``GROUP BY step`` and ``list(struct_pack(...) ORDER BY ...)``, each frame rendered by
+    DuckDB's ``to_json``; one compact frame per line inside ``[`` and ``]`` (the layout of
+    DuckDB's ``FORMAT json, ARRAY true`` writer), not pretty-printed.
     The parent directory is created; an existing file is replaced.
 
     Args:
@@ -243,12 +327,10 @@ def export_json(
     """
     order_by = _order_sql(order)
     params = stats_params(run_id, from_step, to_step)
-    require_run(con, run_id)
-    target = _target(path)
     select = f"""
         WITH s AS ({STATS_SQL})
-        SELECT step,
-               list(struct_pack(
+        SELECT {_sql_text(_JSON_ARRAY.separator)} || to_json(struct_pack(
+               step := step, layers := list(struct_pack(
                    name := name,
                    mean_abs_grad := {_finite_or_null("mean_abs_grad")},
                    max_abs_grad := {_finite_or_null("max_abs_grad")},
@@ -256,12 +338,12 @@ def export_json(
                    is_vanishing := is_vanishing,
                    is_exploding := is_exploding,
                    flow_intensity := {_finite_or_null("flow_intensity")}
-               ) ORDER BY {order_by}) AS layers
+               ) ORDER BY {order_by}))) AS line
         FROM s
         GROUP BY step
         ORDER BY step
     """
-    return _copy(con, select, target, "FORMAT json, ARRAY true", params, progress)
+    return _export(con, run_id, path, select, params, _JSON_ARRAY, _count_sql(True), progress)
 
 
 _DOUBLE_COLUMNS = frozenset({
@@ -276,19 +358,27 @@ TABLE_COLUMNS: tuple[str, ...] = (
 (``layer``) after ``layer_index``."""
 
 
-def _table_select(order: str, finite_only: bool) -> str:
+def _table_select(order: str, as_json: bool) -> str:
+    """The rows of :data:`TABLE_COLUMNS`: typed columns, or (``as_json``) one JSON object
+    per row (non-finite floats as null) with its line feed."""
     order_by = _order_sql(order)
     items = []
     for column in TABLE_COLUMNS:
         if column == "layer":
-            items.append("name AS layer")
-        elif finite_only and column in _DOUBLE_COLUMNS:
-            items.append(f"{_finite_or_null(column)} AS {column}")
+            items.append(("layer", "name"))
+        elif as_json and column in _DOUBLE_COLUMNS:
+            items.append((column, _finite_or_null(column)))
         else:
-            items.append(column)
+            items.append((column, column))
+    if as_json:
+        fields = ", ".join(f"{name} := {expr}" for name, expr in items)
+        columns = f"to_json(struct_pack({fields})) || chr(10) AS line"
+    else:
+        columns = ", ".join(expr if name == expr else f"{expr} AS {name}"
+                            for name, expr in items)
     return f"""
         WITH s AS ({STATS_SQL})
-        SELECT {", ".join(items)}
+        SELECT {columns}
         FROM s
         ORDER BY step, {order_by}
     """
@@ -325,11 +415,9 @@ def export_parquet(
         StoreError: unknown run, invalid step range, or unusable output path.
         ValueError: unknown ``order``.
     """
-    select = _table_select(order, finite_only=False)
+    select = _table_select(order, as_json=False)
     params = stats_params(run_id, from_step, to_step)
-    require_run(con, run_id)
-    target = _target(path)
-    return _copy(con, select, target, "FORMAT parquet, COMPRESSION zstd", params, progress)
+    return _export(con, run_id, path, select, params, None, _count_sql(False), progress)
 
 
 def export_jsonl(
@@ -363,11 +451,9 @@ def export_jsonl(
         StoreError: unknown run, invalid step range, or unusable output path.
         ValueError: unknown ``order``.
     """
-    select = _table_select(order, finite_only=True)
+    select = _table_select(order, as_json=True)
     params = stats_params(run_id, from_step, to_step)
-    require_run(con, run_id)
-    target = _target(path)
-    return _copy(con, select, target, "FORMAT json", params, progress)
+    return _export(con, run_id, path, select, params, _JSON_LINES, _count_sql(False), progress)
 
 
 _WRITERS = {

@@ -1,7 +1,9 @@
 """ASCII heatmap of flow intensity, layers x steps.
 
 Layout and glyphs follow trustformers-debug's ``gradient_flow`` module
-(``to_ascii_animation``).
+(``to_ascii_animation``); gradstream adds a glyph for cells with NaN/Inf gradient elements
+(:data:`NONFINITE_GLYPH`: a layer whose gradient is all NaN has no finite norm, so its
+intensity alone would draw it blank like a zero gradient) and a legend line under the grid.
 
 One SQL query aggregates ``layer_stats`` into at most ``max_columns`` buckets of
 consecutive frames per layer; NumPy fills the layers x columns grid; Python only joins
@@ -23,8 +25,21 @@ if TYPE_CHECKING:
 BLOCKS: tuple[str, ...] = (" ", "░", "▒", "▓", "█")
 """Intensity glyphs, from 0 (no flow) to 1 (the step's strongest layer)."""
 
+NONFINITE_GLYPH = "!"
+"""Glyph of a cell where some frame of the layer had NaN/Inf gradient elements
+(``layer_stats.nonfinite > 0``) or a non-finite stored norm or intensity; it replaces the
+intensity glyph (the dashboard marks these cells magenta, ``FLAG_COLORS["nonfinite"]``)."""
+
 TITLE = "Gradient Flow Animation (step → right, layer ↓)"
 EMPTY = "(no gradient frames recorded)\n"
+
+LEGEND = (
+    f"legend: {''.join(BLOCKS[:0:-1])} = norm / step's max ~ 1 .75 .5 .25; "
+    f"blank ~ 0 or absent; {NONFINITE_GLYPH} NaN/Inf"
+)
+"""The line under the grid saying what each glyph means (:data:`BLOCKS`: intensity
+rounded to quarters, blank below 1/8 or for a layer absent from the frame;
+:data:`NONFINITE_GLYPH`); at most 80 terminal cells."""
 
 _HEATMAP_SQL = f"""
     WITH s AS ({STATS_SQL}),
@@ -41,6 +56,8 @@ _HEATMAP_SQL = f"""
     )
     SELECT s.layer_index, any_value(s.name) AS name, b.bucket,
            sum(s.flow_intensity) AS intensity_sum,
+           coalesce(bool_or(s.nonfinite > 0 OR NOT isfinite(s.grad_norm)
+                            OR NOT isfinite(s.flow_intensity)), false) AS nonfinite,
            any_value(b.n_frames) AS n_frames, any_value(b.k) AS k
     FROM s JOIN bucketed AS b USING (step)
     GROUP BY s.layer_index, b.bucket
@@ -82,9 +99,13 @@ def ascii_heatmap(
 
     Layout: a title line, a ruler with the column index modulo
     10, a rule line, then ``name  cells`` per layer with names right-aligned (terminal
-    cell width; control characters escaped). Cell glyph: :func:`glyph` of the layer's
-    ``flow_intensity`` (= grad_norm / max grad_norm within the step, in [0, 1]). A layer
-    absent from a frame counts as intensity 0.
+    cell width; control characters escaped), then the :data:`LEGEND` line. Cell glyph:
+    :func:`glyph` of the layer's ``flow_intensity`` (= grad_norm / max grad_norm within the
+    step, in [0, 1]; a zero gradient is blank), or :data:`NONFINITE_GLYPH` when some frame
+    of the cell had ``nonfinite > 0`` or a non-finite ``grad_norm`` / ``flow_intensity``
+    (NaN/Inf elements are left out of the sums, so a layer that is all NaN has norm 0 and
+    would otherwise draw like a zero gradient). A layer absent from a frame counts as
+    intensity 0.
 
     Columns are the recorded frames in step order. With more than ``max_columns`` frames,
     each column covers ``k = ceil(frames / max_columns)`` consecutive frames and shows
@@ -119,6 +140,7 @@ def ascii_heatmap(
     layer_index = np.asarray(cols["layer_index"], dtype=np.int64)
     bucket = np.asarray(cols["bucket"], dtype=np.int64)
     sums = np.asarray(cols["intensity_sum"], dtype=np.float64)
+    flagged = np.asarray(cols["nonfinite"], dtype=bool)
     n_frames, k = int(cols["n_frames"][0]), int(cols["k"][0])
     names = dict(zip(layer_index.tolist(), cols["name"].tolist(), strict=True))
 
@@ -126,9 +148,13 @@ def ascii_heatmap(
     row_of = {index: row for row, index in enumerate(indices)}
     n_cols = -(-n_frames // k)
     grid = np.zeros((len(indices), n_cols), dtype=np.float64)
-    grid[[row_of[i] for i in layer_index.tolist()], bucket] = sums
+    nonfinite = np.zeros((len(indices), n_cols), dtype=bool)
+    rows = [row_of[i] for i in layer_index.tolist()]
+    grid[rows, bucket] = sums
+    nonfinite[rows, bucket] = flagged
     frames_per_col = np.minimum(k, n_frames - np.arange(n_cols) * k)
-    glyphs = _indices(grid / frames_per_col)
+    palette = np.array([*BLOCKS, NONFINITE_GLYPH])
+    glyphs = np.where(nonfinite, len(BLOCKS), _indices(grid / frames_per_col))
 
     labels = [_display(names[i]) for i in indices]
     width = max(cell_len("layer"), *(cell_len(label) for label in labels))
@@ -140,6 +166,7 @@ def ascii_heatmap(
     lines.append("─" * (width + 2 + n_cols))
     for label, cells in zip(labels, glyphs, strict=True):
         lines.append(
-            " " * (width - cell_len(label)) + label + "  " + "".join(BLOCKS[c] for c in cells)
+            " " * (width - cell_len(label)) + label + "  " + "".join(palette[cells])
         )
+    lines.append(LEGEND)
     return "\n".join(lines) + "\n"

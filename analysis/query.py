@@ -1,109 +1,160 @@
-"""Read-only SQL over the store, whether or not a writer holds the file (``gradstream query``).
+"""One read-only SQL statement, hardened, with a time limit: the rules every read path obeys.
 
-DuckDB lets one process open a database file for writing, and while it does, no other
-process can open the file at all (README.md, "Tables"). A query therefore takes one of
-two paths, chosen by :func:`run_query`:
+Every connection or cursor that answers reads of the store (a ``read_only=True`` file
+connection in :class:`analysis.reader.FileReader`, the cursors of a serving process in
+:class:`analysis.dashboard.cursors.ReadCursors`) goes through this module:
 
-1. **The file is free**: open it with ``duckdb.connect(path, read_only=True)``. The whole
-   database is attached read-only; DuckDB refuses any write ("attached in read-only mode").
-2. **Another process holds it**: that process must be ``gradstream serve`` (the consumer
-   worker plus the dashboard), which advertises its address in the sidecar file
-   ``<db>.serve.json`` (:mod:`analysis.dashboard.sidecar`). The query is POSTed to it and
-   the result comes back as an Arrow IPC stream.
+- :func:`harden` turns file access off on the database instance (``SET
+  enable_external_access = false``) and then locks the configuration (``SET
+  lock_configuration = true``). Afterwards ``COPY ... TO``, ``EXPORT DATABASE``,
+  ``ATTACH``, ``read_text`` / ``read_csv`` / ``read_parquet`` of outside files and ``LOAD``
+  raise ``duckdb.PermissionException`` ("file system operations are disabled by
+  configuration", DuckDB 2.0.0), and no statement can turn it back on. A writer on the
+  same instance still inserts from registered Arrow tables and checkpoints its own file.
+- :func:`single_statement`: exactly one statement, counted by DuckDB's own parser
+  (``extract_statements``), because a ``COMMIT`` followed by a write would otherwise end a
+  read-only transaction and run the write in auto-commit mode.
+- :func:`time_limit`: one time limit, enforced by ``interrupt()`` on a timer; the default
+  is :data:`DEFAULT_TIMEOUT_S`, or ``GRADSTREAM_QUERY_TIMEOUT_S`` (:func:`resolve_timeout`).
+- Writes are never detected by reading the SQL text: DuckDB refuses them (a
+  ``read_only=True`` connection: "attached in read-only mode"; a cursor of the writer's
+  instance inside ``BEGIN TRANSACTION READ ONLY``: "launched in read-only mode"), and
+  :func:`classify` turns DuckDB's refusals into one-line errors
+  (:class:`ReadOnlyViolationError`, :class:`ReadRefusedError`).
 
-How the serving process gets a read-only connection (tested on DuckDB 2.0.0):
-
-- a second ``duckdb.connect(path, read_only=True)`` in the process that holds the file
-  read-write fails ("Can't open a connection to same database file with a different
-  configuration");
-- ``ATTACH 'path' AS ro (READ_ONLY)``, from the same or a new in-memory instance, fails
-  ("Unique file handle conflict: ... already attached");
-- ``SET access_mode = 'READ_ONLY'`` fails at run time ("must be set when opening or
-  attaching the database");
-- ``BEGIN TRANSACTION READ ONLY`` on a cursor of the writer's instance **works**: every
-  write to any attached database in that transaction fails with "transaction is launched
-  in read-only mode" (INSERT, UPDATE, DELETE, CREATE, DROP, ALTER, COPY FROM, CREATE
-  SEQUENCE/VIEW/MACRO, writes into a database ATTACHed inside the transaction), while
-  the writer's own transactions go on (MVCC snapshot: readers see committed frames).
-
-So the serving process answers each query on a fresh cursor inside ``BEGIN TRANSACTION
-READ ONLY`` (:func:`execute_read_only`, used by :mod:`analysis.dashboard.cursors`), and
-adds two guards that the transaction alone does not give:
-
-- exactly one statement per query (counted by DuckDB's own parser,
-  ``extract_statements``), because a ``COMMIT`` followed by a write would otherwise end
-  the read-only transaction and run the write in auto-commit mode;
-- ``SET lock_configuration = true`` on the shared instance, because a ``SET GLOBAL``
-  (threads, memory_limit, enable_external_access...) inside the read-only transaction
-  would otherwise change the writer's configuration.
-
-Writes are never detected by reading the SQL text: they are refused by DuckDB, and the
-refusal is reported as :class:`ReadOnlyViolationError`. Statements that only read the store
-but have effects outside it (``COPY ... TO`` a file, ``EXPORT DATABASE``) run with the
-querying user's file permissions on both paths, as with ``duckdb -readonly``; the server
-accepts queries only with the token from the sidecar (mode 0600) and only on loopback by
-default.
+Why a serving process reads through ``BEGIN TRANSACTION READ ONLY`` cursors of the
+writer's instance (tested on DuckDB 2.0.0): a second ``duckdb.connect(path,
+read_only=True)`` in the process that holds the file fails ("Can't open a connection to
+same database file with a different configuration"), ``ATTACH ... (READ_ONLY)`` fails
+("Unique file handle conflict"), ``SET access_mode`` fails at run time; a read-only
+transaction on a cursor works and sees the writer's committed rows (MVCC snapshot).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import math
 import os
 import threading
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import duckdb
 
-from analysis.dashboard.sidecar import ServeInfo, read_sidecar
+from analysis.store import StoreError
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
+DEFAULT_TIMEOUT_S = 60.0
+"""Longest read, seconds, when neither ``--timeout`` nor ``GRADSTREAM_QUERY_TIMEOUT_S`` says
+otherwise (a report or an analysis of a long run takes a few seconds; a runaway cross join
+would run for hours)."""
+
+TIMEOUT_ENV = "GRADSTREAM_QUERY_TIMEOUT_S"
+"""Environment variable overriding :data:`DEFAULT_TIMEOUT_S` (seconds, > 0)."""
+
+Params = dict[str, object] | list[object]
+"""Parameters of a statement: by name (``$name``) or by position (``?``); JSON values."""
+
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
-"""Media type of the server's query results (Arrow IPC streaming format)."""
+"""Media type of Arrow IPC streaming-format bodies (query results, grids)."""
 
 _READ_ONLY_ERRORS = ("read-only mode", "read_only mode")
 """Fragments of DuckDB's error messages for a write refused by a read-only connection
 ("attached in read-only mode") or transaction ("launched in read-only mode")."""
 
 
-class QueryError(Exception):
-    """The query could not run; ``str(exc)`` is a one-line message for the user."""
+class QueryError(StoreError):
+    """The read could not run; ``str(exc)`` is a one-line message for the user."""
 
 
 class ReadOnlyViolationError(QueryError):
     """DuckDB refused the statement because it would write to the store."""
 
 
+class ReadRefusedError(QueryError):
+    """DuckDB refused the statement because it would touch files outside the store
+    (``COPY ... TO``, ``EXPORT DATABASE``, ``read_text``, ``ATTACH``...)."""
+
+
+class QueryTimeoutError(QueryError):
+    """The read ran longer than its time limit and was interrupted."""
+
+
 class StoreHeldError(QueryError):
-    """Another process holds the store and does not serve queries (no live sidecar)."""
+    """Another process holds the store and serves no reads (no live sidecar)."""
 
 
-@dataclass(frozen=True)
-class QueryResult:
-    """Rows of a query and how they were obtained.
+def resolve_timeout(timeout_s: float | None) -> float:
+    """The time limit of a read, seconds.
 
-    Attributes:
-        table: the result as a ``pyarrow.Table`` (column names and types from DuckDB).
-        via: ``"read-only connection"`` or ``"gradstream serve at <url>"``.
+    Args:
+        timeout_s: an explicit limit (``--timeout``), or ``None`` for the environment's
+            ``GRADSTREAM_QUERY_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`.
+
+    Returns:
+        A finite limit > 0.
+
+    Raises:
+        QueryError: the explicit value or the environment variable is not a finite number > 0.
     """
+    source = "--timeout"
+    value: object = timeout_s
+    if timeout_s is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        source = TIMEOUT_ENV
+        try:
+            value = float(raw)
+        except ValueError:
+            raise QueryError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise QueryError(f"{source} must be a number of seconds > 0, got {value!r}")
+    return float(value)
 
-    table: pa.Table
-    via: str
+
+def harden(con: duckdb.DuckDBPyConnection) -> None:
+    """Turn file access off on ``con``'s database instance and lock its configuration.
+
+    Idempotent: an instance already hardened is left as it is. Applies to every connection
+    and cursor of the instance (``enable_external_access`` and ``lock_configuration`` are
+    global settings), so call it once on a writer's instance before serving reads from it.
+
+    Raises:
+        RuntimeError: the configuration was locked earlier with file access still on (the
+            instance cannot be hardened any more).
+    """
+    external, locked = con.execute(
+        "SELECT current_setting('enable_external_access'), current_setting('lock_configuration')"
+    ).fetchall()[0]  # fetchall: leaves no pending result on ``con``
+    if not external and locked:
+        return
+    if locked:
+        raise RuntimeError(
+            "the DuckDB configuration is locked with external access on; reads cannot be "
+            "hardened"
+        )
+    if external:
+        con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
 
 
-def _classify(exc: duckdb.Error) -> QueryError:
+def classify(exc: duckdb.Error) -> QueryError:
+    """DuckDB's error as a one-line :class:`QueryError` (subclass by cause)."""
     text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    if isinstance(exc, duckdb.PermissionException):
+        return ReadRefusedError(
+            f"refused: reads may not touch files outside the store (DuckDB: {first})"
+        )
     if any(fragment in text for fragment in _READ_ONLY_ERRORS):
         return ReadOnlyViolationError(
             f"refused: this statement would write to the store, and queries are read-only "
-            f"(DuckDB: {text.splitlines()[0]})"
+            f"(DuckDB: {first})"
         )
-    return QueryError(text.splitlines()[0] if text else type(exc).__name__)
+    return QueryError(first)
 
 
 def single_statement(con: duckdb.DuckDBPyConnection, sql: str) -> str:
@@ -115,7 +166,7 @@ def single_statement(con: duckdb.DuckDBPyConnection, sql: str) -> str:
     try:
         statements = con.extract_statements(sql)
     except duckdb.Error as exc:
-        raise _classify(exc) from None
+        raise classify(exc) from None
     if not statements:
         raise QueryError("no SQL statement given")
     if len(statements) > 1:
@@ -125,143 +176,73 @@ def single_statement(con: duckdb.DuckDBPyConnection, sql: str) -> str:
     return statements[0].query
 
 
+@contextlib.contextmanager
+def time_limit(con: duckdb.DuckDBPyConnection, timeout_s: float) -> Iterator[None]:
+    """Interrupt ``con`` if the block runs longer than ``timeout_s`` seconds.
+
+    DuckDB errors raised in the block are re-raised as :func:`classify` errors, so every
+    read reports a refusal the same way.
+
+    Raises:
+        QueryTimeoutError: the limit was reached (the running statement was interrupted).
+        QueryError: any other DuckDB error in the block (a ``StoreError`` raised by the
+            block itself passes through).
+    """
+    fired = threading.Event()
+
+    def interrupt() -> None:
+        fired.set()
+        with contextlib.suppress(duckdb.Error):
+            con.interrupt()
+
+    timer = threading.Timer(timeout_s, interrupt)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except duckdb.InterruptException:
+        if fired.is_set():
+            raise QueryTimeoutError(
+                f"the read ran longer than {timeout_s:g} s and was interrupted (raise the "
+                f"limit with --timeout or {TIMEOUT_ENV})"
+            ) from None
+        raise QueryError("the read was interrupted (the store is closing)") from None
+    except duckdb.Error as exc:
+        raise classify(exc) from None
+    finally:
+        timer.cancel()
+
+
 def execute_read_only(
-    cur: duckdb.DuckDBPyConnection, sql: str, timeout_s: float | None = None
+    cur: duckdb.DuckDBPyConnection, sql: str, timeout_s: float | None = None,
+    params: Params | None = None,
 ) -> pa.Table:
     """Run one statement on ``cur`` and return its rows as an Arrow table.
 
-    ``cur`` must already be unable to write: a connection opened with ``read_only=True``,
-    or a cursor inside ``BEGIN TRANSACTION READ ONLY`` (see the module docstring). The
-    result is materialised while ``cur`` is open, so errors surface here.
+    ``cur`` must already be unable to write and hardened: a :func:`harden`-ed connection
+    opened with ``read_only=True``, or a cursor of :class:`~analysis.dashboard.cursors.
+    ReadCursors` (inside ``BEGIN TRANSACTION READ ONLY``). The result is materialised while
+    ``cur`` is open, so errors surface here.
 
     Args:
         cur: the read-only connection or cursor.
         sql: one SQL statement.
-        timeout_s: interrupt the query after this many seconds (``None``: no limit).
+        timeout_s: time limit, seconds (``None``: :func:`resolve_timeout`'s default).
+        params: the statement's parameters (:data:`Params`).
 
     Returns:
         The result (no columns for statements without a result set).
 
     Raises:
         ReadOnlyViolationError: DuckDB refused a write.
-        QueryError: invalid SQL, several statements, a failing query, or the timeout.
-    """
-    statement = single_statement(cur, sql)
-    timer = None
-    if timeout_s is not None:
-        timer = threading.Timer(timeout_s, cur.interrupt)
-        timer.daemon = True
-        timer.start()
-    try:
-        relation = cur.sql(statement)
-        table = relation.to_arrow_table() if relation is not None else None
-    except duckdb.InterruptException:
-        if timeout_s is not None and timer is not None and timer.finished.is_set():
-            raise QueryError(
-                f"the query ran longer than {timeout_s:g} s and was interrupted"
-            ) from None
-        raise QueryError("the query was interrupted (the server is stopping)") from None
-    except duckdb.Error as exc:
-        raise _classify(exc) from None
-    finally:
-        if timer is not None:
-            timer.cancel()
-    if table is None:
-        import pyarrow as pa
-
-        table = pa.table({})
-    return table
-
-
-def _held_by_other(exc: duckdb.Error) -> bool:
-    if isinstance(exc, duckdb.ConnectionException):
-        return True  # this process holds it read-write (e.g. serve and query in one process)
-    return isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()
-
-
-def run_query(db: str | os.PathLike[str], sql: str, timeout_s: float | None = None) -> QueryResult:
-    """Run one read-only SQL statement against the store at ``db``, by whichever path works.
-
-    Args:
-        db: the DuckDB file.
-        sql: one SQL statement.
-        timeout_s: interrupt the query after this many seconds (``None``: no limit).
-
-    Returns:
-        The :class:`QueryResult`.
-
-    Raises:
-        ReadOnlyViolationError: the statement would write.
-        StoreHeldError: another process holds the file and serves no queries.
-        QueryError: missing file, invalid SQL, failing query, unreachable server.
-    """
-    file = Path(db)
-    if not file.exists():
-        raise QueryError(
-            f"no gradstream store at {str(file)!r}: the file does not exist "
-            "(pass --db or set GRADSTREAM_DB)"
-        )
-    try:
-        con = duckdb.connect(str(file), read_only=True)
-    except duckdb.Error as exc:
-        if not _held_by_other(exc):
-            raise QueryError(f"cannot open the store {str(file)!r}: {exc}") from None
-        info = read_sidecar(file)
-        if info is None:
-            raise StoreHeldError(
-                f"the store {str(file)!r} is held by another process that does not serve "
-                "queries (a `gradstream consume`?). Run the worker as `gradstream serve` "
-                "instead (it answers queries while it writes), or stop it and query again."
-            ) from None
-        return query_server(info, sql, timeout_s)
-    try:
-        return QueryResult(execute_read_only(con, sql, timeout_s), "read-only connection")
-    finally:
-        con.close()
-
-
-def query_server(info: ServeInfo, sql: str, timeout_s: float | None = None) -> QueryResult:
-    """POST one statement to a ``gradstream serve`` process and read its Arrow result.
-
-    Args:
-        info: the server's sidecar (URL and token).
-        sql: one SQL statement.
-        timeout_s: server-side time limit (the client waits 30 s longer).
-
-    Raises:
-        ReadOnlyViolationError / QueryError: as reported by the server, or the server is
-            unreachable.
+        ReadRefusedError: DuckDB refused a file access outside the store.
+        QueryTimeoutError: the limit was reached.
+        QueryError: invalid SQL, several statements, or a failing query.
     """
     import pyarrow as pa
 
-    body = json.dumps({"sql": sql, "timeout_s": timeout_s}).encode()
-    request = urllib.request.Request(
-        f"{info.url}/api/query",
-        data=body,
-        method="POST",
-        headers={
-            "Content-Type": "application/json",
-            "Accept": ARROW_STREAM,
-            "Authorization": f"Bearer {info.token}",
-        },
-    )
-    wait = None if timeout_s is None else timeout_s + 30.0
-    try:
-        with urllib.request.urlopen(request, timeout=wait) as response:
-            table = pa.ipc.open_stream(response).read_all()
-    except urllib.error.HTTPError as exc:
-        try:
-            detail = json.loads(exc.read().decode("utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            detail = {"error": f"HTTP {exc.code} {exc.reason}", "kind": "error"}
-        message = str(detail.get("error", f"HTTP {exc.code}"))
-        if detail.get("kind") == "read_only":
-            raise ReadOnlyViolationError(message) from None
-        raise QueryError(message) from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise QueryError(
-            f"`gradstream serve` (pid {info.pid}) holds the store but does not answer at "
-            f"{info.url}: {reason}"
-        ) from None
-    return QueryResult(table, f"gradstream serve at {info.url}")
+    statement = single_statement(cur, sql)
+    with time_limit(cur, resolve_timeout(timeout_s)):
+        relation = cur.sql(statement, params=params) if params else cur.sql(statement)
+        table = relation.to_arrow_table() if relation is not None else None
+    return table if table is not None else pa.table({})

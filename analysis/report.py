@@ -9,6 +9,13 @@ Layers with no gradient by construction (zero up to floating-point rounding in e
 from their first on, ``schemas.rounding``; e.g. the key bias of softmax attention) are
 listed apart and count neither as vanishing layers nor in ``issue_frames`` nor in the
 health, the same rule as the consumer's incremental :mod:`consumer.health`.
+
+Two health figures, each with its window: the report classifies the frames of the step
+range it is asked for; the consumer keeps its own live health in ``runs`` (``health``,
+``frames``, ``issue_frames``, ``last_step``), over the last ``--max-frames`` frames when
+``gradstream consume --max-frames N`` is used, else over every frame it has written. The
+report states its window and, when the stored one differs, shows the live health with its
+window too (:class:`LiveHealth`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,31 @@ HEALTH_STYLE: dict[GradientHealth, str] = {
 }
 
 
+class LiveHealth(BaseModel):
+    """The run health the consumer stored in ``runs`` and the window it covers.
+
+    The consumer classifies a run incrementally over its last ``max_frames`` frames (the
+    highest steps; ``gradstream consume --max-frames N``, 0 = every frame) and writes the
+    result with the window's counters into the ``runs`` row.
+
+    - ``health``: ``runs.health``.
+    - ``frames``: ``runs.frames``, frames in the window; ``issue_frames``:
+      ``runs.issue_frames``, those with a vanishing, exploding or NaN/Inf layer.
+    - ``last_step``: ``runs.last_step``, the highest step the consumer classified.
+    - ``first_step``: the window's first step: the ``frames``-th highest step of the run's
+      ``frames`` rows up to ``last_step`` (``None`` if the store holds fewer frames rows,
+      e.g. rows deleted since).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    health: GradientHealth
+    frames: int = Field(ge=1)
+    issue_frames: int = Field(ge=0)
+    first_step: int | None
+    last_step: int
+
+
 class GradientFlowSummary(BaseModel):
     """Summary of one run's gradient flow over the frames considered.
 
@@ -59,7 +91,14 @@ class GradientFlowSummary(BaseModel):
 
     gradstream extras:
 
-    - ``frames``: steps with at least one ``layer_stats`` row in the range.
+    - ``frames``: steps with at least one ``layer_stats`` row in the range; ``first_step``
+      / ``last_step``: the smallest / largest of those steps (``None`` with no frame). The
+      health above covers exactly these frames: its window.
+    - ``live_health``: the consumer's own health of the run and its window, from the
+      ``runs`` row (:class:`LiveHealth`); ``None`` while the consumer has classified no
+      frame of it (``runs.frames = 0``). ``live_window_differs``: that window is not the
+      report's (other frame count, first or last step): the consumer used
+      ``--max-frames``, the report a step range, or frames arrived since.
     - ``issue_frames``: frames with any vanishing (as above), exploding or non-finite
       layer (a NaN/Inf gradient is an issue: its max |g| is inf, so the layer counts
       as exploding); ``issue_ratio = issue_frames / max(frames, 1)``.
@@ -116,6 +155,10 @@ class GradientFlowSummary(BaseModel):
     first_bad_local_exploding: bool = False
     layers_without_gradient: list[str] = Field(default_factory=list)
     no_gradient_since_step: int | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    live_health: LiveHealth | None = None
+    live_window_differs: bool = False
 
 
 def _show_name(name: str) -> str:
@@ -210,7 +253,7 @@ def _summary_sql(with_dtype: bool) -> str:
     no-gradient state at ``$from_step`` is the run's); the rows from ``$from_step`` on are
     aggregated per layer and per step. One row per layer with a flag or no gradient
     (model order), each carrying the frame counts (frames, issue_frames, last_step,
-    first_nonfinite_step); one row with NULL layer columns when no layer is listed.
+    first_nonfinite_step, first_step); one row with NULL layer columns when no layer is listed.
 
     Args:
         with_dtype: the store's ``layers`` table has the ``dtype`` column (schema 1.3).
@@ -236,10 +279,12 @@ def _summary_sql(with_dtype: bool) -> str:
     counts AS (
         SELECT count(*) AS frames, count(*) FILTER (WHERE issue) AS issue_frames,
                max(step) AS last_step,
-               min(step) FILTER (WHERE nonfinite) AS first_nonfinite_step
+               min(step) FILTER (WHERE nonfinite) AS first_nonfinite_step,
+               min(step) AS first_step
         FROM f
     )
-    SELECT c.frames, c.issue_frames, c.last_step, c.first_nonfinite_step, p.layer_index,
+    SELECT c.frames, c.issue_frames, c.last_step, c.first_nonfinite_step, c.first_step,
+           p.layer_index,
            coalesce(l.name, 'layer[' || CAST(p.layer_index AS VARCHAR) || ']') AS name,
            p.vanishing, p.exploding, p.nonfinite, p.no_gradient, p.first_step
     FROM counts AS c
@@ -275,7 +320,7 @@ _LOCAL_ORIGIN_SQL = """
 threshold) and the ranks of that step's bad rows; no row when there is none."""
 
 _RUN_SQL = """
-    SELECT r.world_size, r.num_layers,
+    SELECT r.world_size, r.num_layers, r.health, r.frames, r.issue_frames, r.last_step,
            (SELECT count(*) FROM frames AS f
              WHERE f.run_id = $run_id AND NOT f.complete
                AND ($from_step IS NULL OR f.step >= $from_step)
@@ -285,6 +330,16 @@ _RUN_SQL = """
              WHERE k.run_id = $run_id) AS dropped_summaries
     FROM runs AS r WHERE r.run_id = $run_id
 """
+
+_LIVE_FIRST_STEP_SQL = """
+    SELECT min(step) FROM (
+        SELECT step FROM frames WHERE run_id = $run_id AND step <= $last_step
+        ORDER BY step DESC LIMIT $frames
+    ) HAVING count(*) = $frames
+"""
+"""First step of the consumer's health window: the ``$frames``-th highest stored frame up to
+``$last_step`` (the consumer's tracker keeps the highest steps); no row when fewer are
+stored."""
 
 
 def build_report(
@@ -303,10 +358,11 @@ def build_report(
 
     Returns:
         The :class:`GradientFlowSummary` of the frames in the range; field formulas are in
-        its docstring. Four queries, plus a catalog look-up for ``layers.dtype``: the
-        layer lists and frame counts (one windowed aggregate over the run's rows up to
-        ``to_step``), the run row, the local view's first bad step (a store without
-        ``local_layer_stats``, written before schema 1.3, has none).
+        its docstring. Four queries, plus a catalog look-up for ``layers.dtype`` and, when
+        the consumer stored a live health, a top-N over the run's ``frames`` rows for its
+        window's first step: the layer lists and frame counts (one windowed aggregate
+        over the run's rows up to ``to_step``), the run row, the local view's first bad
+        step (a store without ``local_layer_stats``, written before schema 1.3, has none).
 
     Raises:
         StoreError: unknown run or invalid step range.
@@ -330,8 +386,9 @@ def build_report(
             since.append(first_step)
     run_row = con.execute(_RUN_SQL, params).fetchone()
     assert rows and run_row is not None  # aggregate / checked by require_run
-    frames, issue_frames, last_step, first_nonfinite_step = rows[0][:4]
-    world_size, num_layers, partial_frames, ranks_finished, dropped = run_row
+    frames, issue_frames, last_step, first_nonfinite_step, first_step = rows[0][:5]
+    world_size, num_layers, *stored, partial_frames, ranks_finished, dropped = run_row
+    live = _live_health(con, run_id, *stored)
     origin = _local_origin(con, params)
     health = classify_health(
         bool(vanishing), bool(exploding), issue_frames, frames, bool(nonfinite)
@@ -363,6 +420,78 @@ def build_report(
         first_bad_local_exploding=origin is not None and bool(origin[3]),
         layers_without_gradient=no_gradient,
         no_gradient_since_step=min(since) if since else None,
+        first_step=first_step,
+        last_step=last_step,
+        live_health=live,
+        live_window_differs=live is not None and (
+            (live.frames, live.first_step, live.last_step) != (frames, first_step, last_step)
+        ),
+    )
+
+
+def _live_health(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    health: str,
+    frames: int,
+    issue_frames: int,
+    last_step: int | None,
+) -> LiveHealth | None:
+    """The ``runs`` row's health with its window (:class:`LiveHealth`), or None when the
+    consumer has classified no frame of the run (``frames = 0`` or no ``last_step``).
+
+    Raises:
+        ValueError: ``health`` is not a :class:`GradientHealth` value.
+    """
+    if not frames or last_step is None:
+        return None
+    row = con.execute(
+        _LIVE_FIRST_STEP_SQL, {"run_id": run_id, "last_step": last_step, "frames": frames}
+    ).fetchone()
+    return LiveHealth(
+        health=GradientHealth(health), frames=frames, issue_frames=issue_frames,
+        first_step=None if row is None else row[0], last_step=last_step,
+    )
+
+
+def _steps_text(first: int | None, last: int) -> str:
+    return f"steps {first}..{last}" if first is not None else f"steps up to {last}"
+
+
+def health_window_text(summary: GradientFlowSummary) -> str:
+    """The window the report's health covers.
+
+    Args:
+        summary: from :func:`build_report`.
+
+    Returns:
+        ``"steps 0..199, 200 frames"`` (one frame: ``"1 frame"``), or ``"no frames"``.
+    """
+    if summary.last_step is None:
+        return "no frames"
+    noun = "frame" if summary.frames == 1 else "frames"
+    return f"{_steps_text(summary.first_step, summary.last_step)}, {summary.frames} {noun}"
+
+
+def live_health_text(summary: GradientFlowSummary) -> str | None:
+    """The consumer's live health with its window, when that window is not the report's.
+
+    Args:
+        summary: from :func:`build_report`.
+
+    Returns:
+        ``"live health over the last 50 frames (steps 150..199): ProblemsDetected, 12
+        issue frames"``, or None when the store holds no live health or it covers the
+        report's window.
+    """
+    live = summary.live_health
+    if live is None or not summary.live_window_differs:
+        return None
+    noun = "frame" if live.frames == 1 else "frames"
+    return (
+        f"live health over the last {live.frames} {noun} "
+        f"({_steps_text(live.first_step, live.last_step)}): {live.health.value}, "
+        f"{live.issue_frames} issue {'frame' if live.issue_frames == 1 else 'frames'}"
     )
 
 
@@ -416,9 +545,11 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     """Terminal rendering of a summary: a key/value table and the recommendations.
 
     Layer names are printed as plain text (never parsed as rich markup); each layer list
-    shows at most ``NAMES_IN_TABLE`` names followed by "... and N more". Layers with no
-    gradient by construction get their own row ("no gradient: by construction since step
-    S: ..."), only when there are some.
+    shows at most ``NAMES_IN_TABLE`` names followed by "... and N more". The health row
+    names its window (:func:`health_window_text`); a "live health" row follows when the
+    consumer's stored health covers another window (:func:`live_health_text`). Layers
+    with no gradient by construction get their own row ("no gradient: by construction
+    since step S: ..."), only when there are some.
 
     Args:
         summary: from :func:`build_report`.
@@ -430,7 +561,12 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
     health = summary.overall_health
-    table.add_row("health", Text(health.value, style=HEALTH_STYLE[health]))
+    health_cell = Text(health.value, style=HEALTH_STYLE[health])
+    health_cell.append(f" over {health_window_text(summary)}")
+    table.add_row("health", health_cell)
+    live = live_health_text(summary)
+    if live is not None:
+        table.add_row("live health", Text(live.removeprefix("live health ")))
     span = (
         f"{'start' if summary.from_step is None else summary.from_step}"
         f" .. {'end' if summary.to_step is None else summary.to_step}"

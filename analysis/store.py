@@ -23,6 +23,12 @@ class StoreError(Exception):
     for the user (the CLI prints it as is)."""
 
 
+class StoreLockedError(StoreError):
+    """Another process (or this one, in the other mode) holds the store's file, so it cannot
+    be opened read-only; a reader then looks for that process's endpoint
+    (:func:`analysis.reader.open_reader`)."""
+
+
 def open_store(path: str | os.PathLike[str], read_only: bool = True) -> duckdb.DuckDBPyConnection:
     """Open an existing gradstream store.
 
@@ -35,10 +41,10 @@ def open_store(path: str | os.PathLike[str], read_only: bool = True) -> duckdb.D
         A DuckDB connection; the caller closes it.
 
     Raises:
-        StoreError: the file does not exist; it is locked by a writing process (a running
-            ``gradstream consume``); it is already open in this process in the other mode;
-            it is not a DuckDB file; or it lacks the gradstream tables
-            (``schemas.tables.SCHEMA_DDL``).
+        StoreLockedError: it is locked by a writing process, or already open in this
+            process in the other mode.
+        StoreError: the file does not exist; it is not a DuckDB file; or it lacks the
+            gradstream tables (``schemas.tables.SCHEMA_DDL``).
     """
     file = Path(path)
     if not file.exists():
@@ -53,13 +59,13 @@ def open_store(path: str | os.PathLike[str], read_only: bool = True) -> duckdb.D
     except duckdb.IOException as exc:
         text = str(exc)
         if "lock" in text.lower():
-            raise StoreError(
-                f"the store {str(file)!r} is being written by a running `gradstream consume` "
-                "(DuckDB allows one writing process); stop it or query through it"
+            raise StoreLockedError(
+                f"the store {str(file)!r} is being written by another process (DuckDB "
+                "allows one writing process); stop it, or read through its endpoint"
             ) from None
         raise StoreError(f"cannot open the store {str(file)!r}: {text}") from None
     except duckdb.ConnectionException as exc:
-        raise StoreError(
+        raise StoreLockedError(
             f"the store {str(file)!r} is already open in this process with a different "
             f"read_only setting: {exc}"
         ) from None
@@ -99,24 +105,33 @@ def _describe(runs: list[str], limit: int = 20) -> str:
     return shown + more
 
 
-def resolve_run(con: duckdb.DuckDBPyConnection, run_id: str | None) -> str:
-    """Turn an optional ``--run`` argument into a run id present in the store.
+def pick_run(runs: list[str], run_id: str | None) -> str:
+    """Choose a run among ``runs`` (the store's run ids) from an optional ``--run`` argument.
 
     Args:
-        con: a connection from :func:`open_store`.
-        run_id: the requested run, or ``None`` to mean "the only run in the store".
+        runs: every run id of the store.
+        run_id: an exact run id, a prefix matching exactly one run id, or ``None`` to mean
+            "the only run in the store".
 
     Returns:
-        ``run_id`` if the store has it; with ``None``, the store's single run.
+        The run id chosen.
 
     Raises:
-        StoreError: the run is unknown (the message lists the runs present), the store
-            holds no run, or ``run_id`` is ``None`` while several runs exist.
+        StoreError: no run matches (the message lists the runs present), the prefix matches
+            several runs (they are listed), the store holds no run, or ``run_id`` is
+            ``None`` while several runs exist.
     """
-    runs = list_runs(con)
     if run_id is not None:
         if run_id in runs:
             return run_id
+        matches = [r for r in runs if r.startswith(run_id)] if run_id else []
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            raise StoreError(
+                f"run {run_id!r} is ambiguous: it begins {len(matches)} run ids: "
+                f"{_describe(matches)}"
+            )
         where = f"runs in the store: {_describe(runs)}" if runs else "the store holds no runs"
         raise StoreError(f"unknown run {run_id!r}; {where}")
     if not runs:
@@ -128,13 +143,29 @@ def resolve_run(con: duckdb.DuckDBPyConnection, run_id: str | None) -> str:
     return runs[0]
 
 
-def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
-    """Check that ``run_id`` is in the store (same error as :func:`resolve_run`).
+def resolve_run(con: duckdb.DuckDBPyConnection, run_id: str | None) -> str:
+    """Turn an optional ``--run`` argument into a run id present in the store
+    (:func:`pick_run` over :func:`list_runs`).
 
     Raises:
-        StoreError: the run is unknown.
+        StoreError: see :func:`pick_run`.
     """
-    resolve_run(con, run_id)
+    return pick_run(list_runs(con), run_id)
+
+
+def require_run(con: duckdb.DuckDBPyConnection, run_id: str) -> None:
+    """Check that ``run_id`` is exactly a run id of the store (no prefix matching: the
+    builders take resolved ids).
+
+    Raises:
+        StoreError: the run is unknown (the message lists the runs present).
+    """
+    rows = con.execute("SELECT count(*) FROM runs WHERE run_id = $run_id",
+                       {"run_id": run_id}).fetchall()  # fetchall: leaves no pending result
+    if not rows or not rows[0][0]:
+        runs = list_runs(con)
+        where = f"runs in the store: {_describe(runs)}" if runs else "the store holds no runs"
+        raise StoreError(f"unknown run {run_id!r}; {where}")
 
 
 def check_step_range(from_step: int | None, to_step: int | None) -> None:

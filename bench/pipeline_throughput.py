@@ -178,8 +178,10 @@ def run_pipeline(settings: object, run_ids: list[str], rows: int, span: Span,
                  profile: str | None) -> None:
     """Run one worker on this thread until ``rows`` layer rows are committed; ``span``
     times it from partition assignment to that commit (seen through a read cursor on the
-    worker's own DuckDB instance). With ``profile``, pyinstrument samples the worker thread
-    and writes an HTML profile there (and a text summary to stdout)."""
+    worker's own DuckDB instance); prints how many transactions the worker wrote (their
+    size grows while a write-behind transaction is in flight). With ``profile``,
+    pyinstrument samples the worker thread and writes an HTML profile there (and a text
+    summary to stdout)."""
     from consumer.worker import Worker
 
     cursors = []
@@ -220,6 +222,9 @@ def run_pipeline(settings: object, run_ids: list[str], rows: int, span: Span,
     watcher.join(10)
     if not done.is_set():
         raise RuntimeError(f"the worker did not finish: {worker.error}")
+    writes = max(worker.counters.writes, 1)
+    print(f"worker: {worker.counters.writes} DuckDB transactions, "
+          f"{worker.counters.layer_rows / writes:,.0f} layer-rows each on average")
     if profiler is not None:
         Path(profile).write_text(profiler.output_html())
         print(profiler.output_text(unicode=False, color=False, show_all=False,
@@ -234,9 +239,11 @@ def _stage_messages(run_ids: list[str], ranks: int, layers: int, steps: int,
     """Encoded RunStarted (one per run, rank 0) and StepSummary records (step-major, then
     run, then rank: concurrent runs interleave as they would on one partition), with the
     values the producer processes of :func:`_produce_rank` send (same generators, same
-    shapes)."""
+    shapes) in the wire format they send them in (the SDK's default, binary)."""
+    from producer.settings import ProducerSettings
     from schemas.wire import RunStarted, StepSummary, encode_message
 
+    wire_format = ProducerSettings.model_fields["wire_format"].default
     starts: list[bytes] = []
     records: list[bytes] = []
     total_layers = layers if replicated else layers * ranks
@@ -264,7 +271,7 @@ def _stage_messages(run_ids: list[str], ranks: int, layers: int, steps: int,
                     numel=shard.tolist(), sum_abs=(rms * shard * 0.8).tolist(),
                     sum_sq=(rms * rms * shard).tolist(),
                     max_abs=(rms * rngs[rank].uniform(2, 6, layers)).tolist(),
-                    nonfinite=[0] * layers)))
+                    nonfinite=[0] * layers), wire_format))
     return starts, records
 
 

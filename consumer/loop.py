@@ -11,8 +11,9 @@ theirs: :class:`consumer.worker.Worker` (summaries -> merged frames) and
 batch goes is a :class:`FrameOutput` (:mod:`consumer.outputs`): a DuckDB file, or the
 frames topic.
 
-Commit protocol (:meth:`ConsumerLoop.flush`), run when ``flush_interval_s`` has passed,
-when ``max_batch_rows`` layer rows wait, before partitions are revoked and at stop:
+Commit protocol (:meth:`ConsumerLoop.flush`), run when ``flush_interval_s`` has passed
+and the output has no write in flight, when ``max_batch_rows`` layer rows wait, before
+partitions are revoked and at stop:
 
 1. For every partition read, the offset to store is the next one to consume, but never
    past the first record of a frame still waiting for ranks (``pending_offsets``): a crash
@@ -22,10 +23,18 @@ when ``max_batch_rows`` layer rows wait, before partitions are revoked and at st
    record that is neither stored nor dead-lettered.
 4. The output makes the batch durable with those offsets in one step: one DuckDB
    transaction (rows and ``kafka_offsets`` together), or every frame acknowledged by
-   the frames topic.
-5. Only then are the offsets acknowledged to Kafka (a commit: informational when DuckDB
-   holds them, the group's positions themselves when the frames topic is the output).
-6. The stored offsets are remembered and a new batch begins.
+   the frames topic. The DuckDB output commits that transaction on its writer thread
+   while the loop goes on decoding and merging the next batch (write-behind): ``write``
+   first waits for the previous transaction, so at most one is in flight, and a failed
+   one stops the loop at the next write with nothing of it acknowledged.
+5. Only once the output says every batch handed to it is durable
+   (:meth:`FrameOutput.settle`) are the offsets acknowledged to Kafka (a commit:
+   informational when DuckDB holds them, the group's positions themselves when the frames
+   topic is the output). With write-behind this happens after the flush, at the first
+   poll cycle that finds the transaction committed, or at once when the flush settles
+   (before partitions are revoked and at stop, where it waits for the transaction).
+6. The stored offsets are remembered (the next batch stores only what changed) and a new
+   batch begins.
 
 On assignment (step 0 of the next cycle) each partition is sought to the offset the
 output stored, so rows are written exactly once whatever crashes; an output that stores
@@ -74,7 +83,18 @@ class FrameOutput(Protocol):
         ...
 
     def write(self, batch: SinkBatch) -> None:
-        """Make ``batch`` (rows and ``batch.offsets``) durable in one step (step 4)."""
+        """Make ``batch`` (rows and ``batch.offsets``) durable in one step (step 4); an
+        output that writes behind may return before it is, having waited for the batch
+        before it."""
+        ...
+
+    def settle(self, wait: bool) -> bool:
+        """Whether every batch given to :meth:`write` is durable (step 5 may acknowledge
+        its offsets); ``wait``: block until it is (then True).
+
+        Raises:
+            Exception: the write that failed (its offsets must never be acknowledged).
+        """
         ...
 
     def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
@@ -136,11 +156,13 @@ class ConsumerLoop(ABC):
         self._batch = SinkBatch()
         self._positions: dict[PartitionKey, int] = {}
         self._stored: dict[PartitionKey, int] = {}
+        self._unacknowledged: dict[PartitionKey, int] = {}  # written, not yet acknowledged
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._lock = threading.RLock()
         self._started = time.monotonic()
         self._last_flush = self._started
+        self._rows_at_flush = 0  # counters.layer_rows at the last flush
         self._resumed = False
 
     # -- hooks ---------------------------------------------------------------------------
@@ -235,7 +257,7 @@ class ConsumerLoop(ABC):
         finally:
             try:
                 with self._lock:
-                    self.flush()
+                    self.flush(settle=True)
             finally:
                 self._close()
 
@@ -288,10 +310,14 @@ class ConsumerLoop(ABC):
                 for batch in records.values():
                     for record in batch:
                         self.consume(record)
+                        if self._due():  # a poll may return seconds of work
+                            self.flush()
                 self.metrics.on_poll(records, self._consumer)  # messages; lag <= 1/s
                 self.tick()
                 if self._due():
                     self.flush()
+                elif self._unacknowledged:
+                    self._acknowledge(blocking=True, wait=False)                   # 5
                 if not self._resumed and not records:
                     self._log_resumed(self._caught_up(), "nothing left to read")
 
@@ -328,23 +354,40 @@ class ConsumerLoop(ABC):
     # -- writes --------------------------------------------------------------------------
 
     def _due(self) -> bool:
-        if self._batch.layer_rows() >= self.settings.max_batch_rows:
-            return True
-        return time.monotonic() - self._last_flush >= self.settings.flush_interval_s
+        """Whether to flush now (checked after every record, so cheap): ``max_batch_rows``
+        layer rows wait, or ``flush_interval_s`` has passed and the output has no write in
+        flight. While a
+        write-behind transaction runs, the batch keeps growing instead of the loop
+        blocking on it, so under load transactions grow to cover the time one takes (a
+        DuckDB transaction smaller than a row group costs more per row to commit).
 
-    def flush(self, blocking: bool = True) -> None:
+        Raises:
+            duckdb.Error: the write in flight failed.
+        """
+        if self.counters.layer_rows - self._rows_at_flush >= self.settings.max_batch_rows:
+            return True  # rows put into the batch since the last flush (an upper bound)
+        if time.monotonic() - self._last_flush < self.settings.flush_interval_s:
+            return False
+        return self.output is None or self.output.settle(wait=False)
+
+    def flush(self, blocking: bool = True, settle: bool = False) -> None:
         """Write the batch with its offsets: the commit protocol in the module docstring.
 
         Args:
             blocking: commit to Kafka synchronously in step 5; False inside a rebalance
                 callback (kafka-python 3 runs it on its network thread and refuses
                 blocking calls there), where the commit is sent asynchronously.
+            settle: wait until the output has made every batch durable and acknowledge
+                the offsets now (before a revocation and at stop); False: acknowledge
+                them once the output says so, here or at a later poll cycle.
 
         Raises:
-            duckdb.Error / kafka.errors.KafkaError: the write failed; the offsets were not
-                stored, so the records are read again after a restart.
+            duckdb.Error / kafka.errors.KafkaError: the write failed (this one, or with
+                write-behind the one before); its offsets were not stored, so the
+                records are read again after a restart.
         """
         self._last_flush = time.monotonic()
+        self._rows_at_flush = self.counters.layer_rows
         if self.output is None:
             return
         earliest = self.pending_offsets()                                          # 1
@@ -354,16 +397,32 @@ class ConsumerLoop(ABC):
             if self._stored.get(key) != target:
                 offsets[key] = target
         batch, batch.offsets = self._batch, offsets
-        if not batch:                                                              # 2
+        if batch:                                                                  # 2
+            self.dlq.flush()                                                       # 3
+            self.output.write(batch)                                               # 4
+            self._unacknowledged.update(offsets)
+            self._stored.update(offsets)                                           # 6
+            self._batch = SinkBatch()
+            self.counters.writes += 1
+        if self._unacknowledged or settle:
+            self._acknowledge(blocking, wait=settle)                               # 5
+        if batch:
+            self._log_resumed(bool(batch.frames), "first write")
+
+    def _acknowledge(self, blocking: bool, wait: bool) -> None:
+        """Step 5: commit the written offsets to Kafka once the output says every batch
+        handed to it is durable (``wait``: block until it is).
+
+        Raises:
+            duckdb.Error / kafka.errors.KafkaError: a write failed (nothing acknowledged),
+                or a blocking commit to the frames topic's group failed.
+        """
+        assert self.output is not None
+        if not self.output.settle(wait):
             return
-        self.dlq.flush()                                                           # 3
-        self.output.write(batch)                                                   # 4
+        offsets, self._unacknowledged = self._unacknowledged, {}
         if offsets and self._consumer is not None:
-            self.output.acknowledge(self._consumer, offsets, blocking)             # 5
-        self._stored.update(offsets)                                               # 6
-        self._batch = SinkBatch()
-        self.counters.writes += 1
-        self._log_resumed(bool(batch.frames), "first write")
+            self.output.acknowledge(self._consumer, offsets, blocking)
 
     def _log_resumed(self, now: bool, how: str) -> None:
         """Log, once, how long after start the loop first wrote frames or found nothing to
@@ -407,7 +466,7 @@ class ConsumerLoop(ABC):
         """Write what is final, then forget the revoked partitions (their next owner
         rebuilds pending frames from the stored offsets)."""
         with self._lock:
-            self.flush(blocking=False)  # on kafka-python's network thread
+            self.flush(blocking=False, settle=True)  # on kafka-python's network thread
             keys = {(tp.topic, tp.partition) for tp in partitions}
             self.revoked(keys)
             for key in keys:

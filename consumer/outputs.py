@@ -1,7 +1,8 @@
 """The two places a consumer loop writes its batches (:class:`consumer.loop.FrameOutput`).
 
-- :class:`DuckDBOutput`: rows and offsets in one DuckDB transaction; the offsets in DuckDB
-  are the positions on restart, the Kafka commit only mirrors them for lag monitoring.
+- :class:`DuckDBOutput`: rows and offsets in one DuckDB transaction, committed on the
+  sink's writer thread (write-behind); the offsets in DuckDB are the positions on restart,
+  the Kafka commit only mirrors them for lag monitoring, once the transaction committed.
 - :class:`FramesTopicOutput` (scale-out workers): every frame acknowledged by the frames
   topic, then the offsets committed to Kafka synchronously: the group's committed
   offsets are the positions.
@@ -63,6 +64,19 @@ class DuckDBOutput:
         assert self.sink is not None
         self.sink.write(batch, self.group)
 
+    def settle(self, wait: bool) -> bool:
+        """Whether the sink's write in flight (write-behind) has committed; ``wait``: block
+        until it has.
+
+        Raises:
+            duckdb.Error: that write failed (rolled back).
+        """
+        assert self.sink is not None
+        if wait:
+            self.sink.wait()
+            return True
+        return self.sink.settled()
+
     def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
                     blocking: bool = True) -> None:
         """Mirror the stored offsets to Kafka (always asynchronously; a failure is only
@@ -104,6 +118,10 @@ class FramesTopicOutput:
             kafka.errors.KafkaError: a message was not acknowledged.
         """
         self.publisher.publish(batch)
+
+    def settle(self, wait: bool) -> bool:
+        """True: :meth:`write` returns once Kafka acknowledged every frame."""
+        return True
 
     def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
                     blocking: bool = True) -> None:

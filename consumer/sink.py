@@ -77,6 +77,13 @@ class SinkBatch:
         return sum(len(f.layer_index) for f, _ in self.frames.values())
 
 
+_REQUIRED_STATS = frozenset({
+    "run_id", "step", "layer_index", "numel", "sum_sq", "nonfinite", "grad_norm",
+    "flow_intensity", "is_vanishing", "is_exploding",
+})
+"""``layer_stats`` columns declared NOT NULL: always inserted."""
+
+
 def _optional_floats(fs: list[GradientFrame], name: str) -> pa.Array:
     """float64 column of an optional per-layer field; NaN or absent -> NULL."""
     if all(getattr(f, name) is None for f in fs):  # the common case: no frame has it
@@ -269,6 +276,18 @@ class DuckDBSink:
                 self._failed = exc
         if self._failed is not None:
             raise self._failed
+
+    def settled(self) -> bool:
+        """True when no write is in flight (every batch given to :meth:`write` has
+        committed); never blocks.
+
+        Raises:
+            duckdb.Error: as :meth:`wait`, once the failed write has finished.
+        """
+        if self._pending is not None and not self._pending.done():
+            return False
+        self.wait()
+        return True
 
     def close(self) -> None:
         """Wait for the write in flight, checkpoint and close the file.
@@ -538,6 +557,10 @@ class DuckDBSink:
             "wall_time": pa.array([f.wall_time for f in fs], pa.float64()),
             "finalized_at": pa.array(np.full(len(fs), now)),
         })
+        # Optional columns no frame of the batch has are left to their default (NULL)
+        # instead of being converted and appended value by value.
+        columns = [name for name in LAYER_STATS_COLUMNS
+                   if stats[name].null_count < stats.num_rows or name in _REQUIRED_STATS]
         con = self._wcon
         con.register("gs_stats", stats)
         con.register("gs_frames", frame_rows)
@@ -547,8 +570,8 @@ class DuckDBSink:
             "WHERE layer_stats.run_id = f.run_id AND layer_stats.step = f.step"
         )
         con.execute(
-            f"INSERT INTO layer_stats ({', '.join(LAYER_STATS_COLUMNS)}) "
-            f"SELECT {', '.join(LAYER_STATS_COLUMNS)} FROM gs_stats"
+            f"INSERT INTO layer_stats ({', '.join(columns)}) "
+            f"SELECT {', '.join(columns)} FROM gs_stats"
         )
         con.execute("INSERT OR REPLACE INTO frames SELECT * FROM gs_frames")
         con.unregister("gs_stats")

@@ -27,6 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from consumer.frame_codec import message_to_merged
 from consumer.frames import LocalRows, MergedShards, compute_frame
 from consumer.loop import ConsumerLoop, FrameOutput, LoopCounters
@@ -123,7 +125,7 @@ class Store(ConsumerLoop):
 
     def _on_frame(self, msg: MergedFrame, record: Any) -> None:
         run = self.runs.get(msg.run_id)
-        if run is None or max(msg.layer_indices) >= run.num_layers:
+        if run is None or int(np.max(msg.layer_indices)) >= run.num_layers:
             self.dead_letter(record, f"frame of unknown run {msg.run_id!r} or with a layer "
                              "out of range", "unknown_run")
             return

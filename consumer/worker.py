@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from consumer.alerts.rows import load_active_incidents
 from consumer.alerts.service import AlertService
 from consumer.frame_publisher import load_runs_topic
@@ -210,8 +212,9 @@ class Worker(ConsumerLoop):
             self.dead_letter(record, f"world_size {msg.world_size} differs from the run's "
                              f"{run.world_size}", "invalid")
             return
-        if max(msg.layer_indices) >= run.num_layers:
-            self.dead_letter(record, f"layer_indices reach {max(msg.layer_indices)} but run "
+        top = int(np.max(msg.layer_indices))
+        if top >= run.num_layers:
+            self.dead_letter(record, f"layer_indices reach {top} but run "
                              f"{msg.run_id!r} has {run.num_layers} layers", "invalid")
             return
         self.counters.step_summaries += 1

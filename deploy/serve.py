@@ -1,40 +1,83 @@
-"""A consumer worker and the live dashboard in one process (what ``gradstream serve`` runs).
+"""The read endpoint of every process that writes a store, and the dashboard on it.
 
-DuckDB lets one process write the store, and while it does no other process can read it.
-So the process that writes is the one that serves: :class:`ServedWorker` runs a consumer
-worker (:class:`consumer.worker.Worker`, the same as ``gradstream consume``) on a background
-thread, takes a read cursor on the worker's database instance as soon as the store is open,
-and serves the dashboard and ``/api/query`` from it (:mod:`analysis.dashboard`). It
-advertises itself in ``<db>.serve.json`` so that ``gradstream query`` finds it; the file is
-removed on stop. :class:`ServedStore` serves a store no process writes, read-only.
+DuckDB lets one process write the store, and while it does no other process can open the
+file, not even read-only. So the process that writes is the one that answers reads:
+:class:`ReadEndpoint` takes a read cursor on the writer's own database instance as soon
+as the store is open (the ``on_open(sink)`` hook of :class:`consumer.loop.ConsumerLoop`,
+``DuckDBSink.read_cursor()``), serves the dashboard, ``/api/query`` and the other read
+routes from it (:mod:`analysis.dashboard`), and advertises itself in ``<db>.serve.json``
+(:mod:`analysis.dashboard.sidecar`) so that ``gradstream query`` and the other readers
+find it; the file is removed on stop.
+
+:class:`ServedLoop` is the one helper every writing command uses: it runs any consumer
+loop (:class:`consumer.worker.Worker` for ``gradstream consume``, ``serve`` and ``demo``;
+:class:`consumer.store.Store` for ``gradstream store``) on a background thread with a
+:class:`ReadEndpoint` attached, or none (``--no-read-endpoint``). :class:`ServedWorker` is
+that helper for a worker; :class:`ServedStore` serves a store no process writes,
+read-only.
+
+Long queries never stall ingestion: read requests run on their own threads and cursors
+(MVCC snapshots, no lock shared with the writer's transactions), at the lowest CPU
+priority (so they use the CPU the writer leaves), and at most ``max_readers`` of them run
+at once (:class:`BoundedReadCursors`); the others wait for a slot.
+``bench/read_contention.py`` measures the ingest rate with and without concurrent readers.
 
 This joins the consumer and the analysis packages, which do not import each other, so it
-lives in ``deploy``; the demo uses it too, to serve the page while it trains.
+lives in ``deploy``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
+import sys
 import threading
 import time
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
+    import duckdb
+
     from analysis.dashboard.cursors import ReadCursors
     from analysis.dashboard.server import DashboardServer
+    from consumer.loop import ConsumerLoop
     from consumer.settings import ConsumerSettings
+    from consumer.sink import DuckDBSink
     from consumer.worker import Worker
 
+    OnOpen = Callable[[DuckDBSink], None]
+
 log = logging.getLogger("gradstream.serve")
+
+LoopT = TypeVar("LoopT", bound="ConsumerLoop")
+"""The consumer loop a :class:`ServedLoop` runs."""
 
 DEFAULT_PORT = 8765
 """Port of ``gradstream serve`` unless ``--port`` / ``GRADSTREAM_SERVE_PORT`` says otherwise."""
 
+DEFAULT_READ_PORT = 0
+"""Port of the read endpoint of ``consume``, ``store`` and ``demo``: 0 = any free port (the
+URL is in the sidecar)."""
+
+DEFAULT_MAX_READERS = os.cpu_count() or 1
+"""Read requests a process answers at once (the others wait): one per core. DuckDB
+parallelises each query over the instance's threads (one per core by default), so more
+concurrent queries than cores only share the same cores and hold more memory."""
+
+READER_NICE = 19
+"""Nice value of the threads that answer reads in a writing process (Linux): 19, the
+lowest CPU priority, so that readers use the CPU the writer leaves and a long query never
+stalls ingestion (``bench/read_contention.py``: the ingest rate under 4 readers that
+query back to back, with this and at normal priority)."""
+
 
 class ServeError(Exception):
-    """The dashboard could not start; ``str(exc)`` tells the user what to do."""
+    """The endpoint or its loop could not start; ``str(exc)`` tells the user what to do."""
 
 
 def client_url(url: str, host: str) -> str:
@@ -46,137 +89,116 @@ def client_url(url: str, host: str) -> str:
     return url
 
 
-class ServedWorker:
-    """A consumer worker whose store is served by the dashboard of this process.
+@dataclass(frozen=True)
+class EndpointOptions:
+    """Where and how a process answers reads.
 
-    Args:
-        settings: the worker's settings (``settings.db`` is the store).
-        host / port: where the dashboard listens (port 0 = any free port).
-        refresh_s: the page's polling interval, seconds.
-        query_timeout_s: longest ``/api/query``, seconds.
-
-    Use as a context manager, or :meth:`start` / :meth:`stop`. :attr:`url` is the page.
+    Attributes:
+        host: address to listen on (loopback by default).
+        port: TCP port; 0 = any free port.
+        refresh_s: the dashboard page's polling interval, seconds.
+        query_timeout_s: longest ``/api/query``, seconds (then interrupted).
+        max_readers: read requests run at once (>= 1); ``None`` = no bound.
+        reader_nice: nice value (0-19) set on each thread that answers a read; 0 = normal
+            priority. Applied on Linux only (elsewhere a thread id is not a priority target).
     """
 
-    def __init__(
-        self, settings: ConsumerSettings, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-        refresh_s: float = 1.0, query_timeout_s: float = 120.0,
-    ) -> None:
-        self.settings = settings
-        self.host, self.port = host, port
-        self.refresh_s, self.query_timeout_s = refresh_s, query_timeout_s
-        self.worker: Worker | None = None
-        self.cursors: ReadCursors | None = None
-        self.server: DashboardServer | None = None
-        self.url = ""
-        self._thread: threading.Thread | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_READ_PORT
+    refresh_s: float = 1.0
+    query_timeout_s: float = 120.0
+    max_readers: int | None = DEFAULT_MAX_READERS
+    reader_nice: int = READER_NICE
 
-    def start(self, timeout: float = 60.0) -> str:
-        """Start the worker, wait until the store is open, start the dashboard, write the
-        sidecar. Returns the dashboard's URL.
+
+class BoundedReadCursors:
+    """:class:`~analysis.dashboard.cursors.ReadCursors` of which at most ``max_readers``
+    cursors are open at once, each used at a lower CPU priority: :meth:`cursor` lowers the
+    calling thread's priority to ``nice`` and waits for a free slot.
+
+    Args:
+        cursors: the cursors to bound (closed by :meth:`close`).
+        max_readers: slots (>= 1); ``None``: no bound.
+        nice: nice value (0-19) of the threads that take a cursor (Linux; a request
+            thread of the dashboard serves one connection, then ends). 0: unchanged.
+
+    Raises:
+        ValueError: ``max_readers`` < 1 or ``nice`` outside 0-19.
+    """
+
+    def __init__(self, cursors: ReadCursors, max_readers: int | None, nice: int = 0) -> None:
+        if max_readers is not None and max_readers < 1:
+            raise ValueError(f"max_readers must be at least 1, got {max_readers}")
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice must be within 0-19, got {nice}")
+        self.inner = cursors
+        self.db = cursors.db
+        self.writer = cursors.writer
+        self.nice = nice if sys.platform.startswith("linux") else 0
+        self._slots = threading.BoundedSemaphore(max_readers) if max_readers else None
+
+    @contextlib.contextmanager
+    def cursor(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-only cursor (as ``ReadCursors.cursor``), once a slot is free; the calling
+        thread runs at nice :attr:`nice` from then on (a thread cannot raise its priority
+        back without privileges: call this from threads that only read).
 
         Raises:
-            ServeError: the worker failed (store locked, Kafka unreachable...) or the
-                address cannot be bound.
+            analysis.dashboard.cursors.StoreClosedError: the store was closed.
         """
-        from analysis.dashboard.cursors import ReadCursors
-        from consumer.worker import Worker
+        if self.nice:
+            tid = threading.get_native_id()
+            current = os.getpriority(os.PRIO_PROCESS, tid)
+            if current < self.nice:
+                os.setpriority(os.PRIO_PROCESS, tid, self.nice)
+        slot = self._slots if self._slots is not None else contextlib.nullcontext()
+        with slot, self.inner.cursor() as cur:
+            yield cur
 
-        opened = threading.Event()
-        roots: list[Any] = []
-
-        def on_open(sink: Any) -> None:
-            roots.append(sink.read_cursor())
-            opened.set()
-
-        self.worker = Worker(self.settings, on_open=on_open)
-        self._thread = threading.Thread(target=self._run_worker, name="gradstream-worker",
-                                        daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not opened.wait(0.05):
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self._thread.join(5)
-                raise ServeError(worker_failure(self.worker.error, self.settings.db))
-        self.cursors = ReadCursors.from_connection(roots[0], self.settings.db)
-        self._serve(self.cursors, writer=True)
-        return self.url
-
-    def _run_worker(self) -> None:
-        assert self.worker is not None
-        try:
-            self.worker.run()
-        except Exception as exc:  # kept in worker.error; reported by start() / alive()
-            log.error("consumer worker stopped: %s", exc)
-
-    def _serve(self, cursors: ReadCursors, writer: bool) -> None:
-        from analysis.dashboard.server import Dashboard, DashboardServer
-        from analysis.dashboard.sidecar import new_token, write_sidecar
-
-        token = new_token()
-        app = Dashboard(cursors, token, self.refresh_s, self.query_timeout_s, self._status)
-        try:
-            self.server = DashboardServer(app, self.host, self.port)
-        except OSError as exc:
-            self.stop()
-            raise ServeError(
-                f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc} "
-                "(choose another --port, or stop the process using it)"
-            ) from None
-        self.server.start()
-        self.url = client_url(self.server.url, self.host)
-        write_sidecar(cursors.db, self.url, token, writer=writer)
-
-    def _status(self) -> dict[str, Any]:
-        if self.worker is None:
-            return {}
-        counters = asdict(self.worker.counters)
-        counters.pop("dead_letter_reasons", None)
-        return {"counters": counters, "worker_alive": self.alive(),
-                "group_id": self.settings.group_id, "topic": self.settings.topic}
-
-    def alive(self) -> bool:
-        """Whether the worker thread still runs."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def stop(self) -> None:
-        """Remove the sidecar, stop the dashboard, close the cursors, stop the worker."""
-        from analysis.dashboard.sidecar import remove_sidecar
-
-        if self.cursors is not None:
-            remove_sidecar(self.cursors.db)
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-        if self.cursors is not None:
-            self.cursors.close()
-        if self.worker is not None:
-            self.worker.stop()
-        if self._thread is not None:
-            self._thread.join(60)
-
-    def __enter__(self) -> ServedWorker:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Close the cursors (``ReadCursors.close``): queued requests then get
+        ``StoreClosedError``."""
+        self.inner.close(timeout_s)
 
 
-class ServedStore(ServedWorker):
-    """The dashboard on a store no process writes (opened read-only); no worker.
+class ReadEndpoint:
+    """The loopback read endpoint (dashboard, ``/api/query``...) of one store.
 
     Args:
-        db: the store file. Other arguments as :class:`ServedWorker`.
+        db: the store file.
+        options: where and how to serve.
+        status: extra JSON for ``/api/status`` (e.g. the loop's counters).
+        command: the ``gradstream`` command of this process, written in the sidecar.
+
+    :meth:`attach` is the ``on_open`` hook of a consumer loop; :meth:`open_read_only`
+    serves a file no process writes. :attr:`url` is the base URL once serving.
     """
 
-    def __init__(self, db: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 refresh_s: float = 1.0, query_timeout_s: float = 120.0) -> None:
-        super().__init__(None, host, port, refresh_s, query_timeout_s)  # type: ignore[arg-type]
-        self.db = db
+    def __init__(self, db: str | os.PathLike[str], options: EndpointOptions,
+                 status: Callable[[], dict[str, Any]] | None = None,
+                 command: str = "serve") -> None:
+        self.db = Path(db)
+        self.options = options
+        self.status = status
+        self.command = command
+        self.cursors: BoundedReadCursors | None = None
+        self.server: DashboardServer | None = None
+        self.url = ""
+        self._closing = threading.Lock()  # the loop's thread and the main thread both close
 
-    def start(self, timeout: float = 60.0) -> str:
-        """Open the store read-only and start the dashboard.
+    def attach(self, sink: DuckDBSink) -> None:
+        """Serve reads on the writer's database instance (called on the loop's thread
+        right after the store is opened, before consuming).
+
+        Raises:
+            ServeError: the address cannot be bound.
+        """
+        from analysis.dashboard.cursors import ReadCursors
+
+        self.serve(ReadCursors.from_connection(sink.read_cursor(), self.db), writer=True)
+
+    def open_read_only(self) -> str:
+        """Open the store read-only and serve it. Returns the URL.
 
         Raises:
             ServeError: missing file, store locked by a writer, or address in use.
@@ -188,27 +210,258 @@ class ServedStore(ServedWorker):
         if not self.db.exists():
             raise ServeError(f"no gradstream store at {str(self.db)!r} (pass --db)")
         try:
-            self.cursors = ReadCursors.open_read_only(self.db)
+            cursors = ReadCursors.open_read_only(self.db)
         except duckdb.Error as exc:
-            hint = (" It is being written by another process: run `gradstream serve` in place "
-                    "of that process, or query through its server.") if "lock" in str(
-                exc).lower() else ""
-            raise ServeError(f"cannot open {str(self.db)!r} read-only: {exc}.{hint}") from None
-        self._serve(self.cursors, writer=False)
+            raise ServeError(f"cannot open {str(self.db)!r} read-only: {exc}."
+                             f"{_held_hint(self.db, exc)}") from None
+        return self.serve(cursors, writer=False)
+
+    def serve(self, cursors: ReadCursors, writer: bool) -> str:
+        """Serve ``cursors`` over HTTP and write the sidecar. Returns the URL.
+
+        Raises:
+            ServeError: the address cannot be bound (``cursors`` are then closed).
+        """
+        from analysis.dashboard.server import Dashboard, DashboardServer
+        from analysis.dashboard.sidecar import new_token, write_sidecar
+
+        o = self.options
+        self.cursors = BoundedReadCursors(cursors, o.max_readers, o.reader_nice)
+        token = new_token()
+        app = Dashboard(self.cursors, token, o.refresh_s, o.query_timeout_s,  # type: ignore[arg-type]
+                        self.status)
+        try:
+            self.server = DashboardServer(app, o.host, o.port)
+        except OSError as exc:
+            self.close()
+            raise ServeError(
+                f"cannot listen on {o.host}:{o.port}: {exc.strerror or exc} "
+                "(choose another port, or stop the process using it)"
+            ) from None
+        self.server.start()
+        self.url = client_url(self.server.url, o.host)
+        write_sidecar(self.db, self.url, token, writer=writer, command=self.command)
         return self.url
 
+    def close(self) -> None:
+        """Remove the sidecar, stop serving, close the cursors (interrupting the queries
+        still running), so that the writer can checkpoint and close the file. Idempotent."""
+        from analysis.dashboard.sidecar import remove_sidecar
+
+        with self._closing:
+            remove_sidecar(self.db)
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+            if self.cursors is not None:
+                self.cursors.close()
+                self.cursors = None
+
+
+class ServedLoop(Generic[LoopT]):
+    """A consumer loop on a background thread, answering reads on its store while it
+    writes.
+
+    Args:
+        make_loop: builds the loop given its ``on_open`` hook, e.g.
+            ``functools.partial(Worker, settings)`` or ``functools.partial(Store,
+            settings)`` (both take ``(settings, on_open)``).
+        db: the store the loop writes.
+        options: the read endpoint's; ``None``: no endpoint (the loop holds the file and
+            answers nothing).
+        command: the ``gradstream`` command of this process (``consume``, ``store``,
+            ``serve``, ``demo``), written in the sidecar.
+
+    Use as a context manager, or :meth:`start` / :meth:`stop`. :attr:`url` is the
+    endpoint's base URL ("" without one).
+    """
+
+    def __init__(self, make_loop: Callable[[OnOpen | None], LoopT],
+                 db: str | os.PathLike[str], options: EndpointOptions | None,
+                 command: str = "serve") -> None:
+        self.db = str(db)
+        self.endpoint = (None if options is None
+                         else ReadEndpoint(db, options, self._status, command))
+        self._opened = threading.Event()
+        self.loop = make_loop(self._on_open)
+        self.url = ""
+        self._thread: threading.Thread | None = None
+
+    def _on_open(self, sink: DuckDBSink) -> None:
+        if self.endpoint is not None:
+            self.endpoint.attach(sink)
+        self._opened.set()
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Start the loop; with an endpoint, wait until the store is open and served.
+        Returns the endpoint's URL ("" without one).
+
+        Raises:
+            ServeError: the loop stopped before the store was served (store locked, Kafka
+                unreachable, address in use...) or did not open it within ``timeout`` s.
+        """
+        self._thread = threading.Thread(target=self._run_loop, name="gradstream-loop",
+                                        daemon=True)
+        self._thread.start()
+        if self.endpoint is None:
+            return ""
+        deadline = time.monotonic() + timeout
+        while not self._opened.wait(0.05):
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop(timeout=5.0)
+                raise ServeError(self.failure())
+        self.url = self.endpoint.url
+        return self.url
+
+    def _run_loop(self) -> None:
+        try:
+            self.loop.run()
+        except Exception as exc:  # kept in loop.error; reported by start() / failure()
+            log.error("%s stopped: %s", type(self.loop).__name__.lower(), exc)
+        finally:  # a loop that ended by itself answers nothing more
+            if self.endpoint is not None:
+                self.endpoint.close()
+
+    def _status(self) -> dict[str, Any]:
+        counters = asdict(self.loop.counters)  # type: ignore[call-overload]
+        counters.pop("dead_letter_reasons", None)
+        return {"counters": counters, "worker_alive": self.alive(),
+                "group_id": self.loop.settings.group_id, "topic": self.loop.topics()[0]}
+
     def alive(self) -> bool:
-        """Always True (no worker)."""
-        return True
+        """Whether the loop's thread still runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, stop: threading.Event, poll_s: float = 0.5) -> bool:
+        """Block until ``stop`` is set or the loop ends by itself, then :meth:`stop`.
+        Returns True when the loop ended by itself (see :meth:`failure`)."""
+        ended = False
+        try:
+            while not stop.wait(poll_s):
+                if not self.alive():
+                    ended = True
+                    break
+        finally:
+            self.stop()
+        return ended
+
+    def failure(self) -> str:
+        """What to tell the user about the loop's end (:func:`worker_failure`)."""
+        return worker_failure(self.loop.error, self.db)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop answering reads (sidecar removed, queries interrupted), then stop the loop
+        (it writes its last batch and closes the file) and wait for it, at most
+        ``timeout`` s (None: until it is done, as a process must before it exits)."""
+        if self.endpoint is not None:
+            self.endpoint.close()
+        self.loop.stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> ServedLoop[LoopT]:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ServedWorker(ServedLoop["Worker"]):
+    """A consumer worker (:class:`consumer.worker.Worker`) whose store is served by the
+    dashboard of this process (``gradstream serve``, ``demo``).
+
+    Args:
+        settings: the worker's settings (``settings.db`` is the store).
+        host / port / refresh_s / query_timeout_s / max_readers: as
+            :class:`EndpointOptions` (``port`` defaults to :data:`DEFAULT_PORT`).
+        command: as :class:`ServedLoop`.
+    """
+
+    def __init__(
+        self, settings: ConsumerSettings, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+        refresh_s: float = 1.0, query_timeout_s: float = 120.0,
+        max_readers: int | None = DEFAULT_MAX_READERS, command: str = "serve",
+    ) -> None:
+        from consumer.worker import Worker
+
+        super().__init__(functools.partial(Worker, settings), settings.db,
+                         EndpointOptions(host, port, refresh_s, query_timeout_s, max_readers),
+                         command)
+
+    @property
+    def worker(self) -> Worker:
+        """The :class:`consumer.worker.Worker`."""
+        return self.loop
+
+
+class ServedStore:
+    """The dashboard on a store no process writes (opened read-only); no loop.
+
+    Args:
+        db: the store file.
+        host / port / refresh_s / query_timeout_s / max_readers: as
+            :class:`EndpointOptions`.
+    """
+
+    def __init__(self, db: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                 refresh_s: float = 1.0, query_timeout_s: float = 120.0,
+                 max_readers: int | None = DEFAULT_MAX_READERS) -> None:
+        self.db = str(db)
+        # No writer to leave the CPU to: readers keep their normal priority.
+        self.endpoint = ReadEndpoint(db, EndpointOptions(host, port, refresh_s, query_timeout_s,
+                                                         max_readers, reader_nice=0))
+        self.url = ""
+
+    def start(self) -> str:
+        """Open the store read-only and serve it. Returns the URL.
+
+        Raises:
+            ServeError: missing file, store locked by a writer, or address in use.
+        """
+        self.url = self.endpoint.open_read_only()
+        return self.url
+
+    def wait(self, stop: threading.Event, poll_s: float = 0.5) -> bool:
+        """Block until ``stop`` is set, then :meth:`stop`. Returns False (nothing ends by
+        itself)."""
+        try:
+            while not stop.wait(poll_s):
+                pass
+        finally:
+            self.stop()
+        return False
+
+    def failure(self) -> str:
+        """Never called (:meth:`wait` returns False)."""
+        return ""
+
+    def stop(self) -> None:
+        """Stop serving and close the store."""
+        self.endpoint.close()
+
+
+def _held_hint(db: Path, exc: Exception) -> str:
+    """Where to read a store another process holds (``exc``: the error opening it)."""
+    from analysis.dashboard.sidecar import read_sidecar
+
+    if "lock" not in str(exc).lower():
+        return ""
+    info = read_sidecar(db)
+    if info is None:
+        return (" Another process writes it without a read endpoint (--no-read-endpoint): "
+                "stop it, or restart it without that flag.")
+    return (f" `gradstream {info.command}` (pid {info.pid}) writes it and serves its "
+            f"dashboard at {info.url}/")
 
 
 def worker_failure(error: BaseException | None, db: str) -> str:
-    """What to tell the user when the worker serving ``db`` stopped with ``error`` (None:
-    it never opened the store)."""
+    """What to tell the user when the loop writing ``db`` stopped with ``error`` (None:
+    it never opened the store): the lock held by another process, else the error."""
     if error is None:
-        return "the consumer worker did not open the store in time"
+        return f"the store {db} was not opened in time"
     text = str(error)
-    if "lock" in text.lower():
-        return (f"the store {db} is held by another process (a `gradstream consume` or "
-                "`serve`?). Stop it, or use --db for another file.")
-    return f"the consumer worker failed: {text}"
+    if not isinstance(error, ServeError) and "lock" in text.lower():
+        return (f"the store {db} is held by another process (a `gradstream consume`, "
+                "`store` or `serve`?). Stop it, or use --db for another file.")
+    return text or type(error).__name__

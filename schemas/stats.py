@@ -268,8 +268,9 @@ def csr_from_lists(
 
 class SummaryMessage(Protocol):
     """What :meth:`LayerStatistic.from_message` reads of a ``schemas.wire.StepSummary`` or
-    ``MergedFrame`` (``k`` layers, every list aligned with ``layer_indices``; optional
-    statistics are None when not sent)."""
+    ``MergedFrame`` (``k`` layers, every array aligned with ``layer_indices``: a list, or
+    a read-only NumPy array in a binary-decoded message; optional statistics are None
+    when not sent)."""
 
     @property
     def layer_indices(self) -> Sequence[int]: ...
@@ -384,6 +385,12 @@ _RULES: dict[type, tuple[tuple[str, str], ...]] = {}
 """Per statistic class, its (field name, merge rule) pairs (cached ``dataclasses.fields``)."""
 
 
+def _or_empty(values: Sequence[Any] | np.ndarray | None) -> Sequence[Any] | np.ndarray:
+    """A message's array field, or an empty tuple when absent (a list or a NumPy array:
+    never tested for truth)."""
+    return () if values is None else values
+
+
 def _floats(values: Sequence[float] | np.ndarray) -> np.ndarray:
     return np.array(values, dtype=np.float64)
 
@@ -398,8 +405,10 @@ class LayerStatistic:
     Subclasses are dataclasses whose fields are arrays with the layer on axis 0 (or nested
     statistics), each declared with its merge rule (add / max / min). This base implements,
     from those rules: :meth:`merge_at`, ``+=``, ``+``, :meth:`copy`, :meth:`take`,
-    :meth:`per_copy`, :meth:`pooled`, :meth:`state` and :meth:`exact_fields`; subclasses
-    implement ``empty``, ``update``, ``from_columns``, ``to_columns``, ``from_message`` and
+    :meth:`per_copy`, :meth:`pooled`, :meth:`state` and :meth:`exact_fields`, and
+    :meth:`update`'s layer dispatch (validate ``layer``, then one layer or one layer per
+    element); subclasses implement ``empty``, ``_update_layer`` and ``_update_elements``
+    (what raw values add), ``from_columns``, ``to_columns``, ``from_message`` and
     ``get``.
     """
 
@@ -411,7 +420,38 @@ class LayerStatistic:
         raise NotImplementedError
 
     def update(self, values: np.ndarray, layer: int | np.ndarray = 0) -> Self:
-        """Fold raw values in (see each subclass) and return ``self``."""
+        """Fold raw values in and return ``self``: what each element adds is the
+        subclass's (:meth:`_update_layer`, :meth:`_update_elements`); the layer dispatch is
+        this one.
+
+        Args:
+            values: array of any shape (float or integer dtype; each subclass says how it
+                widens).
+            layer: the layer of every element (int), or int[values.shape], one layer per
+                element.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: a layer index out of range, or a ``layer`` array of another shape
+                or a non-integer dtype.
+        """
+        x = np.asarray(values)
+        where = _layer_of(layer, x, self.num_layers)
+        if isinstance(where, int):
+            self._update_layer(x.reshape(-1), where)
+        else:
+            self._update_elements(x.reshape(-1), where)
+        return self
+
+    def _update_layer(self, flat: np.ndarray, layer: int) -> None:
+        """Fold the 1-D array ``flat`` into layer ``layer`` (checked in range)."""
+        raise NotImplementedError
+
+    def _update_elements(self, flat: np.ndarray, where: np.ndarray) -> None:
+        """Fold the 1-D array ``flat`` in, element i into layer ``where[i]`` (intp[n],
+        checked in range)."""
         raise NotImplementedError
 
     @classmethod
@@ -694,34 +734,22 @@ class GradientSums(LayerStatistic):
         return cls.from_columns(message.numel, message.sum_abs, message.sum_sq,
                                 message.max_abs, message.nonfinite)
 
-    def update(self, values: np.ndarray, layer: int | np.ndarray = 0) -> GradientSums:
-        """Fold in raw gradient values: every element counts in ``numel``; NaN/Inf in
-        ``nonfinite`` only; the finite ones in the sums and the maximum (float64
-        accumulation, whatever the input dtype).
+    def _update_layer(self, flat: np.ndarray, layer: int) -> None:
+        """:meth:`LayerStatistic.update` of raw gradient values: every element counts in
+        ``numel``; NaN/Inf in ``nonfinite`` only; the finite ones in the sums and the
+        maximum (float64 accumulation, whatever the input dtype)."""
+        a, q, m, bad = _gradient_sums(flat)
+        self.numel[layer] += flat.size
+        self.abs_numel[layer] += flat.size
+        with np.errstate(over="ignore"):
+            self.sum_abs[layer] += a
+            self.sum_sq[layer] += q
+        self.max_abs[layer] = max(self.max_abs[layer], m)
+        self.nonfinite[layer] += bad
 
-        Args:
-            values: array of any shape and float (or integer) dtype.
-            layer: the layer of every element (int), or int[values.shape], one per element.
-
-        Returns:
-            ``self``.
-
-        Raises:
-            ValueError: a layer index out of range, or a ``layer`` array of another shape.
-        """
-        x = np.asarray(values)
-        where = _layer_of(layer, x, self.num_layers)
-        if isinstance(where, int):
-            a, q, m, bad = _gradient_sums(x.reshape(-1))
-            self.numel[where] += x.size
-            self.abs_numel[where] += x.size
-            with np.errstate(over="ignore"):
-                self.sum_abs[where] += a
-                self.sum_sq[where] += q
-            self.max_abs[where] = max(self.max_abs[where], m)
-            self.nonfinite[where] += bad
-            return self
-        v = x.reshape(-1).astype(np.float64)
+    def _update_elements(self, flat: np.ndarray, where: np.ndarray) -> None:
+        """As :meth:`_update_layer`, element i into layer ``where[i]``."""
+        v = flat.astype(np.float64)
         finite = np.isfinite(v)
         size = self.num_layers
         counts = np.bincount(where, minlength=size)
@@ -733,7 +761,6 @@ class GradientSums(LayerStatistic):
             self.sum_abs += np.bincount(at, weights=good, minlength=size)
             self.sum_sq += np.bincount(at, weights=good * good, minlength=size)
         np.maximum.at(self.max_abs, at, good)
-        return self
 
     @classmethod
     def from_layers(cls, layers: Sequence[np.ndarray]) -> GradientSums:
@@ -878,8 +905,8 @@ class ExponentHistogram(LayerStatistic):
             counts, nonfinite = message.exp_hist_counts, message.nonfinite
         if offsets is None or nonfinite is None:
             return None
-        return {"offsets": offsets, "columns": columns or (), "counts": counts or (),
-                "nonfinite": nonfinite}
+        return {"offsets": offsets, "columns": _or_empty(columns),
+                "counts": _or_empty(counts), "nonfinite": nonfinite}
 
     @classmethod
     def from_message(
@@ -914,32 +941,20 @@ class ExponentHistogram(LayerStatistic):
         self.nonfinite[_as_slice(idx)] += _ints(nonfinite)
         return self
 
-    def update(self, values: np.ndarray, layer: int | np.ndarray = 0) -> ExponentHistogram:
-        """Bin raw values by base-2 exponent (exactly, subnormals included: the column is
-        read from the IEEE 754 exponent field, zeros and subnormals re-binned with
-        ``np.frexp``); NaN/Inf go to ``nonfinite``.
+    def _update_layer(self, flat: np.ndarray, layer: int) -> None:
+        """:meth:`LayerStatistic.update` of raw values: bin them by base-2 exponent
+        (exactly, subnormals included: the column is read from the IEEE 754 exponent
+        field, zeros and subnormals re-binned with ``np.frexp``); NaN/Inf go to
+        ``nonfinite``. float16/32/64 are binned from their own bits (float16 widened to
+        float32 exactly), other dtypes as float64."""
+        total = np.zeros(EXP_HIST_BINS + 1, np.int64)
+        for lo in range(0, flat.size, _CHUNK):
+            total += _exponent_counts(flat[lo:lo + _CHUNK])
+        self.counts[layer] += total[:EXP_HIST_BINS]
+        self.nonfinite[layer] += total[EXP_HIST_BINS]
 
-        Args:
-            values: array of any shape; float16/32/64 are binned from their own bits
-                (float16 widened to float32 exactly), other dtypes as float64.
-            layer: the layer of every element (int), or int[values.shape].
-
-        Returns:
-            ``self``.
-
-        Raises:
-            ValueError: a layer index out of range, or a ``layer`` array of another shape.
-        """
-        x = np.asarray(values)
-        where = _layer_of(layer, x, self.num_layers)
-        flat = x.reshape(-1)
-        if isinstance(where, int):
-            total = np.zeros(EXP_HIST_BINS + 1, np.int64)
-            for lo in range(0, flat.size, _CHUNK):
-                total += _exponent_counts(flat[lo:lo + _CHUNK])
-            self.counts[where] += total[:EXP_HIST_BINS]
-            self.nonfinite[where] += total[EXP_HIST_BINS]
-            return self
+    def _update_elements(self, flat: np.ndarray, where: np.ndarray) -> None:
+        """As :meth:`_update_layer`, element i into layer ``where[i]``."""
         cols = _exponent_columns(flat)
         bad = cols == EXP_HIST_BINS
         size = self.num_layers
@@ -947,7 +962,6 @@ class ExponentHistogram(LayerStatistic):
         keys = where[~bad] * EXP_HIST_BINS + cols[~bad]
         self.counts += np.bincount(keys, minlength=size * EXP_HIST_BINS).reshape(
             size, EXP_HIST_BINS)
-        return self
 
     @classmethod
     def from_layers(cls, layers: Sequence[np.ndarray]) -> ExponentHistogram:
@@ -1042,34 +1056,22 @@ class SumOfSquares(LayerStatistic):
         values = getattr(message, name)
         return None if values is None else cls.from_columns(message.numel, values)
 
-    def update(self, values: np.ndarray, layer: int | np.ndarray = 0) -> SumOfSquares:
-        """Fold in raw values: every element counts in ``numel``, the finite ones add their
-        square (float64).
+    def _update_layer(self, flat: np.ndarray, layer: int) -> None:
+        """:meth:`LayerStatistic.update` of raw values: every element counts in
+        ``numel``, the finite ones add their square (float64)."""
+        _, q, _, _ = _gradient_sums(flat)
+        self.numel[layer] += flat.size
+        with np.errstate(over="ignore"):
+            self.sum_sq[layer] += q
 
-        Args:
-            values: array of any shape. layer: int, or int[values.shape].
-
-        Returns:
-            ``self``.
-
-        Raises:
-            ValueError: a layer index out of range, or a ``layer`` array of another shape.
-        """
-        x = np.asarray(values)
-        where = _layer_of(layer, x, self.num_layers)
-        if isinstance(where, int):
-            _, q, _, _ = _gradient_sums(x.reshape(-1))
-            self.numel[where] += x.size
-            with np.errstate(over="ignore"):
-                self.sum_sq[where] += q
-            return self
-        v = x.reshape(-1).astype(np.float64)
+    def _update_elements(self, flat: np.ndarray, where: np.ndarray) -> None:
+        """As :meth:`_update_layer`, element i into layer ``where[i]``."""
+        v = flat.astype(np.float64)
         finite = np.isfinite(v)
         self.numel += np.bincount(where, minlength=self.num_layers)
         with np.errstate(over="ignore"):
             self.sum_sq += np.bincount(where[finite], weights=v[finite] ** 2,
                                        minlength=self.num_layers)
-        return self
 
     def saturate(self) -> SumOfSquares:
         """Clip ``sum_sq`` at the largest finite double, in place; returns ``self``."""
@@ -1234,39 +1236,29 @@ class PowerSums(LayerStatistic):
         nonfinite = _ints(message.weight_nonfinite)
         return cls.from_columns(
             _ints(message.numel) - nonfinite, message.weight_sum,
-            message.weight_sum_sq or (), message.weight_sum_cube or (),
-            message.weight_sum_quad or (), message.weight_min or (), message.weight_max or (),
+            *(_or_empty(getattr(message, name)) for name in (
+                "weight_sum_sq", "weight_sum_cube", "weight_sum_quad", "weight_min",
+                "weight_max")),
             nonfinite,
         )
 
-    def update(self, values: np.ndarray, layer: int | np.ndarray = 0) -> PowerSums:
-        """Fold in raw values: NaN/Inf count in ``nonfinite`` only; the finite ones add
-        their powers (float64) and move the extremes.
+    def _update_layer(self, flat: np.ndarray, layer: int) -> None:
+        """:meth:`LayerStatistic.update` of raw values: NaN/Inf count in ``nonfinite``
+        only; the finite ones add their powers (float64) and move the extremes."""
+        n, a, b, c, d, lo, hi = _power_sums(flat)
+        self.count[layer] += n
+        self.nonfinite[layer] += flat.size - n
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.s1[layer] += a
+            self.s2[layer] += b
+            self.s3[layer] += c
+            self.s4[layer] += d
+        self.minimum[layer] = min(self.minimum[layer], lo)
+        self.maximum[layer] = max(self.maximum[layer], hi)
 
-        Args:
-            values: array of any shape. layer: int, or int[values.shape].
-
-        Returns:
-            ``self``.
-
-        Raises:
-            ValueError: a layer index out of range, or a ``layer`` array of another shape.
-        """
-        x = np.asarray(values)
-        where = _layer_of(layer, x, self.num_layers)
-        if isinstance(where, int):
-            n, a, b, c, d, lo, hi = _power_sums(x.reshape(-1))
-            self.count[where] += n
-            self.nonfinite[where] += x.size - n
-            with np.errstate(over="ignore", invalid="ignore"):
-                self.s1[where] += a
-                self.s2[where] += b
-                self.s3[where] += c
-                self.s4[where] += d
-            self.minimum[where] = min(self.minimum[where], lo)
-            self.maximum[where] = max(self.maximum[where], hi)
-            return self
-        v = x.reshape(-1).astype(np.float64)
+    def _update_elements(self, flat: np.ndarray, where: np.ndarray) -> None:
+        """As :meth:`_update_layer`, element i into layer ``where[i]``."""
+        v = flat.astype(np.float64)
         finite = np.isfinite(v)
         size = self.num_layers
         good, at = v[finite], where[finite]
@@ -1279,7 +1271,6 @@ class PowerSums(LayerStatistic):
                 getattr(self, name)[:] += np.bincount(at, weights=weights, minlength=size)
         np.minimum.at(self.minimum, at, good)
         np.maximum.at(self.maximum, at, good)
-        return self
 
     @classmethod
     def from_layers(cls, layers: Sequence[np.ndarray]) -> PowerSums:
@@ -1442,16 +1433,16 @@ class WeightMoments(LayerStatistic):
         self.power.merge_at(layers, power)
         return True
 
-    def update(self, values: np.ndarray, layer: int | np.ndarray = 0) -> WeightMoments:
-        """Fold in raw weights (both parts; see :meth:`PowerSums.update` and
-        :meth:`ExponentHistogram.update`). Returns ``self``.
+    def _update_layer(self, flat: np.ndarray, layer: int) -> None:
+        """:meth:`LayerStatistic.update` of raw weights: both parts (see
+        :meth:`PowerSums._update_layer` and :meth:`ExponentHistogram._update_layer`)."""
+        self.power._update_layer(flat, layer)
+        self.exp_hist._update_layer(flat, layer)
 
-        Raises:
-            ValueError: a layer index out of range, or a ``layer`` array of another shape.
-        """
-        self.power.update(values, layer)
-        self.exp_hist.update(values, layer)
-        return self
+    def _update_elements(self, flat: np.ndarray, where: np.ndarray) -> None:
+        """As :meth:`_update_layer`, element i into layer ``where[i]``."""
+        self.power._update_elements(flat, where)
+        self.exp_hist._update_elements(flat, where)
 
     def saturate(self) -> WeightMoments:
         """:meth:`PowerSums.saturate` in place; returns ``self``."""

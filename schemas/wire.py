@@ -33,7 +33,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -226,6 +225,14 @@ class StepSummary(_Wire):
     gradient before the cross-rank reduction (a DDP communication hook, a data-parallel
     rank's local gradient), for ``local_layer_indices`` with the meaning of the main arrays.
     They are stored per rank and never merged into frames.
+
+    Holding the arrays. A message validated from JSON or built in Python holds each array
+    field as a list; one decoded from the binary form holds it as the decoded buffer
+    itself, a read-only NumPy array (int64 or float64, checked by the same element rules
+    in NumPy), so that a consumer reads it with ``np.asarray`` without a copy and nothing
+    is converted element by element. Read array fields through ``np.asarray`` (or ``len``,
+    indexing, slicing), never with list-only operations (``x or ()``, ``==`` against a
+    list); message equality compares the values either way.
     """
 
     type: Literal["step_summary"] = "step_summary"
@@ -265,15 +272,28 @@ class StepSummary(_Wire):
     part_index: NonNegInt | None = None
     part_count: PosInt | None = None
 
-    _arrays: dict[str, np.ndarray] | None = PrivateAttr(default=None)
-
     def _np(self, name: str) -> np.ndarray:
-        """Field ``name`` as an int64 / float64 array: the decoded buffer of a binary
-        message, else converted from the list."""
-        if self._arrays is not None and name in self._arrays:
-            return self._arrays[name]
+        """Field ``name`` as an int64 / float64 array: the decoded buffer itself for a
+        binary message (no copy), else converted from the list."""
         kind = _ARRAY_FIELDS[name]
         return np.asarray(getattr(self, name), np.float64 if kind in _FLOAT_KINDS else np.int64)
+
+    def __eq__(self, other: object) -> bool:
+        """Field-wise equality in which an array field held as a list (JSON, or built in
+        Python) equals one held as a NumPy array (binary) with the same values."""
+        if type(other) is not type(self):
+            return NotImplemented
+        for name in type(self).model_fields:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if name in _ARRAY_FIELDS and mine is not None and theirs is not None:
+                if len(mine) != len(theirs) or not np.array_equal(self._np(name),
+                                                                  other._np(name)):
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # array fields are not hashable
 
     @property
     def has_abs(self) -> bool:
@@ -373,7 +393,7 @@ class StepSummary(_Wire):
             return
         if not all(given):
             raise ValueError("the local view goes together: " + ", ".join(_LOCAL_VIEW))
-        m = len(self.local_layer_indices or ())
+        m = len(self._np("local_layer_indices"))
         for name in _LOCAL_VIEW[1:]:
             if len(getattr(self, name)) != m:
                 raise ValueError(
@@ -487,7 +507,7 @@ class MergedFrame(StepSummary):
         if (self.local_ranks is None) != (self.local_layer_indices is None):
             raise ValueError("local_ranks goes with the local view")
         if self.local_ranks is not None and len(self.local_ranks) != len(
-            self.local_layer_indices or ()
+            () if self.local_layer_indices is None else self.local_layer_indices
         ):
             raise ValueError("local_ranks must be aligned with local_layer_indices")
         super()._check_local()
@@ -559,6 +579,10 @@ states (finite and >= 0, finite, int >= 0, int > 0, histogram column in [0, BINS
 
 _NON_EMPTY = frozenset({"layer_indices", "ranks_seen"})
 
+_LIST_FIELDS = frozenset({"ranks_seen"})
+"""Array fields a binary decode still hands over as a Python list (a few ranks, used as
+a set), where every other array field is a read-only NumPy array."""
+
 
 def _scalar_model(model: type[_Wire]) -> type[_Wire]:
     """A pydantic model with ``model``'s non-array fields (same types and constraints)."""
@@ -571,33 +595,53 @@ def _scalar_model(model: type[_Wire]) -> type[_Wire]:
     return create_model(f"{model.__name__}Scalars", __base__=_Wire, **fields)
 
 
-_BINARY_MODELS: dict[str, tuple[type[StepSummary], type[_Wire], tuple[str, ...]]] = {
+_BINARY_MODELS: dict[str, tuple[type[StepSummary], type[_Wire], tuple[str, ...],
+                                 tuple[tuple[str, int, bool], ...]]] = {
     m.model_fields["type"].default: (
         m, _scalar_model(m), tuple(
             name for name, dec in m.__pydantic_decorators__.model_validators.items()
             if dec.info.mode == "after"
         ),
+        tuple((name, _ARRAY_FIELDS[name], info.is_required())
+              for name, info in m.model_fields.items() if name in _ARRAY_FIELDS),
     )
     for m in (StepSummary, MergedFrame)
 }
+"""Per binary message type: the model, the model of its scalar fields, its after-validators
+and its array fields (name, element rule, required)."""
 
 
 def _check_elements(name: str, kind: int, values: np.ndarray) -> None:
-    """Vectorised element rule of one decoded array (ValueError names the first bad one)."""
+    """Vectorised element rule of one decoded array (ValueError names the first bad one).
+
+    The common case costs one or two reductions without temporaries: the minimum and the
+    maximum bound every element (a NaN makes the minimum NaN, which fails ``>=``); only a
+    failing array is scanned again to name its first bad element."""
+    if values.size == 0:
+        return
+    lo = values.min()
     if kind in _FLOAT_KINDS:
+        hi = values.max()
+        if (lo >= 0 if kind == _NONNEG_FLOAT else lo > -np.inf) and hi < np.inf:
+            return
         bad = ~np.isfinite(values)
         if kind == _NONNEG_FLOAT:
             bad |= values < 0
         rule = "finite and >= 0" if kind == _NONNEG_FLOAT else "finite"
     elif kind == _NONNEG_INT:
+        if lo >= 0:
+            return
         bad, rule = values < 0, ">= 0"
     elif kind == _POS_INT:
+        if lo > 0:
+            return
         bad, rule = values <= 0, "> 0"
     else:
+        if lo >= 0 and values.max() < EXP_HIST_BINS:
+            return
         bad, rule = (values < 0) | (values >= EXP_HIST_BINS), f"in [0, {EXP_HIST_BINS})"
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"{name}.{i}: must be {rule}, got {values[i]}")
+    i = int(np.argmax(bad))
+    raise ValueError(f"{name}.{i}: must be {rule}, got {values[i]}")
 
 
 def _binary_parts(raw: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -649,38 +693,31 @@ def _decode_binary(raw: bytes, allowed: tuple[str, ...]) -> StepSummary:
     if kind not in allowed:
         raise WireError(f"type: binary messages of type {kind!r} are not accepted here "
                         f"(expected one of {', '.join(allowed)})")
-    model, scalar_model, validators = _BINARY_MODELS[kind]
+    model, scalar_model, validators, fields = _BINARY_MODELS[kind]
     try:
         head = scalar_model.model_validate(scalars)
     except ValidationError as exc:
         raise WireError(_first_error(exc)) from None
-    values: dict[str, Any] = dict(head)
+    values: dict[str, Any] = dict(head.__dict__)
     try:
-        for name, info in model.model_fields.items():
-            if name not in _ARRAY_FIELDS:
-                continue
+        for name, kind_, required in fields:
             array = arrays.get(name)
             if array is None:
-                if info.is_required():
+                if required:
                     raise ValueError(f"{name}: Field required")
                 values[name] = None
                 continue
-            kind_ = _ARRAY_FIELDS[name]
             if kind_ not in _FLOAT_KINDS and array.dtype.kind != "i" and array.dtype.kind != "u":
                 raise ValueError(f"{name}: integer array expected, got {array.dtype}")
             if name in _NON_EMPTY and array.size == 0:
                 raise ValueError(f"{name}: List should have at least 1 item")
             _check_elements(name, kind_, array)
             array = array.astype(np.float64 if kind_ in _FLOAT_KINDS else np.int64, copy=False)
-            arrays[name] = array
-            values[name] = array.tolist()
+            array.flags.writeable = False  # the model is frozen; its arrays are too
+            values[name] = array.tolist() if name in _LIST_FIELDS else array
         message = model.model_construct(**values)
-        message._arrays = arrays  # the validators read the decoded buffers, not the lists
-        try:
-            for validator in validators:
-                getattr(message, validator)()
-        finally:
-            message._arrays = None
+        for validator in validators:
+            getattr(message, validator)()
     except ValueError as exc:
         raise WireError(f"{exc}") from None
     return message
@@ -796,8 +833,13 @@ def encode_message(
     Raises:
         WireError: the encoded message exceeds ``MAX_MESSAGE_BYTES``.
     """
-    if wire_format == "binary" and isinstance(message, StepSummary):
-        return encode_binary(message)
+    if isinstance(message, StepSummary):
+        if wire_format == "binary":
+            return encode_binary(message)
+        arrays = {name: value.tolist() for name in _ARRAY_FIELDS
+                  if isinstance(value := getattr(message, name, None), np.ndarray)}
+        if arrays:  # a binary-decoded message: JSON takes lists
+            message = message.model_copy(update=arrays)
     data = message.model_dump_json().encode()
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError(

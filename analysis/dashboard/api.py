@@ -20,6 +20,10 @@ from analysis.plots.grid import load_grid, load_layer_series
 
 if TYPE_CHECKING:
     import duckdb
+    from pydantic import BaseModel
+
+    from analysis.plots.grid import GradientGrid
+    from analysis.report import GradientFlowSummary
 
 _RUNS_SQL = """
     SELECT r.run_id, r.health, r.frames, r.issue_frames, r.last_step, r.world_size,
@@ -107,9 +111,23 @@ def grid(
     Raises:
         StoreError: unknown run or invalid range. ValueError: a limit < 1.
     """
-    return load_grid(
-        cur, run_id, max_steps, max_layers, from_step=from_step, to_step=to_step
-    ).to_json()
+    return grid_model(cur, run_id, max_steps, max_layers, from_step, to_step).to_json()
+
+
+def grid_model(
+    cur: duckdb.DuckDBPyConnection,
+    run_id: str,
+    max_steps: int,
+    max_layers: int,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> GradientGrid:
+    """The run's downsampled heatmap grid (:func:`analysis.plots.grid.load_grid`).
+
+    Raises:
+        StoreError: unknown run or invalid range. ValueError: a limit < 1.
+    """
+    return load_grid(cur, run_id, max_steps, max_layers, from_step=from_step, to_step=to_step)
 
 
 def layer(
@@ -145,16 +163,42 @@ def analyses() -> dict[str, object]:
     }
 
 
-def analysis(
+def report(
+    cur: duckdb.DuckDBPyConnection, run_id: str, from_step: int | None, to_step: int | None
+) -> GradientFlowSummary:
+    """The run summary (:func:`analysis.report.build_report`) over an inclusive step range.
+
+    Raises:
+        StoreError: unknown run or invalid range.
+    """
+    from analysis.report import build_report
+
+    return build_report(cur, run_id, from_step, to_step)
+
+
+def heatmap(
+    cur: duckdb.DuckDBPyConnection, run_id: str, max_columns: int, from_step: int | None,
+    to_step: int | None,
+) -> str:
+    """The ASCII flow-intensity heatmap (:func:`analysis.heatmap.ascii_heatmap`).
+
+    Raises:
+        StoreError: unknown run or invalid range.
+    """
+    from analysis.heatmap import ascii_heatmap
+
+    return ascii_heatmap(cur, run_id, max_columns, from_step=from_step, to_step=to_step)
+
+
+def analysis_report(
     cur: duckdb.DuckDBPyConnection,
     name: str,
     run_id: str,
     from_step: int | None,
     to_step: int | None,
     values: Mapping[str, str],
-) -> dict[str, object]:
-    """The report of the registered analysis ``name``, as ``gradstream analyze --kind name
-    --format json`` prints it (NaN and infinities as ``null``).
+) -> BaseModel:
+    """The report model of the registered analysis ``name``.
 
     Args:
         cur: read-only cursor on the store.
@@ -174,5 +218,22 @@ def analysis(
             f"{name} has no option {', '.join(unknown)}; its options: "
             f"{', '.join(entry.option_names) or 'none'}"
         )
-    report = entry.run(cur, run_id, from_step, to_step, values)
+    return entry.run(cur, run_id, from_step, to_step, values)
+
+
+def analysis(
+    cur: duckdb.DuckDBPyConnection,
+    name: str,
+    run_id: str,
+    from_step: int | None,
+    to_step: int | None,
+    values: Mapping[str, str],
+) -> dict[str, object]:
+    """:func:`analysis_report` as ``gradstream analyze --kind name --format json`` prints it
+    (NaN and infinities as ``null``).
+
+    Raises:
+        UnknownAnalysisError, ValueError, StoreError: as :func:`analysis_report`.
+    """
+    report = analysis_report(cur, name, run_id, from_step, to_step, values)
     return json.loads(report.model_dump_json())

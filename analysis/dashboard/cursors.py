@@ -9,8 +9,11 @@ READ ONLY`` (why this is the read-only mechanism available inside the writing pr
   where every cursor sees the frames committed so far (MVCC snapshot per request); or
 - :meth:`ReadCursors.open_read_only` on a file no one writes (``serve --no-consume``).
 
-Either way the instance's configuration is locked (``SET lock_configuration = true``) so a
-query cannot change settings the writer depends on.
+Either way the instance is hardened on construction (:func:`analysis.query.harden`): file
+access outside the store is off (``COPY ... TO``, ``EXPORT DATABASE``, ``read_text``,
+``ATTACH`` are refused) and the configuration is locked, so a query can neither write
+files nor change settings the writer depends on. Every process that serves reads builds
+its cursors here, so every one of them is hardened.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
+
+from analysis.query import harden
 
 
 class StoreClosedError(Exception):
@@ -36,6 +41,9 @@ class ReadCursors:
         db: the store's path (for display).
         writer: whether this process also writes the store.
         owns_root: close ``root`` in :meth:`close` (True when this object opened it).
+
+    Raises:
+        RuntimeError: the instance's configuration was already locked with file access on.
     """
 
     def __init__(
@@ -49,7 +57,7 @@ class ReadCursors:
         self._lock = threading.Condition()
         self._active: set[duckdb.DuckDBPyConnection] = set()
         self._closed = False
-        root.execute("SET lock_configuration = true")
+        harden(root)
 
     @classmethod
     def from_connection(

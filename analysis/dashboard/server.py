@@ -9,7 +9,14 @@ read-only cursor per request):
 ``GET /api/status``           store path, whether this process writes it, worker counters
 ``GET /api/runs``             runs with health, frames, issue ratio, alert counts
 ``GET /api/grid``             ``run``, ``max_steps``, ``max_layers``, ``from_step``, ``to_step``:
-                              the downsampled heatmap grid (:mod:`analysis.plots.grid`)
+                              the downsampled heatmap grid (:mod:`analysis.plots.grid`); with
+                              ``Accept: application/vnd.apache.arrow.stream`` the exact grid as
+                              Arrow (:func:`analysis.dashboard.wire.grid_to_arrow`)
+``GET /api/report``           ``run``, ``from_step``, ``to_step``: the run summary
+                              (:func:`analysis.report.build_report`), the JSON of ``gradstream
+                              report --format json``
+``GET /api/heatmap``          ``run``, ``max_columns``, ``from_step``, ``to_step``: the ASCII
+                              heatmap (:func:`analysis.heatmap.ascii_heatmap`), plain text
 ``GET /api/layer``            ``run``, ``layer``, ``max_points``: one layer's norm series
 ``GET /api/alerts``           ``run`` (optional), ``limit``: newest alerts first
 ``GET /api/analyses``         the registered analyses (:mod:`analysis.registry`): name, help,
@@ -18,15 +25,22 @@ read-only cursor per request):
                               field name (``window=10``): its report, the JSON of ``gradstream
                               analyze --kind <name> --format json``
 ``GET /api/export``           ``run``, ``format`` (csv/json/parquet/jsonl), ``from_step``,
-                              ``to_step``, ``order``: a download, written by DuckDB ``COPY``
-                              (header ``X-Gradstream-Rows``: rows written)
-``POST /api/query``           JSON ``{"sql": ..., "timeout_s": ...}`` with ``Authorization:
-                              Bearer <token>``: one read-only statement, Arrow IPC stream back
+                              ``to_step``, ``order``: a download (:mod:`analysis.export`;
+                              header ``X-Gradstream-Rows``: rows written)
+``POST /api/query``           JSON ``{"sql": ..., "params": {...} | [...], "timeout_s": ...}`` with
+                              ``Authorization: Bearer <token>``: one read-only statement, Arrow
+                              IPC stream back
 ============================  ======================================================================
 
+Every ``/api/`` read runs under one time limit: the server's ``query_timeout_s``, or the
+request's ``timeout_s`` (query parameter or JSON field) when smaller. ``/api/report`` and
+``/api/analysis/<name>`` answer ``Accept:`` :data:`~analysis.dashboard.wire.MODEL_JSON`
+with the exact report (NaN kept), which :class:`analysis.reader.EndpointReader` rebuilds.
+
 Errors are JSON ``{"error": message, "kind": ...}`` with 400 (bad argument), 401 (token),
-403 (write refused, or a foreign Host/Origin), 404 (also an unknown run or analysis), 413,
-503 (store closed).
+403 (``read_only``: a write refused; ``refused``: a file outside the store; ``forbidden``: a
+foreign Host/Origin), 404 (also an unknown run or analysis), 408 (``timeout``: the read
+reached its time limit), 413, 503 (store closed).
 
 Served on loopback by default. With a loopback bind the server also rejects requests
 whose ``Host`` header is not a loopback name (DNS-rebinding defence) and cross-origin
@@ -46,7 +60,7 @@ import re
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -56,9 +70,18 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 from analysis.dashboard import api
 from analysis.dashboard.cursors import ReadCursors, StoreClosedError
+from analysis.dashboard.wire import MODEL_JSON, grid_to_arrow, model_to_json, table_to_ipc
 from analysis.export import EXPORT_FORMATS, export_run
 from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, norm_palette
-from analysis.query import ARROW_STREAM, QueryError, ReadOnlyViolationError, execute_read_only
+from analysis.query import (
+    ARROW_STREAM,
+    QueryError,
+    QueryTimeoutError,
+    ReadOnlyViolationError,
+    ReadRefusedError,
+    execute_read_only,
+    time_limit,
+)
 from analysis.registry import UnknownAnalysisError
 from analysis.store import StoreError
 
@@ -69,6 +92,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "max_layers": (1, 4096),
     "max_points": (1, 8192),
     "limit": (1, 1000),
+    "max_columns": (1, 4096),
 }
 """Accepted ranges of the size parameters (a canvas is at most a few thousand device
 pixels wide; larger requests would only cost the writer's process time)."""
@@ -101,8 +125,19 @@ _CSP = (
 )
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 _JSON = "application/json; charset=utf-8"
-_RANGE_PARAMS = ("run", "from_step", "to_step")
+_RANGE_PARAMS = ("run", "from_step", "to_step", "timeout_s")
 """Query parameters of ``/api/analysis/<name>`` that are not options of the analysis."""
+
+
+def _read_error(exc: QueryError) -> _HTTPError:
+    """The HTTP answer to a refused or failed read (status and ``kind`` by cause)."""
+    if isinstance(exc, QueryTimeoutError):
+        return _HTTPError(HTTPStatus.REQUEST_TIMEOUT, str(exc), "timeout")
+    if isinstance(exc, ReadRefusedError):
+        return _HTTPError(HTTPStatus.FORBIDDEN, str(exc), "refused")
+    if isinstance(exc, ReadOnlyViolationError):
+        return _HTTPError(HTTPStatus.FORBIDDEN, str(exc), "read_only")
+    return _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid")
 
 
 class _HTTPError(Exception):
@@ -131,7 +166,7 @@ class Dashboard:
         cursors: provider of read-only cursors on the store.
         token: secret required by ``POST /api/query``.
         refresh_s: polling interval of the page, seconds.
-        query_timeout_s: longest ``/api/query`` run, seconds (then interrupted).
+        query_timeout_s: longest read of any ``/api/`` route, seconds (then interrupted).
         status: returns extra JSON for ``/api/status`` (e.g. the worker's counters).
     """
 
@@ -312,6 +347,33 @@ class _Handler(BaseHTTPRequestHandler):
             value = min(max(value, low), high)
         return value
 
+    def _timeout(self, wanted: object) -> float:
+        """The read's time limit: the server's, or ``wanted`` (seconds) when smaller."""
+        limit = self.app.query_timeout_s
+        if isinstance(wanted, str):
+            try:
+                wanted = float(wanted)
+            except ValueError:
+                raise _HTTPError(HTTPStatus.BAD_REQUEST,
+                                 f"timeout_s must be a number, got {wanted!r}", "invalid") from None
+        if isinstance(wanted, int | float) and math.isfinite(wanted) and wanted > 0:
+            limit = min(limit, float(wanted))
+        return limit
+
+    @contextlib.contextmanager
+    def _read(self, timeout: float) -> Iterator[Any]:
+        """A read-only cursor under the time limit; read errors become HTTP errors."""
+        try:
+            with self.app.cursors.cursor() as cur, time_limit(cur, timeout):
+                yield cur
+        except StoreClosedError as exc:
+            raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "closed") from None
+        except QueryError as exc:
+            raise _read_error(exc) from None
+
+    def _accepts(self, media: str) -> bool:
+        return media in self.headers.get("Accept", "")
+
     @staticmethod
     def _run(params: dict[str, str]) -> str:
         run = params.get("run")
@@ -340,6 +402,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(exc)
         except (BrokenPipeError, ConnectionResetError):
             pass
+        except Exception as exc:  # a bug: answer 500 rather than drop the connection
+            log.exception("GET %s failed", self.path)
+            self._error(_HTTPError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                                   f"internal error: {type(exc).__name__}: {exc}", "internal"))
 
     def do_POST(self) -> None:
         try:
@@ -373,7 +439,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _api(self, name: str, params: dict[str, str]) -> None:
         try:
-            with self.app.cursors.cursor() as cur:
+            with self._read(self._timeout(params.get("timeout_s"))) as cur:
                 if name == "runs":
                     self._json(api.runs(cur))
                 elif name == "alerts":
@@ -385,9 +451,24 @@ class _Handler(BaseHTTPRequestHandler):
                             self._int(params, "max_layers", 400) or 400,
                             self._int(params, "from_step", None),
                             self._int(params, "to_step", None))
-                    body = self.app.cached(cur, run, ("grid", run, *args),
-                                           lambda: api.grid(cur, run, *args))
-                    self._send(200, body, "application/json; charset=utf-8")
+                    if self._accepts(ARROW_STREAM):
+                        table = grid_to_arrow(api.grid_model(cur, run, *args))
+                        self._send(200, table_to_ipc(table), ARROW_STREAM)
+                    else:
+                        body = self.app.cached(cur, run, ("grid", run, *args),
+                                               lambda: api.grid(cur, run, *args))
+                        self._send(200, body, "application/json; charset=utf-8")
+                elif name == "report":
+                    run = self._run(params)
+                    summary = api.report(cur, run, self._int(params, "from_step", None),
+                                         self._int(params, "to_step", None))
+                    self._model(summary)
+                elif name == "heatmap":
+                    run = self._run(params)
+                    drawing = api.heatmap(cur, run, self._int(params, "max_columns", 100) or 100,
+                                          self._int(params, "from_step", None),
+                                          self._int(params, "to_step", None))
+                    self._send(200, drawing.encode("utf-8"), "text/plain; charset=utf-8")
                 elif name == "layer":
                     run = self._run(params)
                     layer = self._int(params, "layer", None)
@@ -408,8 +489,6 @@ class _Handler(BaseHTTPRequestHandler):
                     self._analysis(cur, name.removeprefix("analysis/"), params)
                 else:
                     raise _HTTPError(HTTPStatus.NOT_FOUND, f"no endpoint /api/{name}", "not_found")
-        except StoreClosedError as exc:
-            raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "closed") from None
         except UnknownAnalysisError as exc:
             raise _HTTPError(HTTPStatus.NOT_FOUND, str(exc), "not_found") from None
         except StoreError as exc:
@@ -418,10 +497,20 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as exc:
             raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid") from None
 
+    def _model(self, report: Any) -> None:
+        """A pydantic report: :data:`MODEL_JSON` when asked for, else the page's JSON."""
+        if self._accepts(MODEL_JSON):
+            self._send(200, model_to_json(report), MODEL_JSON)
+        else:
+            self._send(200, report.model_dump_json().encode("utf-8"), _JSON)
+
     def _analysis(self, cur: Any, name: str, params: dict[str, str]) -> None:
         run = self._run(params)
         steps = (self._int(params, "from_step", None), self._int(params, "to_step", None))
         options = {k: v for k, v in params.items() if k not in _RANGE_PARAMS}
+        if self._accepts(MODEL_JSON):
+            self._model(api.analysis_report(cur, name, run, *steps, options))
+            return
         key = ("analysis", name, run, *steps, tuple(sorted(options.items())))
         body = self.app.cached(cur, run, key,
                                lambda: api.analysis(cur, name, run, *steps, options))
@@ -469,28 +558,23 @@ class _Handler(BaseHTTPRequestHandler):
             request = json.loads(self.rfile.read(length).decode("utf-8"))
             sql = request["sql"]
             wanted = request.get("timeout_s")
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            params = request.get("params")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, AttributeError):
             raise _HTTPError(HTTPStatus.BAD_REQUEST, 'send {"sql": "..."}', "invalid") from None
         if not isinstance(sql, str):
             raise _HTTPError(HTTPStatus.BAD_REQUEST, "sql must be a string", "invalid")
-        timeout = self.app.query_timeout_s
-        if isinstance(wanted, int | float) and math.isfinite(wanted) and wanted > 0:
-            timeout = min(timeout, float(wanted))
+        if params is not None and not isinstance(params, dict | list):
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, "params must be an object or an array",
+                             "invalid")
+        timeout = self._timeout(wanted)
         try:
             with self.app.cursors.cursor() as cur:
-                table = execute_read_only(cur, sql, timeout)
+                table = execute_read_only(cur, sql, timeout, params)
         except StoreClosedError as exc:
             raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "closed") from None
-        except ReadOnlyViolationError as exc:
-            raise _HTTPError(HTTPStatus.FORBIDDEN, str(exc), "read_only") from None
         except QueryError as exc:
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid") from None
-        import pyarrow as pa
-
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        self._send(200, sink.getvalue().to_pybytes(), ARROW_STREAM)
+            raise _read_error(exc) from None
+        self._send(200, table_to_ipc(table), ARROW_STREAM)
 
 
 @contextlib.contextmanager

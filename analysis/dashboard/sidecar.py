@@ -1,11 +1,11 @@
-"""The sidecar file by which ``gradstream serve`` advertises itself next to its store.
+"""The sidecar file by which a process serving reads of its store advertises itself.
 
 ``<db>.serve.json`` (e.g. ``gradstream.duckdb.serve.json``) holds the server's URL, its
-process id and host, the store's absolute path, and a random token that ``/api/query``
-requires (``Authorization: Bearer <token>``). It is written atomically with mode 0600
-(only the store's owner can read the token) once the server listens, and removed when
-the server stops. :func:`read_sidecar` ignores a sidecar whose process is gone (a server
-that was killed) or that names another file.
+process id and host, the ``gradstream`` command it runs, the store's absolute path, and a
+random token that ``/api/query`` requires (``Authorization: Bearer <token>``). It is
+written atomically with mode 0600 (only the store's owner can read the token) once the
+server listens, and removed when the server stops. :func:`read_sidecar` ignores a
+sidecar whose process is gone (a server that was killed) or that names another file.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class ServeInfo:
         token: secret required by ``/api/query``.
         writer: whether the server also writes the store (runs the consumer worker).
         started_at: unix time (s) the server started listening.
+        command: the ``gradstream`` command of the process (``serve``, ``consume``,
+            ``store``, ``demo``), shown to users whose reads go through it.
     """
 
     url: str
@@ -43,6 +45,7 @@ class ServeInfo:
     token: str
     writer: bool
     started_at: float
+    command: str = "serve"
 
 
 def sidecar_path(db: str | os.PathLike[str]) -> Path:
@@ -56,8 +59,15 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def write_sidecar(db: str | os.PathLike[str], url: str, token: str, writer: bool) -> Path:
+def write_sidecar(
+    db: str | os.PathLike[str], url: str, token: str, writer: bool, command: str = "serve"
+) -> Path:
     """Write the sidecar of this process for store ``db`` (atomic rename, mode 0600).
+
+    Args:
+        db: the store; url: where the server answers; token: its ``/api/query`` secret;
+        writer: whether this process writes the store; command: the ``gradstream``
+        command it runs (see :class:`ServeInfo`).
 
     Returns:
         The sidecar's path.
@@ -68,7 +78,7 @@ def write_sidecar(db: str | os.PathLike[str], url: str, token: str, writer: bool
     target = sidecar_path(db)
     info = ServeInfo(
         url=url, pid=os.getpid(), host=socket.gethostname(), db=str(Path(db).resolve()),
-        token=token, writer=writer, started_at=time.time(),
+        token=token, writer=writer, started_at=time.time(), command=command,
     )
     temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

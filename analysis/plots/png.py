@@ -7,8 +7,11 @@
 - :func:`plot_series`: one line per row (layer, or bin of layers) of the maximum gradient
   norm over each column's steps, log scale, flagged points marked.
 
-Drawn with the non-interactive Agg backend; layer names are shown literally (``$`` escaped
-so no mathtext, control characters escaped).
+:func:`heatmap_figure` and :func:`series_figure` build the same pictures as
+``matplotlib.figure.Figure`` objects (axes and colour bars live, for a notebook to adjust).
+Figures are drawn on their own Agg canvas without pyplot, so drawing never changes the
+backend or closes a notebook's figures. Layer names are shown literally (``$`` escaped so
+no mathtext, control characters escaped).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 DPI = 100
 """Pixels per inch of the PNGs (figure sizes are given in pixels)."""
@@ -71,10 +75,7 @@ def display_name(name: str) -> str:
 def _figure_context() -> Iterator[None]:
     import matplotlib
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    with plt.rc_context({"font.size": 9}), warnings.catch_warnings():
+    with matplotlib.rc_context({"font.size": 9}), warnings.catch_warnings():
         # Layer names may hold characters the bundled font lacks (CJK, emoji): drawn as boxes.
         warnings.filterwarnings("ignore", message="Glyph .* missing from font")
         warnings.filterwarnings("ignore", message="Matplotlib currently does not support")
@@ -121,19 +122,79 @@ def _title(ax: Axes, text: str, grid: GradientGrid) -> None:
     ax.set_title(f"{text}\n{grid.caption()}", fontsize=10, loc="left")
 
 
+def _new_figure(width_px: int, height_px: int) -> tuple[Figure, Axes]:
+    """A pyplot-free figure of ``width_px x height_px`` pixels on an Agg canvas, one axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width_px / DPI, height_px / DPI), dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot()
+
+
+def _check_drawable(grid: GradientGrid) -> None:
+    rows, cols = grid.shape
+    if cols == 0 or rows == 0:
+        raise ValueError(f"run {grid.run_id!r} has no gradient frame to draw")
+
+
+def heatmap_figure(grid: GradientGrid, width_px: int = 1600,
+                   height_px: int | None = None) -> Figure:
+    """The layers x steps heatmap of log10 gradient norm as a matplotlib ``Figure``.
+
+    Args:
+        grid: from :func:`analysis.plots.grid.load_grid`.
+        width_px: figure width in pixels at :data:`DPI`.
+        height_px: figure height; default ``240 + ROW_PX x rows``, at most 2400.
+
+    Returns:
+        The figure (not registered with pyplot; Jupyter shows it as a PNG).
+
+    Raises:
+        ValueError: the grid has no column (no frame recorded in the range).
+    """
+    import matplotlib
+
+    _check_drawable(grid)
+    rows, cols = grid.shape
+    height_px = height_px or min(2400, 240 + ROW_PX * rows)
+    with _figure_context():
+        fig, ax = _new_figure(width_px, height_px)
+        log = grid.log_norm()
+        finite = log[np.isfinite(log)]
+        vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0, 1)
+        if vmin == vmax:
+            vmin, vmax = vmin - 0.5, vmax + 0.5
+        cmap = matplotlib.colormaps[NORM_CMAP].with_extremes(bad=FLAG_COLORS["no_data"])
+        image = ax.imshow(np.ma.masked_invalid(log), aspect="auto", interpolation="nearest",
+                          cmap=cmap, vmin=vmin, vmax=vmax)
+        fig.colorbar(image, ax=ax, label="log10 gradient L2 norm", pad=0.01)
+        fig.canvas.draw()
+        box = ax.get_window_extent()
+        _mark_cells(ax, grid, box.width / cols, box.height / rows)
+        _step_axis(ax, grid)
+        ticks = np.unique(np.linspace(0, rows - 1, min(rows, LABELED_ROWS)).round().astype(int))
+        ax.set_yticks(ticks, [display_name(grid.row_labels[i]) for i in ticks])
+        ax.set_ylabel("layer (model order)" + (
+            f", {grid.layers_per_row} per row" if grid.layers_per_row > 1 else ""))
+        _title(ax, f"Gradient flow of run {display_name(grid.run_id)}", grid)
+        fig.legend(handles=_legend_handles(grid), loc="outside lower left", ncol=5,
+                   fontsize=8, frameon=False)
+    return fig
+
+
 def plot_heatmap(
     grid: GradientGrid,
     path: str | os.PathLike[str],
     width_px: int = 1600,
     height_px: int | None = None,
 ) -> Path:
-    """Draw the layers x steps heatmap of log10 gradient norm to a PNG.
+    """Draw :func:`heatmap_figure` to a PNG.
 
     Args:
         grid: from :func:`analysis.plots.grid.load_grid`.
         path: the PNG to write (parent directories are created).
-        width_px: image width in pixels.
-        height_px: image height; default ``240 + ROW_PX x rows``, at most 2400.
+        width_px / height_px: image size in pixels (see :func:`heatmap_figure`).
 
     Returns:
         The written path.
@@ -142,42 +203,13 @@ def plot_heatmap(
         ValueError: the grid has no column (no frame recorded in the range).
         OSError: the file cannot be written.
     """
-    rows, cols = grid.shape
-    if cols == 0 or rows == 0:
-        raise ValueError(f"run {grid.run_id!r} has no gradient frame to draw")
-    target = _prepare(path)
-    height_px = height_px or min(2400, 240 + ROW_PX * rows)
-    with _figure_context():
-        import matplotlib
-        import matplotlib.pyplot as plt
+    return _save(heatmap_figure(grid, width_px, height_px), path)
 
-        fig, ax = plt.subplots(figsize=(width_px / DPI, height_px / DPI), dpi=DPI,
-                               layout="constrained")
-        try:
-            log = grid.log_norm()
-            finite = log[np.isfinite(log)]
-            vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0, 1)
-            if vmin == vmax:
-                vmin, vmax = vmin - 0.5, vmax + 0.5
-            cmap = matplotlib.colormaps[NORM_CMAP].with_extremes(bad=FLAG_COLORS["no_data"])
-            image = ax.imshow(np.ma.masked_invalid(log), aspect="auto", interpolation="nearest",
-                              cmap=cmap, vmin=vmin, vmax=vmax)
-            fig.colorbar(image, ax=ax, label="log10 gradient L2 norm", pad=0.01)
-            fig.canvas.draw()
-            box = ax.get_window_extent()
-            _mark_cells(ax, grid, box.width / cols, box.height / rows)
-            _step_axis(ax, grid)
-            ticks = np.unique(np.linspace(0, rows - 1, min(rows, LABELED_ROWS)).round()
-                              .astype(int))
-            ax.set_yticks(ticks, [display_name(grid.row_labels[i]) for i in ticks])
-            ax.set_ylabel("layer (model order)" + (
-                f", {grid.layers_per_row} per row" if grid.layers_per_row > 1 else ""))
-            _title(ax, f"Gradient flow of run {display_name(grid.run_id)}", grid)
-            fig.legend(handles=_legend_handles(grid), loc="outside lower left", ncol=5,
-                       fontsize=8, frameon=False)
-            fig.savefig(target, dpi=DPI)
-        finally:
-            plt.close(fig)
+
+def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    target = _prepare(path)
+    with _figure_context():
+        fig.savefig(target, dpi=DPI)
     return target
 
 
@@ -205,19 +237,78 @@ def _mark_cells(ax: Axes, grid: GradientGrid, cell_w: float, cell_h: float) -> N
                        edgecolors=FLAG_COLORS[key], linewidths=max(1.0, side_pt / 8))
 
 
-def plot_series(
-    grid: GradientGrid,
-    path: str | os.PathLike[str],
-    width_px: int = 1600,
-    height_px: int = 800,
-) -> Path:
-    """Draw each row's maximum gradient norm per column against the step, log scale.
+def series_figure(grid: GradientGrid, width_px: int = 1600, height_px: int = 800) -> Figure:
+    """Each row's maximum gradient norm per column against the step, log scale, as a
+    matplotlib ``Figure``.
 
     Up to 10 rows get a legend with their names (``tab10`` colours); more rows are coloured
     by model depth (``plasma``, with a colour bar of the layer index). Flagged points are
     marked (exploding: red x, vanishing: blue v). Steps with non-finite gradient elements
     in any row get a magenta * on the top edge (their norm, over finite elements only, may
     be 0 or meaningless). Norms of 0 cannot be drawn on a log axis and are left out.
+
+    Args:
+        grid: from :func:`analysis.plots.grid.load_grid`.
+        width_px / height_px: figure size in pixels at :data:`DPI`.
+
+    Returns:
+        The figure (not registered with pyplot).
+
+    Raises:
+        ValueError: the grid has no column.
+    """
+    import matplotlib
+
+    _check_drawable(grid)
+    rows = grid.shape[0]
+    with _figure_context():
+        fig, ax = _new_figure(width_px, height_px)
+        x = grid.col_first_step.astype(np.float64)
+        y = np.where(grid.max_norm > 0, grid.max_norm, np.nan)
+        few = rows <= 10
+        cmap = matplotlib.colormaps["tab10" if few else "plasma"]
+        colors = cmap(np.arange(rows) if few else np.linspace(0, 1, rows))
+        for r in range(rows):
+            ax.plot(x, y[r], color=colors[r], linewidth=1.0,
+                    label=display_name(grid.row_labels[r]) if few else None)
+        marks = ((FLAG_VANISHING, "vanishing", "v"), (FLAG_EXPLODING, "exploding", "x"))
+        for bit, key, marker in marks:
+            r, c = np.nonzero((grid.flags & bit) > 0)
+            ok = np.isfinite(y[r, c])
+            if ok.any():
+                ax.scatter(x[c[ok]], y[r[ok], c[ok]], marker=marker, s=30, zorder=3,
+                           color=FLAG_COLORS[key], label=key)
+        bad_cols = np.flatnonzero(((grid.flags & FLAG_NONFINITE) > 0).any(axis=0))
+        if len(bad_cols):
+            ax.scatter(x[bad_cols], np.ones(len(bad_cols)), marker="*", s=40, zorder=3,
+                       color=FLAG_COLORS["nonfinite"], clip_on=False,
+                       transform=ax.get_xaxis_transform(),
+                       label="non-finite elements (any layer)")
+        ax.set_yscale("log")
+        span = max(float(x[-1] - x[0]), 1.0)  # all steps, also those without a norm
+        ax.set_xlim(x[0] - 0.02 * span, x[-1] + 0.02 * span)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_xlabel("optimiser step" + (" (first step of each point's bin)"
+                                          if grid.steps_per_col > 1 else ""))
+        ax.set_ylabel("gradient L2 norm" + (" (max over bin)" if grid.downsampled else ""))
+        ax.grid(True, which="major", alpha=0.3)
+        if few or (grid.flags & (FLAG_VANISHING | FLAG_EXPLODING | FLAG_NONFINITE)).any():
+            ax.legend(fontsize=8, loc="best")
+        if not few:
+            mappable = matplotlib.cm.ScalarMappable(
+                norm=matplotlib.colors.Normalize(0, grid.n_layers - 1), cmap=cmap)
+            fig.colorbar(mappable, ax=ax, label="layer index (model order)", pad=0.01)
+        _title(ax, f"Per-layer gradient norm of run {display_name(grid.run_id)}", grid)
+    return fig
+
+
+def plot_series(
+    grid: GradientGrid,
+    path: str | os.PathLike[str],
+    width_px: int = 1600,
+    height_px: int = 800,
+) -> Path:
+    """Draw :func:`series_figure` to a PNG.
 
     Args:
         grid: from :func:`analysis.plots.grid.load_grid`.
@@ -231,57 +322,7 @@ def plot_series(
         ValueError: the grid has no column.
         OSError: the file cannot be written.
     """
-    rows, cols = grid.shape
-    if cols == 0 or rows == 0:
-        raise ValueError(f"run {grid.run_id!r} has no gradient frame to draw")
-    target = _prepare(path)
-    with _figure_context():
-        import matplotlib
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(width_px / DPI, height_px / DPI), dpi=DPI,
-                               layout="constrained")
-        try:
-            x = grid.col_first_step.astype(np.float64)
-            y = np.where(grid.max_norm > 0, grid.max_norm, np.nan)
-            few = rows <= 10
-            cmap = matplotlib.colormaps["tab10" if few else "plasma"]
-            colors = cmap(np.arange(rows) if few else np.linspace(0, 1, rows))
-            for r in range(rows):
-                ax.plot(x, y[r], color=colors[r], linewidth=1.0,
-                        label=display_name(grid.row_labels[r]) if few else None)
-            marks = ((FLAG_VANISHING, "vanishing", "v"), (FLAG_EXPLODING, "exploding", "x"))
-            for bit, key, marker in marks:
-                r, c = np.nonzero((grid.flags & bit) > 0)
-                ok = np.isfinite(y[r, c])
-                if ok.any():
-                    ax.scatter(x[c[ok]], y[r[ok], c[ok]], marker=marker, s=30, zorder=3,
-                               color=FLAG_COLORS[key], label=key)
-            bad_cols = np.flatnonzero(((grid.flags & FLAG_NONFINITE) > 0).any(axis=0))
-            if len(bad_cols):
-                ax.scatter(x[bad_cols], np.ones(len(bad_cols)), marker="*", s=40, zorder=3,
-                           color=FLAG_COLORS["nonfinite"], clip_on=False,
-                           transform=ax.get_xaxis_transform(),
-                           label="non-finite elements (any layer)")
-            ax.set_yscale("log")
-            span = max(float(x[-1] - x[0]), 1.0)  # all steps, also those without a norm
-            ax.set_xlim(x[0] - 0.02 * span, x[-1] + 0.02 * span)
-            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-            ax.set_xlabel("optimiser step" + (" (first step of each point's bin)"
-                                              if grid.steps_per_col > 1 else ""))
-            ax.set_ylabel("gradient L2 norm" + (" (max over bin)" if grid.downsampled else ""))
-            ax.grid(True, which="major", alpha=0.3)
-            if few or (grid.flags & (FLAG_VANISHING | FLAG_EXPLODING | FLAG_NONFINITE)).any():
-                ax.legend(fontsize=8, loc="best")
-            if not few:
-                mappable = matplotlib.cm.ScalarMappable(
-                    norm=matplotlib.colors.Normalize(0, grid.n_layers - 1), cmap=cmap)
-                fig.colorbar(mappable, ax=ax, label="layer index (model order)", pad=0.01)
-            _title(ax, f"Per-layer gradient norm of run {display_name(grid.run_id)}", grid)
-            fig.savefig(target, dpi=DPI)
-        finally:
-            plt.close(fig)
-    return target
+    return _save(series_figure(grid, width_px, height_px), path)
 
 
 def _prepare(path: str | os.PathLike[str]) -> Path:

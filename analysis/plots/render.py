@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from analysis.plots.animation import write_animation
-from analysis.plots.grid import load_grid
 from analysis.plots.png import plot_heatmap, plot_series
 from analysis.store import StoreError
 
 if TYPE_CHECKING:
-    import duckdb
+    from analysis.reader import StoreReader
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ class PlotFiles:
 
 
 def render_run(
-    con: duckdb.DuckDBPyConnection,
+    reader: StoreReader,
     run_id: str,
     out_dir: str | os.PathLike[str],
     stem: str,
@@ -43,7 +42,8 @@ def render_run(
     """Write ``<stem>-heatmap.png``, ``<stem>-norms.png`` and ``<stem>-animation.html``.
 
     Args:
-        con: a read-only connection to the store.
+        reader: the store's reader (:func:`analysis.reader.open_reader`: the file, or the
+            endpoint of the process writing it).
         run_id: the run.
         out_dir: directory for the files (created).
         stem: file-name stem (e.g. the run id made file-name safe).
@@ -58,27 +58,27 @@ def render_run(
         The paths and the downsampling captions.
 
     Raises:
-        StoreError: unknown run, invalid range, or no frame recorded in the range.
+        StoreError: unknown run, invalid range, no frame recorded in the range, or a file
+            cannot be written.
         ValueError: a limit < 1.
-        OSError: a file cannot be written.
     """
-    grid = load_grid(con, run_id, max_steps, max_layers, from_step=from_step, to_step=to_step)
+    grid = reader.grid(run_id, max_steps, max_layers, from_step, to_step)
     if grid.n_frames == 0:
         raise StoreError(f"run {run_id!r} has no gradient frame in the requested steps")
     frames = (
         grid
         if max_frames >= grid.shape[1]
-        else load_grid(con, run_id, max_frames, max_layers, from_step=from_step, to_step=to_step)
+        else reader.grid(run_id, max_frames, max_layers, from_step, to_step)
     )
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        return PlotFiles(
+            heatmap=plot_heatmap(grid, out / f"{stem}-heatmap.png", width_px=width_px),
+            series=plot_series(grid, out / f"{stem}-norms.png", width_px=width_px),
+            animation=write_animation(frames, out / f"{stem}-animation.html"),
+            heatmap_caption=grid.caption(),
+            animation_caption=frames.caption(),
+        )
     except OSError as exc:
-        raise StoreError(f"cannot create the output directory {str(out)!r}: {exc}") from None
-    return PlotFiles(
-        heatmap=plot_heatmap(grid, out / f"{stem}-heatmap.png", width_px=width_px),
-        series=plot_series(grid, out / f"{stem}-norms.png", width_px=width_px),
-        animation=write_animation(frames, out / f"{stem}-animation.html"),
-        heatmap_caption=grid.caption(),
-        animation_caption=frames.caption(),
-    )
+        raise StoreError(f"cannot write the pictures in {str(out)!r}: {exc}") from None

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from analysis.analyses.stats import DEFAULT_ALPHA
 from analysis.registry import Analysis
 from analysis.store import require_run, stats_params
+from analysis.weights import models
 from analysis.weights.compute import distribution_at, drift_between
 from analysis.weights.load import (
     fetch_step,
@@ -36,41 +37,15 @@ from analysis.weights.load import (
     update_paths,
     weight_step_range,
 )
-from analysis.weights.models import (
-    DistributionHealth,
-    DistributionHealthStatus,
-    LayerWeightAnalysis,
-    LayerWeightDrift,
-    OutlierSeverity,
-    WeightAnalysisReport,
-    WeightDistributionAnalysis,
-    WeightDriftAnalysis,
-    WeightDriftSeverity,
-    WeightOutlier,
-    WeightStatistics,
-)
+from analysis.weights.models import *  # noqa: F403  (re-exports models.__all__)
+from analysis.weights.models import WeightAnalysisReport
 from analysis.weights.render import render_weights
 
 if TYPE_CHECKING:
     import duckdb
 
-__all__ = [
-    "ANALYSIS",
-    "DistributionHealth",
-    "DistributionHealthStatus",
-    "LayerWeightAnalysis",
-    "LayerWeightDrift",
-    "OutlierSeverity",
-    "WeightAnalysisReport",
-    "WeightDistributionAnalysis",
-    "WeightDriftAnalysis",
-    "WeightDriftSeverity",
-    "WeightOptions",
-    "WeightOutlier",
-    "WeightStatistics",
-    "build_weight_analysis",
-    "render_weights",
-]
+__all__ = ["ANALYSIS", "WeightOptions", "build_weight_analysis", "render_weights"]
+__all__ += models.__all__  # the report models, listed once, in analysis.weights.models
 
 
 def build_weight_analysis(

@@ -4,12 +4,15 @@ The worker's sink writes a batch's events in the same transaction as its frames 
 offsets (:func:`write_alerts`); ``alert_id`` is the primary key and replaced on conflict,
 so an event replayed after a crash is stored once. :func:`load_active_incidents` reads
 back the incidents whose last event is ``firing`` when a worker starts, and
-:func:`read_alerts` serves ``gradstream alerts``.
+:func:`alerts_query` and :func:`alerts_from_rows` serve ``gradstream alerts`` (through the
+store's reader); :func:`read_alerts` reads them on a connection.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -89,18 +92,16 @@ def load_active_incidents(con: duckdb.DuckDBPyConnection) -> list[ActiveIncident
     return out
 
 
-def read_alerts(
-    con: duckdb.DuckDBPyConnection, run_id: str | None = None, rule: str | None = None,
-    state: str | None = None, limit: int | None = None,
-) -> list[Alert]:
-    """Stored alert events, oldest first (the newest ``limit`` when given).
+def alerts_query(
+    run_id: str | None = None, rule: str | None = None, state: str | None = None,
+    limit: int | None = None,
+) -> tuple[str, list[object]]:
+    """The SQL (positional ``?`` parameters) of the stored alert events matching the
+    filters, newest first, and its parameters; rows as :func:`alerts_from_rows` reads them.
 
     Args:
-        con: a connection to the store. run_id / rule / state: optional filters.
+        run_id / rule / state: optional filters (None: any).
         limit: keep only the newest ``limit`` events (None or 0: all).
-
-    Returns:
-        The events as :class:`~schemas.alert.Alert` models.
     """
     where, params = [], []
     for column, value in (("run_id", run_id), ("rule", rule), ("state", state)):
@@ -115,8 +116,14 @@ def read_alerts(
         + " ORDER BY created_at DESC, alert_id"
         + (f" LIMIT {int(limit)}" if limit else "")
     )
+    return sql, params
+
+
+def alerts_from_rows(rows: Iterable[Sequence[Any]]) -> list[Alert]:
+    """:class:`~schemas.alert.Alert` models of the rows of :func:`alerts_query` (newest
+    first), returned oldest first."""
     out = []
-    for row in reversed(con.execute(sql, params).fetchall()):
+    for row in reversed(list(rows)):
         (alert_id, incident, run, step, first, rule_, severity, state_, layers, ranks, msg,
          values, created, wall) = row
         out.append(Alert(
@@ -126,3 +133,21 @@ def read_alerts(
             created_at=created, wall_time=wall,
         ))
     return out
+
+
+def read_alerts(
+    con: duckdb.DuckDBPyConnection, run_id: str | None = None, rule: str | None = None,
+    state: str | None = None, limit: int | None = None,
+) -> list[Alert]:
+    """Stored alert events, oldest first (the newest ``limit`` when given), read on ``con``
+    (:func:`alerts_query`, :func:`alerts_from_rows`).
+
+    Args:
+        con: a connection to the store. run_id / rule / state: optional filters.
+        limit: keep only the newest ``limit`` events (None or 0: all).
+
+    Returns:
+        The events as :class:`~schemas.alert.Alert` models.
+    """
+    sql, params = alerts_query(run_id, rule, state, limit)
+    return alerts_from_rows(con.execute(sql, params).fetchall())

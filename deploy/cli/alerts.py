@@ -1,8 +1,10 @@
 """``gradstream alerts``, ``gradstream watch`` and ``gradstream alert-rules``.
 
 ``alerts`` lists stored alert events from the DuckDB store, or tails the alerts topic with
-``--follow``. While a worker holds the store (DuckDB allows one writing process), the list
-is read from the alerts topic instead (:mod:`consumer.alerts.listing`). ``watch`` is a live
+``--follow``. The store is read through :func:`analysis.reader.open_reader` (the file, or
+the endpoint of the process writing it); while a process that serves no reads holds the
+store (DuckDB allows one writing process), the list is read from the alerts topic instead
+(:mod:`consumer.alerts.listing`). ``watch`` is a live
 terminal view fed by the alerts topic only (:mod:`consumer.alerts.watch`), so it works next
 to running workers. ``alert-rules`` checks a rule file and prints the effective rules
 (:mod:`consumer.alerts.config`).
@@ -27,10 +29,33 @@ from deploy.cli.options import (
     DurationOption,
     given,
 )
+from deploy.cli.reports import TimeoutOption
 
 if TYPE_CHECKING:
     from consumer.settings import ConsumerSettings
     from schemas.alert import Alert
+
+
+def _stored_alerts(db: Path, timeout: float | None, run: str | None, rule: str | None,
+                   state: str | None, limit: int) -> list[Alert] | None:
+    """The store's alert events (``consumer.alerts.rows.alerts_query``), or None when a
+    process that answers no reads holds the store.
+
+    Raises:
+        StoreError: missing file, not a gradstream store, a failed read.
+    """
+    from analysis.query import StoreHeldError
+    from analysis.reader import open_reader
+    from consumer.alerts.rows import alerts_from_rows, alerts_query
+
+    try:
+        reader = open_reader(db, timeout)
+    except StoreHeldError:
+        return None
+    sql, params = alerts_query(run, rule, state, limit or None)
+    with reader:
+        table = reader.sql(sql, params)
+    return alerts_from_rows(zip(*(column.to_pylist() for column in table.columns), strict=True))
 
 
 def _settings(bootstrap_servers: str | None, alerts_topic: str | None) -> ConsumerSettings:
@@ -96,19 +121,16 @@ def alerts(
     duration: DurationOption = None,
     count: Annotated[int | None, typer.Option(
         min=1, help="With --follow: stop after printing this many events.")] = None,
+    timeout: TimeoutOption = None,
 ) -> None:
     """List alert events (firing and resolved) from the store, or tail them live with
     --follow. While a worker holds the store, the list is read from the alerts topic."""
     from kafka.errors import KafkaError
     from rich.table import Table
 
+    from analysis.store import StoreError
     from consumer.alerts.feed import AlertFeed, TopicMissingError
-    from consumer.alerts.listing import (
-        StoreUnreadableError,
-        alert_matches,
-        alerts_from_store,
-        alerts_from_topic,
-    )
+    from consumer.alerts.listing import alert_matches, alerts_from_topic
     from consumer.alerts.rules import rule_names
     from schemas.alert import Alert, AlertState
 
@@ -144,9 +166,9 @@ def alerts(
             feed.close()
         return
     try:
-        events = alerts_from_store(db, run, rule, state, limit)
-    except StoreUnreadableError as exc:
-        fail(str(exc))
+        events = _stored_alerts(db, timeout, run, rule, state, limit)
+    except StoreError as exc:
+        fail(f"{exc} (--follow reads the alerts topic instead)" if not db.exists() else str(exc))
     if events is None:
         Console(stderr=True).print(
             f"the store {str(db)!r} is held by a running worker: reading the alerts topic "

@@ -5,8 +5,10 @@ The command is generic over the registry: ``--kind`` takes a registered name; th
 of the option flags are collected into one mapping, and the analysis's options model keeps
 and validates the fields it declares (a flag that the chosen analysis does not declare is
 ignored, as ``--threshold`` is by ``--kind flow``). ``--option NAME=VALUE`` sets an option
-that has no flag of its own. The analysis modules and DuckDB are imported only when the
-command runs or its help is shown, so ``gradstream --help`` stays fast.
+that has no flag of its own. The store is read through :func:`analysis.reader.open_reader`
+(the file, or the endpoint of the process writing it), under one time limit
+(``--timeout``). The analysis modules and DuckDB are imported only when the command runs
+or its help is shown, so ``gradstream --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typer.core import TyperCommand
 from analysis.registry import ANALYSES
 from deploy.cli.errors import fail
 from deploy.cli.options import DEFAULT_DB, DbOption, FromStepOption, RunOption, ToStepOption
+from deploy.cli.reports import TimeoutOption, reading
 
 if TYPE_CHECKING:
     from analysis.registry import Analysis
@@ -108,31 +111,29 @@ def analyze(
                      help="An option of the analysis by its field name, for options without "
                      "a flag of their own (repeatable; overrides the flags)."),
     ] = None,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Analyse a stored run: gradient flow, enhanced statistics, explosions, weights, or any
     other registered analysis."""
-    import duckdb
-
     from analysis.registry import get
-    from analysis.store import StoreError, open_store, resolve_run
 
     entry = get(kind.value)
     flags = {"window": window, "alpha": alpha, "threshold": threshold,
              "interaction_window": interaction_window, "color_scheme": color_scheme.value}
-    values = {name: value for name, value in flags.items() if value is not None}
+    values: dict[str, object] = {
+        name: value for name, value in flags.items() if value is not None}
     values.update(_named_options(entry, option or []))
-    err = Console(stderr=True, highlight=False)
     try:
-        options = entry.options_from(values)
-        con = open_store(db)
-        try:
-            run_id = resolve_run(con, run)
-            with err.status(f"analysing run {run_id!r} ({entry.name})..."):
-                report = entry.build(con, run_id, from_step, to_step, options)
-        finally:
-            con.close()
-    except (StoreError, ValueError, duckdb.Error) as exc:
+        entry.options_from(values)  # invalid values fail here, before the store is opened
+    except ValueError as exc:
         fail(str(exc))
+    # The analysis's own options, as strings (its options model converts them back).
+    own = {name: str(value) for name, value in values.items() if name in entry.option_names}
+    err = Console(stderr=True, highlight=False)
+    with reading(db, timeout) as reader:
+        run_id = reader.resolve_run(run)
+        with err.status(f"analysing run {run_id!r} ({entry.name})..."):
+            report = reader.analysis(entry.name, run_id, from_step, to_step, own)
     if output_format is OutputFormat.JSON:
         typer.echo(report.model_dump_json(indent=2))
     else:

@@ -2,16 +2,22 @@
 
 :class:`WorkerOptions` is every option of a consumer worker; ``consume`` and ``serve``
 (which runs the same worker beside the dashboard) both take it, so they cannot drift apart.
-:class:`LoggingOptions` is taken by every long-running process.
+:class:`LoggingOptions` is taken by every long-running process. :class:`ReadOptions` is the
+read endpoint of a process that writes a store (:mod:`deploy.serve`), and
+:func:`run_served` runs such a process until Ctrl-C / SIGTERM: ``consume``, ``store`` and
+``serve`` all answer reads while they write, through the same helper.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import signal
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -28,9 +34,12 @@ from deploy.cli.options import (
     LogFormatOption,
     LogLevelOption,
     MaxFramesOption,
+    MaxReadersOption,
     MetricsPortOption,
     OptionGroup,
     PartitionsOption,
+    ReadEndpointOption,
+    ReadPortOption,
     RunsTopicOption,
     ShardTimeoutOption,
     SummariesTopicOption,
@@ -39,9 +48,11 @@ from deploy.cli.options import (
     given,
     with_option_groups,
 )
+from deploy.serve import DEFAULT_MAX_READERS, DEFAULT_READ_PORT, EndpointOptions
 
 if TYPE_CHECKING:
     from consumer.settings import ConsumerSettings
+    from deploy.serve import ServedLoop, ServedStore
 
 ENVIRONMENT = "Environment: KAFKA_BOOTSTRAP_SERVERS and GRADSTREAM_<SETTING> (e.g. GRADSTREAM_DB)."
 """The last paragraph of the help of the commands that start a worker or the store."""
@@ -66,6 +77,23 @@ class LoggingOptions(OptionGroup):
             setup_logging(self.log_level, self.log_format)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions(OptionGroup):
+    """``--read-endpoint/--no-read-endpoint``, ``--read-port`` and ``--max-readers`` of a
+    process that writes a store."""
+
+    read_endpoint: ReadEndpointOption = True
+    read_port: ReadPortOption = DEFAULT_READ_PORT
+    max_readers: MaxReadersOption = DEFAULT_MAX_READERS
+
+    def options(self) -> EndpointOptions | None:
+        """The endpoint on 127.0.0.1 (:class:`deploy.serve.EndpointOptions`), or None when
+        turned off."""
+        if not self.read_endpoint:
+            return None
+        return EndpointOptions(port=self.read_port, max_readers=self.max_readers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +154,14 @@ def consume(
     frames_topic: FramesTopicOption = None,
     runs_topic: RunsTopicOption = None,
     workers: WorkersOption = 1,
+    read: ReadOptions,
     logs: LoggingOptions,
 ) -> None:
     """Consume gradient summaries, merge ranks into frames, classify health and store
-    everything in DuckDB. Stops cleanly on Ctrl-C / SIGTERM (writes what is final, leaves
-    the group). Bad messages go to the dead-letter topic and never stop it."""
+    everything in DuckDB. While it writes, it answers reads (`gradstream query`, `report`,
+    `export`, notebooks) on a loopback endpoint advertised in <db>.serve.json. Stops
+    cleanly on Ctrl-C / SIGTERM (writes what is final, leaves the group). Bad messages go
+    to the dead-letter topic and never stop it."""
     logs.setup()
     settings = worker.settings(**given(frames_topic=frames_topic, runs_topic=runs_topic))
     if workers > 1:
@@ -144,14 +175,12 @@ def consume(
 
         raise typer.Exit(run_workers(settings, workers, logs.log_level, logs.log_format))
     from consumer.worker import Worker
+    from deploy.serve import ServedLoop
 
-    process = Worker(settings)
-    _stop_on_signals(process.stop, "gradstream.consumer", "finishing the batch")
-    try:
-        process.run()
-    except Exception as exc:
-        _failed("consume", exc, f"The DuckDB file {settings.db} is held by another process "
-                "(another `gradstream consume`?). Stop it or use --db.")
+    # A scale-out worker publishes its frames and writes no store: nothing to serve.
+    options = read.options() if settings.frames_topic is None else None
+    served = ServedLoop(functools.partial(Worker, settings), settings.db, options, "consume")
+    run_served(served, "consume", "gradstream.consumer", "finishing the batch")
 
 
 StoreGroupOption = Annotated[
@@ -172,15 +201,18 @@ def store(
     alerts_topic: AlertsTopicOption = None,
     max_frames: MaxFramesOption = None,
     metrics_port: MetricsPortOption = None,
+    read: ReadOptions,
     logs: LoggingOptions,
 ) -> None:
     """Store the frames published by scale-out workers (`consume --frames-topic`) in
     DuckDB: rows and consumed offsets in one transaction, each frame exactly once; a late
     rank's frame is merged into the stored partial frame; the workers' alert events go
-    into the alerts table. Run exactly one per DuckDB file. Stops cleanly on Ctrl-C /
+    into the alerts table. Run exactly one per DuckDB file. While it writes, it answers
+    reads on a loopback endpoint advertised in <db>.serve.json. Stops cleanly on Ctrl-C /
     SIGTERM."""
     from consumer.store import Store
     from consumer.store_settings import StoreSettings
+    from deploy.serve import ServedLoop
 
     logs.setup()
     settings = StoreSettings(**given(
@@ -188,30 +220,49 @@ def store(
         group_id=group_id, alerts_topic=alerts_topic, max_frames=max_frames,
         metrics_port=metrics_port,
     ))
-    process = Store(settings)  # serves the metrics itself, as a worker does
-    _stop_on_signals(process.stop, "gradstream.store", "writing the batch")
-    try:
-        process.run()
-    except Exception as exc:
-        _failed("store", exc, f"The DuckDB file {settings.db} is held by another process.")
+    served = ServedLoop(functools.partial(Store, settings), settings.db, read.options(),
+                        "store")
+    run_served(served, "store", "gradstream.store", "writing the batch")
 
 
-def _stop_on_signals(stop: Any, logger: str, doing: str) -> None:
-    """Call ``stop`` on SIGINT / SIGTERM, logging what the process does meanwhile."""
+def run_served(served: ServedLoop | ServedStore, command: str, logger: str, doing: str,
+               announce: Callable[[str], None] | None = None) -> None:
+    """Run ``served`` until Ctrl-C / SIGTERM (logging what the process does meanwhile,
+    ``doing``), then stop it: sidecar removed, last batch written, file closed.
+    ``announce`` receives the endpoint's URL once serving (default: logged at INFO).
+
+    Exits with status 1 (:func:`deploy.cli.errors.fail`) when it cannot start, or when its
+    loop ends by itself (store locked, Kafka unreachable...).
+    """
+    from deploy.serve import ServeError
+
+    stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
         logging.getLogger(logger).info("received %s: %s", signal.Signals(signum).name, doing)
-        stop()
+        stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    try:
+        url = served.start()
+    except ServeError as exc:
+        fail(f"gradstream {command} failed: {exc}")
+    if url:
+        (announce or _log_endpoint(logger, served.db))(url)
+    if served.wait(stop):
+        fail(f"gradstream {command} failed: {served.failure()}")
 
 
-def _failed(command: str, exc: Exception, lock_hint: str) -> NoReturn:
-    """Report the error that ended a process, with ``lock_hint`` when the DuckDB file is
-    locked, and exit 1."""
-    lock = "lock" in str(exc).lower()
-    fail(f"gradstream {command} failed: {exc}" + (f"\n{lock_hint}" if lock else ""))
+def _log_endpoint(logger: str, db: str) -> Callable[[str], None]:
+    """Log the read endpoint's URL (the token is only in the sidecar)."""
+    from analysis.dashboard.sidecar import sidecar_path
+
+    def announce(url: str) -> None:
+        logging.getLogger(logger).info("answering reads of %s at %s (token in %s)", db, url,
+                                       sidecar_path(db))
+
+    return announce
 
 
 def register(app: typer.Typer) -> None:

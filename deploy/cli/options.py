@@ -48,9 +48,12 @@ __all__ = [
     "LogFormatOption",
     "LogLevelOption",
     "MaxFramesOption",
+    "MaxReadersOption",
     "MetricsPortOption",
     "OptionGroup",
     "PartitionsOption",
+    "ReadEndpointOption",
+    "ReadPortOption",
     "RunOption",
     "RunsTopicOption",
     "ShardTimeoutOption",
@@ -164,6 +167,32 @@ MetricsPortOption = Annotated[
     typer.Option("--metrics-port", min=0, max=65535, metavar="PORT",
                  help="Serve Prometheus metrics on http://0.0.0.0:PORT/metrics; 0 = off. "
                  "Default: $GRADSTREAM_METRICS_PORT or off."),
+]
+
+# --------------------------------------------------------------------------- reads while writing
+
+ReadEndpointOption = Annotated[
+    bool,
+    typer.Option("--read-endpoint/--no-read-endpoint", envvar="GRADSTREAM_READ_ENDPOINT",
+                 help="Answer reads while writing: DuckDB lets no other process open the "
+                 "file, so this process serves `gradstream query`, `report`, `export`, "
+                 "notebooks... on a loopback endpoint advertised (with its token) in "
+                 "<db>.serve.json, removed on stop. --no-read-endpoint: hold the file and "
+                 "answer nothing."),
+]
+ReadPortOption = Annotated[
+    int,
+    typer.Option("--read-port", envvar="GRADSTREAM_READ_PORT", min=0, max=65535,
+                 metavar="PORT",
+                 help="TCP port of the read endpoint on 127.0.0.1; 0 = any free port "
+                 "(readers find it in <db>.serve.json)."),
+]
+MaxReadersOption = Annotated[
+    int,
+    typer.Option("--max-readers", envvar="GRADSTREAM_MAX_READERS", min=1, metavar="N",
+                 help="Read requests answered at once (default: one per core); the "
+                 "others wait. In a process that writes the store, each read also runs at "
+                 "the lowest CPU priority, so that long queries never stall ingestion."),
 ]
 
 # --------------------------------------------------------------------------- alerts

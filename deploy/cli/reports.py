@@ -2,9 +2,10 @@
 (:mod:`analysis.report`, :mod:`analysis.export`, :mod:`analysis.plots`,
 :mod:`analysis.query`).
 
-While ``gradstream serve`` holds the store, ``export`` and ``query`` go through the
-serving process. Errors are printed in red on stderr, without a traceback, and exit with
-status 1.
+Every command reads through :func:`analysis.reader.open_reader`: the file when it is free,
+else the endpoint of the process that writes it; each read runs under one time limit
+(``--timeout``, else ``GRADSTREAM_QUERY_TIMEOUT_S``, else 60 s). Errors are printed in red
+on stderr, without a traceback, and exit with status 1.
 """
 
 from __future__ import annotations
@@ -25,7 +26,32 @@ from deploy.cli.errors import fail
 from deploy.cli.options import DEFAULT_DB, DbOption, FromStepOption, RunOption, ToStepOption
 
 if TYPE_CHECKING:
-    from analysis.dashboard.sidecar import ServeInfo
+    from analysis.reader import StoreReader
+
+TimeoutOption = Annotated[
+    float | None,
+    typer.Option(
+        "--timeout", min=0.001, show_default=False,
+        help="Interrupt each read of the store after this many seconds [default: "
+        "GRADSTREAM_QUERY_TIMEOUT_S, else 60].",
+    ),
+]
+"""``--timeout``: the time limit of each read (:func:`analysis.query.resolve_timeout`);
+shared by the commands that read the store (report, export, plot, query, analyze, alerts)."""
+
+
+@contextmanager
+def reading(db: Path, timeout: float | None) -> Iterator[StoreReader]:
+    """The store's reader (:func:`analysis.reader.open_reader`), closed on exit; a
+    ``StoreError`` (opening or reading) ends the command with its one-line message."""
+    from analysis.reader import open_reader
+    from analysis.store import StoreError
+
+    try:
+        with open_reader(db, timeout) as reader:
+            yield reader
+    except StoreError as exc:
+        fail(str(exc))
 
 
 class ReportFormat(StrEnum):
@@ -77,27 +103,6 @@ def _progress_bar(description: str) -> Iterator[Callable[[float | None], None]]:
         yield update
 
 
-def _served_run(info: ServeInfo, run: str | None) -> str:
-    """``--run``, or the store's only run, asked of the serving process.
-
-    Raises:
-        StoreError: no run or several runs and no ``--run``.
-        QueryError: the server did not answer.
-    """
-    from analysis.query import query_server
-    from analysis.store import StoreError
-
-    if run is not None:
-        return run  # an unknown run is reported by the server
-    runs = query_server(info, "SELECT run_id FROM runs ORDER BY run_id").table.column(
-        "run_id").to_pylist()
-    if len(runs) != 1:
-        shown = ", ".join(repr(r) for r in runs[:20])
-        raise StoreError("the store holds no runs yet" if not runs else
-                         f"the store holds {len(runs)} runs, choose one with --run: {shown}")
-    return str(runs[0])
-
-
 def _safe_filename(run_id: str) -> str:
     """``run_id`` reduced to a portable file-name stem (other characters become ``_``)."""
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip("._")
@@ -127,45 +132,34 @@ def report(
         ReportFormat,
         typer.Option("--format", help="table: for people; json: one object per run."),
     ] = ReportFormat.TABLE,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Summarise a run's gradient health: flagged layers, health class, recommendations."""
-    import duckdb
+    from analysis.report import render_report
+    from analysis.store import StoreError
 
-    from analysis.heatmap import ascii_heatmap
-    from analysis.report import build_report, render_report
-    from analysis.store import StoreError, list_runs, open_store, resolve_run
-
-    try:
-        con = open_store(db)
-        try:
-            if all_runs:
-                run_ids = list_runs(con)
-                if not run_ids:
-                    raise StoreError("the store holds no runs yet")
+    documents: list[dict[str, object]] = []
+    with reading(db, timeout) as reader:
+        if all_runs:
+            run_ids = reader.run_ids()
+            if not run_ids:
+                raise StoreError("the store holds no runs yet")
+        else:
+            run_ids = [reader.resolve_run(run)]
+        console = Console(highlight=False)
+        for run_id in run_ids:
+            summary = reader.report(run_id, from_step, to_step)
+            drawing = (reader.heatmap(run_id, max_columns, from_step, to_step)
+                       if heatmap else None)
+            if output_format is ReportFormat.JSON:
+                document = summary.model_dump(mode="json")
+                if drawing is not None:
+                    document["heatmap"] = drawing
+                documents.append(document)
             else:
-                run_ids = [resolve_run(con, run)]
-            documents: list[dict[str, object]] = []
-            console = Console(highlight=False)
-            for run_id in run_ids:
-                summary = build_report(con, run_id, from_step, to_step)
-                drawing = (
-                    ascii_heatmap(con, run_id, max_columns, from_step=from_step, to_step=to_step)
-                    if heatmap
-                    else None
-                )
-                if output_format is ReportFormat.JSON:
-                    document = summary.model_dump(mode="json")
-                    if drawing is not None:
-                        document["heatmap"] = drawing
-                    documents.append(document)
-                else:
-                    console.print(render_report(summary))
-                    if drawing is not None:
-                        typer.echo(drawing, nl=False)
-        finally:
-            con.close()
-    except (StoreError, ValueError, duckdb.Error) as exc:
-        fail(str(exc))
+                console.print(render_report(summary))
+                if drawing is not None:
+                    typer.echo(drawing, nl=False)
     if output_format is ReportFormat.JSON:
         payload: object = documents if all_runs else documents[0]
         typer.echo(json.dumps(payload, indent=2, ensure_ascii=False))
@@ -199,46 +193,18 @@ def export(
         typer.Option("--order", help="Layers within a step: by name (as trustformers-debug "
                      "exports them) or in model order."),
     ] = LayerOrder.NAME,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Export a run's per-layer gradient statistics: CSV (one row per step and layer: mean
     and max |g|, norm, vanishing / exploding flags) or JSON (an array of frames, one per
     step, with each layer's fields and flow intensity), Parquet or JSON Lines (every
-    stored column). Streamed by DuckDB, with a progress bar. While
-    `gradstream serve` holds the store, the serving process writes the file."""
-    import duckdb
-
-    from analysis.export import export_run
-    from analysis.query import QueryError
-    from analysis.store import StoreError, open_store, resolve_run
-
+    stored column). Streamed, with a progress bar; while another process writes the store,
+    that process reads the rows and this one writes the file."""
     ext = output_format.value
-    try:
-        with _progress_bar(f"exporting {ext}") as on_progress:
-            try:
-                con = open_store(db)
-            except StoreError:
-                # Held by `gradstream serve`: the serving process runs the COPY for us.
-                from analysis.dashboard.client import fetch_export
-                from analysis.dashboard.sidecar import read_sidecar
-
-                info = read_sidecar(db) if db.exists() else None
-                if info is None:
-                    raise
-                run_id = _served_run(info, run)
-                target = output or Path("out") / f"{_safe_filename(run_id)}.{ext}"
-                count = fetch_export(info, run_id, ext, target, from_step, to_step,
-                                     order.value, on_progress)
-            else:
-                try:
-                    run_id = resolve_run(con, run)
-                    target = output or Path("out") / f"{_safe_filename(run_id)}.{ext}"
-                    count = export_run(
-                        con, run_id, target, ext, from_step, to_step, order.value, on_progress
-                    )
-                finally:
-                    con.close()
-    except (StoreError, QueryError, ValueError, duckdb.Error) as exc:
-        fail(str(exc))
+    with reading(db, timeout) as reader, _progress_bar(f"exporting {ext}") as on_progress:
+        run_id = reader.resolve_run(run)
+        target = output or Path("out") / f"{_safe_filename(run_id)}.{ext}"
+        count = reader.export(run_id, ext, target, from_step, to_step, order.value, on_progress)
     unit = "frames" if output_format is ExportFormat.JSON else "rows"
     Console(stderr=True, highlight=False).print(
         f"wrote {count} {unit} of run {run_id!r} to {os.fspath(target)}", markup=False
@@ -271,29 +237,20 @@ def plot(
                      help="Most frames of the HTML animation (each covers a bin of steps)."),
     ] = 500,
     width: Annotated[int, typer.Option("--width", min=400, help="PNG width in pixels.")] = 1600,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Draw a run: PNG heatmap of log10 gradient norm (layers in model order x steps,
     vanishing/exploding cells marked), PNG of per-layer norms over time, and the
     gradient-flow animation as one offline HTML file (step slider, play button)."""
-    import duckdb
-
     from analysis.plots.render import render_run
-    from analysis.store import StoreError, open_store, resolve_run
 
-    try:
-        con = open_store(db)
-        try:
-            run_id = resolve_run(con, run)
-            with Console(stderr=True).status(f"drawing run {run_id}"):
-                files = render_run(
-                    con, run_id, out, _safe_filename(run_id), max_steps=max_steps,
-                    max_layers=max_layers, max_frames=max_frames, width_px=width,
-                    from_step=from_step, to_step=to_step,
-                )
-        finally:
-            con.close()
-    except (StoreError, ValueError, OSError, duckdb.Error) as exc:
-        fail(str(exc))
+    with reading(db, timeout) as reader:
+        run_id = reader.resolve_run(run)
+        with Console(stderr=True).status(f"drawing run {run_id}"):
+            files = render_run(reader, run_id, out, _safe_filename(run_id),
+                               max_steps=max_steps, max_layers=max_layers,
+                               max_frames=max_frames, width_px=width, from_step=from_step,
+                               to_step=to_step)
     console = Console(stderr=True, highlight=False)
     console.print(f"run {run_id!r}: {files.heatmap_caption}", markup=False, soft_wrap=True)
     for path in (files.heatmap, files.series, files.animation):
@@ -307,29 +264,25 @@ def query(
         QueryFormat,
         typer.Option("--format", help="table (for people), csv or json (array of objects)."),
     ] = QueryFormat.TABLE,
-    timeout: Annotated[
-        float | None,
-        typer.Option("--timeout", min=0.001, help="Interrupt the query after this many seconds."),
-    ] = None,
+    timeout: TimeoutOption = None,
 ) -> None:
     """Run one read-only SQL statement on the store, also while a worker writes it (through
-    `gradstream serve`). A statement that would write is refused. Tables: runs, layers,
-    layer_stats, frames, alerts, run_ranks, kafka_offsets."""
-    from analysis.query import QueryError, run_query
+    that process's endpoint). A statement that would write, or touch files outside the
+    store, is refused. Tables: runs, layers, layer_stats, frames, alerts, run_ranks,
+    kafka_offsets."""
     from analysis.query_output import to_csv, to_json, to_rich_table
 
-    try:
-        result = run_query(db, sql, timeout)
-    except QueryError as exc:
-        fail(str(exc))
+    with reading(db, timeout) as reader:
+        table = reader.sql(sql)
+        via = reader.via
     if output_format is QueryFormat.CSV:
-        typer.echo(to_csv(result.table), nl=False)
+        typer.echo(to_csv(table), nl=False)
     elif output_format is QueryFormat.JSON:
-        typer.echo(to_json(result.table), nl=False)
+        typer.echo(to_json(table), nl=False)
     else:
-        Console(highlight=False).print(to_rich_table(result.table))
+        Console(highlight=False).print(to_rich_table(table))
         Console(stderr=True, highlight=False).print(
-            f"{result.table.num_rows} rows (via {result.via})", style="dim", markup=False
+            f"{table.num_rows} rows (via {via})", style="dim", markup=False
         )
 
 

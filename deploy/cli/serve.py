@@ -5,21 +5,16 @@
 from __future__ import annotations
 
 import inspect
-import logging
-import signal
-import threading
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
-from deploy.cli.consume import ENVIRONMENT, LoggingOptions, WorkerOptions
+from deploy.cli.consume import ENVIRONMENT, LoggingOptions, WorkerOptions, run_served
 from deploy.cli.errors import fail
-from deploy.cli.options import with_option_groups
-from deploy.serve import DEFAULT_PORT, ServedStore, ServedWorker, ServeError, worker_failure
-
-log = logging.getLogger("gradstream.serve")
+from deploy.cli.options import MaxReadersOption, with_option_groups
+from deploy.serve import DEFAULT_MAX_READERS, DEFAULT_PORT, ServedStore, ServedWorker
 
 
 @with_option_groups
@@ -51,6 +46,7 @@ def serve(
         float,
         typer.Option(min=0.1, help="Longest SQL query answered for `gradstream query`, s."),
     ] = 120.0,
+    max_readers: MaxReadersOption = DEFAULT_MAX_READERS,
     worker: WorkerOptions,
     logs: LoggingOptions,
 ) -> None:
@@ -61,44 +57,22 @@ def serve(
     `gradstream consume` and takes the same options."""
     logs.setup()
     console = Console(stderr=True, highlight=False)
-    served: ServedWorker
+    served: ServedWorker | ServedStore
     if consume:
         settings = worker.settings()
         if settings.frames_topic is not None:
             fail("serve writes the store in this process: unset GRADSTREAM_FRAMES_TOPIC "
                  "(scale-out workers publish their frames and have no store to serve)", 2)
-        served = ServedWorker(settings, host, port, refresh, query_timeout)
-        store = settings.db
+        served = ServedWorker(settings, host, port, refresh, query_timeout, max_readers)
     else:
         from consumer.settings import ConsumerSettings
 
-        store = str(worker.db or ConsumerSettings().db)
-        served = ServedStore(Path(store), host, port, refresh, query_timeout)
-
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("received %s: stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        url = served.start()
-    except ServeError as exc:
-        fail(str(exc))
+        db = Path(worker.db or ConsumerSettings().db)
+        served = ServedStore(db, host, port, refresh, query_timeout, max_readers)
     mode = "consuming into" if consume else "serving read-only"
-    console.print(f"gradstream dashboard: {url}/  ({mode} {store})", markup=False)
-    failed = False
-    try:
-        while not stop.wait(0.5):
-            if not served.alive():
-                failed = True
-                break
-    finally:
-        served.stop()
-    if failed:
-        fail(worker_failure(served.worker.error if served.worker else None, store))
+    run_served(served, "serve", "gradstream.serve", "stopping",
+               lambda url: console.print(f"gradstream dashboard: {url}/  ({mode} {served.db})",
+                                         markup=False))
 
 
 def register(app: typer.Typer) -> None:

@@ -11,7 +11,6 @@ import contextlib
 import functools
 import os
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,33 +58,34 @@ def train_and_consume(
     steps: int | None, stamp: str, webhook: str | None, serve_port: int | None,
     progress: Progress,
 ) -> list[str]:
-    """Run a worker in a thread (with the live dashboard when ``serve_port`` is given),
-    train each chosen scenario through Kafka, and wait until every run is stored. Returns
-    the run ids.
+    """Run a worker in a thread answering reads of ``db`` on 127.0.0.1:``serve_port`` (the
+    live dashboard and the read endpoint, advertised in ``<db>.serve.json``; 0 = any free
+    port, None = no endpoint), train each chosen scenario through Kafka, and wait until
+    every run is stored. Returns the run ids.
 
     The worker reads its other settings from the environment as ``gradstream consume``
-    does; ``webhook`` (None: ``GRADSTREAM_WEBHOOK_URL``, if set) receives its alerts."""
+    does; ``webhook`` (None: ``GRADSTREAM_WEBHOOK_URL``, if set) receives its alerts.
+
+    Raises:
+        deploy.serve.ServeError: the worker could not open and serve the store.
+        RuntimeError: the worker did not start or store every run in time.
+    """
     from consumer.settings import ConsumerSettings
     from consumer.worker import Worker
     from deploy.demo.training import SCENARIOS, kafka_telemetry, run_data_parallel
+    from deploy.serve import EndpointOptions, ServedLoop
 
     settings = ConsumerSettings(
         bootstrap_servers=bootstrap, db=str(db), topic=f"gradstream.demo-{stamp}.summaries",
         dlq_topic=f"gradstream.demo-{stamp}.dlq", group_id=f"gradstream-demo-{stamp}",
         shard_timeout_s=10.0, **({"webhook_url": webhook} if webhook else {}),
     )
-    served = None
-    if serve_port is not None:
-        from deploy.serve import ServedWorker
-
-        served = ServedWorker(settings, port=serve_port)
-        console.print(f"Live dashboard: [bold]{served.start()}/[/] (while the demo runs)")
-        assert served.worker is not None
-        worker = served.worker
-    else:
-        worker = Worker(settings)
-        thread = threading.Thread(target=worker.run, name="gradstream-worker", daemon=True)
-        thread.start()
+    options = None if serve_port is None else EndpointOptions(port=serve_port)
+    served = ServedLoop(functools.partial(Worker, settings), db, options, "demo")
+    url = served.start()
+    if url:
+        console.print(f"Live dashboard: [bold]{url}/[/] (while the demo runs)")
+    worker = served.loop
     run_ids: list[str] = []
     try:
         if not worker.wait_ready(60):
@@ -110,11 +110,7 @@ def train_and_consume(
         if not worker.wait_for_runs(run_ids, 120):
             raise RuntimeError(f"the worker did not store all runs in time: {worker.error}")
     finally:
-        if served is not None:
-            served.stop()
-        else:
-            worker.stop()
-            thread.join(60)
+        served.stop()
     console.print(
         f"Worker: {worker.counters.messages} messages, {worker.counters.frames} frames, "
         f"{worker.counters.dead_letters} dead letters -> {db}"

@@ -139,7 +139,7 @@ def test_progress_export_errors_are_raised(store: Path, tmp_path: Path) -> None:
             export_run(con, "nope", tmp_path / "x.parquet", "parquet", progress=print)
         with pytest.raises(ValueError, match="format"):
             export_run(con, "r", tmp_path / "x.xml", "xml")
-        with pytest.raises(duckdb.Error):  # a failing COPY inside the progress thread
+        with pytest.raises(StoreError, match="cannot write"):  # the target is a directory
             export_run(con, "r", tmp_path / "missing-dir-file" / "sub" / "..", "parquet",
                        progress=lambda _p: None)
     finally:

@@ -1,4 +1,5 @@
-"""ascii_heatmap: reference layout, glyphs, absent layers, downsampling, ordering."""
+"""ascii_heatmap: reference layout, glyphs, absent layers, NaN/Inf cells, legend,
+downsampling, ordering."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 from rich.cells import cell_len
 
-from analysis.heatmap import BLOCKS, EMPTY, TITLE, ascii_heatmap, glyph
+from analysis.heatmap import BLOCKS, EMPTY, LEGEND, NONFINITE_GLYPH, TITLE, ascii_heatmap, glyph
 from analysis.store import StoreError, open_store
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder, healthy_stat
 
@@ -79,7 +80,8 @@ def test_shape_glyphs_and_absent_layers(tmp_path: Path) -> None:
     assert lines[0] == TITLE
     assert lines[1].endswith("layer  012")
     assert set(lines[2]) == {"─"} and len(lines[2]) == len(lines[1])
-    rows = lines[3:]
+    rows = lines[3:-1]
+    assert lines[-1] == LEGEND
     assert [r.strip().split("  ")[0] for r in rows] == MODEL  # model order by default
     assert [cells(r, 3) for r in rows] == ["██ ", "▒  ", "░  "]
     assert all(len(r) == len(lines[1]) for r in rows)
@@ -89,7 +91,7 @@ def test_shape_glyphs_and_absent_layers(tmp_path: Path) -> None:
 def test_name_order(tmp_path: Path) -> None:
     builder = StoreBuilder(tmp_path / "s.duckdb").add_run("r", MODEL)
     builder.add_frame("r", 0, {n: healthy_stat() for n in MODEL})
-    rows = draw(builder.write(), order="name").splitlines()[3:]
+    rows = draw(builder.write(), order="name").splitlines()[3:-1]
     assert [r.strip().split("  ")[0] for r in rows] == sorted(MODEL)
 
 
@@ -117,7 +119,8 @@ def test_downsampling_is_visible_and_averages(tmp_path: Path) -> None:
     assert cells(steady, n_cols) == "█" * n_cols
     # bucket mean 1/3 -> round(4/3) = 1 -> '░'; the last bucket is step 249 alone, absent -> ' '
     assert cells(pulse, n_cols) == "░" * (n_cols - 1) + " "
-    assert all(len(line) <= len("steady  ") + 100 for line in lines[4:])
+    assert all(len(line) <= len("steady  ") + 100 for line in lines[4:6])
+    assert lines[6:] == [LEGEND]
 
 
 def test_step_range(tmp_path: Path) -> None:
@@ -131,9 +134,62 @@ def test_nasty_names_stay_on_one_aligned_line(tmp_path: Path) -> None:
     builder = StoreBuilder(tmp_path / "s.duckdb").add_run("r", NASTY_NAMES)
     builder.add_frame("r", 0, {n: Stat(norm=1.0) for n in NASTY_NAMES})
     lines = draw(builder.write()).splitlines()
-    assert len(lines) == 3 + len(NASTY_NAMES)
+    assert len(lines) == 3 + len(NASTY_NAMES) + 1
+    rows = lines[3:-1]
     width = cell_len(lines[1])
-    assert all(cell_len(line) == width for line in lines[3:])
+    assert all(cell_len(line) == width for line in rows)
     assert any("multi\\nline" in line for line in lines)
-    assert any(line.strip().startswith('""') for line in lines[3:])
-    assert all(line.endswith(BLOCKS[-1]) for line in lines[3:])
+    assert any(line.strip().startswith('""') for line in rows)
+    assert all(line.endswith(BLOCKS[-1]) for line in rows)
+    assert lines[-1] == LEGEND
+
+
+def test_nonfinite_cells_are_marked_apart_from_zero_gradients(tmp_path: Path) -> None:
+    """A layer that is all NaN at some steps (its finite sums are empty: norm 0) and a
+    layer whose gradient is exactly zero have the same intensity 0; only the NaN cells
+    get the NaN/Inf glyph, and the legend names both."""
+    names = ["dense", "nan_layer", "zero_layer"]
+    builder = StoreBuilder(tmp_path / "s.duckdb").add_run("r", names)
+    all_nan = Stat(mean=0.0, max=0.0, norm=0.0, nonfinite=100)
+    zero = Stat(mean=0.0, max=0.0, norm=0.0)
+    for step in range(6):
+        builder.add_frame("r", step, {
+            "dense": healthy_stat(1.0),
+            "nan_layer": all_nan if step in (2, 3) else healthy_stat(0.5),
+            "zero_layer": zero,
+        })
+    path = builder.write()
+
+    lines = draw(path).splitlines()
+    dense, nan_layer, zero_layer = (cells(line, 6) for line in lines[3:6])
+    assert dense == "█" * 6
+    assert nan_layer == "▒▒" + NONFINITE_GLYPH * 2 + "▒▒"
+    assert zero_layer == " " * 6
+    assert lines[-1] == LEGEND
+    assert f"{NONFINITE_GLYPH} NaN/Inf" in LEGEND and "blank ~ 0" in LEGEND
+    assert cell_len(LEGEND) <= 80  # one line in an 80-column terminal
+    assert NONFINITE_GLYPH not in BLOCKS and cell_len(NONFINITE_GLYPH) == 1
+
+    # Downsampled: a column is marked when any of its frames had NaN/Inf.
+    lines = draw(path, max_columns=3).splitlines()
+    assert lines[1].startswith("each column = 2 steps (mean)")
+    assert [cells(line, 3) for line in lines[4:7]] == [
+        "███", "▒" + NONFINITE_GLYPH + "▒", "   "
+    ]
+
+
+def test_partially_nonfinite_layer_and_infinite_norm_are_marked(tmp_path: Path) -> None:
+    """A layer with a few NaN elements beside finite ones (full intensity) and a stored
+    infinite norm (a sum of squares that overflowed) are both marked, not drawn as flow."""
+    builder = StoreBuilder(tmp_path / "s.duckdb").add_run("r", ["a", "b"])
+    builder.add_frame("r", 0, {"a": Stat(norm=2.0, nonfinite=1), "b": healthy_stat(1.0)})
+    builder.add_frame("r", 1, {"a": healthy_stat(1.0), "b": healthy_stat(1.0)})
+    path = builder.write()
+    con = open_store(path, read_only=False)
+    try:
+        con.execute("UPDATE layer_stats SET grad_norm = 'inf'::DOUBLE WHERE step = 1 "
+                    "AND layer_index = 1")
+    finally:
+        con.close()
+    rows = draw(path).splitlines()[3:5]
+    assert [cells(r, 2) for r in rows] == [NONFINITE_GLYPH + "█", "▒" + NONFINITE_GLYPH]

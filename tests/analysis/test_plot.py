@@ -24,6 +24,7 @@ from analysis.plots.grid import (
     load_layer_series,
 )
 from analysis.plots.render import render_run
+from analysis.reader import open_reader
 from analysis.store import StoreError, open_store
 from deploy.cli.reports import register
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
@@ -143,14 +144,11 @@ def has_colour(png: Path, hex_colour: str, tolerance: float = 0.02) -> bool:
 
 
 def test_render_run_writes_marked_pictures(demo_store: Path, tmp_path: Path) -> None:
-    con = open_store(demo_store)
-    try:
-        files = render_run(con, "run/1", tmp_path / "pics", "run_1", max_steps=100,
+    with open_reader(demo_store) as reader:
+        files = render_run(reader, "run/1", tmp_path / "pics", "run_1", max_steps=100,
                            max_frames=50, width_px=1200)
         with pytest.raises(StoreError, match="no gradient frame"):
-            render_run(con, "empty", tmp_path / "pics", "empty")
-    finally:
-        con.close()
+            render_run(reader, "empty", tmp_path / "pics", "empty")
     assert "each column = max over 4 consecutive recorded steps" in files.heatmap_caption
     assert "each column = max over 8 consecutive recorded steps" in files.animation_caption
     for png in (files.heatmap, files.series):

@@ -1,4 +1,5 @@
-"""gradstream query: read-only SQL with and without a running writer.
+"""gradstream query: read-only SQL with and without a running writer, through
+:func:`analysis.reader.open_reader`.
 
 - no writer: a read-only DuckDB connection; writes refused by DuckDB;
 - a writer in this process serving the dashboard: the query goes over HTTP to it and runs
@@ -21,10 +22,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -43,12 +46,25 @@ from analysis.query import (
     ReadOnlyViolationError,
     StoreHeldError,
     execute_read_only,
-    run_query,
 )
+from analysis.reader import open_reader
+from analysis.store import StoreError
 from deploy.cli.reports import register
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Result:
+    table: pa.Table
+    via: str
+
+
+def run_query(db: Path, sql: str, timeout_s: float | None = None) -> Result:
+    """One statement through the reader, as ``gradstream query`` runs it."""
+    with open_reader(db, timeout_s) as reader:
+        return Result(reader.sql(sql), reader.via)
 
 
 @pytest.fixture
@@ -73,7 +89,7 @@ def count_rows(db: Path) -> int:
 
 def test_direct_query_reads(store: Path) -> None:
     result = run_query(store, "SELECT name FROM layers ORDER BY layer_index")
-    assert result.via == "read-only connection"
+    assert result.via == "read-only file"
     assert result.table.column("name").to_pylist() == NASTY_NAMES
 
 
@@ -100,7 +116,7 @@ def test_one_statement_and_clear_errors(store: Path, tmp_path: Path) -> None:
         run_query(store, "  ;  ")
     with pytest.raises(QueryError, match="syntax error"):
         run_query(store, "SELEC 1")
-    with pytest.raises(QueryError, match="does not exist"):
+    with pytest.raises(StoreError, match="does not exist"):
         run_query(tmp_path / "missing.duckdb", "SELECT 1")
     with pytest.raises(QueryError, match="interrupted"):
         run_query(store, "SELECT count(*) FROM range(10000000000) a, range(1000) b", 0.2)
@@ -141,7 +157,7 @@ def test_store_held_without_server(store: Path) -> None:
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
-        with pytest.raises(StoreHeldError, match="does not serve queries"):
+        with pytest.raises(StoreHeldError, match="answers no reads"):
             run_query(store, "SELECT 1")
         # A sidecar left by a dead server is ignored.
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
@@ -194,7 +210,7 @@ def test_query_through_the_serving_writer(store: Path, served) -> None:  # type:
     with pytest.raises(duckdb.ConnectionException):  # the file is held read-write here
         duckdb.connect(str(store), read_only=True)
     result = run_query(store, "SELECT count(*) AS n FROM layer_stats")
-    assert result.via == f"gradstream serve at {server.url}"
+    assert result.via == f"gradstream serve (pid {os.getpid()}) at {server.url}"
     assert result.table.column("n").to_pylist() == [4 * len(NASTY_NAMES)]
 
     # The writer keeps writing; each query sees what is committed.
@@ -335,7 +351,7 @@ def test_query_under_a_running_serve_process(kafka_bootstrap, tmp_path, unique_n
 
         table = gradstream("query", "SELECT run_id, frames FROM runs", "--db", str(db))
         assert table.returncode == 0 and run_id in table.stdout
-        assert f"via gradstream serve at {info.url}" in table.stderr
+        assert f"via gradstream serve (pid {info.pid}) at {info.url}" in table.stderr
 
         refused = gradstream("query", f"DELETE FROM layer_stats WHERE run_id = '{run_id}'",
                              "--db", str(db))
@@ -380,7 +396,7 @@ def test_serve_no_consume_serves_a_store_read_only(store: Path) -> None:
         assert "<title>gradstream dashboard</title>" in page and "http" not in page.split(
             "<body>")[1].split('<script type="application/json"')[0]
         # Readers share the file: the query takes the direct read-only path.
-        assert run_query(store, "SELECT count(*) FROM runs").via == "read-only connection"
+        assert run_query(store, "SELECT count(*) FROM runs").via == "read-only file"
     finally:
         serve.send_signal(signal.SIGTERM)
         _out, err = serve.communicate(timeout=30)

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from analysis.report import GradientFlowSummary, build_report, local_origin_text, render_report
+from analysis.report import (
+    GradientFlowSummary,
+    build_report,
+    health_window_text,
+    live_health_text,
+    local_origin_text,
+    render_report,
+)
 from analysis.store import StoreError, open_store
 from schemas.wire import GradientHealth
 from tests.analysis import (
@@ -212,3 +219,96 @@ def test_first_bad_local_rank_from_the_local_view(tmp_path: Path) -> None:
     con.close()
     old = report_of(path)
     assert old.first_bad_local_step is None and old.first_bad_local_ranks == []
+
+
+def consumer_store(path: Path, max_frames: int, steps: int, bad_from: int) -> Path:
+    """A store written by the consumer's own code (``consumer.runbook.RunBook`` with
+    ``LoopSettings.max_frames``, ``consumer.sink.DuckDBSink``), one frame per step, one
+    transaction per frame as a worker flushes; from ``bad_from`` on the last layer's max
+    |g| is above the exploding threshold (1e3)."""
+    import numpy as np
+
+    from consumer.frames import MergedShards, compute_frame
+    from consumer.runbook import RunBook
+    from consumer.sink import DuckDBSink, SinkBatch
+    from schemas.wire import RunStarted
+
+    numel = np.full(len(MODEL), 100, np.int64)
+    start = RunStarted(run_id="r", world_size=1, layer_names=MODEL, numel=numel.tolist(),
+                       start_time=1.7e9)
+    book = RunBook(max_frames)
+    book.start(start)
+    sink = DuckDBSink(path, write_behind=False)
+    try:
+        for step in range(steps):
+            merged = MergedShards.empty(len(MODEL))
+            max_abs = np.array([0.5, 0.5, 5e3 if step >= bad_from else 0.5])
+            merged.add(np.arange(len(MODEL)), numel, max_abs * 10, max_abs**2 * 10, max_abs,
+                       np.zeros(len(MODEL), np.int64))
+            frame = compute_frame("r", step, merged, vanishing_threshold=1e-7,
+                                  exploding_threshold=1e3, ranks_seen=(0,), world_size=1,
+                                  wall_time=1.7e9 + step)
+            batch = SinkBatch(runs_started=[start] if step == 0 else [])
+            book.record(frame, batch)
+            sink.write(batch, "gradstream-workers")
+    finally:
+        sink.close()
+    return path
+
+
+def test_health_states_its_window_and_the_consumers_live_window(tmp_path: Path) -> None:
+    """``gradstream consume --max-frames 10``: the consumer's stored health covers the last
+    10 frames (steps 20..29, all exploding: Critical), the report's the whole run (steps
+    0..29, 10 issue frames of 30: ProblemsDetected); both are shown with their windows."""
+    summary = report_of(consumer_store(tmp_path / "s.duckdb", max_frames=10, steps=30,
+                                       bad_from=20))
+    assert (summary.first_step, summary.last_step, summary.frames) == (0, 29, 30)
+    assert (summary.issue_frames, summary.overall_health) == (10, H.PROBLEMS_DETECTED)
+    assert summary.live_health is not None and summary.live_window_differs
+    live = summary.live_health
+    assert (live.frames, live.first_step, live.last_step) == (10, 20, 29)
+    assert (live.issue_frames, live.health) == (10, H.CRITICAL)
+    assert health_window_text(summary) == "steps 0..29, 30 frames"
+    assert live_health_text(summary) == (
+        "live health over the last 10 frames (steps 20..29): Critical, 10 issue frames")
+    text = " ".join(render(summary).split())
+    assert "health ProblemsDetected over steps 0..29, 30 frames" in text
+    assert "live health over the last 10 frames (steps 20..29): Critical, 10 issue frames" in text
+    document = summary.model_dump(mode="json")
+    assert document["live_health"] == {"health": "Critical", "frames": 10,
+                                       "issue_frames": 10, "first_step": 20, "last_step": 29}
+    assert (document["first_step"], document["last_step"]) == (0, 29)
+    assert GradientFlowSummary.model_validate_json(summary.model_dump_json()) == summary
+
+    # The report asked for the consumer's window: the same health, no second line.
+    same = report_of(tmp_path / "s.duckdb", from_step=20)
+    assert (same.overall_health, same.frames, same.live_window_differs) == (H.CRITICAL, 10,
+                                                                          False)
+    assert live_health_text(same) is None and "live health" not in render(same)
+    assert "health Critical over steps 20..29, 10 frames" in " ".join(render(same).split())
+
+
+def test_whole_run_consumer_health_is_the_reports_window(tmp_path: Path) -> None:
+    """Without ``--max-frames`` the consumer's health covers every frame: the same window as
+    a whole-run report, shown once; a step range makes them differ."""
+    path = consumer_store(tmp_path / "s.duckdb", max_frames=0, steps=12, bad_from=9)
+    whole = report_of(path)
+    assert whole.live_health is not None and not whole.live_window_differs
+    assert whole.live_health.health is whole.overall_health is H.PROBLEMS_DETECTED
+    assert (whole.live_health.frames, whole.live_health.first_step) == (12, 0)
+    assert "live health" not in render(whole)
+    early = report_of(path, to_step=5)
+    assert early.overall_health is H.HEALTHY and early.live_window_differs
+    assert health_window_text(early) == "steps 0..5, 6 frames"
+    assert live_health_text(early) == (
+        "live health over the last 12 frames (steps 0..11): ProblemsDetected, 3 issue frames")
+
+
+def test_store_without_live_health(tmp_path: Path) -> None:
+    """A run the consumer has classified no frame of (``runs.frames = 0``) has no live
+    health; an empty range states that it has no frames."""
+    summary = report_of(store_with_issues(tmp_path, 4, 0, VANISHING))
+    assert summary.live_health is None and not summary.live_window_differs
+    assert health_window_text(summary) == "steps 0..3, 4 frames"
+    assert "live health" not in render(summary)
+    assert health_window_text(report_of(tmp_path / "s.duckdb", from_step=50)) == "no frames"

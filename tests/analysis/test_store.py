@@ -13,9 +13,11 @@ import pytest
 
 from analysis.store import (
     StoreError,
+    StoreLockedError,
     check_step_range,
     list_runs,
     open_store,
+    require_run,
     resolve_run,
 )
 from tests.analysis import StoreBuilder, healthy_stat
@@ -61,8 +63,8 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "nope.duckdb").exists()
 
 
-def test_locked_by_writer_names_the_consumer(writer: Path) -> None:
-    with pytest.raises(StoreError, match="being written by a running `gradstream consume`"):
+def test_locked_by_writer_is_a_locked_store(writer: Path) -> None:
+    with pytest.raises(StoreLockedError, match="being written by another process"):
         open_store(writer)
 
 
@@ -110,6 +112,12 @@ def test_resolve_run(two_runs: Path, tmp_path: Path) -> None:
             resolve_run(con, None)
         with pytest.raises(StoreError, match=r"unknown run 'zzz'.*'run-a', 'run-b'"):
             resolve_run(con, "zzz")
+        assert resolve_run(con, "run-a") == "run-a"  # exact beats prefix
+        with pytest.raises(StoreError, match=r"'run-' is ambiguous.*'run-a', 'run-b'"):
+            resolve_run(con, "run-")
+        require_run(con, "run-a")
+        with pytest.raises(StoreError, match="unknown run 'run'"):
+            require_run(con, "run")  # builders take exact ids: no prefix matching
     finally:
         con.close()
 
@@ -117,6 +125,7 @@ def test_resolve_run(two_runs: Path, tmp_path: Path) -> None:
     con = open_store(single)
     try:
         assert resolve_run(con, None) == "only"
+        assert resolve_run(con, "on") == "only"  # a unique prefix
     finally:
         con.close()
 

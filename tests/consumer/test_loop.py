@@ -21,12 +21,20 @@ class RecordingOutput:
     def __init__(self) -> None:
         self.writes: list[dict] = []
         self.acks: list[tuple[dict, bool]] = []
+        self.durable = True  # False: the last write is still in flight (write-behind)
+        self.waits = 0
 
     def stored_offsets(self, topics: Any) -> None:
         return None
 
     def write(self, batch: Any) -> None:
         self.writes.append(dict(batch.offsets))
+
+    def settle(self, wait: bool) -> bool:
+        if wait:
+            self.waits += 1
+            self.durable = True
+        return self.durable
 
     def acknowledge(self, consumer: Any, offsets: dict, blocking: bool = True) -> None:
         self.acks.append((dict(offsets), blocking))
@@ -63,3 +71,32 @@ def test_revocation_writes_then_commits_without_blocking() -> None:
     out = loop.output
     assert out.writes == [{("t", 0): 42}, {("t", 0): 43}]
     assert out.acks == [({("t", 0): 42}, True), ({("t", 0): 43}, False)]
+
+
+def test_offsets_are_acknowledged_only_once_their_write_is_durable() -> None:
+    """With write-behind the output returns before its transaction commits: the loop
+    acknowledges nothing to Kafka until the output says every batch handed to it is
+    durable, then the latest offsets of all of them at once; a revocation waits for the
+    write in flight and acknowledges at once."""
+    loop = CountingLoop(StoreSettings())
+    loop.open()
+    loop._consumer = object()
+    out = loop.output
+    out.durable = False
+    loop.consume(Record("t", 0, 10, b"", b"k"))
+    loop.flush()
+    loop.consume(Record("t", 0, 11, b"", b"k"))
+    loop.flush()
+    assert out.writes == [{("t", 0): 11}, {("t", 0): 12}]
+    assert out.acks == []  # nothing durable yet: nothing acknowledged
+    loop.flush()  # nothing new to write, still in flight
+    assert out.acks == [] and len(out.writes) == 2
+    out.durable = True
+    loop.flush()  # the poll cycle's check: now durable
+    assert out.acks == [({("t", 0): 12}, True)]
+    out.durable = False
+    loop.consume(Record("t", 0, 12, b"", b"k"))
+    loop.on_revoked([TopicPartition("t", 0)])
+    assert out.waits == 1
+    assert out.acks[-1] == ({("t", 0): 13}, False)
+    assert loop._unacknowledged == {}

@@ -110,3 +110,28 @@ def test_rewrite_with_fewer_layers_drops_the_old_rows(tmp_path: Path) -> None:
         "GROUP BY step ORDER BY step").fetchall()
     assert got == [(0, list(range(LAYERS))), (1, [0, 2]), (2, list(range(LAYERS)))]
     sink.close()
+
+
+def test_failed_write_behind_is_never_settled_and_stores_no_offsets(tmp_path: Path) -> None:
+    """A write-behind transaction that fails (a frame row breaking NOT NULL) rolls back
+    with its offsets: ``settled()`` raises its error instead of saying it is durable, so
+    the loop never acknowledges those offsets, and every later write is refused."""
+    sink = DuckDBSink(tmp_path / "s.duckdb")
+    sink.write(_batch(range(0, 2), 1.0, 2, start=True), "g")
+    sink.wait()
+    assert sink.settled()
+    bad = _batch(range(2, 4), 1.0, 4)
+    frame, _ = bad.frames[("r", 3)]
+    bad.frames[("r", 3)] = (frame, None)  # type: ignore[assignment]  # frames.health NOT NULL
+    sink.write(bad, "g")
+    with pytest.raises(duckdb.Error):
+        while not sink.settled():
+            pass
+    with pytest.raises(duckdb.Error):
+        sink.write(_batch(range(4, 6), 1.0, 6), "g")
+    with pytest.raises(duckdb.Error):
+        sink.close()  # closes the file all the same
+    con = duckdb.connect(str(tmp_path / "s.duckdb"), read_only=True)
+    assert con.execute("SELECT next_offset FROM kafka_offsets").fetchall() == [(2,)]
+    assert _counts(con)[:3] == (2 * LAYERS, 2 * LAYERS, 2)
+    con.close()

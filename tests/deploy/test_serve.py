@@ -1,13 +1,35 @@
-"""What :mod:`deploy.serve` tells clients and users (the served worker itself runs against
-Kafka and a browser in ``tests/integration/test_dashboard_browser.py``)."""
+"""What :mod:`deploy.serve` tells clients and users, and its read endpoint on a real
+DuckDB store (the endpoint attached to real ``gradstream consume`` / ``store`` processes
+runs against Kafka in ``tests/deploy/test_read_endpoint.py``, the served worker in a
+browser in ``tests/integration/test_dashboard_browser.py``)."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 
+import duckdb
+import pyarrow as pa
 import pytest
 
-from deploy.serve import ServedStore, ServeError, client_url, worker_failure
+from analysis.dashboard.cursors import ReadCursors
+from analysis.dashboard.sidecar import read_sidecar, sidecar_path
+from consumer.sink import DuckDBSink
+from deploy.serve import (
+    READER_NICE,
+    BoundedReadCursors,
+    EndpointOptions,
+    ReadEndpoint,
+    ServedStore,
+    ServeError,
+    client_url,
+    worker_failure,
+)
 
 
 def test_a_wildcard_bind_is_reached_on_loopback() -> None:
@@ -18,10 +40,116 @@ def test_a_wildcard_bind_is_reached_on_loopback() -> None:
 
 def test_worker_failure_names_a_locked_store() -> None:
     assert "held by another process" in worker_failure(OSError("Could not set lock"), "s")
-    assert worker_failure(None, "s") == "the consumer worker did not open the store in time"
-    assert worker_failure(RuntimeError("boom"), "s") == "the consumer worker failed: boom"
+    assert worker_failure(None, "s") == "the store s was not opened in time"
+    assert worker_failure(RuntimeError("boom"), "s") == "boom"
+    assert worker_failure(ServeError("cannot listen on x: lock"), "s") == (
+        "cannot listen on x: lock")
 
 
 def test_a_missing_store_is_not_served(tmp_path: Path) -> None:
     with pytest.raises(ServeError, match="no gradstream store"):
         ServedStore(tmp_path / "absent.duckdb", port=0).start()
+
+
+# -- the read endpoint of a writing process (deploy.serve.ReadEndpoint) ------------------
+
+
+def _reader_cursors(tmp_path: Path) -> tuple[duckdb.DuckDBPyConnection, ReadCursors]:
+    """A writer's connection on a real store file and read cursors on its instance."""
+    con = duckdb.connect(str(tmp_path / "s.duckdb"))
+    con.execute("CREATE TABLE t AS SELECT range AS x FROM range(1000)")
+    return con, ReadCursors.from_connection(con.cursor(), tmp_path / "s.duckdb")
+
+
+def test_at_most_max_readers_read_at_once(tmp_path: Path) -> None:
+    con, cursors = _reader_cursors(tmp_path)
+    bounded = BoundedReadCursors(cursors, max_readers=1, nice=0)
+    first_in, release, second_in = threading.Event(), threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def first() -> None:
+        with bounded.cursor() as cur:
+            seen.append(cur.execute("SELECT count(*) FROM t").fetchone()[0])
+            first_in.set()
+            release.wait(10)
+
+    def second() -> None:
+        with bounded.cursor() as cur:
+            second_in.set()
+            seen.append(cur.execute("SELECT sum(x) FROM t").fetchone()[0])
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads[0].start()
+    assert first_in.wait(10)
+    threads[1].start()
+    assert not second_in.wait(0.5), "a second reader ran while the only slot was taken"
+    release.set()
+    assert second_in.wait(10)
+    for thread in threads:
+        thread.join(10)
+    assert seen == [1000, 499500]
+    bounded.close()
+    con.close()
+    with pytest.raises(ValueError, match="max_readers"):
+        BoundedReadCursors(cursors, max_readers=0)
+    with pytest.raises(ValueError, match="nice"):
+        BoundedReadCursors(cursors, max_readers=None, nice=20)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread nice values: Linux")
+def test_readers_run_at_the_lowest_priority_and_the_writer_keeps_its_own(
+        tmp_path: Path) -> None:
+    con, cursors = _reader_cursors(tmp_path)
+    bounded = BoundedReadCursors(cursors, max_readers=None, nice=READER_NICE)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    priority: list[int] = []
+
+    def read() -> None:
+        with bounded.cursor() as cur:
+            cur.execute("SELECT count(*) FROM t").fetchone()
+            priority.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(10)
+    assert priority == [READER_NICE]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    con.execute("INSERT INTO t VALUES (1000)")  # the writer goes on
+    bounded.close()
+    con.close()
+
+
+def test_an_endpoint_on_a_sink_answers_reads_until_closed(tmp_path: Path) -> None:
+    """``ReadEndpoint.attach`` (the ``on_open`` hook of every consumer loop) serves the
+    writer's instance over HTTP with the sidecar's token, sees the writer's commits, and
+    :meth:`close` removes the sidecar and lets the writer close the file."""
+    db = tmp_path / "w.duckdb"
+    sink = DuckDBSink(db, write_behind=False)
+    endpoint = ReadEndpoint(db, EndpointOptions(port=0), command="store")
+    endpoint.attach(sink)
+    try:
+        info = read_sidecar(db)
+        assert info is not None and info.writer and info.url == endpoint.url
+        assert info.command == "store" and info.pid == os.getpid()
+        assert _post_query(info.url, info.token, "SELECT count(*) AS n FROM runs") == [0]
+        sink.con.execute("INSERT INTO kafka_offsets VALUES ('g', 't', 0, 7)")
+        assert _post_query(info.url, info.token,
+                           "SELECT next_offset AS n FROM kafka_offsets") == [7]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post_query(info.url, "wrong-token", "SELECT 1 AS n")
+        assert refused.value.code == 401
+    finally:
+        endpoint.close()
+    assert not sidecar_path(db).exists() and endpoint.server is None
+    sink.close()
+    with duckdb.connect(str(db), read_only=True) as con:  # the file is free again
+        assert con.execute("SELECT count(*) FROM kafka_offsets").fetchone() == (1,)
+
+
+def _post_query(url: str, token: str, sql: str) -> list[object]:
+    """POST ``sql`` to ``/api/query``; the column ``n`` of the Arrow answer."""
+    request = urllib.request.Request(
+        f"{url}/api/query", data=json.dumps({"sql": sql}).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return pa.ipc.open_stream(answer).read_all().column("n").to_pylist()

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from schemas.wire import (
@@ -343,9 +344,30 @@ def test_split_keeps_every_layer_once_with_histograms_and_local_rows():
     decoded = [decode_message(encode_binary(p)) for p in parts]
     assert [p.part_index for p in decoded] == [0, 1]
     assert all(p.part_count == 2 for p in decoded)
-    assert decoded[0].layer_indices == [5] and decoded[1].layer_indices == [2, 7]
-    assert decoded[1].exp_hist_offsets == [0, 2, 3]
-    assert decoded[1].exp_hist_columns == [1, 4, 0]
+    # a binary-decoded message holds read-only NumPy arrays (StepSummary, "Holding the
+    # arrays")
+    assert isinstance(decoded[1].layer_indices, np.ndarray)
+    assert not decoded[1].layer_indices.flags.writeable
+    assert decoded[0].layer_indices.tolist() == [5]
+    assert decoded[1].layer_indices.tolist() == [2, 7]
+    assert decoded[1].exp_hist_offsets.tolist() == [0, 2, 3]
+    assert decoded[1].exp_hist_columns.tolist() == [1, 4, 0]
     # layer 7 goes with part 1; 5 and the unknown layer 9 with part 0
-    assert sorted(decoded[0].local_layer_indices) == [5, 9]
-    assert decoded[1].local_layer_indices == [7]
+    assert sorted(decoded[0].local_layer_indices.tolist()) == [5, 9]
+    assert decoded[1].local_layer_indices.tolist() == [7]
+
+
+def test_binary_decoded_message_equals_its_json_twin_and_reencodes():
+    """A binary-decoded StepSummary (NumPy arrays) equals the same message validated from
+    JSON (lists), re-encodes to JSON with the same values, and a different value makes
+    them unequal."""
+    msg = StepSummary(**_summary(layer_indices=[3, 1], numel=[4, 8], sum_abs=[1.0, 2.0],
+                                 sum_sq=[1.0, 3.0], max_abs=[0.5, 0.7], nonfinite=[0, 1]))
+    binary = decode_message(encode_binary(msg))
+    assert isinstance(binary.sum_sq, np.ndarray) and binary.sum_sq.dtype == np.float64
+    assert binary == msg and msg == binary
+    again = decode_message(encode_message(binary))
+    assert isinstance(again.sum_sq, list) and again == msg
+    other = StepSummary(**_summary(layer_indices=[3, 1], numel=[4, 8], sum_abs=[1.0, 2.0],
+                                   sum_sq=[1.0, 3.5], max_abs=[0.5, 0.7], nonfinite=[0, 1]))
+    assert binary != other

@@ -50,10 +50,10 @@ class NonfiniteRule(Rule[NonfiniteRuleConfig]):
         """Remember the layers (int64[k]) in which ``shard`` counted non-finite elements,
         until that step's frame is evaluated; at most ``world_size *``
         :data:`SHARD_STEPS_PER_RANK` steps are kept. One pass over a finite shard's
-        ``nonfinite`` list, nothing stored."""
-        if not any(shard.nonfinite):
-            return
+        ``nonfinite`` counts, nothing stored."""
         bad = np.asarray(shard.nonfinite) > 0
+        if not bad.any():
+            return
         layers = np.asarray(shard.layer_indices, np.int64)[bad]
         by_rank = self._shard_nonfinite.setdefault(shard.step, {})
         earlier = by_rank.get(shard.rank)  # a summary split into parts: union of the parts

@@ -16,6 +16,8 @@ from deploy.cli.consume import WorkerOptions
 
 SCALE_OUT_ONLY = {"--frames-topic", "--runs-topic", "--workers"}
 """Options of ``consume`` that make a worker write no store: nothing to serve."""
+READ_ENDPOINT = {"--read-endpoint", "--no-read-endpoint", "--read-port"}
+"""Where ``consume`` answers reads; ``serve`` answers them on its own ``--host``/``--port``."""
 
 
 def _options(name: str) -> dict[str, Any]:
@@ -25,10 +27,11 @@ def _options(name: str) -> dict[str, Any]:
 
 def test_serve_takes_every_option_of_consume() -> None:
     consume, serve = _options("consume"), _options("serve")
-    missing = set(consume) - set(serve) - SCALE_OUT_ONLY
+    missing = set(consume) - set(serve) - SCALE_OUT_ONLY - READ_ENDPOINT
     assert not missing, f"serve lacks {sorted(missing)}"
     for flag in ("--alert-set", "--webhook", "--metrics-port", "--log-format", "--max-frames",
-                 "--partitions", "--alert-rules", "--db", "--bootstrap-servers"):
+                 "--partitions", "--alert-rules", "--db", "--bootstrap-servers",
+                 "--max-readers"):
         assert serve[flag].help == consume[flag].help
         assert serve[flag].envvar == consume[flag].envvar
 

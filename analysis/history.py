@@ -1,0 +1,729 @@
+"""The gradient history of a store as DataFrames, reports and figures, for notebooks.
+
+::
+
+    from analysis import Store
+
+    store = Store("out/demo.duckdb")        # the file, or whichever process writes it now
+    store.runs()                            # one row per run: health, counts
+    run = store.run("demo-exploding-")      # an exact run id or a unique prefix
+    run.layer_stats(steps=(100, 200), layers="encoder.*")   # long DataFrame
+    run.frames(); run.alerts(); run.rank_stats()
+    run.report(); run.analyze("flow")       # the pydantic models the CLI prints
+    run.plot()                              # the heatmap figure (matplotlib)
+    store.sql("SELECT ...")                 # one read-only statement
+
+Every read goes through :func:`analysis.reader.open_reader`: the store's file opened
+read-only when no process writes it, otherwise the loopback endpoint of the process that
+does. A reader is opened for each call and closed after it, so a notebook never holds the
+file between cells: a ``gradstream consume`` started later can still take it, and the next
+call follows it to its endpoint.
+
+Tables come back as pandas (the default), Arrow or polars (``as_="pandas" | "arrow" |
+"polars"``, registered in :data:`TABLE_FLAVOURS`), with the same rows and columns in the
+same order. ``steps=(first, last)`` is an inclusive optimiser-step range (either bound may
+be ``None``); ``layers=`` is an ``fnmatch`` pattern (``"encoder.*"``, case-sensitive, as
+:func:`fnmatch.fnmatchcase`), a list of exact layer names, or ``None`` for every layer.
+Values reach DuckDB as bound parameters, never inside the SQL text.
+
+A :class:`Run` and its :class:`RunReport` render in Jupyter (``_repr_html_``): the health
+badge, the flagged layers, the recommendations and the heatmap as an inline PNG.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import PrivateAttr
+
+from analysis.reader import open_reader
+from analysis.report import NAMES_IN_TABLE, GradientFlowSummary, local_origin_text
+from analysis.store import StoreError, check_step_range
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from matplotlib.figure import Figure
+    from pydantic import BaseModel
+
+    from analysis.plots.grid import GradientGrid
+    from analysis.reader import StoreReader
+
+TableFlavour = Literal["pandas", "arrow", "polars"]
+"""Name of a table type returned by the table methods (``as_=``)."""
+
+Steps = tuple[int | None, int | None] | None
+"""An inclusive optimiser-step range ``(first, last)``; ``None`` (or a ``None`` bound) is
+open."""
+
+Layers = str | Sequence[str] | None
+"""Layers to keep: an ``fnmatch`` pattern, a list of exact names, or ``None`` (all)."""
+
+
+def _to_arrow(table: pa.Table) -> pa.Table:
+    return table
+
+
+def _to_pandas(table: pa.Table) -> Any:
+    """``table`` as a pandas DataFrame: NumPy dtypes (``int64``, ``float64``, ``bool``);
+    an integer column holding NULLs becomes pandas' nullable ``Int64`` instead of float."""
+    import pandas as pd
+    import pyarrow as pa
+
+    frame = table.to_pandas()
+    for field in table.schema:
+        if pa.types.is_integer(field.type) and table.column(field.name).null_count:
+            frame[field.name] = table.select([field.name]).to_pandas(
+                types_mapper={field.type: pd.Int64Dtype()}.get)[field.name]
+    return frame
+
+
+def _to_polars(table: pa.Table) -> Any:
+    import polars as pl
+
+    return pl.from_arrow(table)
+
+
+TABLE_FLAVOURS: dict[str, Callable[[pa.Table], Any]] = {
+    "pandas": _to_pandas,
+    "arrow": _to_arrow,
+    "polars": _to_polars,
+}
+"""``as_`` value -> conversion of the Arrow result. Add an entry to offer another type."""
+
+
+def _convert(table: pa.Table, as_: str) -> Any:
+    """``table`` converted by :data:`TABLE_FLAVOURS` ``[as_]``.
+
+    Raises:
+        ValueError: ``as_`` is not registered.
+    """
+    try:
+        convert = TABLE_FLAVOURS[as_]
+    except KeyError:
+        raise ValueError(
+            f"as_={as_!r} is not a table type; choose one of {', '.join(TABLE_FLAVOURS)}"
+        ) from None
+    return convert(table)
+
+
+def _step_params(steps: Steps) -> dict[str, object]:
+    """``$from_step`` / ``$to_step`` of an inclusive ``steps`` range.
+
+    Raises:
+        StoreError: ``steps`` is not a pair, a bound is negative or not an integer, or the
+            range is reversed.
+    """
+    if steps is None:
+        return {"from_step": None, "to_step": None}
+    if isinstance(steps, (str, bytes)) or len(steps) != 2:
+        raise StoreError(f"steps must be an inclusive (first, last) pair, got {steps!r}")
+    first, last = steps
+    for bound in (first, last):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+            raise StoreError(f"step bounds must be integers or None, got {steps!r}")
+    check_step_range(first, last)
+    return {"from_step": first, "to_step": last}
+
+
+def _glob(pattern: str) -> str:
+    """An ``fnmatch`` pattern as a DuckDB ``GLOB`` pattern with the same matches.
+
+    DuckDB's ``GLOB`` reads ``*``, ``?``, ``[seq]`` and ``[!seq]`` as
+    :func:`fnmatch.fnmatchcase` does, but ``\\`` escapes the next character, where fnmatch
+    reads it literally; doubling it restores the literal backslash."""
+    return pattern.replace("\\", "\\\\")
+
+
+def _layer_params(layers: Layers) -> dict[str, object]:
+    """``$layer_glob`` / ``$layer_names`` of a ``layers`` argument (see :data:`Layers`).
+
+    Raises:
+        StoreError: ``layers`` is neither a string, a sequence of strings nor ``None``.
+    """
+    if layers is None:
+        return {"layer_glob": None, "layer_names": None}
+    if isinstance(layers, str):
+        return {"layer_glob": _glob(layers), "layer_names": None}
+    names = list(layers)
+    if not all(isinstance(name, str) for name in names):
+        raise StoreError(f"layers must be a pattern, a list of layer names or None, "
+                         f"got {layers!r}")
+    return {"layer_glob": None, "layer_names": names}
+
+
+_STEP_FILTER = """($from_step IS NULL OR {t}.step >= $from_step)
+      AND ($to_step IS NULL OR {t}.step <= $to_step)"""
+"""Inclusive step range on table alias ``{t}``, bound by :func:`_step_params`."""
+
+_LAYER_NAME = "coalesce(l.name, 'layer[' || CAST({t}.layer_index AS VARCHAR) || ']')"
+"""Layer name of table alias ``{t}`` joined to ``layers`` as ``l`` (``layer[i]`` when the
+store lacks the name)."""
+
+_LAYER_FILTER = """($layer_glob IS NULL OR {name} GLOB $layer_glob)
+      AND ($layer_names IS NULL OR list_contains($layer_names, {name}))"""
+"""Layer selection on the name expression ``{name}``, bound by :func:`_layer_params`."""
+
+
+def _layer_table_sql(select: str, table: str, order: str) -> str:
+    """``SELECT {select}`` over one run's rows of ``table`` (alias ``s``, joined to its
+    ``layers`` row ``l``; ``{layer}`` in ``select`` is the layer name), filtered by step
+    range and layer selection, sorted by ``order``."""
+    name = _LAYER_NAME.format(t="s")
+    return f"""
+    SELECT {select.format(layer=name)}
+    FROM {table} AS s
+    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+    WHERE s.run_id = $run_id
+      AND {_STEP_FILTER.format(t="s")}
+      AND {_LAYER_FILTER.format(name=name)}
+    ORDER BY {order}
+    """
+
+
+LAYER_STATS_SQL = _layer_table_sql("""
+        s.run_id,
+        CAST(s.step AS BIGINT) AS step,
+        CAST(s.layer_index AS BIGINT) AS layer_index,
+        {layer} AS layer,
+        CAST(s.numel AS BIGINT) AS numel,
+        CAST(s.grad_norm AS DOUBLE) AS grad_norm,
+        CAST(sqrt(s.sum_sq / nullif(s.numel, 0)) AS DOUBLE) AS rms_grad,
+        CAST(s.mean_abs_grad AS DOUBLE) AS mean_abs_grad,
+        CAST(s.max_abs_grad AS DOUBLE) AS max_abs_grad,
+        CAST(s.nonfinite AS BIGINT) AS nonfinite,
+        CAST(s.flow_intensity AS DOUBLE) AS flow_intensity,
+        s.is_vanishing,
+        s.is_exploding,
+        CAST(s.sum_abs AS DOUBLE) AS sum_abs,
+        CAST(s.sum_sq AS DOUBLE) AS sum_sq,
+        CAST(sqrt(s.weight_sum_sq) AS DOUBLE) AS weight_norm,
+        CAST(s.update_to_weight AS DOUBLE) AS update_to_weight""",
+    "layer_stats", "s.step, s.layer_index")
+"""One run's ``layer_stats`` rows as a long table (see :meth:`Run.layer_stats`)."""
+
+RANK_STATS_SQL = _layer_table_sql("""
+        s.run_id,
+        CAST(s.step AS BIGINT) AS step,
+        CAST(s.rank AS BIGINT) AS rank,
+        CAST(s.layer_index AS BIGINT) AS layer_index,
+        {layer} AS layer,
+        CAST(s.numel AS BIGINT) AS numel,
+        CAST(sqrt(s.sum_sq) AS DOUBLE) AS grad_norm,
+        CAST(sqrt(s.sum_sq / nullif(s.numel, 0)) AS DOUBLE) AS rms_grad,
+        CAST(s.sum_abs / nullif(s.numel, 0) AS DOUBLE) AS mean_abs_grad,
+        CAST(s.max_abs_grad AS DOUBLE) AS max_abs_grad,
+        CAST(s.nonfinite AS BIGINT) AS nonfinite,
+        CAST(s.sum_abs AS DOUBLE) AS sum_abs,
+        CAST(s.sum_sq AS DOUBLE) AS sum_sq""",
+    "local_layer_stats", "s.step, s.rank, s.layer_index")
+"""One run's per-rank local view (``local_layer_stats``) as a long table (see
+:meth:`Run.rank_stats`)."""
+
+FRAMES_SQL = f"""
+    SELECT run_id,
+           CAST(step AS BIGINT) AS step,
+           health,
+           CAST(num_layers AS BIGINT) AS num_layers,
+           CAST(vanishing_layers AS BIGINT) AS vanishing_layers,
+           CAST(exploding_layers AS BIGINT) AS exploding_layers,
+           CAST(nonfinite_layers AS BIGINT) AS nonfinite_layers,
+           complete,
+           ranks_seen,
+           missing_ranks,
+           wall_time,
+           finalized_at
+    FROM frames AS f
+    WHERE run_id = $run_id AND {_STEP_FILTER.format(t="f")}
+    ORDER BY step
+"""
+"""One run's ``frames`` rows in step order (see :meth:`Run.frames`)."""
+
+ALERTS_SQL = f"""
+    SELECT run_id,
+           CAST(step AS BIGINT) AS step,
+           CAST(first_step AS BIGINT) AS first_step,
+           rule,
+           severity,
+           state,
+           layers,
+           ranks,
+           message,
+           alert_id,
+           incident_id,
+           created_at,
+           wall_time,
+           CAST(frame_values AS VARCHAR) AS frame_values
+    FROM alerts AS a
+    WHERE run_id = $run_id AND {_STEP_FILTER.format(t="a")}
+    ORDER BY step, created_at, alert_id
+"""
+"""One run's alert events in step order (see :meth:`Run.alerts`)."""
+
+RUNS_SQL = """
+    WITH frame_counts AS (
+        SELECT run_id, count(*) FILTER (WHERE NOT complete) AS partial_frames
+        FROM frames GROUP BY run_id
+    ),
+    rank_counts AS (
+        SELECT run_id, count(*) AS ranks_finished, sum(dropped) AS dropped_summaries
+        FROM run_ranks GROUP BY run_id
+    ),
+    incidents AS (
+        SELECT run_id, coalesce(incident_id, alert_id) AS incident,
+               bool_or(state = 'firing') AS fired, bool_or(state = 'resolved') AS resolved
+        FROM alerts GROUP BY ALL
+    ),
+    alert_counts AS (
+        SELECT run_id, count(*) FILTER (WHERE fired) AS alerts,
+               count(*) FILTER (WHERE fired AND NOT resolved) AS open_alerts
+        FROM incidents GROUP BY run_id
+    )
+    SELECT r.run_id,
+           r.health,
+           CAST(r.frames AS BIGINT) AS frames,
+           CAST(r.issue_frames AS BIGINT) AS issue_frames,
+           CAST(coalesce(r.issue_frames / nullif(r.frames, 0), 0.0) AS DOUBLE) AS issue_ratio,
+           CAST(coalesce(f.partial_frames, 0) AS BIGINT) AS partial_frames,
+           CAST(r.last_step AS BIGINT) AS last_step,
+           CAST(r.first_nonfinite_step AS BIGINT) AS first_nonfinite_step,
+           CAST(r.world_size AS BIGINT) AS world_size,
+           CAST(r.num_layers AS BIGINT) AS num_layers,
+           CAST(coalesce(k.ranks_finished, 0) AS BIGINT) AS ranks_finished,
+           CAST(coalesce(k.dropped_summaries, 0) AS BIGINT) AS dropped_summaries,
+           CAST(coalesce(a.alerts, 0) AS BIGINT) AS alerts,
+           CAST(coalesce(a.open_alerts, 0) AS BIGINT) AS open_alerts,
+           r.vanishing_threshold,
+           r.exploding_threshold,
+           r.host,
+           r.start_time,
+           r.end_time
+    FROM runs AS r
+    LEFT JOIN frame_counts AS f USING (run_id)
+    LEFT JOIN rank_counts AS k USING (run_id)
+    LEFT JOIN alert_counts AS a USING (run_id)
+    ORDER BY r.run_id
+"""
+"""One row per run (see :meth:`Store.runs`)."""
+
+
+class Store:
+    """A gradstream store read from a notebook or a script.
+
+    Args:
+        db: the DuckDB file written by ``gradstream consume`` / ``store`` / ``serve`` /
+            ``demo``.
+        timeout_s: time limit of each read, seconds (``None``: ``GRADSTREAM_QUERY_TIMEOUT_S``,
+            else the reader's default of 60 s).
+
+    A reader (:func:`analysis.reader.open_reader`) is opened for each call and closed after
+    it: the store's file read-only when it is free, otherwise the endpoint of the process
+    writing it. Nothing stays open between calls, so a writer can start at any time.
+    Inside ``with store:`` one reader serves every call instead (opening one costs tens of
+    milliseconds), and a writer cannot take a free file until the block ends.
+
+    Raises:
+        StoreError: the file is missing or not a gradstream store, or it is held by a
+            process that answers no reads (checked once here, and again by every call).
+    """
+
+    def __init__(self, db: str | os.PathLike[str], timeout_s: float | None = None) -> None:
+        self.db = Path(db)
+        self.timeout_s = timeout_s
+        self._held: StoreReader | None = None
+        with self.reader():
+            pass
+
+    @contextmanager
+    def reader(self) -> Iterator[StoreReader]:
+        """A reader of the store for one block of reads: the one held by ``with store:``,
+        else a new one closed at the block's end.
+
+        Yields:
+            :class:`analysis.reader.StoreReader` (``via`` says which path answers).
+
+        Raises:
+            StoreError: see the class.
+        """
+        if self._held is not None:
+            yield self._held
+            return
+        reader = open_reader(self.db, self.timeout_s)
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def __enter__(self) -> Store:
+        """Hold one reader until the block ends (see the class).
+
+        Raises:
+            StoreError: the store cannot be opened; RuntimeError: already inside ``with``.
+        """
+        if self._held is not None:
+            raise RuntimeError(f"{self!r} is already held by a `with` block")
+        self._held = open_reader(self.db, self.timeout_s)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
+
+    @property
+    def via(self) -> str:
+        """How reads are answered now: ``"read-only file"`` or ``"gradstream <command> (pid
+        N) at <url>"``."""
+        with self.reader() as reader:
+            return reader.via
+
+    def sql(self, sql: str, params: Mapping[str, object] | None = None,
+            as_: TableFlavour = "pandas", timeout_s: float | None = None) -> Any:
+        """Run one read-only SQL statement on the store.
+
+        Args:
+            sql: exactly one statement; tables ``runs``, ``layers``, ``layer_stats``,
+                ``local_layer_stats``, ``frames``, ``alerts``, ``run_ranks``,
+                ``kafka_offsets`` (columns in ``schemas.tables``).
+            params: named parameters, written ``$name`` in ``sql``.
+            as_: ``"pandas"``, ``"arrow"`` or ``"polars"``.
+            timeout_s: time limit of this statement (``None``: the store's).
+
+        Returns:
+            The rows, with DuckDB's column names and types.
+
+        Raises:
+            StoreError: several statements, a statement that would write or touch files
+                outside the store, invalid SQL, the time limit
+                (:mod:`analysis.query`'s subclasses).
+            ValueError: unknown ``as_``.
+        """
+        with self.reader() as reader:
+            table = reader.sql(sql, dict(params) if params else None, timeout_s)
+        return _convert(table, as_)
+
+    def runs(self, as_: TableFlavour = "pandas") -> Any:
+        """One row per run, in run-id order: what ``gradstream report`` lists.
+
+        Columns: ``run_id``; ``health`` (the worker's live classification, ``runs.health``:
+        Healthy, MinorIssues, ProblemsDetected, Critical); ``frames`` and ``issue_frames``
+        (frames classified, and those with a vanishing, exploding or NaN/Inf layer) and
+        ``issue_ratio = issue_frames / frames`` (float64, 0 with no frame);
+        ``partial_frames`` (stored before every rank reported); ``last_step``,
+        ``first_nonfinite_step`` (nullable Int64 in pandas); ``world_size``, ``num_layers``;
+        ``ranks_finished`` and ``dropped_summaries`` (from each rank's RunFinished);
+        ``alerts`` (incidents fired) and ``open_alerts`` (fired, not resolved);
+        ``vanishing_threshold`` / ``exploding_threshold`` (float64); ``host``;
+        ``start_time`` / ``end_time`` (unix seconds, float64). Counts are int64.
+
+        Raises:
+            StoreError: the store cannot be read. ValueError: unknown ``as_``.
+        """
+        return self.sql(RUNS_SQL, as_=as_)
+
+    def run(self, run: str | None = None) -> Run:
+        """One run, by exact id or unique prefix (``None``: the store's only run).
+
+        Raises:
+            StoreError: unknown run, ambiguous prefix, or ``None`` with zero or several runs;
+                the message lists the candidates.
+        """
+        with self.reader() as reader:
+            return Run(self, reader.resolve_run(run))
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.db)!r})"
+
+
+class Run:
+    """One run of a :class:`Store` (from :meth:`Store.run`).
+
+    Attributes:
+        store: the store.
+        run_id: the run's id.
+    """
+
+    def __init__(self, store: Store, run_id: str) -> None:
+        self.store = store
+        self.run_id = run_id
+
+    def _table(self, sql: str, params: Mapping[str, object], as_: str) -> Any:
+        return self.store.sql(sql, {"run_id": self.run_id, **params}, as_=as_)
+
+    def layer_stats(self, steps: Steps = None, layers: Layers = None,
+                    as_: TableFlavour = "pandas") -> Any:
+        """The run's per-(step, layer) gradient statistics, merged over ranks: one row per
+        stored frame and layer, in step then model order.
+
+        Columns (int64 unless said): ``run_id`` (str), ``step``, ``layer_index`` (model
+        order), ``layer`` (name, str), ``numel`` (elements of the parameter); float64:
+        ``grad_norm = sqrt(sum g^2)`` (L2 norm of the gradient the optimiser applies),
+        ``rms_grad = sqrt(sum g^2 / numel)``, ``mean_abs_grad = sum |g| / numel``,
+        ``max_abs_grad``, ``flow_intensity = grad_norm / max grad_norm of the step's
+        layers``; ``nonfinite`` (NaN/Inf elements); ``is_vanishing`` / ``is_exploding``
+        (bool, against the run's thresholds); ``sum_abs``, ``sum_sq`` (the mergeable sums);
+        ``weight_norm = sqrt(sum w^2)`` and ``update_to_weight`` (NaN unless the producer
+        sent weight statistics). ``mean_abs_grad``, ``max_abs_grad`` and ``sum_abs`` are
+        NaN for layers sent in norms mode. Formulas: ``schemas.tables`` (``layer_stats``).
+
+        Args:
+            steps: inclusive ``(first, last)`` step range, or ``None``.
+            layers: an fnmatch pattern (``"encoder.*"``), a list of names, or ``None``.
+            as_: ``"pandas"``, ``"arrow"`` or ``"polars"``.
+
+        Raises:
+            StoreError: invalid ``steps`` or ``layers``; the store cannot be read.
+            ValueError: unknown ``as_``.
+        """
+        return self._table(LAYER_STATS_SQL, {**_step_params(steps), **_layer_params(layers)},
+                           as_)
+
+    def rank_stats(self, steps: Steps = None, layers: Layers = None,
+                   as_: TableFlavour = "pandas") -> Any:
+        """Each rank's local gradient before the cross-rank reduction (the per-rank local
+        view, ``local_layer_stats``): one row per (step, rank, layer). Empty when the
+        producers sent no local view.
+
+        Columns (int64 unless said): ``run_id``, ``step``, ``rank``, ``layer_index``,
+        ``layer`` (str), ``numel``; float64 ``grad_norm = sqrt(sum g^2)``,
+        ``rms_grad = sqrt(sum g^2 / numel)``, ``mean_abs_grad = sum |g| / numel``,
+        ``max_abs_grad``, ``sum_abs``, ``sum_sq``; ``nonfinite`` (NaN/Inf elements). The
+        first non-finite step per rank is ``df[df.nonfinite > 0].groupby("rank").step.min()``.
+
+        Args and raises: as :meth:`layer_stats`.
+        """
+        return self._table(RANK_STATS_SQL, {**_step_params(steps), **_layer_params(layers)},
+                           as_)
+
+    def frames(self, steps: Steps = None, as_: TableFlavour = "pandas") -> Any:
+        """One row per stored frame (optimiser step), in step order.
+
+        Columns: ``run_id``, ``step`` (int64), ``health`` (run health after this frame),
+        ``num_layers``, ``vanishing_layers``, ``exploding_layers``, ``nonfinite_layers``
+        (int64 counts of the frame), ``complete`` (bool: every rank reported),
+        ``ranks_seen`` / ``missing_ranks`` (lists of ranks), ``wall_time`` (producer time)
+        and ``finalized_at`` (when the worker closed the frame), unix seconds, float64.
+
+        Raises:
+            StoreError: invalid ``steps``; the store cannot be read. ValueError: ``as_``.
+        """
+        return self._table(FRAMES_SQL, _step_params(steps), as_)
+
+    def alerts(self, steps: Steps = None, as_: TableFlavour = "pandas") -> Any:
+        """The run's alert events (firing and resolved), in step order.
+
+        Columns: ``run_id``, ``step`` (int64, the frame of the event), ``first_step``
+        (step the incident began), ``rule``, ``severity``, ``state`` (``firing`` /
+        ``resolved``), ``layers`` and ``ranks`` (lists), ``message``, ``alert_id``,
+        ``incident_id`` (shared by an incident's two events), ``created_at`` /
+        ``wall_time`` (unix seconds), ``frame_values`` (JSON text of the values behind
+        the event).
+
+        Raises:
+            StoreError: invalid ``steps``; the store cannot be read. ValueError: ``as_``.
+        """
+        return self._table(ALERTS_SQL, _step_params(steps), as_)
+
+    def report(self, steps: Steps = None) -> RunReport:
+        """The run's summary, as ``gradstream report`` prints it
+        (:func:`analysis.report.build_report`): health, flagged layers, recommendations.
+
+        Returns:
+            A :class:`RunReport` (a :class:`~analysis.report.GradientFlowSummary` with the
+            same fields and JSON) that renders in Jupyter with the run's heatmap.
+
+        Raises:
+            StoreError: invalid ``steps``; the store cannot be read.
+        """
+        bounds = _step_params(steps)
+        with self.store.reader() as reader:
+            summary = reader.report(self.run_id, bounds["from_step"], bounds["to_step"])
+        report = RunReport.model_validate(summary.model_dump())
+        report._heatmap = lambda: self._heatmap_png(steps)
+        return report
+
+    def analyze(self, name: str, steps: Steps = None, **options: object) -> BaseModel:
+        """A registered analysis of the run, as ``gradstream analyze --kind NAME --format
+        json`` returns it (:mod:`analysis.registry`: ``flow``, ``enhanced``, ``explosion``,
+        ``weights``).
+
+        Args:
+            name: the analysis.
+            steps: inclusive step range, or ``None``.
+            options: the analysis's options by field name (``window=50``); booleans are
+                sent as ``true`` / ``false``, other values as ``str(value)``, and validated
+                by the analysis's options model.
+
+        Returns:
+            The analysis's pydantic report.
+
+        Raises:
+            StoreError: unknown analysis or option, invalid value, empty range, the store
+                cannot be read.
+        """
+        bounds = _step_params(steps)
+        values = {key: (str(value).lower() if isinstance(value, bool) else str(value))
+                  for key, value in options.items()}
+        with self.store.reader() as reader:
+            return reader.analysis(name, self.run_id, bounds["from_step"], bounds["to_step"],
+                                   values)
+
+    def grid(self, steps: Steps = None, max_steps: int = 1000,
+             max_layers: int = 400) -> GradientGrid:
+        """The layers x steps grid behind the heatmap (:func:`analysis.plots.grid.load_grid`:
+        consecutive frames / layers binned by maximum beyond ``max_steps`` / ``max_layers``).
+
+        Raises:
+            StoreError: invalid ``steps`` or limits; the store cannot be read.
+        """
+        bounds = _step_params(steps)
+        with self.store.reader() as reader:
+            return reader.grid(self.run_id, max_steps, max_layers, bounds["from_step"],
+                               bounds["to_step"])
+
+    def _heatmap_png(self, steps: Steps = None, max_steps: int = 1000, max_layers: int = 400,
+                     width_px: int = 1600) -> bytes:
+        return heatmap_png(self.grid(steps, max_steps, max_layers), width_px)
+
+    def plot(self, steps: Steps = None, max_steps: int = 1000, max_layers: int = 400,
+             width_px: int = 1600) -> Figure:
+        """The heatmap of log10 gradient norm (layers in model order x steps, vanishing,
+        exploding and NaN/Inf cells marked), as ``gradstream plot`` draws it
+        (:func:`analysis.plots.png.plot_heatmap`).
+
+        Args:
+            steps: inclusive step range, or ``None``.
+            max_steps / max_layers: most columns / rows (more are binned by maximum; the
+                caption says so).
+            width_px: image width in pixels (height follows the number of rows).
+
+        Returns:
+            The matplotlib ``Figure`` (axes and colour bar live; not registered with
+            pyplot, so it shows once in Jupyter and drawing it leaves the backend alone).
+
+        Raises:
+            StoreError: no frame in the range, invalid limits, the store cannot be read.
+        """
+        from analysis.plots.png import heatmap_figure
+
+        grid = self.grid(steps, max_steps, max_layers)
+        if grid.n_frames == 0:
+            raise StoreError(f"run {self.run_id!r} has no gradient frame in the requested steps")
+        return heatmap_figure(grid, width_px)
+
+    def _repr_html_(self) -> str:
+        return self.report()._repr_html_()
+
+    def __repr__(self) -> str:
+        return f"Run({self.run_id!r}, store={self.store!r})"
+
+
+class RunReport(GradientFlowSummary):
+    """A :class:`~analysis.report.GradientFlowSummary` (same fields, same JSON as ``gradstream
+    report --format json``) that renders in Jupyter: health badge, flagged layers,
+    recommendations and the run's heatmap as an inline PNG (drawn when displayed)."""
+
+    _heatmap: Callable[[], bytes] | None = PrivateAttr(default=None)
+
+    def _repr_html_(self) -> str:
+        image: bytes | None = None
+        note = ""
+        if self._heatmap is not None:
+            try:
+                image = self._heatmap()
+            except StoreError as exc:
+                note = f"heatmap unavailable: {exc}"
+        return report_html(self, image, note)
+
+
+def heatmap_png(grid: GradientGrid, width_px: int = 1600) -> bytes:
+    """The bytes of the PNG heatmap of ``grid`` (:func:`analysis.plots.png.heatmap_figure`,
+    drawn without pyplot, so a notebook's backend and figures are left alone).
+
+    Raises:
+        StoreError: the grid has no frame.
+    """
+    from analysis.plots.png import DPI, heatmap_figure
+
+    if grid.n_frames == 0:
+        raise StoreError(f"run {grid.run_id!r} has no gradient frame in the requested steps")
+    buffer = io.BytesIO()
+    heatmap_figure(grid, width_px).savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+def _names(names: list[str], limit: int = NAMES_IN_TABLE) -> str:
+    """HTML of a list of layer names, ``limit`` shown, then "... and N more"."""
+    if not names:
+        return "none"
+    shown = ", ".join(f"<code>{html.escape(name)}</code>" for name in names[:limit])
+    more = f", ... and {len(names) - limit} more" if len(names) > limit else ""
+    return shown + more
+
+
+def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,
+                note: str = "") -> str:
+    """HTML of a run summary for Jupyter: the health badge (``class="gradstream-health"``,
+    colour of :data:`analysis.plots.colors.HEALTH_COLORS`), the counts, the flagged layers,
+    where NaN/Inf or an explosion started, the recommendations, then ``heatmap`` (PNG
+    bytes) as an ``<img src="data:image/png;base64,...">``, or ``note`` when there is none.
+    Every text from the store is HTML-escaped."""
+    from analysis.plots.colors import HEALTH_COLORS
+
+    health = summary.overall_health.value
+    colour = HEALTH_COLORS.get(health, "#616161")
+    badge = (f'<span class="gradstream-health" style="background:{colour};color:#fff;'
+             f'padding:2px 8px;border-radius:10px;font-weight:600">{html.escape(health)}</span>')
+    span = ""
+    if summary.from_step is not None or summary.to_step is not None:
+        last = "last" if summary.to_step is None else summary.to_step
+        span = f" (steps {summary.from_step or 0} to {last})"
+    nonfinite_since = ("" if summary.first_nonfinite_step is None
+                       else f" (first at step {summary.first_nonfinite_step})")
+    rows = [  # (label, HTML)
+        ("total steps", html.escape(f"{summary.total_steps}{span}")),
+        ("frames", html.escape(
+            f"{summary.frames} ({summary.partial_frames} partial, world size "
+            f"{summary.world_size}; {summary.ranks_finished} ranks finished, "
+            f"{summary.dropped_summaries} summaries dropped)")),
+        ("issue frames", html.escape(
+            f"{summary.issue_frames} ({summary.issue_ratio:.1%} of frames)")),
+        ("layers", str(summary.num_layers)),
+        ("vanishing", _names(summary.layers_with_vanishing_grads)),
+        ("exploding", _names(summary.layers_with_exploding_grads)),
+        ("non-finite", _names(summary.layers_with_nonfinite_grads) + nonfinite_since),
+    ]
+    if summary.layers_without_gradient:
+        rows.append(("no gradient", _names(summary.layers_without_gradient)))
+    origin = local_origin_text(summary)
+    if origin:
+        rows.append(("started in", html.escape(origin)))
+    table = "".join(
+        f'<tr><th style="text-align:left;padding-right:1em">{label}</th>'
+        f'<td style="text-align:left">{value}</td></tr>'
+        for label, value in rows
+    )
+    recommendations = "".join(f"<li>{html.escape(text)}</li>"
+                              for text in summary.recommendations)
+    picture = (
+        f'<img src="data:image/png;base64,{base64.b64encode(heatmap).decode("ascii")}" '
+        f'alt="gradient-norm heatmap of run {html.escape(summary.run_id)}" '
+        'style="max-width:100%">'
+        if heatmap is not None else (f"<p><em>{html.escape(note)}</em></p>" if note else "")
+    )
+    return (
+        '<div class="gradstream-report">'
+        f"<p><strong>gradient flow of run <code>{html.escape(summary.run_id)}</code></strong> "
+        f"{badge}</p>"
+        f"<table>{table}</table>"
+        + (f"<p><strong>Recommendations</strong></p><ul>{recommendations}</ul>"
+           if recommendations else "")
+        + picture + "</div>"
+    )
+

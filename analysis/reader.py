@@ -1,0 +1,535 @@
+"""The one way to read the store, whether or not another process writes it.
+
+DuckDB lets one process open a database file for writing, and while it does no other
+process can open the file, not even read-only. :func:`open_reader` therefore returns one
+of two :class:`StoreReader` implementations with the same methods and the same results:
+
+- :class:`FileReader` when the file is free: ``duckdb.connect(path, read_only=True)``,
+  hardened (:func:`analysis.query.harden`: no file access outside the store, locked
+  configuration), and the analysis builders (``build_report``, ``ascii_heatmap``, the
+  registered analyses, ``load_grid``, ``export_run``) run on it in this process;
+- :class:`EndpointReader` when another process holds the file and advertises a live
+  endpoint in ``<db>.serve.json`` (:mod:`analysis.dashboard.sidecar`): the same builders
+  run in that process, on its hardened read-only cursors
+  (:class:`analysis.dashboard.cursors.ReadCursors`), and the results come back over HTTP
+  (:mod:`analysis.dashboard.wire`: Arrow IPC for tables and grids, the pydantic JSON for
+  reports).
+
+With the file held and no live endpoint, :func:`open_reader` raises
+:class:`~analysis.query.StoreHeldError`, a :class:`~analysis.store.StoreError` that says
+what to do. Every read, on either path, is one statement or one builder call under one
+time limit (:func:`analysis.query.resolve_timeout`: ``timeout_s``, else
+``GRADSTREAM_QUERY_TIMEOUT_S``, else 60 s).
+
+Example::
+
+    with open_reader("gradstream.duckdb") as reader:
+        run = reader.resolve_run(None)            # the only run, or raises
+        table = reader.sql("SELECT * FROM frames WHERE run_id = $run", {"run": run})
+        summary = reader.report(run)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from analysis.dashboard.sidecar import ServeInfo, read_sidecar
+from analysis.query import (
+    ARROW_STREAM,
+    Params,
+    QueryError,
+    QueryTimeoutError,
+    ReadOnlyViolationError,
+    ReadRefusedError,
+    StoreHeldError,
+    execute_read_only,
+    harden,
+    resolve_timeout,
+    time_limit,
+)
+from analysis.store import StoreError, StoreLockedError, open_store, pick_run
+
+if TYPE_CHECKING:
+    import duckdb
+    import pyarrow as pa
+    from pydantic import BaseModel
+
+    from analysis.export import Progress
+    from analysis.plots.grid import GradientGrid
+    from analysis.report import GradientFlowSummary
+
+T = TypeVar("T")
+
+VIA_FILE = "read-only file"
+""":attr:`StoreReader.via` of a :class:`FileReader`."""
+
+CLIENT_SLACK_S = 30.0
+"""Seconds an :class:`EndpointReader` waits for an answer beyond the read's time limit
+(the server interrupts the read at the limit and still has to answer)."""
+
+CHUNK = 1 << 20
+"""Bytes copied per write when an export is downloaded from an endpoint."""
+
+
+class StoreReader(ABC):
+    """Read access to one gradstream store (see the module docstring).
+
+    Attributes:
+        db: the store's file.
+        via: how reads are answered: ``"read-only file"`` or ``"gradstream <command> (pid
+            N) at <url>"``.
+        timeout_s: the time limit of each read, seconds.
+
+    Every method raises :class:`~analysis.store.StoreError` (or a subclass) with a one-line
+    message: unknown or ambiguous run, invalid range, refused statement
+    (:class:`~analysis.query.ReadOnlyViolationError`,
+    :class:`~analysis.query.ReadRefusedError`), time limit reached
+    (:class:`~analysis.query.QueryTimeoutError`), endpoint gone. Use it as a context
+    manager, or call :meth:`close`.
+    """
+
+    db: Path
+    via: str
+    timeout_s: float
+
+    @abstractmethod
+    def sql(
+        self, sql: str, params: Params | None = None, timeout_s: float | None = None
+    ) -> pa.Table:
+        """Run one read-only SQL statement.
+
+        Args:
+            sql: exactly one statement (tables: runs, layers, layer_stats, frames, alerts,
+                run_ranks, kafka_offsets).
+            params: the statement's parameters: by name (``{"run": ...}`` for ``$run``) or
+                by position (a list, for ``?``); JSON-representable values.
+            timeout_s: time limit of this statement (``None``: :attr:`timeout_s`).
+
+        Returns:
+            The rows as a ``pyarrow.Table`` (DuckDB's column names and types; no columns
+            for a statement without a result set).
+        """
+
+    def run_ids(self) -> list[str]:
+        """Every run id of the store, ascending (code-point order)."""
+        table = self.sql("SELECT run_id FROM runs ORDER BY run_id")
+        return [str(r) for r in table.column("run_id").to_pylist()]
+
+    def resolve_run(self, run: str | None) -> str:
+        """The run meant by ``run``: an exact id, a prefix of exactly one id, or ``None`` for
+        the store's only run (:func:`analysis.store.pick_run`).
+
+        Raises:
+            StoreError: unknown run, ambiguous prefix, or no/several runs with ``None``
+                (the message lists the candidates).
+        """
+        return pick_run(self.run_ids(), run)
+
+    @abstractmethod
+    def report(
+        self, run_id: str, from_step: int | None = None, to_step: int | None = None
+    ) -> GradientFlowSummary:
+        """The run's summary (:func:`analysis.report.build_report`) over the inclusive step
+        range ``[from_step, to_step]`` (``None`` = open)."""
+
+    @abstractmethod
+    def heatmap(
+        self, run_id: str, max_columns: int = 100, from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> str:
+        """The ASCII flow-intensity heatmap (:func:`analysis.heatmap.ascii_heatmap`), at most
+        ``max_columns`` step columns."""
+
+    @abstractmethod
+    def analysis(
+        self, name: str, run_id: str, from_step: int | None = None, to_step: int | None = None,
+        options: Mapping[str, str] | None = None,
+    ) -> BaseModel:
+        """The report of the registered analysis ``name`` (:mod:`analysis.registry`).
+
+        Args:
+            options: option values by field name, as strings (validated by the analysis's
+                options model); an option it does not declare raises ``StoreError``.
+
+        Raises:
+            StoreError: unknown analysis, invalid option, unknown run, empty range.
+        """
+
+    @abstractmethod
+    def grid(
+        self, run_id: str, max_steps: int = 1000, max_layers: int = 400,
+        from_step: int | None = None, to_step: int | None = None,
+    ) -> GradientGrid:
+        """The run's layers x steps grid (:func:`analysis.plots.grid.load_grid`), at most
+        ``max_layers x max_steps`` cells (an endpoint caps them at 4096 x 8192)."""
+
+    @abstractmethod
+    def export(
+        self, run_id: str, fmt: str, path: str | os.PathLike[str], from_step: int | None = None,
+        to_step: int | None = None, order: str = "name", progress: Progress | None = None,
+    ) -> int:
+        """Write the run in ``fmt`` (csv, json, parquet, jsonl) to ``path``
+        (:func:`analysis.export.export_run`; parent directories created).
+
+        Returns:
+            Rows written (frames for ``json``).
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection (a :class:`FileReader`'s file lock); idempotent."""
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {str(self.db)!r} via {self.via}>"
+
+
+def _check_options(name: str, options: Mapping[str, str] | None) -> dict[str, str]:
+    """``options`` as a dict, checked against the options model of analysis ``name``.
+
+    Raises:
+        StoreError: unknown analysis, or an option it does not declare.
+    """
+    from analysis.registry import UnknownAnalysisError, get
+
+    try:
+        entry = get(name)
+    except UnknownAnalysisError as exc:
+        raise StoreError(str(exc)) from None
+    values = dict(options or {})
+    unknown = sorted(set(values) - set(entry.option_names))
+    if unknown:
+        raise StoreError(
+            f"{name} has no option {', '.join(unknown)}; its options: "
+            f"{', '.join(entry.option_names) or 'none'}"
+        )
+    return values
+
+
+class FileReader(StoreReader):
+    """Reads on the store's file opened ``read_only=True`` and hardened, in this process.
+
+    Args:
+        db: the store's file.
+        timeout_s: time limit of each read (``None``: :func:`~analysis.query.resolve_timeout`).
+
+    Each read runs on a new cursor of the connection, interrupted at the limit, so one
+    reader may serve several threads.
+
+    Raises:
+        StoreLockedError: another process (or this one, read-write) holds the file.
+        StoreError: missing file, not a gradstream store; QueryError: invalid time limit.
+    """
+
+    def __init__(self, db: str | os.PathLike[str], timeout_s: float | None = None) -> None:
+        self.db = Path(db)
+        self.via = VIA_FILE
+        self.timeout_s = resolve_timeout(timeout_s)
+        self._con: duckdb.DuckDBPyConnection | None = open_store(self.db, read_only=True)
+        harden(self._con)
+
+    def _call(self, work: Callable[[duckdb.DuckDBPyConnection], T],
+              timeout_s: float | None = None) -> T:
+        """``work(cursor)`` on a new cursor, under the time limit; DuckDB errors classified."""
+        if self._con is None:
+            raise StoreError(f"the reader of {str(self.db)!r} is closed")
+        cur = self._con.cursor()
+        try:
+            with time_limit(cur, self.timeout_s if timeout_s is None else
+                            resolve_timeout(timeout_s)):
+                return work(cur)
+        finally:
+            cur.close()
+
+    def sql(
+        self, sql: str, params: Params | None = None, timeout_s: float | None = None
+    ) -> pa.Table:
+        """See :meth:`StoreReader.sql`."""
+        limit = self.timeout_s if timeout_s is None else resolve_timeout(timeout_s)
+        if self._con is None:
+            raise StoreError(f"the reader of {str(self.db)!r} is closed")
+        cur = self._con.cursor()
+        try:
+            return execute_read_only(cur, sql, limit, params)
+        finally:
+            cur.close()
+
+    def report(
+        self, run_id: str, from_step: int | None = None, to_step: int | None = None
+    ) -> GradientFlowSummary:
+        """See :meth:`StoreReader.report`."""
+        from analysis.report import build_report
+
+        return self._call(lambda cur: build_report(cur, run_id, from_step, to_step))
+
+    def heatmap(
+        self, run_id: str, max_columns: int = 100, from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> str:
+        """See :meth:`StoreReader.heatmap`."""
+        from analysis.heatmap import ascii_heatmap
+
+        return self._call(lambda cur: ascii_heatmap(
+            cur, run_id, max_columns, from_step=from_step, to_step=to_step))
+
+    def analysis(
+        self, name: str, run_id: str, from_step: int | None = None, to_step: int | None = None,
+        options: Mapping[str, str] | None = None,
+    ) -> BaseModel:
+        """See :meth:`StoreReader.analysis`."""
+        from analysis.registry import get
+
+        values = _check_options(name, options)
+        try:
+            return self._call(lambda cur: get(name).run(cur, run_id, from_step, to_step, values))
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
+
+    def grid(
+        self, run_id: str, max_steps: int = 1000, max_layers: int = 400,
+        from_step: int | None = None, to_step: int | None = None,
+    ) -> GradientGrid:
+        """See :meth:`StoreReader.grid`."""
+        from analysis.plots.grid import load_grid
+
+        try:
+            return self._call(lambda cur: load_grid(
+                cur, run_id, max_steps, max_layers, from_step=from_step, to_step=to_step))
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
+
+    def export(
+        self, run_id: str, fmt: str, path: str | os.PathLike[str], from_step: int | None = None,
+        to_step: int | None = None, order: str = "name", progress: Progress | None = None,
+    ) -> int:
+        """See :meth:`StoreReader.export`."""
+        from analysis.export import export_run
+
+        try:
+            return self._call(lambda cur: export_run(
+                cur, run_id, path, fmt, from_step, to_step, order, progress))  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
+
+    def close(self) -> None:
+        """See :meth:`StoreReader.close`."""
+        if self._con is not None:
+            self._con.close()
+            self._con = None
+
+
+_ERROR_KINDS: dict[str, type[StoreError]] = {
+    "read_only": ReadOnlyViolationError,
+    "refused": ReadRefusedError,
+    "timeout": QueryTimeoutError,
+}
+"""Error ``kind`` of an endpoint's JSON error body -> the exception raised here (any other
+kind, e.g. ``invalid`` or ``not_found``: :class:`~analysis.query.QueryError`, a
+``StoreError``)."""
+
+
+class EndpointReader(StoreReader):
+    """Reads answered by the process that holds the store, over its loopback endpoint.
+
+    Args:
+        db: the store's file.
+        info: the live sidecar of the process (URL, token, pid, command).
+        timeout_s: time limit of each read (``None``: :func:`~analysis.query.resolve_timeout`);
+            sent to the server, which keeps the smaller of it and its own limit.
+    """
+
+    def __init__(
+        self, db: str | os.PathLike[str], info: ServeInfo, timeout_s: float | None = None
+    ) -> None:
+        self.db = Path(db)
+        self.info = info
+        self.via = f"gradstream {info.command} (pid {info.pid}) at {info.url}"
+        self.timeout_s = resolve_timeout(timeout_s)
+
+    def _open(
+        self, route: str, query: Mapping[str, object] | None = None,
+        body: dict[str, object] | None = None, accept: str = "application/json",
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Send a request to ``route``; returns the open response (the caller closes it).
+
+        Raises:
+            StoreError (by error kind) / QueryError: the server's refusal, or it is gone.
+        """
+        limit = self.timeout_s if timeout_s is None else resolve_timeout(timeout_s)
+        fields = {k: str(v) for k, v in (query or {}).items() if v is not None}
+        fields["timeout_s"] = repr(limit)
+        url = f"{self.info.url}{route}?{urllib.parse.urlencode(fields)}"
+        headers = {"Accept": accept, "Authorization": f"Bearer {self.info.token}"}
+        data = None
+        if body is not None:
+            data = json.dumps(body | {"timeout_s": limit}).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        request = urllib.request.Request(url, data=data, headers=headers,
+                                         method="POST" if data is not None else "GET")
+        try:
+            return urllib.request.urlopen(request, timeout=limit + CLIENT_SLACK_S)
+        except urllib.error.HTTPError as exc:
+            try:
+                detail = json.loads(exc.read().decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                detail = {"error": f"HTTP {exc.code} {exc.reason}", "kind": "error"}
+            error = _ERROR_KINDS.get(str(detail.get("kind")), QueryError)
+            raise error(str(detail.get("error", f"HTTP {exc.code}"))) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise QueryError(
+                f"{self.via} holds the store {str(self.db)!r} but does not answer: {reason}"
+            ) from None
+
+    def _get(self, route: str, query: Mapping[str, object] | None = None,
+             accept: str = "application/json", timeout_s: float | None = None,
+             body: dict[str, object] | None = None) -> bytes:
+        with self._open(route, query, body, accept, timeout_s) as response:
+            try:
+                return response.read()
+            except OSError as exc:
+                raise QueryError(f"{self.via} stopped answering: {exc}") from None
+
+    def sql(
+        self, sql: str, params: Params | None = None, timeout_s: float | None = None
+    ) -> pa.Table:
+        """See :meth:`StoreReader.sql` (``POST /api/query``, Arrow IPC back)."""
+        from analysis.dashboard.wire import table_from_ipc
+
+        payload: dict[str, object] = {"sql": sql}
+        if params:
+            payload["params"] = params
+        return table_from_ipc(self._get("/api/query", accept=ARROW_STREAM,
+                                        timeout_s=timeout_s, body=payload))
+
+    def report(
+        self, run_id: str, from_step: int | None = None, to_step: int | None = None
+    ) -> GradientFlowSummary:
+        """See :meth:`StoreReader.report` (``GET /api/report``)."""
+        from analysis.dashboard.wire import MODEL_JSON
+        from analysis.report import GradientFlowSummary
+
+        body = self._get("/api/report", {"run": run_id, "from_step": from_step,
+                                         "to_step": to_step}, MODEL_JSON)
+        return GradientFlowSummary.model_validate_json(body)
+
+    def heatmap(
+        self, run_id: str, max_columns: int = 100, from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> str:
+        """See :meth:`StoreReader.heatmap` (``GET /api/heatmap``, plain text back)."""
+        body = self._get("/api/heatmap", {"run": run_id, "max_columns": max_columns,
+                                          "from_step": from_step, "to_step": to_step},
+                         "text/plain")
+        return body.decode("utf-8")
+
+    def analysis(
+        self, name: str, run_id: str, from_step: int | None = None, to_step: int | None = None,
+        options: Mapping[str, str] | None = None,
+    ) -> BaseModel:
+        """See :meth:`StoreReader.analysis` (``GET /api/analysis/<name>``)."""
+        from analysis.dashboard.wire import MODEL_JSON, model_from_json, report_model
+        from analysis.registry import get
+
+        values = _check_options(name, options)
+        query: dict[str, object] = {"run": run_id, "from_step": from_step, "to_step": to_step}
+        query.update(values)
+        body = self._get(f"/api/analysis/{urllib.parse.quote(name)}", query, MODEL_JSON)
+        return model_from_json(report_model(get(name)), body)
+
+    def grid(
+        self, run_id: str, max_steps: int = 1000, max_layers: int = 400,
+        from_step: int | None = None, to_step: int | None = None,
+    ) -> GradientGrid:
+        """See :meth:`StoreReader.grid` (``GET /api/grid`` asked for Arrow)."""
+        from analysis.dashboard.wire import grid_from_arrow, table_from_ipc
+
+        if max_steps < 1 or max_layers < 1:
+            raise StoreError(
+                f"max_steps and max_layers must be >= 1, got {max_steps}, {max_layers}")
+        body = self._get("/api/grid", {"run": run_id, "max_steps": max_steps,
+                                       "max_layers": max_layers, "from_step": from_step,
+                                       "to_step": to_step}, ARROW_STREAM)
+        return grid_from_arrow(table_from_ipc(body))
+
+    def export(
+        self, run_id: str, fmt: str, path: str | os.PathLike[str], from_step: int | None = None,
+        to_step: int | None = None, order: str = "name", progress: Progress | None = None,
+    ) -> int:
+        """See :meth:`StoreReader.export` (``GET /api/export``, streamed to ``<path>.part``
+        and renamed when complete); ``progress`` gets the fraction of bytes received."""
+        target = Path(path)
+        if target.is_dir():
+            raise StoreError(f"output path {str(target)!r} is a directory")
+        part = target.with_name(target.name + ".part")
+        query = {"run": run_id, "format": fmt, "order": order, "from_step": from_step,
+                 "to_step": to_step}
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with self._open("/api/export", query, accept="*/*") as response, \
+                    part.open("wb") as out:
+                total = int(response.headers.get("Content-Length") or 0)
+                rows = int(response.headers.get("X-Gradstream-Rows") or 0)
+                done = 0
+                while chunk := response.read(CHUNK):
+                    out.write(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done / total if total else None)
+            os.replace(part, target)
+        except OSError as exc:
+            part.unlink(missing_ok=True)
+            raise StoreError(f"export through {self.via} failed: {exc}") from None
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        if progress is not None:
+            progress(1.0)
+        return rows
+
+    def close(self) -> None:
+        """Nothing to release (each read is one HTTP request)."""
+
+
+def open_reader(db: str | os.PathLike[str], timeout_s: float | None = None) -> StoreReader:
+    """A reader of the store ``db``: its file when free, else the endpoint of the process
+    that holds it.
+
+    Args:
+        db: the DuckDB file written by the consumer's sink.
+        timeout_s: time limit of each read, seconds (``None``:
+            ``GRADSTREAM_QUERY_TIMEOUT_S``, else 60).
+
+    Returns:
+        A :class:`FileReader` or an :class:`EndpointReader`; the caller closes it.
+
+    Raises:
+        StoreHeldError: another process holds the file and advertises no live endpoint.
+        StoreError: missing file, not a gradstream store; QueryError: invalid time limit.
+    """
+    file = Path(db)
+    try:
+        return FileReader(file, timeout_s)
+    except StoreLockedError:
+        info = read_sidecar(file)
+        if info is None:
+            raise StoreHeldError(
+                f"the store {str(file)!r} is held by another process that answers no reads "
+                f"(no live endpoint in {file.name}.serve.json). Wait for it to finish or stop "
+                "it, or run the writer with its read endpoint (e.g. `gradstream serve`)."
+            ) from None
+        return EndpointReader(file, info, timeout_s)
