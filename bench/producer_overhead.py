@@ -14,9 +14,19 @@ For each case it prints, measured in the same run and interleaved (best of ``--r
   and norms mode;
 * the weight summaries (``producer.weights.summarize_weights``: power sums S1..S4,
   extremes, non-finite count, exponent histogram of |w|; one fused numba pass per layer),
-  measured on weights of the same sizes as the gradients (setting ``weight_stats``), with
-  the update norm against a kept float32 copy (what the producer runs: it reads a second
-  array, so its memory floor is 2x) and without it;
+  measured on weights of the same sizes as the gradients (setting ``weight_stats``): the
+  default configuration, with the update norm against the kept float32 copy and the copy
+  refreshed in the same pass (``refresh=True``); the same with the copy refreshed by a
+  separate ``astype(np.float32)`` per layer afterwards; the update norm without any
+  refresh; no update norm; and a NaN in every layer;
+* the update floor, the memory floor of the default weight configuration: whatever the
+  arithmetic, a pass that computes the update norm and refreshes the copy must read every
+  weight (n x 4 bytes for float32), read the kept copy (n x 4) and write the copy back
+  (n x 4; the lines were just read, so the write needs no extra read-for-ownership).
+  Measured in the same run as ``np.maximum(w, c, out=c)`` per layer, one NumPy pass on one
+  thread that moves exactly those bytes (2 reads + 1 in-place write) with negligible
+  arithmetic, on a scratch copy ``c``. The weight rows show their ratio to both floors;
+  the rows with the update norm are judged against the update floor;
 * ``summarize()`` when every layer holds a NaN (the block holding it is redone masked
   while in L1: no second read of the layer), and with the pure-NumPy fallback backend;
 * ``GradientProducer.record_step`` (summary + enqueue) with the producer pointed at an
@@ -26,10 +36,18 @@ For each case it prints, measured in the same run and interleaved (best of ``--r
 It also reports the one-off first-call cost (import, numba JIT into an empty cache, load
 from a warm cache), measured in fresh subprocesses and excluded from the timings above.
 
+Clock: the summary rows (everything but ``record_step``) are timed by default on the CPU
+time of the calling thread (``--clock thread``, ``time.thread_time``), which leaves out the
+time the thread waits preempted by other processes on a shared machine; every kernel and
+the NumPy floors run on that one thread, so the ratios compare like with like. One
+exception: the NumPy fallback's ``np.dot`` may run on BLAS threads, whose time this clock
+does not see. ``--clock wall`` times them on ``time.perf_counter``.
+
 Usage (from the repository root)::
 
     python bench/producer_overhead.py            # (a) 100 x 500k, (b) 1000 x 4k float32
     python bench/producer_overhead.py --quick    # smaller arrays, fewer repeats
+    python bench/producer_overhead.py --clock wall
 
 The last line is ``summary_ratio_to_floor=X.XX`` for case (a).
 """
@@ -93,6 +111,20 @@ def _floor(arrays: list[np.ndarray]) -> None:
         np.add.reduce(x)
 
 
+def _update_floor(arrays: list[np.ndarray], copies: list[np.ndarray]) -> None:
+    # Reads both arrays and writes the copy in place: the bytes of stats + update + refresh.
+    for x, c in zip(arrays, copies, strict=True):
+        np.maximum(x, c, out=c)
+
+
+def _weights_copy_after(
+    weights: dict[str, np.ndarray], previous: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    # The update norm, then a new float32 copy of every layer (a second pass + allocation).
+    summarize_weights(weights, previous)
+    return {n: w.astype(np.float32, copy=True) for n, w in weights.items()}
+
+
 def _reference_way(arrays: list[np.ndarray]) -> None:
     # The reference helpers mean_abs / max_abs / l2_norm, each a separate pass over &[f64].
     for x in arrays:
@@ -110,16 +142,23 @@ def _summarize_numpy_backend(grads: dict[str, np.ndarray]) -> None:
         summary_mod.set_backend(None)  # back to the default (environment / auto)
 
 
+#: Clocks of the summary rows: ``thread`` = CPU time of the calling (training) thread,
+#: ``time.thread_time`` (CLOCK_THREAD_CPUTIME_ID): it leaves out the time the thread sits
+#: preempted while other processes use the shared cores, which wall time counts; ``wall`` =
+#: ``time.perf_counter``.
+CLOCKS: dict[str, Callable[[], float]] = {"thread": time.thread_time, "wall": time.perf_counter}
+
+
 def _bench(
-    fns: Mapping[str, Callable[[], object]], repeats: int
+    fns: Mapping[str, Callable[[], object]], repeats: int, clock: Callable[[], float],
 ) -> dict[str, float]:
-    """Best time (s) of each function over ``repeats`` interleaved rounds."""
+    """Best time (s, on ``clock``) of each function over ``repeats`` interleaved rounds."""
     best = dict.fromkeys(fns, math.inf)
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], clock() - t0)
     return best
 
 
@@ -171,7 +210,7 @@ def _message_bytes(grads: dict[str, np.ndarray]) -> tuple[int, int]:
     return len(encode_message(full)), len(encode_message(StepSummary(**common)))
 
 
-def _case(label: str, layers: int, numel: int, repeats: int) -> float:
+def _case(label: str, layers: int, numel: int, repeats: int, clock: str) -> float:
     rng = np.random.default_rng(12345)
     grads = {
         f"layer{i:04d}.weight": (rng.standard_normal(numel, dtype=np.float32) * 1e-3)
@@ -183,8 +222,15 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
         g[len(g) // 2] = np.nan
     weights = {name: g * 1e3 + 0.5 for name, g in grads.items()}
     previous = {name: w.copy() for name, w in weights.items()}
+    kept = {name: w.copy() for name, w in weights.items()}  # refreshed in place each call
+    nan_weights = {name: w.copy() for name, w in weights.items()}
+    for w in nan_weights.values():
+        w[len(w) // 2] = np.nan
+    scratch = [w.copy() for w in weights.values()]
     # Warm-up (JIT/cache load and page faults excluded from the timings).
     summarize_weights(weights, previous)
+    summarize_weights(weights, kept, refresh=True)
+    _update_floor(list(weights.values()), scratch)
     summarize(grads)
     summarize(grads, histogram=True)
     summarize(nan_grads)
@@ -199,18 +245,32 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
             "hist": lambda: summarize(grads, histogram=True),
             "nan": lambda: summarize(nan_grads),
             "norms": lambda: summarize(grads, norms_only=True),
-            "weights": lambda: summarize_weights(weights, previous),
+            "update_floor": lambda: _update_floor(list(weights.values()), scratch),
+            "weights": lambda: summarize_weights(weights, kept, refresh=True),
+            "weights_copy_after": lambda: _weights_copy_after(weights, previous),
+            "weights_no_refresh": lambda: summarize_weights(weights, previous),
             "weights_only": lambda: summarize_weights(weights),
+            "weights_nan": lambda: summarize_weights(nan_weights),
             "numpy": lambda: _summarize_numpy_backend(grads),
         },
         repeats,
+        CLOCKS[clock],
     )
     rs = _record_step_times(grads, max(repeats, 9), gap_s=0.005)
     floor = best["floor"]
+    ufloor = best["update_floor"]
     mb = layers * numel * 4 / 1e6
     print(f"\ncase ({label}): {layers} layers x {numel} float32 ({mb:.1f} MB), "
-          f"best of {repeats}")
-    print(f"  {'what':<52} {'ms':>9} {'x floor':>8}")
+          f"best of {repeats}, {clock} clock (record_step rows: wall clock)")
+    print(f"  {'what':<52} {'ms':>9} {'x floor':>8} {'x upd fl':>8}")
+    weight_rows = [
+        ("update floor: np.maximum(w, c, out=c), 2 rd + 1 wr", ufloor),
+        ("weight statistics + update norm + refresh (default)", best["weights"]),
+        ("  + update norm, then astype(float32) copy per layer", best["weights_copy_after"]),
+        ("  + update norm, copy not refreshed", best["weights_no_refresh"]),
+        ("  weight statistics without the update norm", best["weights_only"]),
+        ("  weight statistics, a NaN in every layer", best["weights_nan"]),
+    ]
     rows = [
         ("floor: np.add.reduce per layer (1 thread)", floor),
         ("summarize() [numel,sum_abs,sum_sq,max_abs,nonfinite]", best["summary"]),
@@ -218,8 +278,6 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
         ("summarize(histogram=True)", best["hist"]),
         ("  histogram extra cost (hist - summary)", best["hist"] - best["summary"]),
         ("summarize(norms_only=True) (norms mode)", best["norms"]),
-        ("weight statistics (weight_stats=True, + update norm)", best["weights"]),
-        ("  weight statistics without the update norm", best["weights_only"]),
         ("summarize(), a NaN in every layer (skipped inline)", best["nan"]),
         ("summarize(), pure-NumPy fallback backend", best["numpy"]),
         ("record_step, no broker, back-to-back: best", rs["back_to_back"][0]),
@@ -229,11 +287,17 @@ def _case(label: str, layers: int, numel: int, repeats: int) -> float:
     ]
     for what, seconds in rows:
         print(f"  {what:<52} {seconds * 1e3:9.3f} {seconds / floor:8.2f}")
+    for what, seconds in weight_rows:
+        print(f"  {what:<52} {seconds * 1e3:9.3f} {seconds / floor:8.2f} "
+              f"{seconds / ufloor:8.2f}")
     full_bytes, norms_bytes = _message_bytes(grads)
     print(f"  encoded StepSummary: full mode {full_bytes} B, norms mode {norms_bytes} B "
           f"({norms_bytes / full_bytes:.2f}x)")
     gbps = layers * numel * 4 / best["summary"] / 1e9
     print(f"  summarize() reads {gbps:.1f} GB/s; floor {layers * numel * 4 / floor / 1e9:.1f} GB/s")
+    print(f"  ratios: weights_to_floor={best['weights'] / floor:.2f} "
+          f"weights_to_update_floor={best['weights'] / ufloor:.2f} "
+          f"nan_to_floor={best['nan'] / floor:.2f}")
     return best["summary"] / floor
 
 
@@ -242,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller arrays, fewer repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per case")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
+                        help="clock of the summary rows (default: calling thread's CPU time)")
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 11)
     case_a = (20, 100_000) if args.quick else (100, 500_000)
@@ -273,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"  first summarize() (NumPy backend, no JIT): {cold * 1e3:.1f} ms")
 
-    ratio_a = _case("a", *case_a, repeats)
-    _case("b", *case_b, repeats)
+    ratio_a = _case("a", *case_a, repeats, args.clock)
+    _case("b", *case_b, repeats, args.clock)
     print(f"\nsummary_ratio_to_floor={ratio_a:.2f}")
     return 0
 

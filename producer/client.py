@@ -294,8 +294,12 @@ class GradientProducer:
                 raise ValueError(
                     f"weights of {name!r} have shape {w.shape}, gradient {np.shape(watched[name])}"
                 )
-        stats = summarize_weights(current, self._previous_weights)
-        self._previous_weights = {n: w.astype(np.float32, copy=True) for n, w in current.items()}
+        # One pass: statistics, update norm against the kept copy, and the copy refreshed
+        # in place (producer.weights.summarize_weights(refresh=True)).
+        stats = summarize_weights(current, self._previous_weights, refresh=True)
+        if stats.update is None:  # first step, or the layers changed: nothing was refreshed
+            self._previous_weights = {n: np.array(w, dtype=np.float32, order="C")
+                                      for n, w in current.items()}
         return stats
 
     def record_summaries(self, step: int, summaries: LayerSummaries) -> None:

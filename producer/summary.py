@@ -32,10 +32,11 @@ equal to within a few ulps (different summation order). Either result converts t
 objects (:meth:`LayerSummaries.gradient_sums`, :meth:`LayerSummaries.exponent_histogram`).
 
 Cost, measured by ``bench/producer_overhead.py`` on the 2-core development machine, in
-units of one ``np.add.reduce`` pass over the same float32 arrays (the floor): the numba
-backend 1.1-1.3x on one thread (100 x 500k and 1000 x 4k elements); the histogram adds
-1.2-1.8x; a step with NaN/Inf in every layer costs about 1.1-1.8x (only the block holding
-it is redone, masked, while in L1). The
+units of one ``np.add.reduce`` pass over the same float32 arrays (the floor; CPU time of
+the calling thread): the numba backend 1.05-1.1x on one thread (100 x 500k and 1000 x 4k
+elements); the histogram adds 1.2-1.5x; a step with NaN/Inf in every layer costs about
+1.1-1.2x (only the ``producer.kernels.BLOCK``-element block holding it is redone, masked,
+while in L1). The
 first call in a process pays the numba import and JIT, ~3 s with an empty numba cache and
 ~0.5 s with a warm one (``cache=True``; see :func:`warmup`).
 """

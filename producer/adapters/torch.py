@@ -9,12 +9,15 @@ by hand.
 
 The statistics are those of :func:`producer.summary.summarize` (``numel``, ``sum_abs``,
 ``sum_sq``, ``max_abs`` over finite elements, ``nonfinite`` count), computed where the
-gradients live (:func:`summarize_tensors`): on an accelerator with torch reductions
-accumulating in float64, copied to the host as one small float64 tensor per device and
-step (a second, equally small copy only in a step where some gradient holds NaN/Inf or
-overflows); on the CPU by ``summarize`` itself over zero-copy NumPy views. The result goes
-to the producer as a ready :class:`~producer.summary.LayerSummaries` through
-``record_summaries``: the gradients themselves never leave their device.
+gradients live (:func:`summarize_tensors`): on an accelerator by batched torch reductions
+accumulating in float32 (:mod:`producer.adapters.torch_device`, which documents the error
+bound), copied to the host as one small float64 tensor per device and step (a second,
+equally small copy only in a step where some gradient holds NaN/Inf or overflows, for an
+exact float64 recount); on the CPU by ``summarize`` itself over zero-copy NumPy views,
+split over threads. ``emulate_device=True`` runs CPU gradients through the accelerator
+code instead (tests, CPU smoke runs). The result goes to the producer as a ready
+:class:`~producer.summary.LayerSummaries` through ``record_summaries``: the gradients
+themselves never leave their device.
 
 What a frame means across ranks: the statistics of the gradient the optimiser applies.
 Every rank reports every watched parameter it holds, tagged with the piece of the parameter
@@ -44,6 +47,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from producer.adapters import torch_device as device_path
 from producer.adapters.naming import normalize_name, normalized_names
 from producer.summary import LayerSummaries, summarize
 
@@ -213,16 +218,21 @@ def _values(grad: torch.Tensor, torch: Any) -> torch.Tensor:
     return grad
 
 
-#: Accumulation dtype of the torch reductions: "auto" is float64 on the CPU and float32
-#: on an accelerator (see :func:`summarize_tensors` for the error bound).
+#: Accumulation dtype of the torch reductions, one of
+#: :data:`producer.adapters.torch_device.ACCUMULATE` (error bound: that module).
 Accumulate = str
 
 #: Below this many elements in all, the CPU summary runs on one thread (a hand-off to a
 #: worker thread costs tens of microseconds).
 _PARALLEL_MIN_ELEMENTS = 1 << 20
+#: Groups of elements per thread in the threaded CPU summary: more groups than threads let
+#: a thread that runs take the share of one that does not (see :func:`_summarize_threads`).
+_CHUNKS_PER_THREAD = 4
 #: Every this many calls with the same layer sizes, the CPU summary re-times the mode
 #: (threads or one thread) it is not using (see :func:`_summarize_host`).
 _RETIME_EVERY = 256
+#: Calls per mode in the CPU summary's initial trial (the first one untimed).
+_TRIAL_CALLS = 3
 _host_pool: Any = None
 _host_timing: dict[tuple[int, ...], list[float]] = {}
 _host_pool_size = 0
@@ -237,9 +247,15 @@ def _key_names(count: int) -> list[str]:
     return _keys
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_count() -> int:
+    """``os.cpu_count()``, read once (glibc reads a sysfs file on every call)."""
+    return os.cpu_count() or 1
+
+
 def _host_threads(torch: Any) -> int:
     """Threads for the CPU summary: torch's intra-op thread count, at most the CPU count."""
-    return max(1, min(int(torch.get_num_threads()), os.cpu_count() or 1))
+    return max(1, min(int(torch.get_num_threads()), _cpu_count()))
 
 
 def _pool(workers: int) -> Any:
@@ -299,9 +315,12 @@ def _summarize_host(
 
     Threads help only when they get a core: on an oversubscribed machine each GIL hand-off
     between the threads (one per chunk) can wait for a scheduler slice. So the call times
-    itself: for each set of layer sizes the first two calls use the threads, the next two
-    one thread, then whichever mode has the lower moving-average time, re-timing the other
-    every ``_RETIME_EVERY`` calls. Both modes give the same statistics up to the float64
+    itself: for each set of layer sizes the first ``_TRIAL_CALLS`` calls use the threads,
+    the next ``_TRIAL_CALLS`` one thread, then whichever mode has the lower moving-average
+    time, re-timing the other every ``_RETIME_EVERY`` calls. The first call of each mode is
+    not timed: it pays one-off costs (the numba kernels' load, the pool threads' start, up
+    to a second) that would otherwise hold the moving average of that mode up for hundreds
+    of calls. Both modes give the same statistics up to the float64
     rounding of the chunk merge (relative ~1e-16).
 
     Args:
@@ -321,8 +340,8 @@ def _summarize_host(
     timing = _host_timing.setdefault(sizes, [0.0, math.inf, math.inf])
     calls = int(timing[0])
     timing[0] += 1
-    if calls < 4:
-        parallel = calls < 2
+    if calls < 2 * _TRIAL_CALLS:
+        parallel = calls < _TRIAL_CALLS
     else:
         parallel = timing[1] <= timing[2]
         if calls % _RETIME_EVERY == 0:
@@ -334,126 +353,64 @@ def _summarize_host(
         one = summarize(dict(zip(keys, flat, strict=False)))
         stats = one.sum_abs, one.sum_sq, one.max_abs, one.nonfinite  # type: ignore[assignment]
     spent = time.perf_counter() - t0
-    slot = 1 if parallel else 2
-    timing[slot] = spent if math.isinf(timing[slot]) else 0.7 * timing[slot] + 0.3 * spent
+    if calls % _TRIAL_CALLS or calls >= 2 * _TRIAL_CALLS:  # a mode's first call: untimed
+        slot = 1 if parallel else 2
+        timing[slot] = spent if math.isinf(timing[slot]) else 0.7 * timing[slot] + 0.3 * spent
     return stats  # type: ignore[return-value]
 
 
 def _summarize_threads(
     flat: list[np.ndarray], sizes: tuple[int, ...], threads: int, keys: list[str]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The threaded branch of :func:`_summarize_host` (chunks of ``_chunk_plan``)."""
-    groups, starts = _chunk_plan(sizes, threads)
+    """The threaded branch of :func:`_summarize_host`, with work sharing.
+
+    The elements are cut into ``_CHUNKS_PER_THREAD * threads`` groups of equal size
+    (:func:`_chunk_plan`); the training thread and ``threads - 1`` pool threads take the
+    groups one at a time from a shared iterator (``next`` on a range iterator is atomic
+    under the GIL) until none is left. A pool thread that the scheduler starts late (a
+    busy machine) then takes fewer groups instead of holding the training thread up: the
+    training thread waits only for groups already taken, never for a thread to start.
+
+    Raises:
+        Whatever ``summarize`` raises on any thread (the first such error).
+    """
+    groups, starts = _chunk_plan(sizes, threads * _CHUNKS_PER_THREAD)
     jobs = [
         {keys[k]: flat[layer][lo:hi] for k, (layer, lo, hi) in enumerate(group)}
         for group in groups
         if group
     ]
-    futures = [_pool(threads - 1).submit(summarize, job) for job in jobs[1:]]
-    parts = [summarize(jobs[0])] + [f.result() for f in futures]
+    parts: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+    remaining = [len(jobs)]
+    lock = threading.Lock()
+    finished = threading.Event()
+    shared = iter(range(len(jobs)))
+
+    def drain() -> None:
+        for k in shared:
+            try:
+                parts[k] = summarize(jobs[k])
+            except BaseException as exc:  # re-raised on the training thread
+                errors.append(exc)
+            with lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    finished.set()
+
+    pool = _pool(threads - 1)
+    for _ in range(threads - 1):
+        pool.submit(drain)
+    drain()
+    finished.wait()
+    if errors:
+        raise errors[0]
     sum_abs = np.add.reduceat(np.concatenate([q.sum_abs for q in parts]), starts)  # type: ignore[misc]
     sum_sq = np.add.reduceat(np.concatenate([q.sum_sq for q in parts]), starts)
     max_abs = np.maximum.reduceat(np.concatenate([q.max_abs for q in parts]), starts)  # type: ignore[misc]
     nonfinite = np.add.reduceat(np.concatenate([q.nonfinite for q in parts]), starts)
     return (np.minimum(sum_abs, _MAX_DOUBLE), np.minimum(sum_sq, _MAX_DOUBLE), max_abs,
             nonfinite)
-
-
-def _accumulation_dtype(accumulate: Accumulate, device: Any, dtype: Any, torch: Any) -> Any:
-    """The ``dtype=`` of the norm reductions for tensors of ``dtype`` on ``device``."""
-    if accumulate not in ("auto", "float32", "float64"):
-        raise ValueError(f"accumulate must be 'auto', 'float32' or 'float64', got {accumulate!r}")
-    if dtype == torch.float64:
-        return torch.float64
-    wide = accumulate == "float64" or (accumulate == "auto" and device.type == "cpu")
-    return torch.float64 if wide else torch.float32
-
-
-def _norms(
-    tensors: Sequence[torch.Tensor], ord_: float, dtype: Any, torch: Any
-) -> list[torch.Tensor]:
-    """Vector norms of each tensor as 0-d tensors of ``dtype``: one ``torch._foreach_norm``
-    call (a single multi-tensor kernel on CUDA for same-dtype dense tensors), else one
-    ``linalg.vector_norm`` per tensor."""
-    foreach = getattr(torch, "_foreach_norm", None)
-    if foreach is not None:
-        try:
-            return list(foreach(list(tensors), ord_, dtype=dtype))
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
-    return [torch.linalg.vector_norm(t, ord_, dtype=dtype) for t in tensors]
-
-
-def _stats_on_device(
-    tensors: Sequence[torch.Tensor], torch: Any, norms_only: bool = False,
-    accumulate: Accumulate = "auto",
-) -> torch.Tensor:
-    """float64[k, 3] tensor, on the tensors' (common) device, of (sum |g|, sqrt(sum g^2),
-    max |g|) for k same-device tensors: per dtype, one batched norm reduction per
-    statistic (``ord`` 1, 2 and inf), stacked into one tensor so that a single small copy
-    brings all of them to the host. With ``norms_only`` only the L2 norm is computed and
-    columns 0 and 2 are NaN. Nothing here waits for the device."""
-    device = tensors[0].device
-    by_dtype: dict[Any, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    ords = (2.0,) if norms_only else (1.0, 2.0, math.inf)
-    blocks = []
-    for dtype, idx in by_dtype.items():
-        group = [tensors[i] for i in idx] if len(by_dtype) > 1 else list(tensors)
-        acc = _accumulation_dtype(accumulate, device, dtype, torch)
-        cols = [torch.stack(_norms(group, o, acc, torch)).to(torch.float64) for o in ords]
-        if norms_only:
-            nan = torch.full_like(cols[0], math.nan)
-            cols = [nan, cols[0], nan]
-        blocks.append(torch.stack(cols, dim=1))
-    if len(blocks) == 1:
-        return blocks[0]
-    order = np.concatenate([np.asarray(idx) for idx in by_dtype.values()])
-    inverse = torch.as_tensor(np.argsort(order), device=device)
-    return torch.cat(blocks).index_select(0, inverse)
-
-
-def _finite_stats_on_device(tensors: Sequence[torch.Tensor], torch: Any) -> np.ndarray:
-    """float64[k, 4] host array of (sum |g|, sqrt(sum g^2), max |g|, nonfinite) over the
-    finite elements of each of k same-device tensors, accumulated in float64 (the slow
-    path, run only for tensors whose fast statistics came out NaN/Inf or overflowed)."""
-    rows = []
-    for t in tensors:
-        finite = torch.isfinite(t)
-        clean = torch.where(finite, t, torch.zeros((), dtype=t.dtype, device=t.device))
-        bad = (t.numel() - finite.sum()).to(torch.float64)
-        rows.append(
-            torch.stack(
-                [
-                    torch.linalg.vector_norm(clean, 1.0, dtype=torch.float64),
-                    torch.linalg.vector_norm(clean, 2.0, dtype=torch.float64),
-                    torch.linalg.vector_norm(clean, math.inf, dtype=torch.float64),
-                    bad,
-                ]
-            )
-        )
-    return torch.stack(rows).cpu().numpy()
-
-
-def _to_host(stats: torch.Tensor, torch: Any) -> tuple[torch.Tensor, Any]:
-    """Start the one device->host copy of a small statistics tensor.
-
-    On CUDA: a ``non_blocking`` copy into page-locked (pinned) host memory and a CUDA event
-    recorded after it on the current stream; the host does not wait here (read the buffer
-    after ``event.synchronize()``). Elsewhere: ``stats.cpu()`` (no copy for a CPU tensor)
-    and no event.
-
-    Returns:
-        ``(host tensor, event or None)``.
-    """
-    if stats.device.type != "cuda":
-        return stats.cpu(), None
-    host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-    host.copy_(stats, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
 
 
 class PendingSummaries:
@@ -465,6 +422,8 @@ class PendingSummaries:
 
     Attributes:
         names: the layer names, in the order of the summaries.
+        copies: device->host copies made so far: one per device batch at launch, plus one
+            per batch whose statistics needed the non-finite recount (in :meth:`result`).
         inexact: after :meth:`result`, the number of layers whose fast statistics were
             non-finite but could not be recounted (launched without ``keep_gradients``):
             they are reported with ``nonfinite = numel`` and zero sums (see
@@ -475,13 +434,16 @@ class PendingSummaries:
         self, names: tuple[str, ...], numel: np.ndarray, norms_only: bool,
         host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         batches: list[tuple[np.ndarray, torch.Tensor, Any, list[torch.Tensor] | None]],
+        emulate: bool = False,
     ) -> None:
         self.names = names
         self._numel = numel
         self._norms_only = norms_only
         self._host = host
         self._batches = batches
+        self._emulate = emulate
         self._result: LayerSummaries | None = None
+        self.copies = len(batches)
         self.inexact = 0
 
     def ready(self) -> bool:
@@ -507,7 +469,13 @@ class PendingSummaries:
                 redo = np.flatnonzero(bad)
                 if values is not None:
                     with torch.no_grad():
-                        again = _finite_stats_on_device([values[j] for j in redo], torch)
+                        again_dev = device_path.finite_stats([values[j] for j in redo], torch)
+                        again_host, again_event = device_path.stage(again_dev, torch,
+                                                                    self._emulate)
+                    self.copies += 1
+                    if again_event is not None:
+                        again_event.synchronize()
+                    again = again_host.numpy()
                     stats[redo] = again[:, :3]
                     nonfinite[sel[redo]] = again[:, 3].astype(np.int64)
                 else:
@@ -524,16 +492,58 @@ class PendingSummaries:
         return self._result
 
 
+def _launch_on_devices(
+    values: list[Any], by_device: Mapping[Any, list[int]], torch: Any, *, norms_only: bool,
+    accumulate: Accumulate, keep_gradients: bool, emulate: bool,
+) -> list[tuple[np.ndarray, Any, Any, list[Any] | None]]:
+    """Queue the batched reductions and the one staged copy of each device's tensors.
+
+    Args:
+        values: the dense (or sparse-values) tensors of all layers.
+        by_device: device -> indices into ``values`` of the tensors on it.
+
+    Returns:
+        One ``(layer indices of the rows, host tensor, event or None, tensors of the rows
+        or None)`` per device batch, for :class:`PendingSummaries`.
+    """
+    batches = []
+    with torch.no_grad():
+        for idx in by_device.values():
+            nonempty = [i for i in idx if values[i].numel() > 0]
+            if not nonempty:
+                continue
+            tensors = [values[i] for i in nonempty]
+            stats_dev, order = device_path.stats_on_device(
+                tensors, torch, norms_only=norms_only, accumulate=accumulate, emulate=emulate,
+            )
+            host, event = device_path.stage(stats_dev, torch, emulate)
+            ordered = [tensors[j] for j in order] if keep_gradients else None
+            batches.append((np.asarray(nonempty, dtype=np.int64)[order], host, event, ordered))
+    return batches
+
+
+def _check_subclass(name: str, grad: Any, tensor_type: type) -> None:
+    """Reject what is not a plain tensor: a non-tensor, or a DTensor (TypeError, naming
+    the gradient)."""
+    if not isinstance(grad, tensor_type):
+        raise TypeError(f"gradient {name!r} is a {type(grad).__name__}, not a torch.Tensor")
+    if hasattr(grad, "placements") and hasattr(grad, "to_local"):
+        raise TypeError(
+            f"gradient {name!r} is a DTensor: pass gradient_piece(grad)[0] (its local shard)"
+        )
+
+
 def launch_summaries(
     gradients: Mapping[str, torch.Tensor], *, host_numpy: bool = True,
     norms_only: bool = False, accumulate: Accumulate = "auto", keep_gradients: bool = True,
+    emulate_device: bool = False,
 ) -> PendingSummaries:
     """Start :func:`summarize_tensors` without waiting for the device.
 
     Same statistics, arguments and errors as :func:`summarize_tensors`; CPU tensors on the
     NumPy path are summarised at once, device tensors get their batched reductions and one
-    asynchronous copy per device queued (:func:`_to_host`), and
-    :meth:`PendingSummaries.result` finishes.
+    asynchronous copy per device queued (:func:`producer.adapters.torch_device.stage`),
+    and :meth:`PendingSummaries.result` finishes.
 
     Args:
         keep_gradients: keep references to the device tensors until ``result()`` so that
@@ -550,10 +560,10 @@ def launch_summaries(
     torch = _import_torch()
     if not gradients:
         raise ValueError("no gradients to summarise (empty mapping)")
-    if accumulate not in ("auto", "float32", "float64"):
-        raise ValueError(f"accumulate must be 'auto', 'float32' or 'float64', got {accumulate!r}")
+    device_path.check_accumulate(accumulate)
     numpy_dtypes = (torch.float16, torch.float32, torch.float64)
     strided = torch.strided
+    numpy_cpu = host_numpy and not emulate_device
     names = tuple(gradients)
     count = len(names)
     numel = np.empty(count, dtype=np.int64)
@@ -561,13 +571,11 @@ def launch_summaries(
     on_host: list[int] = []
     by_device: dict[Any, list[int]] = {}
     tensor_type = torch.Tensor
+    cpu = torch.device("cpu")
     for i, (name, grad) in enumerate(gradients.items()):
-        if not isinstance(grad, tensor_type):
-            raise TypeError(f"gradient {name!r} is a {type(grad).__name__}, not a torch.Tensor")
-        if hasattr(grad, "placements") and hasattr(grad, "to_local"):
-            raise TypeError(
-                f"gradient {name!r} is a DTensor: pass gradient_piece(grad)[0] (its local shard)"
-            )
+        # A plain torch.Tensor (every .grad of a plain parameter) skips the subclass checks.
+        if type(grad) is not tensor_type:
+            _check_subclass(name, grad, tensor_type)
         if not grad.is_floating_point():
             raise TypeError(
                 f"gradient {name!r} has dtype {grad.dtype}; expected a floating-point dtype"
@@ -576,18 +584,15 @@ def launch_summaries(
         if n == 0:
             raise ValueError(f"gradient {name!r} is empty (0 elements)")
         numel[i] = n
-        vals = grad.detach() if grad.layout == strided else _values(grad.detach(), torch)
+        vals = grad.detach() if grad.requires_grad else grad
+        if vals.layout != strided:
+            vals = _values(vals, torch)
         values.append(vals)
-        if (
-            host_numpy
-            and vals.device.type == "cpu"
-            and vals.layout == strided
-            and vals.dtype in numpy_dtypes
-            and vals.numel() > 0
-        ):
+        device = vals.device
+        if numpy_cpu and device == cpu and vals.dtype in numpy_dtypes:
             on_host.append(i)
         else:
-            by_device.setdefault(vals.device, []).append(i)
+            by_device.setdefault(device, []).append(i)
 
     sum_abs = np.zeros(count, dtype=np.float64)
     sum_sq = np.zeros(count, dtype=np.float64)
@@ -597,23 +602,19 @@ def launch_summaries(
         sel = np.asarray(on_host, dtype=np.int64)
         stats = _summarize_host([values[i].numpy() for i in on_host], torch)
         sum_abs[sel], sum_sq[sel], max_abs[sel], nonfinite[sel] = stats
-    batches = []
-    with torch.no_grad():
-        for idx in by_device.values():
-            nonempty = [i for i in idx if values[i].numel() > 0]
-            if not nonempty:
-                continue
-            tensors = [values[i] for i in nonempty]
-            host, event = _to_host(_stats_on_device(tensors, torch, norms_only, accumulate), torch)
-            batches.append((np.asarray(nonempty, dtype=np.int64), host, event,
-                            tensors if keep_gradients else None))
+    batches = (
+        _launch_on_devices(values, by_device, torch, norms_only=norms_only,
+                           accumulate=accumulate, keep_gradients=keep_gradients,
+                           emulate=emulate_device)
+        if by_device else []
+    )
     return PendingSummaries(names, numel, norms_only, (sum_abs, sum_sq, max_abs, nonfinite),
-                            batches)
+                            batches, emulate_device)
 
 
 def summarize_tensors(
     gradients: Mapping[str, torch.Tensor], *, host_numpy: bool = True, norms_only: bool = False,
-    accumulate: Accumulate = "auto",
+    accumulate: Accumulate = "auto", emulate_device: bool = False,
 ) -> LayerSummaries:
     """Summarise torch gradients where they live; the torch twin of ``summarize``.
 
@@ -626,35 +627,34 @@ def summarize_tensors(
     :func:`producer.summary.summarize` on zero-copy NumPy views, one fused float64 pass
     per element, split over torch's intra-op threads (:func:`_summarize_host`).
 
-    Devices (accelerators, and every tensor with ``host_numpy=False``): per device and
-    dtype one batched ``torch._foreach_norm`` per statistic (ord 1, 2 and inf; ord 2 only
-    in norms mode), the results stacked into one float64[k, 3] tensor and copied to the
-    host at once (one small transfer per device; a second one only when some tensor holds
+    Devices (accelerators, every tensor with ``host_numpy=False`` or
+    ``emulate_device=True``): :mod:`producer.adapters.torch_device`, per device and dtype
+    one batched ``torch._foreach_norm`` per statistic (ord 1, 2 and inf; ord 2 only in
+    norms mode), the results stacked into one float64[k, 3] tensor and copied to the host
+    at once (one small transfer per device; a second one only when some tensor holds
     NaN/Inf or a sum overflows, for an exact float64 recount of those tensors over their
     finite elements). The norms accumulate in ``accumulate``:
 
     - ``"float64"``: relative error of ``sum_abs``/``sum_sq`` ~1e-15 (the CPU default).
     - ``"float32"`` (the accelerator default under ``"auto"``; float64 arithmetic is 32-64x
-      slower than float32 on most non-datacenter GPUs): every term is non-negative, so
-      whatever the summation order the relative error of a float32 sum of n terms is at
-      most gamma_h = h*u / (1 - h*u), u = 2^-24, where h <= n - 1 is the height of the
-      summation tree (recursive summation: h = n - 1; pairwise/blocked reductions: h ~
-      the serial run per thread plus log2 of the tree) [Higham, Accuracy and Stability of
-      Numerical Algorithms, 2nd ed., section 4.2]. Rounding |g|, g^2 and the norm to
-      float32 adds at most 3u to ``sum_sq`` and u to ``sum_abs``: a bound of (h + 3)u,
-      e.g. <= 6e-8 * n for any order. ``max_abs`` stays exact (float16/bfloat16 ->
-      float32 is exact). Float64 tensors always accumulate in float64.
-    - ``"auto"``: float64 on the CPU, float32 elsewhere.
+      slower than float32 on most non-datacenter GPUs): relative error of ``sum_abs`` and
+      ``sum_sq`` at most (h + 3) * 2^-24, h <= n - 1 the height of the summation tree
+      (the bound and its source: :mod:`producer.adapters.torch_device`); ``max_abs``
+      exact. Float64 tensors always accumulate in float64.
+    - ``"auto"``: float64 on the CPU, float32 on accelerators and with ``emulate_device``.
 
     Args:
         gradients: name -> floating-point tensor of any shape with at least one element,
             in the order the summaries should have. Plain tensors only: turn DTensors
             into their local part first (:func:`gradient_piece`).
         host_numpy: summarise dense CPU tensors with NumPy (default True); False uses
-            the torch reductions for CPU tensors too.
+            the torch reductions for CPU tensors too (float64 under ``"auto"``).
         norms_only: the producer's norms mode: only ``sum_sq`` and ``nonfinite`` (one norm
             kernel per device batch instead of three); ``sum_abs``/``max_abs`` are None.
         accumulate: ``"auto"``, ``"float32"`` or ``"float64"`` (see above).
+        emulate_device: run CPU tensors through the accelerator path exactly as a GPU
+            would (float32 under ``"auto"``, the stacked statistics copied into a separate
+            host buffer): for tests and CPU smoke runs on machines without a GPU.
 
     Returns:
         LayerSummaries aligned with the mapping's order (int64 ``numel``/``nonfinite``,
@@ -668,7 +668,7 @@ def summarize_tensors(
     """
     return launch_summaries(
         gradients, host_numpy=host_numpy, norms_only=norms_only, accumulate=accumulate,
-        keep_gradients=True,
+        keep_gradients=True, emulate_device=emulate_device,
     ).result()
 
 
@@ -727,6 +727,8 @@ class GradientTap:
             of the run (exact counts from then on). Off by default (exact counts at every
             step); opt in where the wait for the device shows in the step time. Call
             :meth:`flush` (the framework callbacks do) before ``finish_run``.
+        emulate_device: summarise CPU gradients with the accelerator path, exactly as on
+            a GPU (see :func:`summarize_tensors`): for tests and CPU smoke runs.
 
     Training-thread time: everything :meth:`step` does (collecting the gradients,
     reductions, copies, ``record_summaries``) is counted in the producer's
@@ -765,12 +767,10 @@ class GradientTap:
         host_numpy: bool = True,
         accumulate: Accumulate = "auto",
         defer: bool = False,
+        emulate_device: bool = False,
     ) -> None:
         _import_torch()
-        if accumulate not in ("auto", "float32", "float64"):
-            raise ValueError(
-                f"accumulate must be 'auto', 'float32' or 'float64', got {accumulate!r}"
-            )
+        device_path.check_accumulate(accumulate)
         if not hasattr(model, "named_parameters"):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         own_n = 1 if every_n_steps is None else every_n_steps
@@ -806,6 +806,7 @@ class GradientTap:
         self._name_of = {id(param): name for name, param in self._params}
         self._local_rows: dict[str, tuple[int, float, float, float, int]] = {}
         self.accumulate = accumulate
+        self.emulate_device = emulate_device
         self._inside = 0.0
         self.defer = defer
         self.inexact_layers = 0
@@ -973,7 +974,8 @@ class GradientTap:
                 views.append(grad)
         if names:
             local = summarize_tensors(dict(zip(names, views, strict=True)),
-                                      host_numpy=self.host_numpy)
+                                      host_numpy=self.host_numpy, accumulate=self.accumulate,
+                                      emulate_device=self.emulate_device)
             for i, name in enumerate(local.names):
                 self._local_rows[name] = (
                     int(local.numel[i]), float(local.sum_abs[i]),  # type: ignore[index]
@@ -1129,6 +1131,7 @@ class GradientTap:
         pending = launch_summaries(
             grads, host_numpy=self.host_numpy, norms_only=norms_only,
             accumulate=self.accumulate, keep_gradients=not self.defer,
+            emulate_device=self.emulate_device,
         )
         if self.defer:
             self._pending = (step, pending, index, count, local)

@@ -128,7 +128,7 @@ def test_selection_and_sampling_through_the_broker(kafka_bootstrap: str, unique_
     assert started[0].layer_names == ["encoder.0.weight", "decoder.weight"]
     assert started[0].config["gradstream"]["every_n_steps"] == 3
     assert [m.step for m in steps] == [0, 3, 6, 9]
-    assert steps[0].layer_indices == [0, 1] and steps[0].sum_abs == [4.0, 6.0]
+    assert list(steps[0].layer_indices) == [0, 1] and list(steps[0].sum_abs) == [4.0, 6.0]
 
 
 def test_record_summaries_sends_precomputed_statistics(kafka_bootstrap: str, unique_name: str):
@@ -144,7 +144,7 @@ def test_record_summaries_sends_precomputed_statistics(kafka_bootstrap: str, uni
             gp.record_summaries(8, bad)
         gp.finish_run()
     (step,) = [m for m in read_all(kafka_bootstrap, topic, 3) if isinstance(m, StepSummary)]
-    assert step.step == 7 and step.layer_indices == [0, 1] and step.max_abs == [1.0, 2.0]
+    assert step.step == 7 and list(step.layer_indices) == [0, 1] and list(step.max_abs) == [1.0, 2.0]
 
 
 def test_broker_outage_loses_nothing_that_fitted_in_the_buffer(local_broker, unique_name):
@@ -205,7 +205,7 @@ def test_replicated_step_with_local_view_through_the_broker(kafka_bootstrap: str
     started, step = read_all(kafka_bootstrap, topic, 3)[:2]
     assert isinstance(started, RunStarted) and started.dtypes == ["float32", "bfloat16"]
     assert isinstance(step, StepSummary)
-    assert step.shard_index == [0, 0] and step.shard_count == [1, 1]
-    assert step.local_layer_indices == [1] and step.local_numel == [4]
-    assert step.local_sum_abs == [4.5] and step.local_max_abs == [3.0]
-    assert step.local_sum_sq == [10.25] and step.local_nonfinite == [1]
+    assert list(step.shard_index) == [0, 0] and list(step.shard_count) == [1, 1]
+    assert list(step.local_layer_indices) == [1] and list(step.local_numel) == [4]
+    assert list(step.local_sum_abs) == [4.5] and list(step.local_max_abs) == [3.0]
+    assert list(step.local_sum_sq) == [10.25] and list(step.local_nonfinite) == [1]

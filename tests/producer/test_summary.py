@@ -379,3 +379,22 @@ def test_summaries_convert_to_the_mergeable_statistics():
         LayerSummaries.from_statistics(s.names, s.norms_only().gradient_sums())
     with pytest.raises(ValueError, match="2 layers"):
         LayerSummaries.from_statistics(("a", "b"), GradientSums.empty(3))
+
+
+def test_nonfinite_at_block_edges_with_histogram():
+    """A NaN/Inf on either side of every block edge of the kernels (producer.kernels.BLOCK)
+    and in the tail: only the blocks holding one are redone masked, the others keep their
+    fast sums; counts, sums, max and histogram stay those of the finite elements."""
+    from producer.kernels import BLOCK
+    from schemas.stats import ExponentHistogram
+
+    n = 3 * BLOCK + 7
+    for dtype in (np.float32, np.float64, np.float16):
+        for pos in (0, BLOCK - 1, BLOCK, 2 * BLOCK - 1, 2 * BLOCK, n - 1):
+            g = np.linspace(-2, 3, n).astype(dtype)
+            g[pos] = np.nan
+            g[(pos + BLOCK) % n] = -np.inf
+            s = summarize({"w": g}, histogram=True)
+            _check_row(s, 0, _exact_reference(g))
+            np.testing.assert_array_equal(s.exp_hist, ExponentHistogram.from_layers([g]).counts)
+            assert s.nonfinite[0] == 2

@@ -107,3 +107,80 @@ def test_float64_overflow_saturates():
     got = summarize_weights({"w": np.array([1e200, 1e200, 3.0])})
     assert got.sum_sq[0] == big and got.sum_quad[0] == big and got.max[0] == 1e200
     assert got.sum[0] == pytest.approx(2e200, rel=1e-15)
+
+
+def test_nonfinite_at_block_edges():
+    """NaN/Inf weights and NaN/Inf kept copies on either side of every block edge
+    (producer.kernels.BLOCK): only those blocks take the masked path."""
+    from producer.kernels import BLOCK
+
+    n = 3 * BLOCK + 7
+    for pos in (0, BLOCK - 1, BLOCK, 2 * BLOCK - 1, 2 * BLOCK, n - 1):
+        w = np.linspace(-3, 5, n).astype(np.float32)
+        w[pos] = np.nan
+        w[(pos + BLOCK) % n] = np.inf
+        p = w + np.float32(0.25)
+        p[(pos + 1) % n] = -np.inf  # a non-finite difference next to the NaN weight
+        _check([w, w.astype(np.float64), w.astype(np.float16)], [p, p, p])
+
+
+def test_many_small_layers_in_one_call():
+    rng = np.random.default_rng(11)
+    layers, previous = [], []
+    for i in range(400):
+        w = rng.standard_normal(int(rng.integers(1, 70))).astype(FLOATS[i % 3])
+        if i % 13 == 0:
+            w[-1] = [np.nan, np.inf, -np.inf][i % 3]
+        if i % 29 == 0:
+            w[0] = 0.0
+        layers.append(w)
+        previous.append(rng.standard_normal(w.shape).astype(np.float32))
+    _check(layers, previous)
+
+
+def test_refresh_overwrites_the_kept_copy_in_the_same_call():
+    rng = np.random.default_rng(2)
+    weights = {"a": rng.standard_normal((40, 30)).astype(np.float32),
+               "b": rng.standard_normal(1500),  # float64: the copy holds float32(w)
+               "c": rng.standard_normal(700).astype(np.float16)}
+    weights["a"][3, 4] = np.nan
+    kept = {n: rng.standard_normal(w.shape).astype(np.float32) for n, w in weights.items()}
+    kept["b"][10] = np.inf
+    before = {n: p.copy() for n, p in kept.items()}
+    want = summarize_weights(weights, before)
+    got = summarize_weights(weights, kept, refresh=True)
+    np.testing.assert_array_equal(got.update_sum_sq, want.update_sum_sq)
+    np.testing.assert_array_equal(got.sum_sq, want.sum_sq)
+    np.testing.assert_array_equal(got.exp_hist, want.exp_hist)
+    for name, w in weights.items():
+        np.testing.assert_array_equal(kept[name], w.astype(np.float32))  # NaN == NaN here
+    again = summarize_weights(weights, kept, refresh=True)  # unchanged weights: no update
+    assert again.update_sum_sq.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_refresh_writes_nothing_without_an_update_or_with_an_unusable_copy():
+    w = {"a": np.ones(5, np.float32), "b": np.full(3, 2.0, np.float32)}
+    reshaped = {"a": np.zeros(5, np.float32), "b": np.zeros(4, np.float32)}
+    s = summarize_weights(w, reshaped, refresh=True)
+    assert s.update_sum_sq is None
+    assert reshaped["a"].tolist() == [0.0] * 5 and reshaped["b"].tolist() == [0.0] * 4
+    for bad in (np.zeros(3, np.float64), np.zeros(6, np.float32)[::2]):
+        kept = {"a": np.zeros(5, np.float32), "b": bad}
+        with pytest.raises(ValueError, match="'b'"):
+            summarize_weights(w, kept, refresh=True)
+        assert kept["a"].tolist() == [0.0] * 5  # checked before anything is written
+
+
+def test_empty_layer_and_empty_mapping_are_rejected():
+    with pytest.raises(ValueError, match="'b'"):
+        summarize_weights({"a": np.ones(3, np.float32), "b": np.zeros(0, np.float32)})
+    with pytest.raises(ValueError, match="empty mapping"):
+        summarize_weights({})
+
+
+def test_refresh_rejects_bad_weights_before_writing():
+    kept = {"a": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)}
+    with pytest.raises(TypeError, match="'b'"):
+        summarize_weights({"a": np.ones(3, np.float32), "b": np.ones(2, np.int32)}, kept,
+                          refresh=True)
+    assert kept["a"].tolist() == [0.0, 0.0, 0.0]

@@ -615,7 +615,7 @@ def test_tap_through_real_gradient_producer_and_kafka(
     steps = [m for m in messages if isinstance(m, StepSummary)]
     assert [m.step for m in steps] == [0, 1, 2]
     for message, want in zip(steps, expected, strict=True):
-        assert message.layer_indices == [0, 1, 2, 3]
+        np.testing.assert_array_equal(message.layer_indices, [0, 1, 2, 3])
         got = LayerSummaries(
             tuple(started.layer_names[i] for i in message.layer_indices),
             np.asarray(message.numel, dtype=np.int64),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import numpy as np
 import pytest
@@ -53,16 +54,39 @@ def test_parallel_host_summary_equals_single_pass(monkeypatch: pytest.MonkeyPatc
     grads["l2"][17] = math.nan
     grads["l4"][3] = -math.inf
     want = summarize({k: v.numpy() for k, v in grads.items()})
-    for _ in range(6):  # 2 threaded, 2 single-thread, then the faster mode
+    for _ in range(8):  # 3 threaded, 3 single-thread (first of each untimed), the faster
         got = summarize_tensors(grads)
         np.testing.assert_array_equal(got.numel, want.numel)
         np.testing.assert_array_equal(got.nonfinite, want.nonfinite)
         np.testing.assert_array_equal(got.max_abs, want.max_abs)
         np.testing.assert_allclose(got.sum_abs, want.sum_abs, rtol=1e-12)
         np.testing.assert_allclose(got.sum_sq, want.sum_sq, rtol=1e-12)
-    assert 2 <= len(threaded) <= 4
+    assert 3 <= len(threaded) <= 5
     timing = tap_mod._host_timing[tuple(g.numel() for g in grads.values())]
-    assert timing[0] == 6 and math.isfinite(timing[1]) and math.isfinite(timing[2])
+    assert timing[0] == 8 and math.isfinite(timing[1]) and math.isfinite(timing[2])
+
+
+def test_a_modes_first_call_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first threaded call pays one-off costs; were it timed, one slow call would keep
+    # the threads off for hundreds of calls.
+    monkeypatch.setattr(tap_mod, "_PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(tap_mod, "_host_threads", lambda torch: 2)
+    monkeypatch.setattr(tap_mod, "_host_timing", {})
+    original = tap_mod._summarize_threads
+    slow = [True]
+
+    def first_call_slow(*args: object) -> object:
+        if slow[0]:
+            slow[0] = False
+            time.sleep(0.5)
+        return original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tap_mod, "_summarize_threads", first_call_slow)
+    grads = {"a": torch.ones(1000), "b": torch.ones(10)}
+    for _ in range(3):
+        summarize_tensors(grads)
+    timing = tap_mod._host_timing[(1000, 10)]
+    assert timing[0] == 3 and timing[1] < 0.25 and math.isinf(timing[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -158,3 +182,55 @@ def test_tap_counts_its_own_time_in_training_thread_s() -> None:
             gp.add_training_time(-1.0)
     finally:
         gp.close(timeout=0.1)
+
+
+class _IdlePool:
+    """A pool whose threads never start (a machine too busy to schedule them)."""
+
+    def __init__(self) -> None:
+        self.submitted = 0
+
+    def submit(self, fn: object, *args: object) -> None:
+        self.submitted += 1
+
+
+def _big_gradients() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return {f"l{i}": torch.randn(2000 * (i + 1), generator=gen) for i in range(5)}
+
+
+def test_threaded_summary_never_waits_for_a_thread_that_does_not_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grads = _big_gradients()
+    arrays = [g.numpy() for g in grads.values()]
+    sizes = tuple(a.size for a in arrays)
+    idle = _IdlePool()
+    monkeypatch.setattr(tap_mod, "_pool", lambda workers: idle)
+    got = tap_mod._summarize_threads(arrays, sizes, 3, tap_mod._key_names(64))
+    assert idle.submitted == 2  # work offered to both pool threads; none was needed
+    want = summarize({k: v.numpy() for k, v in grads.items()})
+    np.testing.assert_allclose(got[0], want.sum_abs, rtol=1e-12)
+    np.testing.assert_allclose(got[1], want.sum_sq, rtol=1e-12)
+    np.testing.assert_array_equal(got[2], want.max_abs)
+    np.testing.assert_array_equal(got[3], want.nonfinite)
+
+
+def test_threaded_summary_reraises_an_error_from_any_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grads = _big_gradients()
+    arrays = [g.numpy() for g in grads.values()]
+    calls: list[int] = []
+
+    def failing_third(job: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("job 3")
+        return summarize(job)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tap_mod, "summarize", failing_third)
+    with pytest.raises(MemoryError, match="job 3"):
+        tap_mod._summarize_threads(arrays, tuple(a.size for a in arrays), 2,
+                                   tap_mod._key_names(64))
+    assert len(calls) == 2 * tap_mod._CHUNKS_PER_THREAD  # the other groups still ran

@@ -1,0 +1,1 @@
+"""Tests of the benchmark scripts (smoke runs of their small modes)."""
