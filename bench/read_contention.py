@@ -18,9 +18,10 @@ This measures what concurrent readers cost the writer:
    - ``no readers``;
    - ``4 readers, normal priority, unbounded`` (``max_readers=None``, ``reader_nice=0``:
      what a writing process would do without the guards);
+   - ``4 readers, nice 19, bound 2``: two reads at once at the lowest priority;
    - ``4 readers, defaults``: the endpoint as the commands start it: at most
-     :data:`deploy.serve.DEFAULT_MAX_READERS` reads at once (one per core), each request
-     thread at nice :data:`deploy.serve.READER_NICE`.
+     :data:`deploy.serve.DEFAULT_MAX_READERS` reads at once (half the cores, at least one),
+     each request thread at nice :data:`deploy.serve.READER_NICE`.
 
    A reader is a separate process (as ``gradstream query`` or a notebook is) that POSTs a
    full-scan aggregate over ``layer_stats`` (per-layer count, mean norm, 99th percentile
@@ -171,7 +172,8 @@ def main() -> None:
     cases = [
         Case("no readers", 0, None, 0),
         Case(f"{k} readers, nice 0, unbounded", k, None, 0),
-        Case(f"{k} readers, nice {READER_NICE}, bound {DEFAULT_MAX_READERS}", k,
+        Case(f"{k} readers, nice {READER_NICE}, bound 2", k, 2, READER_NICE),
+        Case(f"{k} readers, defaults: nice {READER_NICE}, bound {DEFAULT_MAX_READERS}", k,
              DEFAULT_MAX_READERS, READER_NICE),
     ]
     rows = args.ranks * args.layers * args.steps
@@ -203,13 +205,13 @@ def main() -> None:
             if broker is not None:
                 broker.stop()
     floor = rows / outcomes[cases[0].name].seconds
-    print(f"\n{'case':<34} {'ingest rows/s':>14} {'ratio':>6} {'reads':>6} "
+    print(f"\n{'case':<42} {'ingest rows/s':>14} {'ratio':>6} {'reads':>6} "
           f"{'read p50 s':>10}")
     for case in cases:
         outcome = outcomes[case.name]
         rate = rows / outcome.seconds
         p50 = f"{statistics.median(outcome.latencies):.2f}" if outcome.latencies else "-"
-        print(f"{case.name:<34} {rate:>14,.0f} {rate / floor:>6.2f} "
+        print(f"{case.name:<42} {rate:>14,.0f} {rate / floor:>6.2f} "
               f"{len(outcome.latencies):>6} {p50:>10}")
     bounded = rows / outcomes[cases[-1].name].seconds
     print(f"read_contention_ratio={bounded / floor:.2f}")

@@ -64,10 +64,12 @@ DEFAULT_READ_PORT = 0
 """Port of the read endpoint of ``consume``, ``store`` and ``demo``: 0 = any free port (the
 URL is in the sidecar)."""
 
-DEFAULT_MAX_READERS = os.cpu_count() or 1
-"""Read requests a process answers at once (the others wait): one per core. DuckDB
-parallelises each query over the instance's threads (one per core by default), so more
-concurrent queries than cores only share the same cores and hold more memory."""
+DEFAULT_MAX_READERS = max(1, (os.cpu_count() or 1) // 2)
+"""Read requests a process answers at once (the others wait): half the cores, at least one.
+The other half is the writer's (the loop thread and the DuckDB writer thread), and DuckDB
+parallelises each query over the instance's threads anyway. Measured on 2 cores
+(``bench/read_contention.py``, 4 readers querying back to back): one read at a time kept
+ingestion at 1.02-1.14 of its rate without readers, two at a time at 0.82-0.92."""
 
 READER_NICE = 19
 """Nice value of the threads that answer reads in a writing process (Linux): 19, the

@@ -190,8 +190,8 @@ ReadPortOption = Annotated[
 MaxReadersOption = Annotated[
     int,
     typer.Option("--max-readers", envvar="GRADSTREAM_MAX_READERS", min=1, metavar="N",
-                 help="Read requests answered at once (default: one per core); the "
-                 "others wait. In a process that writes the store, each read also runs at "
+                 help="Read requests answered at once (default: half the cores, at least 1); "
+                 "the others wait. In a process that writes the store, each read also runs at "
                  "the lowest CPU priority, so that long queries never stall ingestion."),
 ]
 
