@@ -21,7 +21,8 @@ Progress is the fraction of rows written (a ``count(*)`` of the range first).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -213,24 +214,41 @@ def _export(
         if progress is not None and total:
             progress(min(rows / total, 1.0))
 
-    part = target.with_name(target.name + ".part")
     batches = con.sql(select, params=params).to_arrow_reader(BATCH_ROWS)
-    try:
+    with written_atomically(target, f"cannot write {str(target)!r}") as part:
         if text is None:
             rows = _write_parquet(batches, part, on_rows)
         else:
             rows = _write_text(batches, part, text, on_rows)
-        os.replace(part, target)
-    except OSError as exc:
-        part.unlink(missing_ok=True)
-        raise StoreError(f"cannot write {str(target)!r}: {exc}") from None
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
     if progress is not None:
         progress(1.0)
     return rows
 
+
+
+@contextmanager
+def written_atomically(target: Path, failure: str) -> Iterator[Path]:
+    """Yield ``<target>.part`` to write; on success rename it to ``target`` (readers never
+    see a half-written file), on any failure remove it.
+
+    Args:
+        target: the final file.
+        failure: the start of the message of the :class:`StoreError` an ``OSError`` becomes
+            (``"<failure>: <OSError>"``).
+
+    Raises:
+        StoreError: an ``OSError`` while writing or renaming (other exceptions pass through).
+    """
+    part = target.with_name(target.name + ".part")
+    try:
+        yield part
+        os.replace(part, target)
+    except OSError as exc:
+        part.unlink(missing_ok=True)
+        raise StoreError(f"{failure}: {exc}") from None
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
 
 def _count_sql(distinct_steps: bool) -> str:
     what = "count(DISTINCT step)" if distinct_steps else "count(*)"

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from analysis.dashboard.sidecar import ServeInfo, read_sidecar
+from analysis.export import written_atomically
 from analysis.query import (
     ARROW_STREAM,
     Params,
@@ -475,28 +476,24 @@ class EndpointReader(StoreReader):
         target = Path(path)
         if target.is_dir():
             raise StoreError(f"output path {str(target)!r} is a directory")
-        part = target.with_name(target.name + ".part")
         query = {"run": run_id, "format": fmt, "order": order, "from_step": from_step,
                  "to_step": to_step}
+        failure = f"export through {self.via} failed"
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            with self._open("/api/export", query, accept="*/*") as response, \
-                    part.open("wb") as out:
-                total = int(response.headers.get("Content-Length") or 0)
-                rows = int(response.headers.get("X-Gradstream-Rows") or 0)
-                done = 0
-                while chunk := response.read(CHUNK):
-                    out.write(chunk)
-                    done += len(chunk)
-                    if progress is not None:
-                        progress(done / total if total else None)
-            os.replace(part, target)
         except OSError as exc:
-            part.unlink(missing_ok=True)
-            raise StoreError(f"export through {self.via} failed: {exc}") from None
-        except BaseException:
-            part.unlink(missing_ok=True)
-            raise
+            raise StoreError(f"{failure}: {exc}") from None
+        with written_atomically(target, failure) as part, \
+                self._open("/api/export", query, accept="*/*") as response, \
+                part.open("wb") as out:
+            total = int(response.headers.get("Content-Length") or 0)
+            rows = int(response.headers.get("X-Gradstream-Rows") or 0)
+            done = 0
+            while chunk := response.read(CHUNK):
+                out.write(chunk)
+                done += len(chunk)
+                if progress is not None:
+                    progress(done / total if total else None)
         if progress is not None:
             progress(1.0)
         return rows
