@@ -30,18 +30,21 @@ per-block passes run and make a NaN cheap):
 Weight statistics (:func:`weights_f32`, :func:`weights_f64`) use the same scheme. Per
 block: one vectorised pass for S1..S4 and, against the kept float32 copy, the update's
 squared differences (all float64; the masked variant only for a block whose sums came out
-non-finite); then, on the L1-resident block, the exponent histogram, whose NaN/Inf column
-tells whether the block needs the masked extremes; the min / max as integer order keys of
-the bit patterns (int32 lanes for float32, which vectorise where float min / max with NaN
-semantics do not); and, on request, the refresh of the kept copy (``prev = float32(w)``),
-so stats + update norm + refresh read each weight once and read and write the copy once.
+non-finite, which a NaN/Inf weight always makes them); then, on the L1-resident block, the
+min / max as integer order keys of the bit patterns (int32 lanes for float32, which
+vectorise where float min / max with NaN semantics do not) with the smallest magnitude;
+the exponent histogram; and, on request, the refresh of the kept copy
+(``prev = float32(w)``), so stats + update norm + refresh read each weight once and read
+and write the copy once.
 
 The optional exponent histogram is counted in the same block loop, while the block is in L1:
-each element's biased exponent field is mapped through a lookup table to its column (see
-``producer.summary`` for the bin layout) and counted in one of ``TABLES`` interleaved count
-tables; elements with a zero exponent field (zeros and subnormals) are re-binned exactly
-per block, only in blocks that contain any. This scalar scatter (about 1.5 cycles per
-element) is the largest single cost of the weight statistics.
+each element's key, its sign and binary32 exponent field (the top 9 bits of a float32; a
+clamped re-biasing for float64), is counted in one of ``TABLES`` interleaved int32 count
+tables at fixed offsets; at the end of the layer the keys the layer can have touched are
+folded into histogram columns (``schemas.stats.exponent_lut``). Elements below 2^-126
+(zeros, subnormals) share key 0 and are re-binned exactly, only in blocks that hold one.
+This scalar scatter (about 0.4 ns an element here) is still the largest single cost of the
+weight statistics.
 
 Threads: every kernel runs on the calling thread only (no ``parallel``/``prange``): the
 producer summarises on the training thread, which should not take cores from the data
@@ -61,6 +64,9 @@ from numba.extending import overload
 
 __all__ = [
     "BLOCK",
+    "FOLD",
+    "KEYS",
+    "STRIDE",
     "TABLES",
     "summarize_f32",
     "summarize_f64",
@@ -79,8 +85,18 @@ __all__ = [
 #: of ``bench/producer_overhead.py``; 4096 (one pass per block before) was slower for the
 #: weight statistics of large layers.
 BLOCK = 512
-#: Count tables of the exponent histogram (see :func:`_block_hist`, unrolled for 4).
-TABLES = 4
+#: Count tables of the exponent histogram (see :func:`_block_hist`, unrolled for 8).
+TABLES = 8
+#: Keys of one count table: sign bit and the 8-bit binary32 exponent field (:func:`_hist_key`).
+KEYS = 512
+#: Distance between two count tables, in counters: KEYS plus one cache line of padding, so
+#: that the same key in two tables is never a multiple of 4 KiB apart (loads 4 KiB apart
+#: from a pending store wait for it on x86; without the padding the histogram ran ~1.1x
+#: slower, measured).
+STRIDE = KEYS + 16
+#: Elements between two folds of the int32 count tables into the int64 histogram, so that
+#: no counter can overflow (each sees at most FOLD / TABLES < 2^31 increments).
+FOLD = BLOCK << 20
 
 # Only reassociation and FMA contraction: NaN/Inf semantics stay IEEE (no nnan/ninf/nsz).
 # (numba wants a set here, not a frozenset.)
@@ -97,13 +113,15 @@ def _block_fast(x, u, absmask):  # pragma: no cover - compiled
     sum_abs = 0.0
     sum_sq = 0.0
     top = absmask ^ absmask
+    low = absmask
     for i in range(x.size):
         v = np.float64(x[i])
         sum_abs += abs(v)
         sum_sq += v * v
         b = u[i] & absmask
         top = b if b > top else top
-    return sum_abs, sum_sq, top
+        low = b if b < low else low
+    return sum_abs, sum_sq, top, low
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
@@ -146,55 +164,125 @@ def _add(total, comp, value):  # pragma: no cover - compiled
     return t, comp
 
 
-@njit(cache=True, nogil=True)
-def _table_column(tables, c):  # pragma: no cover - compiled
-    """Column ``c`` of the TABLES count tables of :func:`_block_hist`, summed."""
-    width = tables.size // TABLES
-    return tables[c] + tables[width + c] + tables[2 * width + c] + tables[3 * width + c]
+def _hist_key(bits):  # pragma: no cover - replaced by the overload when compiled
+    """Histogram key (0..511) of an IEEE 754 bit pattern: see the compiled overload."""
+    raise NotImplementedError("_hist_key is only defined in compiled code")
 
 
-@njit(cache=True, nogil=True)
-def _block_hist(x, u, absmask, expmask, mant_bits, lut, hist_min, tables):  # pragma: no cover
-    """Count one block's exponent columns into ``tables``; exact zero/subnormal fix-up.
+@overload(_hist_key)
+def _hist_key_numba(bits):  # pragma: no cover - compiled
+    """Compiled :func:`_hist_key`: ``sign * 256 + e`` with ``e`` the binary32 biased
+    exponent field of the value (IEEE 754-2019 section 3.4).
 
-    tables: int64[TABLES * (B + 2)], TABLES count tables of B + 2 columns side by side
-    (element j goes to table j % TABLES, so a run of equal columns does not serialise on
-    one counter); column B collects NaN/Inf (dropped from the histogram, counted as
-    non-finite), column B + 1 the elements with a zero exponent field, which are re-binned
-    here: zeros to column 0, subnormals to the column of their exponent (from frexp of the
-    exact float64 value).
+    binary32: the top 9 bits themselves (``bits >> 23``), no arithmetic and no lookup.
+    binary64: the exponent field E is moved to the binary32 bias (``E - 896``) and clamped
+    to ``[0, 254]``, 255 for the all-ones field (NaN/Inf): values below 2^-126 land on key 0
+    with zeros and subnormals (re-binned exactly, :func:`_block_hist`), values above the
+    binary32 range on 254, which is in the last (overflow) column like everything from
+    2^EXP_HIST_MAX up.
     """
-    width = tables.size // TABLES
-    nbins = width - 2
-    col_exp0 = nbins + 1
-    t0 = tables[:width]
-    t1 = tables[width:2 * width]
-    t2 = tables[2 * width:3 * width]
-    t3 = tables[3 * width:]
-    before = _table_column(tables, col_exp0)
+    if bits.bitwidth == 32:
+        return lambda bits: bits >> np.uint32(23)
+
+    def key64(bits):
+        e = np.int64((bits >> np.uint64(52)) & np.uint64(0x7FF))
+        k = min(max(e - 896, 0), 254)
+        k = 255 if e == 2047 else k
+        return (np.int64(bits >> np.uint64(63)) << 8) | k
+
+    return key64
+
+
+@njit(cache=True, nogil=True)
+def _key_count(tables, key):  # pragma: no cover - compiled
+    """Count of ``key`` (and of the same key with the sign bit set) over the TABLES count
+    tables of :func:`_block_hist`."""
+    total = 0
+    for t in range(TABLES):
+        total += tables[t * STRIDE + key] + tables[t * STRIDE + 256 + key]
+    return total
+
+
+@njit(cache=True, nogil=True)
+def _block_hist(x, u, absmask, tables, row, hist_min, tiny):  # pragma: no cover - compiled
+    """Count one block's histogram keys (:func:`_hist_key`) into ``tables``.
+
+    tables: int32[TABLES * STRIDE], TABLES count tables of the KEYS keys, STRIDE apart;
+    element j goes to table j % TABLES, so a run of equal keys (weights near one magnitude)
+    does not serialise on one counter. The tables sit at compile-time offsets and every key
+    is below KEYS, so the compiler can see that the increments of one round never alias
+    and overlaps them; a lookup table from the bit pattern to the column instead (one more
+    load per element, at offsets the compiler cannot tell apart) made the histogram about
+    1.4x slower on the cases of ``bench/producer_overhead.py``.
+    row: int64[B], the layer's histogram row. :func:`_fold_hist` puts every count of the
+    zero key in column 0 (zeros); when ``tiny`` (the caller saw a magnitude below 2^-126,
+    the smallest binary32 normal, in this block: a zero, a subnormal or, binary64, a
+    normal below that), each such non-zero element found here moves one count from column
+    0 to the column of its exponent (from frexp of the exact float64 value).
+    """
     n = u.size
     i = 0
     while i + TABLES <= n:
-        t0[lut[u[i] >> mant_bits]] += 1
-        t1[lut[u[i + 1] >> mant_bits]] += 1
-        t2[lut[u[i + 2] >> mant_bits]] += 1
-        t3[lut[u[i + 3] >> mant_bits]] += 1
+        tables[_hist_key(u[i])] += 1
+        tables[STRIDE + _hist_key(u[i + 1])] += 1
+        tables[2 * STRIDE + _hist_key(u[i + 2])] += 1
+        tables[3 * STRIDE + _hist_key(u[i + 3])] += 1
+        tables[4 * STRIDE + _hist_key(u[i + 4])] += 1
+        tables[5 * STRIDE + _hist_key(u[i + 5])] += 1
+        tables[6 * STRIDE + _hist_key(u[i + 6])] += 1
+        tables[7 * STRIDE + _hist_key(u[i + 7])] += 1
         i += TABLES
-    while i < n:
-        t0[lut[u[i] >> mant_bits]] += 1
-        i += 1
-    exp0 = _table_column(tables, col_exp0) - before
-    if exp0 == 0:
+    for j in range(i, n):  # (a for loop: a while loop here made the loop above 1.2x slower)
+        tables[_hist_key(u[j])] += 1
+    if not tiny:
         return
-    zeros = _count_zeros(u, absmask)
-    tables[0] += zeros
-    if exp0 == zeros:
-        return
+    nbins = row.size
     for j in range(n):
-        b = u[j] & absmask
-        if (b & expmask) == 0 and b != 0:
+        # (the key of u[j] itself: numba widens u[j] & absmask to 64 bits)
+        if (u[j] & absmask) != 0 and (_hist_key(u[j]) & 255) == 0:
             k = math.frexp(abs(np.float64(x[j])))[1] - 1  # |g| in [2^k, 2^(k+1))
-            tables[min(max(k - hist_min + 2, 1), nbins - 1)] += 1
+            row[min(max(k - hist_min + 2, 1), nbins - 1)] += 1
+            row[0] -= 1
+
+
+@njit(cache=True, nogil=True)
+def _tiny_bits(mant_bits, bias):  # pragma: no cover - compiled
+    """Magnitude bits (int64) of 2^-126, the smallest binary32 normal, in a format with
+    ``mant_bits`` significand bits and exponent bias ``bias``: a block holds a magnitude
+    below it (a zero key of :func:`_hist_key`) iff its smallest magnitude bits are below
+    this (IEEE 754-2019 section 3.4: magnitudes order as their bit patterns)."""
+    return np.int64(bias - 126) << np.int64(mant_bits)
+
+
+@njit(cache=True, nogil=True)
+def _fold_hist(tables, lut, row, low, top, absmask):  # pragma: no cover - compiled
+    """Add the key counts of ``tables`` to the histogram row ``row`` (int64[B]) and zero
+    the tables again.
+
+    Only the keys that can hold counts are visited: the exponent fields from that of
+    ``low`` to that of ``top`` (the smallest and largest finite magnitude bits counted so
+    far, as integers; IEEE 754 magnitudes order as their bit patterns; both are cast to
+    the type of ``absmask``, the format's unsigned bits, which picks the key function of
+    :func:`_hist_key`, since numba widens 32-bit integer arithmetic), for both signs,
+    and the NaN/Inf key (zeroed, not counted). Weights span some 30 of the 254 exponent
+    fields, so the fold costs a tenth of a full one on a layer of a few thousand elements.
+    Each key's TABLES counters are added and its column read from ``lut`` (the binary32
+    table of ``schemas.stats.exponent_lut``): the zero exponent field goes to column 0.
+    """
+    nbins = row.size
+    lo_key = _hist_key(_cast_like(low, absmask)) & 255
+    hi_key = min(_hist_key(_cast_like(top, absmask)) & 255, 254)
+    for sign in range(0, KEYS, 256):
+        for key in range(sign + min(lo_key, hi_key), sign + hi_key + 1):
+            total = 0
+            for t in range(TABLES):
+                total += tables[t * STRIDE + key]
+                tables[t * STRIDE + key] = 0
+            if total != 0:
+                c = np.int64(lut[key])
+                row[c if c < nbins else 0] += total  # c == B + 1: the zero field
+        for t in range(TABLES):
+            tables[t * STRIDE + sign + 255] = 0
 
 
 @njit(cache=True, nogil=True)
@@ -211,7 +299,7 @@ def _bits_to_float(bits, mant_bits, bias):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def _summarize_into(
-    x, u, absmask, expmask, mant_bits, bias, out, i, counts, lut, hist_min
+    x, u, absmask, expmask, mant_bits, bias, out, i, counts, tables, lut, hist_min
 ):  # pragma: no cover - compiled
     """One layer in one read: per block the fast pass (+ histogram), and the masked pass
     over the same (L1-resident) block only when the block's sums came out non-finite."""
@@ -223,12 +311,12 @@ def _summarize_into(
     zero = absmask ^ absmask
     top = zero
     hist = counts.shape[0] > 0
-    nbins = counts.shape[1]
-    tables = np.zeros(TABLES * (nbins + 2) if hist else 0, dtype=np.int64)
+    tiny_bits = _tiny_bits(mant_bits, bias)
+    layer_low = absmask
     bad = 0
     for lo in range(0, n, BLOCK):
         hi = min(lo + BLOCK, n)
-        a, q, t = _block_fast(x[lo:hi], u[lo:hi], absmask)
+        a, q, t, low = _block_fast(x[lo:hi], u[lo:hi], absmask)
         if not (math.isfinite(a) and math.isfinite(q)):
             # A NaN/Inf element (or, float64 only, a square that overflowed): redo this
             # block, still in L1, with masking; the other blocks keep their fast sums.
@@ -238,7 +326,11 @@ def _summarize_into(
         sum_sq, comp_sq = _add(sum_sq, comp_sq, q)
         top = t if t > top else top
         if hist:
-            _block_hist(x[lo:hi], u[lo:hi], absmask, expmask, mant_bits, lut, hist_min, tables)
+            layer_low = low if low < layer_low else layer_low
+            tiny = np.int64(low) < tiny_bits
+            _block_hist(x[lo:hi], u[lo:hi], absmask, tables, counts[i], hist_min, tiny)
+            if hi % FOLD == 0:
+                _fold_hist(tables, lut, counts[i], layer_low, top, absmask)
     sum_abs = min(sum_abs + comp_abs, _MAX_DOUBLE)
     sum_sq = min(sum_sq + comp_sq, _MAX_DOUBLE)
     out[0, i] = n
@@ -247,26 +339,57 @@ def _summarize_into(
     out[3, i] = _bits_to_float(top, mant_bits, bias)
     out[4, i] = bad
     if hist:
-        for c in range(nbins):
-            counts[i, c] = _table_column(tables, c)
+        _fold_hist(tables, lut, counts[i], layer_low, top, absmask)
+
+
+def _order_key(bits):  # pragma: no cover - replaced by the overload when compiled
+    """Order key of an IEEE 754 bit pattern: see the compiled overload."""
+    raise NotImplementedError("_order_key is only defined in compiled code")
+
+
+@overload(_order_key)
+def _order_key_numba(bits):  # pragma: no cover - compiled
+    """Compiled :func:`_order_key`: the signed-integer key of an IEEE 754 bit pattern
+    (given as a signed integer of its width) whose integer order is the numeric order of
+    finite values (IEEE 754-2019 section 3.4: sign-magnitude encoding): negative values get
+    their magnitude bits flipped, ``bits ^ ((bits >> (w - 1)) & (2^(w-1) - 1))``. The map is
+    its own inverse; -0 sorts just below +0. Every step is cast back to the input's width:
+    numba widens int32 arithmetic to int64, and int32 keys are what lets the min / max
+    loops run on 8 AVX2 lanes (about 3x faster than on widened keys, measured)."""
+    ity = bits
+    shift = bits.bitwidth - 1
+    mask = (1 << shift) - 1
+
+    def impl(bits):
+        return ity(bits ^ ity(ity(bits >> ity(shift)) & ity(mask)))
+
+    return impl
+
+
+def _magnitude(bits):  # pragma: no cover - replaced by the overload when compiled
+    """Magnitude bits of an IEEE 754 bit pattern: see the compiled overload."""
+    raise NotImplementedError("_magnitude is only defined in compiled code")
+
+
+@overload(_magnitude)
+def _magnitude_numba(bits):  # pragma: no cover - compiled
+    """Compiled :func:`_magnitude`: ``bits & (2^(w-1) - 1)`` (sign bit cleared) in the
+    integer type of ``bits`` (see :func:`_order_key_numba` for why the width is kept)."""
+    ity = bits
+    mask = (1 << (bits.bitwidth - 1)) - 1
+
+    def impl(bits):
+        return ity(bits & ity(mask))
+
+    return impl
 
 
 @njit(cache=True, nogil=True)
-def _order_key(bits, keymask):  # pragma: no cover - compiled
-    """Signed-integer key of an IEEE 754 bit pattern (given as a signed integer of its
-    width) whose integer order is the numeric order of finite values (IEEE 754-2019
-    section 3.4: sign-magnitude encoding): negative values get their magnitude bits
-    flipped. The map is its own inverse. -0 sorts just below +0."""
-    k = np.int64(bits)
-    return k ^ ((k >> 63) & keymask)
-
-
-@njit(cache=True, nogil=True)
-def _key_to_float(key, keymask, mant_bits, bias):  # pragma: no cover - compiled
+def _key_to_float(key, absmask, mant_bits, bias):  # pragma: no cover - compiled
     """Value (float64, exact) of a finite order key of :func:`_order_key`."""
-    k = _order_key(key, keymask)  # back to the bit pattern (sign-extended)
-    value = _bits_to_float(k & keymask, mant_bits, bias)
-    return -value if k < 0 else value
+    b = np.int64(_order_key(key))  # back to the bit pattern, sign-extended
+    value = _bits_to_float(b & np.int64(absmask), mant_bits, bias)
+    return -value if b < 0 else value
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
@@ -322,34 +445,49 @@ def _cast_like(value, like):  # pragma: no cover - replaced by the overload when
 
 @overload(_cast_like)
 def _cast_like_numba(value, like):  # pragma: no cover - compiled
-    """Compiled :func:`_cast_like`: a cast to the numba type of ``like``, so that keys of
-    float32 bit patterns stay int32 in the loops (8 lanes of an AVX2 integer min / max
-    instead of 4 emulated int64 lanes)."""
+    """Compiled :func:`_cast_like`: a cast to the numba type of ``like`` (the key
+    sentinels of :func:`_weights_into` get the integer type of the keys, so that the
+    running min / max stay int32 for float32 weights)."""
     target = like
     return lambda value, like: target(value)
 
 
 @njit(cache=True, nogil=True)
-def _wkeys(k, keymask, kmin, kmax):  # pragma: no cover - compiled
+def _wkeys(k, kmin, kmax, amin):  # pragma: no cover - compiled
     """Smallest and largest order key (:func:`_order_key`, in the integer type of ``k``)
     of a block without NaN/Inf, starting from ``kmin`` / ``kmax`` (integer min / max, which
-    vectorise where float min / max with NaN semantics do not)."""
+    vectorise where float min / max with NaN semantics do not), and the smallest magnitude
+    bits (:func:`_magnitude`), starting from ``amin``."""
     for j in range(k.size):
-        kk = _cast_like(_order_key(k[j], keymask), kmin)
-        kmin = min(kmin, kk)
-        kmax = max(kmax, kk)
-    return kmin, kmax
+        kk = _order_key(k[j])
+        kmin = kk if kk < kmin else kmin
+        kmax = kk if kk > kmax else kmax
+        a = _magnitude(k[j])
+        amin = a if a < amin else amin
+    return kmin, kmax, amin
 
 
 @njit(cache=True, nogil=True)
-def _wkeys_masked(k, u, expmask, keymask, kmin, kmax):  # pragma: no cover - compiled
-    """:func:`_wkeys` over the finite elements of a block only."""
+def _wkeys_masked(k, u, expmask, kmin, kmax, amin):  # pragma: no cover - compiled
+    """:func:`_wkeys` over the finite elements of a block only (the smallest magnitude
+    over all: a NaN/Inf magnitude is above every finite one)."""
     for j in range(k.size):
         ok = (u[j] & expmask) != expmask
-        kk = _cast_like(_order_key(k[j], keymask), kmin)
+        kk = _order_key(k[j])
         kmin = kk if (ok and kk < kmin) else kmin
         kmax = kk if (ok and kk > kmax) else kmax
-    return kmin, kmax
+        a = _magnitude(k[j])
+        amin = a if a < amin else amin
+    return kmin, kmax, amin
+
+
+@njit(cache=True, nogil=True)
+def _top_magnitude(kmin, kmax, key_max):  # pragma: no cover - compiled
+    """Largest magnitude bits (int64) of the finite values whose order keys
+    (:func:`_order_key`) span ``kmin..kmax``; 0 when there is none (``kmin == key_max``)."""
+    if kmin == key_max:
+        return np.int64(0)
+    return max(np.int64(_magnitude(_order_key(kmin))), np.int64(_magnitude(_order_key(kmax))))
 
 
 @njit(cache=True, nogil=True)
@@ -361,71 +499,83 @@ def _refresh(x, p):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def _weights_into(
-    x, u, k, absmask, expmask, keymask, mant_bits, bias, prev, has_prev, refresh, out,
-    nonfinite, i, counts, lut, hist_min,
+    x, u, k, absmask, expmask, keymask, mant_bits, bias, prev, has_prev, refresh, out, i,
+    counts, tables, lut, hist_min,
 ):  # pragma: no cover - compiled
     """One weight layer in one read of ``x`` (and of ``prev``): per block the vectorised
-    power sums and update sum, redone masked only when they came out non-finite; then,
-    while the block is in L1, the exponent histogram (whose NaN/Inf column tells whether
-    the block's extremes need the masked variant), the extremes and, with ``refresh``, the
-    copy ``prev = float32(x)``. Block sums are added with Neumaier compensation
-    (:func:`_add`)."""
+    power sums and update sum, redone masked only when they came out non-finite (then the
+    block's NaN/Inf weights are counted from the histogram's NaN/Inf key and its extremes
+    take the masked variant); then, while the block is in L1, the exponent histogram, the
+    extremes and, with ``refresh``, the copy ``prev = float32(x)``. Block sums are added
+    with Neumaier compensation (:func:`_add`); the histogram's count tables are folded
+    into ``counts[i]`` at the end (and every FOLD elements)."""
     n = x.size
     acc = np.zeros(5)  # S1..S4, update
     comp = np.zeros(5)
     # Key sentinels in the integer type of k: the largest / smallest integer are the keys
     # of NaN bit patterns, never of a finite weight.
     key_max = _cast_like(keymask, k[0])
-    key_min = ~key_max
+    key_min = _cast_like(~key_max, k[0])  # (~ alone widens an int32 to int64)
     kmin = key_max
     kmax = key_min
-    nbins = counts.shape[1]
-    tables = np.zeros(TABLES * (nbins + 2), dtype=np.int64)
+    tiny_bits = _tiny_bits(mant_bits, bias)
+    layer_low = key_max  # smallest magnitude bits so far
     bad = 0
     for lo in range(0, n, BLOCK):
         hi = min(lo + BLOCK, n)
         sums = _wsums_fast(x[lo:hi], prev[lo:hi], has_prev)
-        if not (math.isfinite(sums[1]) and math.isfinite(sums[4])):
+        finite = math.isfinite(sums[1]) and math.isfinite(sums[4])
+        if not finite:
             # a NaN/Inf weight or difference (or an overflowing float64 square)
             sums = _wsums_masked(x[lo:hi], u[lo:hi], prev[lo:hi], expmask, has_prev)
         for r in range(5):
             acc[r], comp[r] = _add(acc[r], comp[r], sums[r])
-        _block_hist(x[lo:hi], u[lo:hi], absmask, expmask, mant_bits, lut, hist_min, tables)
-        block_bad = _table_column(tables, nbins) - bad
-        bad += block_bad
-        if block_bad == 0:
-            kmin, kmax = _wkeys(k[lo:hi], keymask, kmin, kmax)
+        # A NaN/Inf weight makes S2 non-finite, so a block with finite sums has none; the
+        # others count theirs from the histogram's NaN/Inf key.
+        amin = key_max
+        if finite:
+            kmin, kmax, amin = _wkeys(k[lo:hi], kmin, kmax, amin)
+            _block_hist(x[lo:hi], u[lo:hi], absmask, tables, counts[i], hist_min,
+                        np.int64(amin) < tiny_bits)
         else:
-            kmin, kmax = _wkeys_masked(k[lo:hi], u[lo:hi], expmask, keymask, kmin, kmax)
+            kmin, kmax, amin = _wkeys_masked(k[lo:hi], u[lo:hi], expmask, kmin, kmax, amin)
+            nan_before = _key_count(tables, 255)
+            _block_hist(x[lo:hi], u[lo:hi], absmask, tables, counts[i], hist_min,
+                        np.int64(amin) < tiny_bits)
+            bad += _key_count(tables, 255) - nan_before
+        layer_low = amin if amin < layer_low else layer_low
+        if hi % FOLD == 0:
+            _fold_hist(tables, lut, counts[i], layer_low,
+                       _top_magnitude(kmin, kmax, key_max), absmask)
         if refresh:
             _refresh(x[lo:hi], prev[lo:hi])
     for r in range(5):
         out[r, i] = acc[r] + comp[r] if math.isfinite(acc[r]) else acc[r]
-    out[5, i] = _key_to_float(kmin, keymask, mant_bits, bias) if kmin != key_max else math.inf
-    out[6, i] = _key_to_float(kmax, keymask, mant_bits, bias) if kmax != key_min else -math.inf
-    for c in range(nbins):
-        counts[i, c] = _table_column(tables, c)
-    nonfinite[i] = bad
+    out[5, i] = _key_to_float(kmin, absmask, mant_bits, bias) if kmin != key_max else math.inf
+    out[6, i] = _key_to_float(kmax, absmask, mant_bits, bias) if kmax != key_min else -math.inf
+    _fold_hist(tables, lut, counts[i], layer_low,
+                       _top_magnitude(kmin, kmax, key_max), absmask)
+    out[7, i] = bad
 
 
 @njit(cache=True, nogil=True)
 def weights_f32(
-    x, prev, has_prev, refresh, out, nonfinite, i, counts, lut, hist_min,
+    x, prev, has_prev, refresh, out, i, counts, tables, lut, hist_min,
 ):  # pragma: no cover - compiled
     """Weight statistics of the float32 layer ``x`` into column ``i`` of ``out``."""
     _weights_into(x, x.view(np.uint32), x.view(np.int32), np.uint32(0x7FFFFFFF),
                   np.uint32(0x7F800000), np.int64(0x7FFFFFFF), np.uint32(23), 127, prev,
-                  has_prev, refresh, out, nonfinite, i, counts, lut, hist_min)
+                  has_prev, refresh, out, i, counts, tables, lut, hist_min)
 
 
 @njit(cache=True, nogil=True)
 def weights_f64(
-    x, prev, has_prev, refresh, out, nonfinite, i, counts, lut, hist_min,
+    x, prev, has_prev, refresh, out, i, counts, tables, lut, hist_min,
 ):  # pragma: no cover - compiled
     """Weight statistics of the float64 layer ``x`` into column ``i`` of ``out``."""
     _weights_into(x, x.view(np.uint64), x.view(np.int64), np.uint64(0x7FFFFFFFFFFFFFFF),
                   np.uint64(0x7FF0000000000000), np.int64(0x7FFFFFFFFFFFFFFF),
-                  np.uint64(52), 1023, prev, has_prev, refresh, out, nonfinite, i, counts,
+                  np.uint64(52), 1023, prev, has_prev, refresh, out, i, counts, tables,
                   lut, hist_min)
 
 
@@ -437,12 +587,12 @@ _WEIGHTS_DOC = """
         has_prev: compute the update's sum of squares.
         refresh: overwrite ``prev`` with float32(x) (round to nearest) in the same pass,
             after the update's sums of each block are final.
-        out: float64[7, L]; column i receives, over the finite weights, S1..S4 = sum w^k
+        out: float64[8, L]; column i receives, over the finite weights, S1..S4 = sum w^k
             (float64 accumulation, not saturated: +-inf on overflow), then
             sum (float32(w) - prev)^2 over the finite differences (0 without ``prev``;
             computed in float64, so exact differences of float32 values), then min and max
-            (exact; +inf / -inf when the layer has no finite weight).
-        nonfinite: int64[L]; element i receives the number of NaN/+-Inf weights.
+            (exact; +inf / -inf when the layer has no finite weight), then the number of
+            NaN/+-Inf weights (exact as float64 up to 2^53).
         i: layer index, 0 <= i < L (not checked: the caller guarantees it).
 """
 
@@ -465,8 +615,8 @@ _ARGS_DOC = """
 def summarize_f32(x, out, i):  # pragma: no cover - compiled
     """Summarise the float32 layer ``x`` into column ``i`` of ``out``."""
     _summarize_into(x, x.view(np.uint32), np.uint32(0x7FFFFFFF), np.uint32(0x7F800000),
-                    np.uint32(23), 127, out, i,
-                    np.zeros((0, 1), dtype=np.int64), np.zeros(0, dtype=np.uint16), 0)
+                    np.uint32(23), 127, out, i, np.zeros((0, 1), dtype=np.int64),
+                    np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint16), 0)
 
 
 @njit(cache=True, nogil=True)
@@ -474,30 +624,34 @@ def summarize_f64(x, out, i):  # pragma: no cover - compiled
     """Summarise the float64 layer ``x`` into column ``i`` of ``out``."""
     _summarize_into(x, x.view(np.uint64), np.uint64(0x7FFFFFFFFFFFFFFF),
                     np.uint64(0x7FF0000000000000), np.uint64(52), 1023, out, i,
-                    np.zeros((0, 1), dtype=np.int64), np.zeros(0, dtype=np.uint16), 0)
+                    np.zeros((0, 1), dtype=np.int64), np.zeros(0, dtype=np.int32),
+                    np.zeros(0, dtype=np.uint16), 0)
 
 
 @njit(cache=True, nogil=True)
-def summarize_hist_f32(x, out, i, counts, lut, hist_min):  # pragma: no cover - compiled
+def summarize_hist_f32(x, out, i, counts, tables, lut, hist_min):  # pragma: no cover
     """:func:`summarize_f32` plus the exponent histogram of ``x`` into ``counts[i]``."""
     _summarize_into(x, x.view(np.uint32), np.uint32(0x7FFFFFFF), np.uint32(0x7F800000),
-                    np.uint32(23), 127, out, i, counts, lut, hist_min)
+                    np.uint32(23), 127, out, i, counts, tables, lut, hist_min)
 
 
 @njit(cache=True, nogil=True)
-def summarize_hist_f64(x, out, i, counts, lut, hist_min):  # pragma: no cover - compiled
+def summarize_hist_f64(x, out, i, counts, tables, lut, hist_min):  # pragma: no cover
     """:func:`summarize_f64` plus the exponent histogram of ``x`` into ``counts[i]``."""
     _summarize_into(x, x.view(np.uint64), np.uint64(0x7FFFFFFFFFFFFFFF),
                     np.uint64(0x7FF0000000000000), np.uint64(52), 1023, out, i,
-                    counts, lut, hist_min)
+                    counts, tables, lut, hist_min)
 
 
 _HIST_ARGS_DOC = """
-        counts: int64[L, B]; row i receives the layer's exponent histogram (layout:
-            ``producer.summary.exp_hist_edges``; NaN/Inf not counted).
-        lut: uint16[2^(1 + exponent bits)]: histogram column of ``bits >> significand
-            bits`` (sign and biased exponent field), with B + 1 for a zero field (zero or
-            subnormal, re-binned exactly) and B for the all-ones field (NaN/Inf, dropped).
+        counts: int64[L, B]; the layer's exponent histogram is added to row i (layout:
+            ``producer.summary.exp_hist_edges``; NaN/Inf not counted): pass zeros.
+        tables: int32[TABLES * STRIDE] scratch count tables, all zero; left all zero (one
+            allocation serves every layer of a call).
+        lut: uint16[512], ``schemas.stats.exponent_lut(8, 127)``: the histogram column of
+            each key (sign and binary32 exponent field, :func:`_hist_key`; both dtypes
+            count binary32 keys), with B + 1 for a zero field (zero or subnormal,
+            re-binned exactly) and B for the all-ones field (NaN/Inf, dropped).
         hist_min: EXP_HIST_MIN, the exponent of column 2 (used to bin subnormals).
 """
 

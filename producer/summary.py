@@ -526,8 +526,9 @@ def _summarize_numba(
         f32, f64, extra32, extra64 = kernels.summarize_f32, kernels.summarize_f64, (), ()
     else:
         f32, f64 = kernels.summarize_hist_f32, kernels.summarize_hist_f64
-        extra32 = (counts, _LUT32, EXP_HIST_MIN)
-        extra64 = (counts, _LUT64, EXP_HIST_MIN)
+        # both dtypes count binary32 keys, folded through the binary32 table
+        tables = np.zeros(kernels.TABLES * kernels.STRIDE, np.int32)  # scratch, left zero
+        extra32 = extra64 = (counts, tables, _LUT32, EXP_HIST_MIN)
     # One compiled call per layer, no other per-layer work: numba unboxes an array
     # argument in ~0.1 us, far less than building a numba typed List of the arrays
     # (~1.3 us per array), a reflected list (~7 us) or reading their data pointers (~1 us).

@@ -40,7 +40,7 @@ from types import ModuleType
 import numpy as np
 
 from producer import summary as summary_mod
-from producer.summary import _LUT32, _LUT64, EXP_HIST_BINS, EXP_HIST_MIN, summarize
+from producer.summary import _LUT32, EXP_HIST_BINS, EXP_HIST_MIN, summarize
 from schemas.stats import ExponentHistogram, PowerSums, SumOfSquares, WeightMoments
 
 _MAX_DOUBLE = float(np.finfo(np.float64).max)
@@ -219,27 +219,28 @@ def _summarize_numba(
     refresh: bool,
 ) -> WeightSummaries:
     count = len(weights)
-    out = np.empty((7, count), np.float64)  # S1..S4, update, min, max (see kernels)
-    nonfinite = np.empty(count, np.int64)
-    counts = np.empty((count, EXP_HIST_BINS), np.int64)
+    out = np.empty((8, count), np.float64)  # S1..S4, update, min, max, nonfinite
+    counts = np.zeros((count, EXP_HIST_BINS), np.int64)  # the kernels add to it
+    tables = np.zeros(kernels.TABLES * kernels.STRIDE, np.int32)  # scratch, left zero
     no_prev = np.zeros(0, np.float32)
     as_float_array = summary_mod._as_float_array
-    f32, f64, lut32, lut64 = kernels.weights_f32, kernels.weights_f64, _LUT32, _LUT64
+    f32, f64 = kernels.weights_f32, kernels.weights_f64
     # One compiled call per layer and a few attribute reads, nothing else per layer.
     for i, (name, value) in enumerate(weights.items()):
         arr = as_float_array(name, value)
         dtype = arr.dtype
         if dtype is _F32 or dtype == _F32:
-            kernel, flat, lut = f32, arr.ravel(), lut32
+            kernel, flat = f32, arr.ravel()
         elif dtype == _F64:
-            kernel, flat, lut = f64, arr.ravel(), lut64
+            kernel, flat = f64, arr.ravel()
         else:  # float16 -> float32 is exact (NaN/Inf kept); numba has no float16
-            kernel, flat, lut = f32, arr.astype(_F32).ravel(), lut32
+            kernel, flat = f32, arr.astype(_F32).ravel()
         try:
             kernel(flat, no_prev if kept is None else kept[i], kept is not None, refresh, out,
-                   nonfinite, i, counts, lut, EXP_HIST_MIN)
+                   i, counts, tables, _LUT32, EXP_HIST_MIN)
         except Exception as exc:  # compilation/typing failure: never break training
             raise summary_mod._KernelError(f"{type(exc).__name__}: {exc}") from exc
+    nonfinite = out[7].astype(np.int64)
     finite = counts.sum(axis=1)  # each histogram row counts the layer's finite weights
     numel = finite + nonfinite
     power = PowerSums(finite, out[0], out[1], out[2], out[3], out[5], out[6],

@@ -169,6 +169,29 @@ def test_histogram_of_many_layers_and_dtypes():
         assert s.exp_hist[i].sum() == s.numel[i] - s.nonfinite[i]
 
 
+def test_no_count_carries_over_to_the_next_layer():
+    """The kernels fold only the exponent range a layer spans (and zero the NaN/Inf key):
+    a wide layer with NaN/Inf, zeros and subnormals followed by narrow layers of either
+    sign and dtype must leave nothing behind in the scratch tables."""
+    rng = np.random.default_rng(21)
+    grads = {}
+    for i in range(120):
+        dtype = FLOATS[i % 3]
+        if i % 4 == 0:
+            g = rng.standard_normal(700) * np.exp2(rng.uniform(-160, 130, 700))
+            g[::50] = 0.0
+            g[1::97] = [np.nan, np.inf, -np.inf, 2.0**-140, -(2.0**-149), 1e-320, -0.0, 5.0][
+                (i // 4) % 8]
+        else:
+            g = (rng.standard_normal(int(rng.integers(1, 600))) * 2.0 ** float(i % 7 - 3))
+            g = -np.abs(g) if i % 2 else np.abs(g)
+        with np.errstate(over="ignore", under="ignore"):
+            grads[f"l{i}"] = g.astype(dtype)
+    s = summarize(grads, histogram=True)
+    for i, g in enumerate(grads.values()):
+        np.testing.assert_array_equal(s.exp_hist[i], reference_hist(g), err_msg=f"layer {i}")
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 8])
 def test_counts_merge_exactly_across_ranks(ranks):
     rng = np.random.default_rng(ranks)
