@@ -81,7 +81,10 @@ def test_bert_key_biases_have_no_gradient_by_construction(
             callbacks=[GradstreamCallback(producer, close_producer=True)],
         )
         trainer.train()
-        assert worker.wait_for_runs([run_id], 120), worker.error
+        sent = producer.stats()  # closed by the callback: what it delivered, dropped, failed
+        assert worker.wait_for_runs([run_id], 120), (
+            f"run not finished in the store: worker error {worker.error!r}, worker "
+            f"{worker.counters}, finished {worker.book.is_finished(run_id)}, producer {sent}")
     finally:
         worker.stop()
         thread.join(30)
