@@ -196,6 +196,12 @@ def run_pipeline(settings: object, run_ids: list[str], rows: int, span: Span,
         cursor = cursors[0]
         try:
             while worker.error is None:
+                # Query the store only once the worker has put every row into a batch: a
+                # count every 5 ms through the whole run took ~0.3 µs of CPU per row from
+                # the two cores the worker runs on.
+                if worker.counters.layer_rows < rows:
+                    time.sleep(0.005)
+                    continue
                 stored = cursor.execute("SELECT count(*) FROM layer_stats").fetchone()[0]
                 if stored >= rows and worker.runs_done(run_ids):
                     span.stop()
