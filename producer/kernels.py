@@ -175,8 +175,15 @@ def _add(total, comp, value):  # pragma: no cover - compiled
 
 
 def _hist_key(bits):  # pragma: no cover - replaced by the overload when compiled
-    """Histogram key (0..511) of an IEEE 754 bit pattern: see the compiled overload."""
-    raise NotImplementedError("_hist_key is only defined in compiled code")
+    """Histogram key (0..511) of an IEEE 754 bit pattern given as a NumPy unsigned or
+    signed integer scalar of the format's width: see the compiled overload."""
+    width = np.asarray(bits).dtype.itemsize * 8
+    b = int(bits) & ((1 << width) - 1)
+    if width == 32:
+        return b >> 23
+    e = (b >> 52) & 0x7FF
+    k = 255 if e == 2047 else min(max(e - 896, 0), 254)
+    return ((b >> 63) << 8) | k
 
 
 @overload(_hist_key)
@@ -352,8 +359,12 @@ def _summarize_into(
 
 
 def _order_key(bits):  # pragma: no cover - replaced by the overload when compiled
-    """Order key of an IEEE 754 bit pattern: see the compiled overload."""
-    raise NotImplementedError("_order_key is only defined in compiled code")
+    """Order key of an IEEE 754 bit pattern given as a NumPy signed integer scalar of the
+    format's width (same type returned): see the compiled overload."""
+    ity = np.asarray(bits).dtype.type
+    width = np.dtype(ity).itemsize * 8
+    b = int(bits)
+    return ity(b ^ ((b >> (width - 1)) & ((1 << (width - 1)) - 1)))
 
 
 @overload(_order_key)
@@ -376,8 +387,11 @@ def _order_key_numba(bits):  # pragma: no cover - compiled
 
 
 def _magnitude(bits):  # pragma: no cover - replaced by the overload when compiled
-    """Magnitude bits of an IEEE 754 bit pattern: see the compiled overload."""
-    raise NotImplementedError("_magnitude is only defined in compiled code")
+    """Magnitude bits (sign bit cleared, same type) of an IEEE 754 bit pattern given as a
+    NumPy integer scalar: see the compiled overload."""
+    ity = np.asarray(bits).dtype.type
+    width = np.dtype(ity).itemsize * 8
+    return ity(int(bits) & ((1 << (width - 1)) - 1))
 
 
 @overload(_magnitude)
@@ -527,16 +541,15 @@ def _weights_into(
             acc[r], comp[r] = _add(acc[r], comp[r], sums[r])
         # A NaN/Inf weight makes S2 non-finite, so a block with finite sums has none; the
         # others count theirs from the histogram's NaN/Inf key.
-        amin = key_max
         if finite:
-            kmin, kmax, amin = _wkeys(k[lo:hi], kmin, kmax, amin)
-            _block_hist(x[lo:hi], u[lo:hi], absmask, tables, counts[i], hist_min,
-                        np.int64(amin) < tiny_bits)
+            kmin, kmax, amin = _wkeys(k[lo:hi], kmin, kmax, key_max)
+            nan_before = 0
         else:
-            kmin, kmax, amin = _wkeys_masked(k[lo:hi], u[lo:hi], expmask, kmin, kmax, amin)
+            kmin, kmax, amin = _wkeys_masked(k[lo:hi], u[lo:hi], expmask, kmin, kmax, key_max)
             nan_before = _key_count(tables, 255)
-            _block_hist(x[lo:hi], u[lo:hi], absmask, tables, counts[i], hist_min,
-                        np.int64(amin) < tiny_bits)
+        _block_hist(x[lo:hi], u[lo:hi], absmask, tables, counts[i], hist_min,
+                    np.int64(amin) < tiny_bits)
+        if not finite:
             bad += _key_count(tables, 255) - nan_before
         layer_low = amin if amin < layer_low else layer_low
         if hi % FOLD == 0:
