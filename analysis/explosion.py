@@ -1,10 +1,31 @@
 """Gradient explosion analysis over any step range of a stored run.
 
-Semantics follow trustformers-debug's ``gradient_explosion`` module
-(``WeightAnalyzer::detect_gradient_explosion``). The reference implementation looks at one
-set of gradient tensors; here each layer contributes its largest
+Semantics follow the reference implementation (trustformers-debug, module
+``utilities::weight_analysis``, ``WeightAnalyzer::detect_gradient_explosion``). The
+reference looks at one set of gradient tensors; here each layer contributes its largest
 L2 norm (``grad_norm``) in the range, and everything is two SQL aggregates over
 ``layer_stats`` (per layer, per step): O(rows), run by DuckDB on every core.
+
+Differences from the reference (all listed, with reasons, in
+``analysis/REFERENCE_DIFFERENCES.md``; ``rules="reference"`` restores the ones marked R):
+
+- One snapshot becomes a step range: a layer's norm is its largest ``grad_norm`` in the
+  range, and the layer carries the step counts above the threshold.
+- (R) ``ExplodingLayer.severity``: gradstream grades ``norm / threshold`` (> 10 / 5 / 2,
+  the multiples the reference uses for the overall severity); the reference grades the
+  norm against the mean norm of the layers iterated so far (``norm / (mean + 1e-8)`` >
+  100 / 50 / 10), so a layer's class depends on the layers before it in model order.
+- (R) ``recommended_action``: gradstream advises by severity; the reference by the
+  absolute norm (> 100 / 10 / 5), whatever the threshold.
+- (R) ``mitigation_recommendations``: gradstream's "largest norm" advice fires above
+  10 x threshold and suggests a clip norm measured before the first explosion; the
+  reference's fires at an absolute norm above 100 and suggests a clip below 1.0.
+- NaN/Inf gradients (kept under both rules): a layer with NaN/Inf elements is listed as
+  Critical and makes the run Critical (``grad_norm`` covers the finite elements; the
+  reference's norm would be NaN, which compares false and hides the layer).
+- Default threshold: the run's exploding threshold (the reference has no default).
+- Added fields: ``step``, ``exploding_steps``, ``nonfinite_steps``, ``first_step``,
+  ``first_explosion_step``, ``clip_norm_suggestion``.
 """
 
 from __future__ import annotations
@@ -17,6 +38,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from analysis.analyses.reference import DEFAULT_RULES, Rules
 from analysis.analyses.render import ROWS_IN_TABLE, add_more_row, num, show_name, table
 from analysis.registry import Analysis
 from analysis.store import StoreError, require_run, stats_params
@@ -31,6 +53,9 @@ __all__ = [
     "ExplosionSeverity",
     "GradientExplosionAnalysis",
     "build_explosion_analysis",
+    "classify_severity",
+    "classify_severity_reference",
+    "reference_action",
     "render_explosion",
 ]
 
@@ -62,6 +87,44 @@ def classify_severity(ratio: float, nonfinite: bool) -> ExplosionSeverity:
     return ExplosionSeverity.LOW
 
 
+REFERENCE_EPSILON = 1e-8
+"""Guard added to the mean norm by the reference's severity ratio (``norm / (mean +
+1e-8)``), kept as written under ``rules="reference"``."""
+
+
+def classify_severity_reference(norm: float, mean_so_far: float) -> ExplosionSeverity:
+    """The reference's per-layer severity (``classify_explosion_severity``): ``r = norm /
+    (mean_so_far + 1e-8)``, Critical if r > 100, High if r > 50, Medium if r > 10, Low
+    otherwise.
+
+    Args:
+        norm: the layer's L2 norm.
+        mean_so_far: mean L2 norm of the layers up to and including this one in model
+            order (the reference's running list of norms).
+    """
+    ratio = norm / (mean_so_far + REFERENCE_EPSILON)
+    if ratio > 100:
+        return ExplosionSeverity.CRITICAL
+    if ratio > 50:
+        return ExplosionSeverity.HIGH
+    if ratio > 10:
+        return ExplosionSeverity.MEDIUM
+    return ExplosionSeverity.LOW
+
+
+def reference_action(norm: float) -> str:
+    """The reference's advice by absolute L2 norm (``recommend_explosion_mitigation``):
+    above 100, above 10, above 5, otherwise (gradstream's wording)."""
+    if norm > 100:
+        return ("Critical explosion (norm above 100): lower the learning rate tenfold and "
+                "clip the gradient norm.")
+    if norm > 10:
+        return "Strong explosion (norm above 10): lower the learning rate and clip the norm."
+    if norm > 5:
+        return "Moderate explosion (norm above 5): clip the norm or lower the learning rate."
+    return "Keep watching this layer's gradient norm."
+
+
 class ExplodingLayer(BaseModel):
     """A layer whose gradient norm exceeded the threshold, or held NaN/Inf, in the range.
 
@@ -70,10 +133,12 @@ class ExplodingLayer(BaseModel):
     - ``exploding_steps``: steps with ``grad_norm > threshold``; ``nonfinite_steps``:
       steps with NaN/Inf gradient elements (``grad_norm`` covers the finite ones only);
       ``first_step``: the first step with either.
-    - ``severity``: :func:`classify_severity` of ``gradient_norm / threshold`` (the reference
-      implementation compares with the mean norm of the layers iterated so far, which depends on the
-      iteration order).
-    - ``recommended_action``: advice for that severity.
+    - ``severity``: :func:`classify_severity` of ``gradient_norm / threshold``; with
+      ``rules="reference"``, :func:`classify_severity_reference` against the mean of the
+      peak norms of the layers up to this one in model order (the reference's running mean,
+      which depends on the layer order). NaN/Inf: Critical under both rules.
+    - ``recommended_action``: advice for that severity (``rules="reference"``:
+      :func:`reference_action` of the norm).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -108,7 +173,9 @@ class GradientExplosionAnalysis(BaseModel):
       ``sqrt(sum_l grad_norm^2)`` over the steps before ``first_explosion_step`` (a clip
       value training never needed to exceed while it was healthy); ``None`` without an
       explosion or without earlier steps.
-    - ``mitigation_recommendations``: advice derived from the figures above.
+    - ``mitigation_recommendations``: advice derived from the figures above
+      (``rules="reference"``: the reference's list, by ratio > 0.3 and max norm > 100).
+    - ``rules``: which rules classified the layers (:mod:`analysis.analyses.reference`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -128,6 +195,7 @@ class GradientExplosionAnalysis(BaseModel):
     first_explosion_step: int | None
     clip_norm_suggestion: float | None
     mitigation_recommendations: list[str]
+    rules: Rules = DEFAULT_RULES
 
 
 _LAYERS_SQL = """
@@ -193,6 +261,7 @@ def build_explosion_analysis(
     from_step: int | None = None,
     to_step: int | None = None,
     threshold: float | None = None,
+    rules: Rules = DEFAULT_RULES,
 ) -> GradientExplosionAnalysis:
     """Explosion analysis (``detect_gradient_explosion``) over a step range of a stored run.
 
@@ -201,6 +270,8 @@ def build_explosion_analysis(
         run_id: the run.
         from_step, to_step: inclusive step range (``None`` = open).
         threshold: L2-norm threshold (> 0); ``None`` = the run's exploding threshold.
+        rules: ``"gradstream"`` or ``"reference"`` (per-layer severity, actions and
+            recommendations; see :class:`ExplodingLayer`).
 
     Returns:
         The :class:`GradientExplosionAnalysis`.
@@ -225,16 +296,25 @@ def build_explosion_analysis(
     top, mean, std, steps, first_bad, clip = con.execute(_TOTALS_SQL, params).fetchall()[0]
     exploding = []
     any_nonfinite = False
-    for index, name, peak, peak_step, n_exp, n_nonfinite, first in layers:
+    running = 0.0
+    for k, (index, name, peak, peak_step, n_exp, n_nonfinite, first) in enumerate(layers):
+        running += peak
         if n_exp == 0 and n_nonfinite == 0:
             continue
         any_nonfinite |= n_nonfinite > 0
-        severity = classify_severity(peak / threshold, n_nonfinite > 0)
+        if rules == "reference":
+            severity = (ExplosionSeverity.CRITICAL if n_nonfinite > 0
+                        else classify_severity_reference(peak, running / (k + 1)))
+            action = (_layer_action(severity, True) if n_nonfinite > 0
+                      else reference_action(peak))
+        else:
+            severity = classify_severity(peak / threshold, n_nonfinite > 0)
+            action = _layer_action(severity, n_nonfinite > 0)
         exploding.append(
             ExplodingLayer(
                 layer_index=index, layer_name=name, gradient_norm=peak, step=peak_step,
                 exploding_steps=n_exp, nonfinite_steps=n_nonfinite, first_step=first,
-                severity=severity, recommended_action=_layer_action(severity, n_nonfinite > 0),
+                severity=severity, recommended_action=action,
             )
         )
     ratio = len(exploding) / len(layers)
@@ -261,10 +341,30 @@ def build_explosion_analysis(
         overall_severity=overall,
         first_explosion_step=first_bad,
         clip_norm_suggestion=clip,
-        mitigation_recommendations=_recommendations(
-            ratio, top, threshold, any_nonfinite, first_bad, clip, len(exploding)
+        mitigation_recommendations=(
+            _reference_recommendations(ratio, top) if rules == "reference"
+            else _recommendations(
+                ratio, top, threshold, any_nonfinite, first_bad, clip, len(exploding)
+            )
         ),
+        rules=rules,
     )
+
+
+def _reference_recommendations(ratio: float, top: float) -> list[str]:
+    """The reference's list (``generate_explosion_recommendations``), gradstream's wording:
+    two lines if more than 30 % of the layers explode, two if the largest norm is above
+    100, and always the two monitoring lines."""
+    recs = []
+    if ratio > 0.3:
+        recs += ["Many layers' gradients explode at once.",
+                 "Lower the learning rate substantially."]
+    if top > 100:
+        recs += ["Very large gradient norms (above 100).",
+                 "Clip the gradient norm, at a threshold below 1.0."]
+    recs += ["Keep monitoring the gradient norms during training.",
+             "Consider batch or layer normalisation."]
+    return recs
 
 
 def _recommendations(
@@ -323,6 +423,7 @@ def render_explosion(report: GradientExplosionAnalysis) -> RenderableType:
     grid.add_row("severity", Text(report.overall_severity.value,
                                   style=_SEVERITY_STYLE[report.overall_severity]))
     grid.add_row("threshold (L2 norm)", num(report.threshold))
+    grid.add_row("rules", report.rules)
     grid.add_row("exploding layers", f"{len(report.exploding_layers)} "
                  f"({report.explosion_ratio:.1%} of layers)")
     grid.add_row("layer norms", f"max {num(report.max_gradient_norm)}, mean "
@@ -357,11 +458,14 @@ class ExplosionOptions(BaseModel):
     ``/api/analysis/explosion``).
 
     - ``threshold``: L2-norm threshold (> 0); ``None`` = the run's exploding threshold.
+    - ``rules``: ``"gradstream"`` (default) or ``"reference"``: the reference's per-layer
+      severity, actions and recommendations (:mod:`analysis.analyses.reference`).
     """
 
     model_config = ConfigDict(frozen=True)
 
     threshold: float | None = Field(default=None, gt=0.0)
+    rules: Rules = DEFAULT_RULES
 
 
 def _build(
@@ -372,7 +476,9 @@ def _build(
     options: ExplosionOptions,
 ) -> GradientExplosionAnalysis:
     """:func:`build_explosion_analysis` with ``options``; raises what it raises."""
-    return build_explosion_analysis(con, run_id, from_step, to_step, options.threshold)
+    return build_explosion_analysis(
+        con, run_id, from_step, to_step, options.threshold, options.rules
+    )
 
 
 ANALYSIS = Analysis(

@@ -13,6 +13,8 @@ from analysis.explosion import (
     GradientExplosionAnalysis,
     build_explosion_analysis,
     classify_severity,
+    classify_severity_reference,
+    reference_action,
 )
 from analysis.store import StoreError
 from tests.analysis.crafted import open_read, write_history
@@ -114,3 +116,69 @@ def test_no_explosion(tmp_path: Path) -> None:
     assert report.exploding_layers == [] and report.overall_severity is S.LOW
     assert report.first_explosion_step is None and report.clip_norm_suggestion is None
     assert "nothing to mitigate" in report.mitigation_recommendations[0]
+
+
+# -- the reference's rules (rules="reference"), answers worked out by hand from its formulas
+
+
+@pytest.mark.parametrize(
+    ("norm", "mean", "expected"),
+    [(10.0, 1.0, S.LOW), (10.1, 1.0, S.MEDIUM), (50.0, 1.0, S.MEDIUM), (50.1, 1.0, S.HIGH),
+     (100.0, 1.0, S.HIGH), (100.1, 1.0, S.CRITICAL), (1.0, 0.0, S.CRITICAL)],
+)
+def test_reference_severity_against_the_running_mean(
+    norm: float, mean: float, expected: ExplosionSeverity
+) -> None:
+    """``r = norm / (mean + 1e-8)``: > 10 Medium, > 50 High, > 100 Critical."""
+    assert classify_severity_reference(norm, mean) is expected
+
+
+@pytest.mark.parametrize(
+    ("norm", "words"),
+    [(100.5, "above 100"), (100.0, "above 10"), (10.5, "above 10"), (10.0, "above 5"),
+     (5.5, "above 5"), (5.0, "watching")],
+)
+def test_reference_action_by_absolute_norm(norm: float, words: str) -> None:
+    assert words in reference_action(norm)
+
+
+def test_reference_rules_depend_on_model_order(tmp_path: Path) -> None:
+    """Threshold 10, peaks 1, 1, 30, 1000 in model order. Reference: layer 2 against the
+    running mean (1 + 1 + 30) / 3 = 10.67 -> r = 2.8, Low; layer 3 against 1032 / 4 =
+    258 -> r = 3.9, Low. gradstream: 30 / 10 = 3 -> Medium, 1000 / 10 = 100 -> Critical.
+    The overall severity is the same rule under both (max > 10 x threshold: Critical)."""
+    norms = np.ones((4, 3))
+    norms[2, 1], norms[3, 2] = 30.0, 1000.0
+    path = write_history(tmp_path / "s.duckdb", norms, exploding_threshold=10.0)
+    ours = explosion_of(path)
+    ref = explosion_of(path, rules="reference")
+    assert [x.severity for x in ours.exploding_layers] == [S.MEDIUM, S.CRITICAL]
+    assert [x.severity for x in ref.exploding_layers] == [S.LOW, S.LOW]
+    assert ref.rules == "reference" and ours.rules == "gradstream"
+    assert "above 10" in ref.exploding_layers[0].recommended_action
+    assert "above 100" in ref.exploding_layers[1].recommended_action
+    assert ours.overall_severity is S.CRITICAL and ref.overall_severity is S.CRITICAL
+    # ratio 2/4 = 0.5 > 0.3 and max 1000 > 100: all six reference lines.
+    assert len(ref.mitigation_recommendations) == 6
+    assert "below 1.0" in ref.mitigation_recommendations[3]
+
+
+def test_reference_rules_many_small_layers(tmp_path: Path) -> None:
+    """19 layers at 0.1 and one at 20 (threshold 10): reference r = 20 / (21.9 / 20) =
+    18.3 -> Medium; gradstream 20 / 10 = 2, not above 2 -> Low. Reference
+    recommendations: ratio 0.05, max 20 <= 100: only the two monitoring lines."""
+    norms = np.full((20, 2), 0.1)
+    norms[19, 1] = 20.0
+    path = write_history(tmp_path / "s.duckdb", norms, exploding_threshold=10.0)
+    assert explosion_of(path).exploding_layers[0].severity is S.LOW
+    ref = explosion_of(path, rules="reference")
+    assert ref.exploding_layers[0].severity is S.MEDIUM
+    assert len(ref.mitigation_recommendations) == 2
+
+
+def test_reference_rules_keep_nonfinite_layers_critical(tmp_path: Path) -> None:
+    bad = np.zeros((2, 3), np.int64)
+    bad[1, 2] = 1
+    path = write_history(tmp_path / "s.duckdb", np.ones((2, 3)), nonfinite=bad)
+    (layer,) = explosion_of(path, rules="reference").exploding_layers
+    assert layer.severity is S.CRITICAL and "NaN/Inf" in layer.recommended_action
