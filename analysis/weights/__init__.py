@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from analysis.analyses.reference import DEFAULT_RULES, Rules
 from analysis.analyses.stats import DEFAULT_ALPHA
 from analysis.registry import Analysis
 from analysis.store import require_run, stats_params
@@ -54,6 +55,7 @@ def build_weight_analysis(
     from_step: int | None = None,
     to_step: int | None = None,
     alpha: float = DEFAULT_ALPHA,
+    rules: Rules = DEFAULT_RULES,
 ) -> WeightAnalysisReport:
     """Weight distribution at the last step with weight statistics in the range, and the
     drift since the first such step.
@@ -63,6 +65,9 @@ def build_weight_analysis(
         run_id: the run.
         from_step, to_step: inclusive step range (``None`` = open).
         alpha: significance level of the outlier bound, in (0, 1).
+        rules: ``"gradstream"`` or ``"reference"`` (outliers, extreme values, overall
+            statistics and entropy by the reference's rules; see
+            :mod:`analysis.weights.models`).
 
     Returns:
         The :class:`WeightAnalysisReport`.
@@ -77,7 +82,7 @@ def build_weight_analysis(
     require_weight_columns(con)
     a, b = weight_step_range(con, params)
     last = fetch_step(con, run_id, b)
-    distribution = distribution_at(b, last, alpha)
+    distribution = distribution_at(b, last, alpha, rules)
     drift = (
         drift_between(a, b, fetch_step(con, run_id, a), last, update_paths(con, run_id, a, b))
         if a < b else None
@@ -86,7 +91,7 @@ def build_weight_analysis(
     return WeightAnalysisReport(
         run_id=run_id, from_step=from_step, to_step=to_step, alpha=alpha,
         first_nonfinite_step=nonfinite_step, first_nonfinite_layers=nonfinite_layers,
-        distribution=distribution, drift=drift,
+        distribution=distribution, drift=drift, rules=rules,
     )
 
 
@@ -95,11 +100,15 @@ class WeightOptions(BaseModel):
     ``/api/analysis/weights``).
 
     - ``alpha``: significance level of the outlier bound, in (0, 1).
+    - ``rules``: ``"gradstream"`` (default) or ``"reference"`` (the reference's outlier
+      cut-offs, extreme-value constants, averaged overall statistics and ``log2 std``
+      entropy; :mod:`analysis.analyses.reference`).
     """
 
     model_config = ConfigDict(frozen=True)
 
     alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, lt=1.0)
+    rules: Rules = DEFAULT_RULES
 
 
 def _build(
@@ -110,7 +119,8 @@ def _build(
     options: WeightOptions,
 ) -> WeightAnalysisReport:
     """:func:`build_weight_analysis` with ``options``; raises what it raises."""
-    return build_weight_analysis(con, run_id, from_step, to_step, options.alpha)
+    return build_weight_analysis(con, run_id, from_step, to_step, options.alpha,
+                                 options.rules)
 
 
 ANALYSIS = Analysis(

@@ -6,9 +6,23 @@ Inputs are the :class:`~analysis.weights.load.StepWeights` of
 copy of each tensor (:meth:`~analysis.weights.load.StepWeights.one_copy`) with
 :meth:`schemas.stats.WeightMoments.get` per layer and, for the whole model, from the
 layers merged into one (:meth:`schemas.stats.LayerStatistic.pooled`). Each function is
-O(layers). Scores and thresholds follow trustformers-debug's ``WeightAnalyzer``
-(documented on the report models, :mod:`analysis.weights.models`); the outlier bound is
-the extreme-value bound of :func:`analysis.analyses.stats.max_normal_z`.
+O(layers). Scores and thresholds follow the reference implementation (trustformers-debug,
+``utilities::weight_analysis``, ``WeightAnalyzer``; documented on the report models,
+:mod:`analysis.weights.models`); the outlier bound is the extreme-value bound of
+:func:`analysis.analyses.stats.max_normal_z`.
+
+Differences from the reference (listed with reasons in :mod:`analysis.weights.models` and
+``analysis/REFERENCE_DIFFERENCES.md``; ``rules="reference"`` restores those marked R):
+
+- (R) outliers: the extremes against an extreme-value bound that grows with the layer
+  size, instead of ``|z| > 3`` (Medium) / ``> 5`` (High) for every weight;
+- (R) the health deduction for extreme values: "the layer has an outlier" instead of
+  ``|min|`` or ``|max| > 10`` (pooled: ``> 5``);
+- (R) ``overall_statistics``: the pooled statistics of all weights instead of the
+  average of the per-layer statistics;
+- (R) ``entropy``: the Shannon entropy of the exponent histogram instead of
+  ``max(log2 std, 0)``;
+- NaN/Inf weights score 0 (both rules); the reference's statistics turn NaN.
 """
 
 from __future__ import annotations
@@ -18,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from analysis.analyses.reference import DEFAULT_RULES, Rules
 from analysis.analyses.stats import max_normal_z
 from analysis.weights.models import (
     DistributionHealth,
@@ -28,6 +43,7 @@ from analysis.weights.models import (
     WeightDistributionAnalysis,
     WeightDriftAnalysis,
     WeightDriftSeverity,
+    WeightHealth,
     WeightOutlier,
     WeightStatistics,
 )
@@ -35,13 +51,51 @@ from analysis.weights.models import (
 if TYPE_CHECKING:
     from analysis.weights.load import StepWeights
 
-__all__ = ["FLOAT32_EPSILON", "distribution_at", "drift_between"]
+__all__ = [
+    "FLOAT32_EPSILON",
+    "REFERENCE_EXTREME",
+    "REFERENCE_POOLED_EXTREME",
+    "REFERENCE_Z_HIGH",
+    "REFERENCE_Z_MEDIUM",
+    "distribution_at",
+    "drift_between",
+    "weight_health",
+]
 
 FLOAT32_EPSILON = 2.0**-23
 """Machine epsilon of IEEE 754 binary32: the relative spacing of float32 values at 1."""
 
 
-def _issues(stats: WeightStatistics, outlier: bool) -> tuple[float, list[str], list[str]]:
+REFERENCE_Z_MEDIUM = 3.0
+"""The reference's outlier cut-off ``|z| > 3`` (Medium), used with ``rules="reference"``."""
+REFERENCE_Z_HIGH = 5.0
+"""The reference's ``|z| > 5`` (High), used with ``rules="reference"``."""
+REFERENCE_EXTREME = 10.0
+"""The reference's per-layer extreme-value deduction: ``|min|`` or ``|max| > 10``."""
+REFERENCE_POOLED_EXTREME = 5.0
+"""The reference's distribution-health deduction: pooled ``|min|`` or ``|max| > 5``."""
+
+
+def weight_health(
+    stats: WeightStatistics, outlier: bool, rules: Rules = DEFAULT_RULES
+) -> WeightHealth:
+    """The health of one layer's weights (the reference's ``WeightHealth``: score from
+    ``compute_weight_health_score``, issues from ``identify_weight_issues``,
+    recommendations from ``generate_weight_recommendations``).
+
+    Score 100, minus 20 for extreme values (gradstream: ``outlier``, an extreme beyond the
+    extreme-value bound; ``rules="reference"``: ``|min|`` or ``|max| > 10``), minus 30 if
+    ``zero_fraction > 0.5``, minus 15 if ``|skewness| > 2``, minus 15 if ``kurtosis >
+    10``; at least 0. Any NaN/Inf weight: score 0 with that issue alone (both rules).
+
+    Args:
+        stats: the layer's statistics.
+        outlier: an outlier was found among the layer's extremes (gradstream's rule).
+        rules: ``"gradstream"`` or ``"reference"``.
+
+    Returns:
+        :class:`~analysis.weights.models.WeightHealth`, one recommendation per issue.
+    """
     score, issues, recs = 100.0, [], []
     if stats.nonfinite:
         share = stats.nonfinite / (stats.nonfinite + stats.count)
@@ -49,10 +103,16 @@ def _issues(stats: WeightStatistics, outlier: bool) -> tuple[float, list[str], l
         recs.append("The weights diverged: resume from a checkpoint before the first "
                     "non-finite step with a lower learning rate or gradient clipping, and "
                     "skip optimiser steps whose gradients are not finite.")
-        return 0.0, issues, recs
-    if outlier:
+        return WeightHealth(score=0.0, issues=issues, recommendations=recs)
+    if rules == "reference":
+        extreme = max(abs(stats.min), abs(stats.max)) > REFERENCE_EXTREME
+        what = f"Extreme weight values (|w| above {REFERENCE_EXTREME:g})"
+    else:
+        extreme = outlier
+        what = "Extreme weight values beyond what the layer's distribution explains"
+    if extreme:
         score -= 20
-        issues.append("Extreme weight values beyond what the layer's distribution explains")
+        issues.append(what)
         recs.append("Add weight decay or weight clipping, and check the layer's updates.")
     if stats.zero_fraction > 0.5:
         score -= 30
@@ -67,10 +127,12 @@ def _issues(stats: WeightStatistics, outlier: bool) -> tuple[float, list[str], l
         score -= 15
         issues.append(f"Heavy-tailed weight distribution (excess kurtosis {stats.kurtosis:.2g})")
         recs.append("Watch for gradient instability: a few large weights dominate.")
-    return max(score, 0.0), issues, recs
+    return WeightHealth(score=max(score, 0.0), issues=issues, recommendations=recs)
 
 
-def distribution_at(step: int, data: StepWeights, alpha: float) -> WeightDistributionAnalysis:
+def distribution_at(
+    step: int, data: StepWeights, alpha: float, rules: Rules = DEFAULT_RULES
+) -> WeightDistributionAnalysis:
     """The weight distribution at ``step``: per-layer statistics, health and outliers,
     and the pooled statistics of all the model's weights (one copy of each tensor).
 
@@ -78,6 +140,9 @@ def distribution_at(step: int, data: StepWeights, alpha: float) -> WeightDistrib
         step: the optimiser step the statistics belong to.
         data: :func:`analysis.weights.load.fetch_step` at ``step`` (``L`` layers).
         alpha: significance level of the outlier bound, in (0, 1).
+        rules: ``"gradstream"``, or ``"reference"``: outliers at ``|z| > 3`` / ``> 5``,
+            extremes above 10 (layer) / 5 (pooled), ``overall_statistics`` the average of
+            the layers' statistics and ``entropy = max(log2 std, 0)``.
 
     Returns:
         The :class:`~analysis.weights.models.WeightDistributionAnalysis`. The pooled
@@ -92,6 +157,10 @@ def distribution_at(step: int, data: StepWeights, alpha: float) -> WeightDistrib
     n = per_layer["count"]
     z_layer = max_normal_z(n, alpha)
     z_model = float(max_normal_z(float(n.sum()), alpha))
+    reference = rules == "reference"
+    if reference:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_layer["entropy"] = np.maximum(np.log2(per_layer["std_dev"]), 0.0)
     layers, outliers = [], []
     for i in range(n.size):
         stats = _stats(per_layer, i)
@@ -99,27 +168,37 @@ def distribution_at(step: int, data: StepWeights, alpha: float) -> WeightDistrib
         if stats.std_dev > 0:
             for side, value in (("min", stats.min), ("max", stats.max)):
                 z = abs(value - stats.mean) / stats.std_dev
-                if z > z_layer[i]:
-                    severity = OutlierSeverity.HIGH if z > z_model else OutlierSeverity.MEDIUM
+                if reference:
+                    medium, high = REFERENCE_Z_MEDIUM, REFERENCE_Z_HIGH
+                else:
+                    medium, high = z_layer[i], z_model
+                if z > medium:
+                    severity = OutlierSeverity.HIGH if z > high else OutlierSeverity.MEDIUM
                     found.append(WeightOutlier(
                         layer_index=int(data.layer_index[i]), layer_name=data.name[i],
                         side=side, value=value, z_score=z, severity=severity,
                     ))
         outliers += found
-        score, issues, recs = _issues(stats, bool(found))
+        health = weight_health(stats, bool(found), rules)
         layers.append(LayerWeightAnalysis(
             layer_index=int(data.layer_index[i]), layer_name=data.name[i],
-            statistics=stats, health_score=score, issues=issues, recommendations=recs,
+            statistics=stats, health_score=health.score, issues=health.issues,
+            recommendations=health.recommendations,
         ))
-    pooled = one.pooled().get()
-    if np.isnan(per_layer["entropy"]).any():
-        pooled["entropy"] = np.array([math.nan])
-    overall = _stats(pooled, 0)
+    if reference:
+        overall = _averaged(layers)
+        extreme = max(abs(overall.min), abs(overall.max)) > REFERENCE_POOLED_EXTREME
+    else:
+        pooled = one.pooled().get()
+        if np.isnan(per_layer["entropy"]).any():
+            pooled["entropy"] = np.array([math.nan])
+        overall = _stats(pooled, 0)
+        extreme = bool(outliers)
     score = 100.0
     score -= 25 if overall.zero_fraction > 0.3 else 0
     score -= 15 if abs(overall.skewness) > 1 else 0
     score -= 15 if overall.kurtosis > 5 else 0
-    score -= 20 if outliers else 0
+    score -= 20 if extreme else 0
     score = 0.0 if overall.nonfinite else score
     status = (
         DistributionHealthStatus.EXCELLENT if score >= 90
@@ -132,6 +211,29 @@ def distribution_at(step: int, data: StepWeights, alpha: float) -> WeightDistrib
         step=step, layer_analyses=layers, overall_statistics=overall,
         distribution_health=DistributionHealth(score=score, status=status),
         outlier_detection=outliers,
+    )
+
+
+def _averaged(layers: list[LayerWeightAnalysis]) -> WeightStatistics:
+    """The reference's overall statistics (``WeightStatistics::accumulate`` then
+    ``finalize``): the unweighted mean over layers of mean, std, skewness, kurtosis,
+    entropy and zero fraction; the min of the minima and the max of the maxima, both folded
+    from the reference's zero-initialised accumulator (so the min is at most 0 and the max
+    at least 0, as written there); ``count`` and ``nonfinite`` summed. A layer without an
+    entropy counts as 0."""
+    stats = [x.statistics for x in layers]
+    k = max(len(stats), 1)
+
+    def avg(name: str) -> float:
+        return sum(float(getattr(s, name) or 0.0) for s in stats) / k
+
+    return WeightStatistics(
+        mean=avg("mean"), std_dev=avg("std_dev"), skewness=avg("skewness"),
+        kurtosis=avg("kurtosis"), entropy=avg("entropy"),
+        min=min([0.0, *(s.min for s in stats)]),
+        max=max([0.0, *(s.max for s in stats)]),
+        zero_fraction=avg("zero_fraction"), count=sum(s.count for s in stats),
+        nonfinite=sum(s.nonfinite for s in stats),
     )
 
 

@@ -1,15 +1,45 @@
 """Report models of the weight analysis (:mod:`analysis.weights`): the weight
 distribution at one step and the drift between two steps.
 
-Field names and semantics follow trustformers-debug's ``weight_analysis`` module (the
-``WeightAnalyzer`` reports); the formula of every field is in its class docstring. The
-statistics are computed in :mod:`analysis.weights.compute` from the mergeable weight
-statistics that :mod:`analysis.weights.load` reads (:class:`schemas.stats.WeightMoments`).
+Field names and semantics follow the reference implementation (trustformers-debug,
+``utilities::weight_analysis``, the ``WeightAnalyzer`` reports); the formula of every field
+is in its class docstring. The statistics are computed in :mod:`analysis.weights.compute`
+from the mergeable weight statistics that :mod:`analysis.weights.load` reads
+(:class:`schemas.stats.WeightMoments`).
+
+Differences from the reference (also in ``analysis/REFERENCE_DIFFERENCES.md``; the option
+``rules="reference"`` restores those marked R):
+
+- Inputs: the telemetry carries per-layer power sums, extremes, zero counts and an exponent
+  histogram, not every weight; the statistics are exact, but per-element results (which
+  weight is an outlier: ``weight_index``) are not available.
+- (R) ``WeightOutlier``: a layer's min and max tested against an extreme-value bound that
+  grows with the layer's size (a normal tensor of n weights has a largest ``|z|`` near
+  ``sqrt(2 ln n)``, so ``|z| > 3`` flags about 0.27 % of any healthy tensor); reference:
+  ``|z| > 3`` Medium, ``> 5`` High.
+- (R) health deduction for extreme values: "the layer has an outlier" (scale-free);
+  reference: ``|min|`` or ``|max| > 10`` per layer and ``> 5`` pooled, in weight units.
+- (R) ``overall_statistics``: pooled statistics of all weights (each weight once);
+  reference: the unweighted average of the per-layer statistics.
+- (R) ``entropy``: Shannon entropy (bits) of the exponent histogram; reference:
+  ``max(log2 std, 0)``, a scale, not an entropy.
+- Skewness and kurtosis need no minimum count (the reference returns 0 below 3 and 4
+  weights; with exact power sums a set of 1 or 2 weights has well-defined moments).
+- NaN/Inf weights (both rules): counted in ``nonfinite``, excluded from the statistics,
+  the layer scores 0 and the distribution is Critical; the reference's statistics turn NaN.
+- ``WeightHealth``: declared by the reference and never filled; here it is what
+  :func:`analysis.weights.compute.weight_health` returns, and each
+  :class:`LayerWeightAnalysis` copies its ``health_score``, ``issues`` and
+  ``recommendations`` from it (the reference's flat fields are kept).
+- ``WeightDriftAnalysis``: the reference declares the fields (``mean_drift``,
+  ``max_drift``, ``severity``, ``affected_layers``) but no formula; gradstream's
+  formulas are in the class docstring. ``WeightDriftSeverity`` bands are gradstream's.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -23,6 +53,7 @@ __all__ = [
     "WeightDistributionAnalysis",
     "WeightDriftAnalysis",
     "WeightDriftSeverity",
+    "WeightHealth",
     "WeightOutlier",
     "WeightStatistics",
 ]
@@ -43,7 +74,8 @@ class WeightStatistics(_Model):
     bins (the exponent histogram: one bin per binade [2^k, 2^(k+1)), plus exact zeros,
     underflow and overflow): ``-sum_k p_k log2 p_k``. 0 when every weight lies in one
     binade; each doubling of the number of binades used adds up to one bit. ``None``
-    without a histogram. (The reference's ``log2(std)`` is a scale, not an entropy.)
+    without a histogram. (The reference's ``max(log2 std, 0)`` is a scale, not an
+    entropy; ``rules="reference"`` reports it instead.)
 
     ``nonfinite``: NaN/Inf weights, which none of the other fields include (the
     reference statistics would all be NaN). With no finite weight (``count = 0``) every statistic is
@@ -89,15 +121,26 @@ class WeightOutlier(_Model):
     severity: OutlierSeverity
 
 
+class WeightHealth(_Model):
+    """Health of one layer's weights (the reference's ``WeightHealth``): ``score`` in
+    [0, 100] (100 minus the deductions listed on :class:`LayerWeightAnalysis`),
+    ``issues`` one line per deduction, ``recommendations`` one line per issue."""
+
+    score: float
+    issues: list[str]
+    recommendations: list[str]
+
+
 class LayerWeightAnalysis(_Model):
     """The weight analysis of one layer (``LayerWeightAnalysis``).
 
     ``health_score`` (``compute_weight_health_score``): 100, minus 20 if the
-    layer has an outlier (the reference: ``|min|`` or ``|max| > 10``, a scale-dependent
-    constant), minus 30 if ``zero_fraction > 0.5``, minus 15 if ``|skewness| > 2``, minus
-    15 if ``kurtosis > 10``; at least 0. A layer with any NaN/Inf weight scores 0 (beyond
-    the reference, whose statistics turn NaN there): the layer no longer computes anything.
-    ``issues`` / ``recommendations``: one line per deduction.
+    layer has an outlier (``rules="reference"``: ``|min|`` or ``|max| > 10``, a
+    scale-dependent constant), minus 30 if ``zero_fraction > 0.5``, minus 15 if
+    ``|skewness| > 2``, minus 15 if ``kurtosis > 10``; at least 0. A layer with any NaN/Inf
+    weight scores 0 (beyond the reference, whose statistics turn NaN there): the layer no
+    longer computes anything. ``issues`` / ``recommendations``: one line per deduction.
+    The three fields are the layer's :class:`WeightHealth`.
     """
 
     layer_index: int
@@ -122,8 +165,8 @@ class DistributionHealthStatus(StrEnum):
 class DistributionHealth(_Model):
     """Distribution health (``assess_distribution_health``) of the pooled statistics: 100,
     minus 25 if ``zero_fraction > 0.3``, minus 15 if ``|skewness| > 1``, minus 15 if
-    ``kurtosis > 5``, minus 20 if any layer has an outlier (the reference: pooled ``|min|``
-    or ``|max| > 5``); 0 (Critical) if any weight is NaN/Inf."""
+    ``kurtosis > 5``, minus 20 if any layer has an outlier (``rules="reference"``: the
+    overall ``|min|`` or ``|max| > 5``); 0 (Critical) if any weight is NaN/Inf."""
 
     score: float
     status: DistributionHealthStatus
@@ -133,8 +176,9 @@ class WeightDistributionAnalysis(_Model):
     """Weight distribution of the model (``WeightDistributionAnalysis``) at one step.
 
     ``overall_statistics`` pools the power sums, extremes, zeros and histograms of all
-    layers (the exact statistics of all the model's weights; the reference averages the
-    per-layer statistics, which mixes layers of any size with equal weight).
+    layers (the exact statistics of all the model's weights; the reference, and
+    ``rules="reference"``, averages the per-layer statistics, which mixes layers of any
+    size with equal weight).
     ``layer_analyses`` and ``outlier_detection`` are in model order.
     """
 
@@ -220,7 +264,8 @@ class WeightAnalysisReport(_Model):
     the drift from the first such step to it (``None`` with a single such step).
     ``first_nonfinite_step``: the first step in the range at which some layer had NaN/Inf
     weights (``None`` if none did), with those layers in ``first_nonfinite_layers``
-    (names, model order)."""
+    (names, model order). ``rules``: the rules the distribution was judged by
+    (:mod:`analysis.analyses.reference`)."""
 
     run_id: str
     from_step: int | None
@@ -230,3 +275,4 @@ class WeightAnalysisReport(_Model):
     first_nonfinite_layers: list[str]
     distribution: WeightDistributionAnalysis
     drift: WeightDriftAnalysis | None
+    rules: Literal["gradstream", "reference"] = "gradstream"

@@ -47,6 +47,7 @@ def render_weights(report: WeightAnalysisReport) -> RenderableType:
     status = dist.distribution_health.status
     grid.add_row("distribution health", Text(f"{status.value} ({dist.distribution_health.score:g})",
                                              style=_STATUS_STYLE[status]))
+    grid.add_row("rules", report.rules)
     grid.add_row("all weights", f"mean {num(o.mean)}, std {num(o.std_dev)}, skew "
                  f"{num(o.skewness)}, kurtosis {num(o.kurtosis)}, entropy {num(o.entropy)} bits, "
                  f"range [{num(o.min)}, {num(o.max)}], zeros {_pct(o.zero_fraction)}")

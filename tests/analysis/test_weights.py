@@ -266,3 +266,74 @@ def test_nonfinite_weights_are_critical(tmp_path: Path) -> None:
     assert drift.layer_drifts[1].relative_norm_change is None
     assert drift.severity is WeightDriftSeverity.HIGH and drift.affected_layers == [1]
     assert weights_of(path, to_step=1).first_nonfinite_step is None
+
+
+# -- the reference's rules (rules="reference"), answers worked out by hand from its formulas
+
+
+def test_reference_rules_by_hand(tmp_path: Path) -> None:
+    """One spike among n - 1 zeros has z = sqrt(n - 1), skewness (n - 2) / sqrt(n - 1),
+    excess kurtosis (n^2 - 3n + 3) / (n - 1) - 3.
+
+    A = [0 x 11, 12]: z = sqrt(11) = 3.32 > 3 -> Medium; |max| 12 > 10 (-20), zeros
+    11/12 (-30), skewness 10 / sqrt(11) = 3.02 (-15), kurtosis 111/11 - 3 = 7.1 (no
+    deduction): 35. std sqrt(11): entropy log2 sqrt(11).
+    B = [0 x 26, 1]: z = sqrt(26) = 5.10 > 5 -> High; zeros (-30), skewness 25 / sqrt(26)
+    (-15), kurtosis 651/26 - 3 = 22.0 (-15): 40. std sqrt(26) / 27 < 1: entropy 0.
+    Overall = averages: zeros (11/12 + 26/27) / 2 > 0.3 (-25), skewness > 1 (-15),
+    kurtosis > 5 (-15), max 12 > 5 (-20): 25, Critical.
+    """
+    a = np.r_[np.zeros(11), 12.0]
+    b = np.r_[np.zeros(26), 1.0]
+    path = store(tmp_path, [a, b])
+    ref = weights_of(path, rules="reference")
+    assert ref.rules == "reference"
+    la, lb = ref.distribution.layer_analyses
+    assert [(o.layer_index, o.side, o.severity) for o in ref.distribution.outlier_detection] == [
+        (0, "max", OutlierSeverity.MEDIUM), (1, "max", OutlierSeverity.HIGH)]
+    assert [o.z_score for o in ref.distribution.outlier_detection] == pytest.approx(
+        [math.sqrt(11), math.sqrt(26)])
+    assert la.health_score == 35 and lb.health_score == 40
+    assert la.statistics.entropy == pytest.approx(math.log2(math.sqrt(11)))
+    assert lb.statistics.entropy == 0.0
+    o = ref.distribution.overall_statistics
+    assert o.mean == pytest.approx((1.0 + 1 / 27) / 2)
+    assert o.zero_fraction == pytest.approx((11 / 12 + 26 / 27) / 2)
+    assert o.skewness == pytest.approx((10 / math.sqrt(11) + 25 / math.sqrt(26)) / 2)
+    assert o.kurtosis == pytest.approx((111 / 11 - 3 + 651 / 26 - 3) / 2)
+    assert (o.min, o.max, o.count) == (0.0, 12.0, 39)
+    assert ref.distribution.distribution_health.score == 25
+    assert ref.distribution.distribution_health.status is DistributionHealthStatus.CRITICAL
+    ours = weights_of(path)
+    assert ours.rules == "gradstream"
+    # gradstream's entropy is that of the exponent histogram: A has 11 zeros and one
+    # value in [8, 16).
+    p = 11 / 12
+    assert ours.distribution.layer_analyses[0].statistics.entropy == pytest.approx(
+        -(p * math.log2(p) + (1 - p) * math.log2(1 - p)))
+
+
+def test_reference_overall_extremes_start_from_zero(tmp_path: Path) -> None:
+    """The reference folds min and max from a zero-initialised accumulator: one layer
+    [6, 7] has overall min 0 (pooled: 6) and max 7 > 5 (-20 under the reference)."""
+    path = store(tmp_path, [np.array([6.0, 7.0])])
+    ref = weights_of(path, rules="reference").distribution
+    ours = weights_of(path).distribution
+    assert (ref.overall_statistics.min, ref.overall_statistics.max) == (0.0, 7.0)
+    assert (ours.overall_statistics.min, ours.overall_statistics.max) == (6.0, 7.0)
+    assert ref.distribution_health.score == 80 and ours.distribution_health.score == 100
+
+
+def test_weight_health_is_the_layers_score_issues_and_recommendations() -> None:
+    from analysis.weights import WeightHealth, WeightStatistics
+    from analysis.weights.compute import weight_health
+
+    stats = WeightStatistics(mean=0.0, std_dev=1.0, skewness=0.0, kurtosis=0.0, entropy=1.0,
+                             min=-11.0, max=2.0, zero_fraction=0.6, count=10, nonfinite=0)
+    ref = weight_health(stats, outlier=False, rules="reference")
+    assert isinstance(ref, WeightHealth)
+    assert ref.score == 50 and len(ref.issues) == len(ref.recommendations) == 2
+    ours = weight_health(stats, outlier=False)
+    assert ours.score == 70 and len(ours.issues) == 1
+    bad = stats.model_copy(update={"nonfinite": 1})
+    assert weight_health(bad, outlier=False, rules="reference").score == 0
