@@ -79,15 +79,19 @@ def build_store(path: Path, layers: int, steps: int, console: Console) -> None:
     try:
         for ddl in SCHEMA_DDL:
             con.execute(ddl)
+        # Every insert names its columns (BY NAME): a column the schema gains later is
+        # NULL or its default here instead of breaking the positional order.
         con.execute(
-            "INSERT INTO runs (run_id, world_size, num_layers, vanishing_threshold, "
-            "exploding_threshold, host, start_time) VALUES (?, 1, ?, 1e-7, 1e3, 'bench', 0)",
+            "INSERT INTO runs BY NAME SELECT ? AS run_id, 1 AS world_size, ? AS num_layers, "
+            "1e-7 AS vanishing_threshold, 1e3 AS exploding_threshold, 'bench' AS host, "
+            "0.0 AS start_time",
             [RUN, layers],
         )
         con.execute(
-            "INSERT INTO layers SELECT ?, i, 'blocks.' || (i // 2) || "
-            "CASE WHEN i % 2 = 0 THEN '.weight' ELSE '.bias' END, "
-            "CASE WHEN i % 2 = 0 THEN 4096 ELSE 64 END FROM range(?) t(i)",
+            "INSERT INTO layers BY NAME SELECT ? AS run_id, i AS layer_index, "
+            "'blocks.' || (i // 2) || CASE WHEN i % 2 = 0 THEN '.weight' ELSE '.bias' END "
+            "AS name, CASE WHEN i % 2 = 0 THEN 4096 ELSE 64 END AS numel, "
+            "'float32' AS dtype FROM range(?) t(i)",
             [RUN, layers],
         )
         con.execute("SELECT setseed(0.25)")
@@ -177,7 +181,10 @@ def slope(sizes: list[int], seconds: list[float]) -> float:
     return float(np.polyfit(np.log(sizes), np.log(seconds), 1)[0])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Build (or reuse) the store, time every analysis and print the tables and the last
+    ``enhanced_analysis_s=X rows=N`` line; ``argv`` as on the command line (default
+    ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=10_000)
@@ -192,7 +199,7 @@ def main() -> None:
                         help="store file (default: a temporary file, deleted at the end)")
     parser.add_argument("--keep", action="store_true",
                         help="reuse --db if it already holds the history; keep it afterwards")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.steps, args.slices = 200, 2000, [25, 50, 100]
     console = Console(highlight=False)

@@ -19,8 +19,11 @@ differ only in what watches the gradients:
   read pass, one small copy that waits for the device);
 * ``tap``: ``GradientTap`` in full mode (sum |g|, sum g^2, max |g| and the NaN/Inf count
   per parameter: three batched reductions, ord 1, 2 and inf, float32 accumulation, one
-  stacked device->host copy) feeding a ``GradientProducer`` pointed at an unreachable
-  broker (127.0.0.1:9: its sender thread cannot connect and its bounded queue drops);
+  stacked device->host copy) feeding a ``GradientProducer`` with its default settings that
+  sends to a live broker (``--bootstrap-servers``, else ``KAFKA_BOOTSTRAP_SERVERS``, else a
+  temporary :class:`deploy.broker.LocalBroker`, which needs Java and the Kafka jars; see
+  ``bench/live_broker.py``): its sender thread encodes and sends every step while training
+  goes on, as in a real run;
 * ``tap-norms``: the same in the producer's norms mode (sum g^2 and the NaN/Inf count:
   one batched reduction, the floor's work plus the tap's bookkeeping);
 * ``wandb``: ``wandb.watch(model, log="gradients", log_freq=1)`` with ``wandb.init(mode=
@@ -35,7 +38,9 @@ steps each per round, in a rotating order over ``--rounds`` rounds, after a warm
 Printed per variant: median step time, overhead over ``none`` (ms and % of the step) and
 the median time in the hook; then ``tap`` / ``floor`` on the in-hook time. The last line is
 ``gpu_tap_overhead_pct=X.XX tap_ratio_to_foreach_norm_floor=X.XX`` (the ``tap`` variant's
-step-time overhead in % of the ``none`` step, and its in-hook time over the floor's).
+step-time overhead in % of the ``none`` step, and its in-hook time over the floor's); the
+line before it says what each producer delivered (exit status 1 when a message was
+dropped or failed).
 
 Without CUDA the script exits with status 2 and says so, unless run as the CPU smoke test
 ``--device cpu --tiny`` (a tiny model; the tap runs its accelerator code path on the CPU,
@@ -46,6 +51,7 @@ Usage (from the repository root)::
     python bench/gpu_overhead.py                        # one CUDA GPU, ~80 GB
     python bench/gpu_overhead.py --batch 4 --rounds 4   # less memory, shorter
     python bench/gpu_overhead.py --device cpu --tiny    # smoke test of the script, no GPU
+    python bench/gpu_overhead.py --bootstrap-servers host:9092
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import platform
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +75,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.live_broker import live_broker  # noqa: E402
 from bench.tap_overhead import GPT  # noqa: E402
 from producer import GradientProducer  # noqa: E402
 from producer.adapters.torch import GradientTap  # noqa: E402
@@ -129,7 +137,8 @@ def _wandb_variant(model: nn.Module) -> tuple[Callable[[], None], Callable[[], N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; returns the exit status (2 when CUDA is missing)."""
+    """Run the benchmark; returns the exit status (2 when CUDA is missing, 1 when a producer
+    did not deliver every message)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true",
@@ -142,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
+    parser.add_argument("--bootstrap-servers", default=None, metavar="HOST:PORT",
+                        help="Kafka the producers send to (default: KAFKA_BOOTSTRAP_SERVERS, "
+                        "else a temporary local broker started for the run)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_overhead: CUDA is not available, nothing measured (this benchmark needs "
@@ -157,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(1)  # a smoke test: no wait for a second busy core
     logging.getLogger("gradstream").setLevel(logging.ERROR)
     logging.getLogger("kafka").setLevel(logging.CRITICAL)
+    with live_broker(args.bootstrap_servers) as bootstrap:
+        return _run(args, bootstrap)
+
+
+def _run(args: argparse.Namespace, bootstrap: str) -> int:
+    """The measurement of :func:`main` (arguments checked) with the producers sending to
+    ``bootstrap``."""
     device = torch.device(args.device)
     dtype = torch.bfloat16
 
@@ -166,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     gen = torch.Generator(device=device).manual_seed(1)
     emulate = device.type == "cpu"
-    full = GradientProducer("bench-gpu-overhead", bootstrap_servers="127.0.0.1:9",
-                            topic="gradstream.bench", queue_size=4)
-    norms = GradientProducer("bench-gpu-overhead-norms", bootstrap_servers="127.0.0.1:9",
-                             topic="gradstream.bench", queue_size=4, mode="norms")
+    run = f"bench-gpu-overhead-{uuid.uuid4().hex[:8]}"
+    full = GradientProducer(run, bootstrap_servers=bootstrap, topic="gradstream.bench.tap")
+    norms = GradientProducer(f"{run}-norms", bootstrap_servers=bootstrap,
+                             topic="gradstream.bench.tap", mode="norms")
     tap = GradientTap(model, full, emulate_device=emulate)
     tap_norms = GradientTap(model, norms, emulate_device=emulate)
     tap.start_run()
@@ -238,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             run_slot(name, args.steps)
-    full.close(timeout=0.1)
-    norms.close(timeout=0.1)
+    delivered = {name: (p.finish_run(timeout=60), p.close(timeout=10))
+                 for name, p in (("tap", full), ("tap-norms", norms))}
 
     numel = sum(p.numel() for p in params)
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -261,8 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     ratio = inside["tap"] / inside["floor"] if inside["floor"] > 0 else math.nan
     norms_ratio = inside["tap-norms"] / inside["floor"] if inside["floor"] > 0 else math.nan
     print(f"tap-norms / floor, in-hook time: {norms_ratio:.2f}")
+    print(f"producers -> {bootstrap}: " + "; ".join(
+        f"{name}: {st.recorded} step summaries recorded, {st.sent} messages acknowledged, "
+        f"{st.dropped} dropped, {st.failed} failed" for name, (_, st) in delivered.items()))
     print(f"gpu_tap_overhead_pct={100 * extra['tap'] / base:.2f} "
           f"tap_ratio_to_foreach_norm_floor={ratio:.2f}")
+    if not all(ok and not st.dropped and not st.failed for ok, st in delivered.values()):
+        print(f"gpu_overhead: a producer did not deliver every message to {bootstrap}: the "
+              "figures do not include the sender's full work", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -2,7 +2,8 @@
 
 1. **Produce.** ``--ranks`` producer processes (one per rank of each of ``--runs`` runs)
    send RunStarted, ``--steps`` StepSummary messages and RunFinished through the producer
-   SDK (``GradientProducer.record_summaries``: JSON, zstd, acks=all, idempotent) to a fresh
+   SDK (``GradientProducer.record_summaries``: its default binary wire, zstd, acks=all,
+   idempotent) to a fresh
    topic on a real broker (``KAFKA_BOOTSTRAP_SERVERS``, else a temporary
    :class:`deploy.broker.LocalBroker` on this machine). By default the ranks shard the
    model (FSDP-style: rank r reports its ``--layers`` layers of a ``ranks x layers`` model),
@@ -435,16 +436,18 @@ class Shape:
 def shapes(args: argparse.Namespace) -> dict[str, Shape]:
     """The cases ``--shapes`` picks from: ``default`` (the command-line shape) and three
     fixed ones sized to run in about half a minute each on a 2-core machine:
-    ``sharded64`` (64 ranks, each a disjoint 16-layer shard of a 1024-layer model),
-    ``replicated64`` (64 ranks each reporting all 1000 layers, merged: 64 message rows per
-    stored row), ``runs20`` (20 concurrent 2-rank runs of 2 x 1000 layers, interleaved on
-    one partition)."""
+    ``sharded64`` (64 ranks, each a disjoint 16-layer shard of a 1024-layer model, 200
+    steps), ``replicated64`` (64 ranks each reporting all 1000 layers, merged: 64 message
+    rows per stored row, 40 steps), ``runs20`` (20 concurrent 2-rank runs of 2 x 1000
+    layers, interleaved on one partition, 30 steps). ``args.fixed_steps``, when set,
+    replaces the fixed shapes' step counts (the smoke test runs them at 2 steps)."""
+    fixed = args.fixed_steps
     return {
         "default": Shape("default", args.runs, args.ranks, args.layers, args.steps,
                          args.replicated),
-        "sharded64": Shape("sharded64", 1, 64, 16, 200, False),
-        "replicated64": Shape("replicated64", 1, 64, 1000, 40, True),
-        "runs20": Shape("runs20", 20, 2, 1000, 30, False),
+        "sharded64": Shape("sharded64", 1, 64, 16, fixed or 200, False),
+        "replicated64": Shape("replicated64", 1, 64, 1000, fixed or 40, True),
+        "runs20": Shape("runs20", 20, 2, 1000, fixed or 30, False),
     }
 
 
@@ -454,7 +457,8 @@ def insert_cost(rows: int, layers: int = 1000, batch_frames: int = 100) -> dict[
     batches of ``batch_frames`` frames of ``layers`` layers, into a new store and into one
     whose ``layer_stats`` carries the primary key (run_id, step, layer_index) that stores
     created before had; batches alternate between the two, so that both see the same
-    machine load."""
+    machine load. Fewer rows than one batch make one batch of ``rows // layers`` frames
+    (at least one)."""
     import duckdb
 
     from consumer.frames import MergedShards, compute_frame
@@ -484,6 +488,7 @@ def insert_cost(rows: int, layers: int = 1000, batch_frames: int = 100) -> dict[
                 con.close()
             sinks[label] = DuckDBSink(path, write_behind=False)
             sinks[label].write(SinkBatch(runs_started=[start]), "g")
+        batch_frames = min(batch_frames, max(1, rows // layers))
         batches = max(1, rows // (layers * batch_frames))
         for b in range(batches):
             batch = SinkBatch()
@@ -571,7 +576,9 @@ def run_shape(settings_args: dict[str, object], shape: Shape, broker_pid: int | 
     return pipeline_rate, pipeline_rate / floor_rate
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Run the cases ``--shapes`` names and print their figures; ``argv`` as on the command
+    line (default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000, help="steps per run (default 1000)")
     parser.add_argument("--layers", type=int, default=1000,
@@ -591,7 +598,12 @@ def main() -> None:
     parser.add_argument("--profile", metavar="FILE.html",
                         help="profile the worker of the default case with pyinstrument, "
                         "HTML written here")
-    args = parser.parse_args()
+    parser.add_argument("--fixed-steps", type=int, default=None, metavar="N",
+                        help="steps of the fixed shapes sharded64, replicated64 and runs20 "
+                        "(default: 200, 40 and 30)")
+    parser.add_argument("--insert-rows", type=int, default=300_000, metavar="N",
+                        help="layer-rows of the insert micro-benchmark (default 300000)")
+    args = parser.parse_args(argv)
     cases = shapes(args)
     names = (["insert", *[n for n in cases if n != "default"], "default"]
              if args.shapes == "all" else args.shapes.split(","))
@@ -605,11 +617,11 @@ def main() -> None:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     try:
         if "insert" in names:
-            cost = insert_cost(300_000)
+            cost = insert_cost(args.insert_rows)
             print(f"insert: {cost['no key']:.2f} µs CPU/layer-row into layer_stats without "
                   f"a key, {cost['primary key']:.2f} with the old primary key (ratio "
-                  f"{cost['primary key'] / cost['no key']:.2f}; 300k rows, 100-frame "
-                  "transactions, alternating)")
+                  f"{cost['primary key'] / cost['no key']:.2f}; {args.insert_rows:,} rows, "
+                  "transactions of up to 100 frames, alternating)")
         if set(names) - {"insert"} and not bootstrap:
             from deploy.broker import LocalBroker
 

@@ -1,5 +1,7 @@
-"""bench/gpu_overhead.py: its CPU smoke mode runs every variant end to end and prints the
-figures it would print on a GPU; without CUDA it refuses to measure."""
+"""bench/gpu_overhead.py: its CPU smoke mode runs every variant end to end against the real
+broker and prints the figures it would print on a GPU; without CUDA it refuses to measure.
+
+torch is installed by ``make test`` (requirements-frameworks.txt): a missing torch fails."""
 
 from __future__ import annotations
 
@@ -7,10 +9,9 @@ import re
 from collections.abc import Iterator
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from bench import gpu_overhead  # noqa: E402 - after the importorskip
+from bench import gpu_overhead
 
 
 @pytest.fixture
@@ -22,9 +23,10 @@ def torch_threads() -> Iterator[None]:
 
 
 def test_cpu_tiny_smoke_mode_prints_every_variant_and_the_summary_line(
-    capsys: pytest.CaptureFixture[str], torch_threads: None,
+    capsys: pytest.CaptureFixture[str], torch_threads: None, kafka_bootstrap: str,
 ) -> None:
-    assert gpu_overhead.main(["--device", "cpu", "--tiny"]) == 0
+    assert gpu_overhead.main(["--device", "cpu", "--tiny",
+                              "--bootstrap-servers", kafka_bootstrap]) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     assert "CPU smoke test" in out
@@ -37,6 +39,13 @@ def test_cpu_tiny_smoke_mode_prints_every_variant_and_the_summary_line(
         assert step_ms > 0 and in_hook_ms >= 0 and host_ms >= 0, name
     assert rows["tap"][3] > 0 and rows["floor"][3] > 0
     assert "wandb" in rows or "wandb is not installed" in out
+    # Both producers sent every tap step to the broker: RunStarted + steps + RunFinished.
+    delivered = re.findall(r"(tap(?:-norms)?): (\d+) step summaries recorded, (\d+) messages "
+                           r"acknowledged, (\d+) dropped, (\d+) failed", out)
+    assert [d[0] for d in delivered] == ["tap", "tap-norms"], out
+    for _, recorded, sent, dropped, failed in delivered:
+        assert int(recorded) > 0 and int(sent) == int(recorded) + 2
+        assert int(dropped) == int(failed) == 0
     last = re.fullmatch(
         r"gpu_tap_overhead_pct=(-?\d+\.\d\d) tap_ratio_to_foreach_norm_floor=(\d+\.\d\d)",
         lines[-1],
