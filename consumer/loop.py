@@ -39,6 +39,16 @@ partitions are revoked and at stop:
 On assignment (step 0 of the next cycle) each partition is sought to the offset the
 output stored, so rows are written exactly once whatever crashes; an output that stores
 none (the frames topic) leaves the consumer at the group's committed offsets.
+
+Stall watchdog (:mod:`consumer.stall`, ``stall_timeout_s``): at most every
+``stall_timeout_s / 4`` the loop reads the end offset of every assigned partition; a
+partition with records to read whose position has not moved for ``stall_timeout_s`` is
+logged, counted (``gradstream_consumer_stalls_total``) and recovered: first re-sought to
+its own position (the offset after the last record the loop handled) and resumed; if it
+still does not move within ``stall_timeout_s``, the Kafka consumer is re-created: the batch
+is written (steps 1-6, settled), the partitions are given up as in a rebalance, the
+consumer is closed and a new one assigned or subscribed, which seeks to the stored offsets
+as on any assignment. Either way no record is skipped or stored twice.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from consumer.dlq import DeadLetterQueue
 from consumer.metrics import WorkerMetrics
 from consumer.runbook import RunBook
 from consumer.sink import SinkBatch
+from consumer.stall import Stall, StallWatchdog
 from consumer.topic_admin import ensure_topics, subscribe_with_metadata
 
 if TYPE_CHECKING:
@@ -136,7 +147,8 @@ class ConsumerLoop(ABC):
     for a group), and implement :meth:`open_output`,
     :meth:`topics` and :meth:`handle`; the other hooks are optional.
 
-    ``run()`` blocks until ``stop()``; ``error`` holds what ended it abnormally.
+    ``run()`` blocks until ``stop()``; ``error`` holds what ended it abnormally. The stall
+    watchdog (:attr:`watchdog`) reads ``settings.stall_timeout_s``.
     """
 
     join_group = True
@@ -149,6 +161,7 @@ class ConsumerLoop(ABC):
         self.book = RunBook(settings.max_frames)
         self.counters = self.Counters()
         self.metrics = WorkerMetrics(self.pending_count)
+        self.watchdog = StallWatchdog(settings.stall_timeout_s)
         self.error: BaseException | None = None
         self.output: FrameOutput | None = None
         self.dlq = DeadLetterQueue(settings.dlq_topic, None)
@@ -273,10 +286,21 @@ class ConsumerLoop(ABC):
             kafka.errors.KafkaError: the cluster cannot be reached.
             TimeoutError: a topic has no partition in the metadata after 60 s.
         """
+        s = self.settings
+        ensure_topics(s, [*self.topics(), s.dlq_topic])
+        self._open_consumer()
+
+    def _open_consumer(self) -> None:
+        """Create the Kafka consumer and join the group, or assign every partition (and
+        seek them, :meth:`on_assigned`).
+
+        Raises:
+            kafka.errors.KafkaError: the cluster cannot be reached.
+            TimeoutError: a topic has no partition in the metadata after 60 s.
+        """
         from kafka import KafkaConsumer
 
         s = self.settings
-        ensure_topics(s, [*self.topics(), s.dlq_topic])
         kwargs: dict[str, Any] = dict(
             **s.kafka_kwargs(), enable_auto_commit=False, auto_offset_reset="earliest",
             max_poll_records=s.max_poll_records,
@@ -320,6 +344,8 @@ class ConsumerLoop(ABC):
                     self._acknowledge(blocking=True, wait=False)                   # 5
                 if not self._resumed and not records:
                     self._log_resumed(self._caught_up(), "nothing left to read")
+            if self.watchdog.due(time.monotonic()):
+                self._watch()
 
     def _close(self) -> None:
         """Close everything opened, in reverse order, each even if another fails."""
@@ -440,6 +466,95 @@ class ConsumerLoop(ABC):
                 and self._consumer.position(tp, timeout_ms=100) >= end for tp in assigned)
         except Exception:  # e.g. a position not known yet: not caught up
             return False
+
+    # -- stalls --------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """One stall check (:mod:`consumer.stall`): read every assigned partition's position
+        and end offset, then act on the stalls found. Called on the loop's thread without
+        the lock (closing a group consumer runs the revocation callback on kafka-python's
+        network thread, which takes it). A check that cannot read the figures (broker
+        restarting) is skipped; the watchdog never stops the loop."""
+        consumer = self._consumer
+        timeout_ms = int(min(max(self.watchdog.interval_s, 0.1), 2.0) * 1000)
+        try:
+            assigned = list(consumer.assignment() or ())
+            ends = consumer.end_offsets(assigned, timeout_ms=timeout_ms) if assigned else {}
+            positions = {(tp.topic, tp.partition): consumer.position(tp, timeout_ms=timeout_ms)
+                         for tp in assigned}
+        except Exception as exc:
+            log.debug("stall check skipped: %s", exc)
+            return
+        stalls, recovered = self.watchdog.observe(
+            time.monotonic(), positions,
+            {(tp.topic, tp.partition): end for tp, end in ends.items()})
+        for r in recovered:
+            log.info("partition %s[%d] moves again, %.1f s after it stalled (recovered by %s)",
+                     r.topic, r.partition, r.seconds, r.action)
+        if not stalls:
+            return
+        for stall in stalls:
+            log.warning(
+                "stalled partition %s[%d]: position %d, end offset %d (%d records waiting), "
+                "no progress for %.1f s; %s", stall.topic, stall.partition, stall.position,
+                stall.end_offset, stall.end_offset - stall.position, stall.seconds,
+                "re-seeking it to its position" if stall.action == "seek"
+                else "a re-seek did not help: re-creating the Kafka consumer")
+            if stall.action == "seek":
+                self.metrics.stall(stall.topic, stall.partition)
+        if any(stall.action == "recreate" for stall in stalls):
+            self._recreate_consumer()
+        else:
+            self._reseek(stalls)
+
+    def _reseek(self, stalls: list[Stall]) -> None:
+        """Seek each stalled partition to the offset after the last record the loop handled
+        (else where the consumer stands), and resume it if paused (the loop never pauses
+        a partition)."""
+        from kafka import TopicPartition
+
+        with self._lock:
+            paused = set(self._consumer.paused())
+            for stall in stalls:
+                tp = TopicPartition(stall.topic, stall.partition)
+                key = (stall.topic, stall.partition)
+                try:
+                    self._consumer.seek(tp, self._positions.get(key, stall.position))
+                    if tp in paused:
+                        self._consumer.resume(tp)
+                except ValueError as exc:  # revoked meanwhile
+                    log.info("stalled partition %s[%d] not re-sought: %s", stall.topic,
+                             stall.partition, exc)
+                    continue
+                self.metrics.stall_recovery("seek")
+
+    def _recreate_consumer(self) -> None:
+        """Replace the Kafka consumer: write and settle the batch (the frames topic's
+        offsets committed synchronously), give up every partition as in a rebalance
+        (pending frames are forgotten, rebuilt from the stored offsets), close the
+        consumer and open a new one, sought to the stored offsets on assignment.
+
+        Raises:
+            kafka.errors.KafkaError / TimeoutError: the new consumer cannot be created
+                (the loop stops with the error, as at start-up).
+            duckdb.Error: the write failed.
+        """
+        old = self._consumer
+        with self._lock:
+            self.flush(settle=True)
+            assigned = list(old.assignment() or ())
+            self.on_revoked(assigned)
+        try:  # a group consumer calls on_revoked again (nothing left to write)
+            old.close(autocommit=False)
+        except Exception as exc:
+            log.warning("closing the stalled Kafka consumer failed: %s", exc)
+        self._consumer = None
+        self.watchdog.reset()
+        self._open_consumer()
+        self.metrics.stall_recovery("recreate")
+        log.warning("Kafka consumer re-created; %s",
+                    f"re-joining group {self.settings.group_id}" if self.join_group
+                    else "partitions re-assigned")
 
     # -- partitions ----------------------------------------------------------------------
 

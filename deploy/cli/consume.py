@@ -42,6 +42,7 @@ from deploy.cli.options import (
     ReadPortOption,
     RunsTopicOption,
     ShardTimeoutOption,
+    StallTimeoutOption,
     SummariesTopicOption,
     WebhookOption,
     WriteDbOption,
@@ -114,6 +115,7 @@ class WorkerOptions(OptionGroup):
     alert_set: AlertSetOption = None
     webhook: WebhookOption = None
     metrics_port: MetricsPortOption = None
+    stall_timeout: StallTimeoutOption = None
 
     def settings(self, **more: Any) -> ConsumerSettings:
         """The worker's settings: the options given here and in ``more`` (settings fields),
@@ -129,7 +131,8 @@ class WorkerOptions(OptionGroup):
             max_frames=self.max_frames,
             partitions=self.partitions, alerts_topic=self.alerts_topic,
             alert_rules=self.alert_rules, alert_set=self.alert_set or None,
-            webhook_url=self.webhook, metrics_port=self.metrics_port, **more,
+            webhook_url=self.webhook, metrics_port=self.metrics_port,
+            stall_timeout_s=self.stall_timeout, **more,
         ))
         try:
             load_alert_rules(settings.alert_rules, settings.alert_set)
@@ -201,6 +204,7 @@ def store(
     alerts_topic: AlertsTopicOption = None,
     max_frames: MaxFramesOption = None,
     metrics_port: MetricsPortOption = None,
+    stall_timeout: StallTimeoutOption = None,
     read: ReadOptions,
     logs: LoggingOptions,
 ) -> None:
@@ -218,7 +222,7 @@ def store(
     settings = StoreSettings(**given(
         bootstrap_servers=bootstrap_servers, db=db, frames_topic=frames_topic,
         group_id=group_id, alerts_topic=alerts_topic, max_frames=max_frames,
-        metrics_port=metrics_port,
+        metrics_port=metrics_port, stall_timeout_s=stall_timeout,
     ))
     served = ServedLoop(functools.partial(Store, settings), settings.db, read.options(),
                         "store")

@@ -57,6 +57,7 @@ __all__ = [
     "RunOption",
     "RunsTopicOption",
     "ShardTimeoutOption",
+    "StallTimeoutOption",
     "SummariesTopicOption",
     "ToStepOption",
     "WebhookOption",
@@ -167,6 +168,15 @@ MetricsPortOption = Annotated[
     typer.Option("--metrics-port", min=0, max=65535, metavar="PORT",
                  help="Serve Prometheus metrics on http://0.0.0.0:PORT/metrics; 0 = off. "
                  "Default: $GRADSTREAM_METRICS_PORT or off."),
+]
+
+StallTimeoutOption = Annotated[
+    float | None,
+    typer.Option("--stall-timeout", min=0, metavar="SECONDS",
+                 help="Seconds a partition with records to read may keep its position "
+                 "before it counts as stalled: logged, counted, re-sought, then (still "
+                 "stalled as long again) read by a new Kafka consumer; nothing lost or "
+                 "stored twice. 0 = off. Default: $GRADSTREAM_STALL_TIMEOUT_S or 30."),
 ]
 
 # --------------------------------------------------------------------------- reads while writing
