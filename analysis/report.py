@@ -5,10 +5,18 @@ reference implementation keeps frames in memory and rescans them; here every fig
 SQL aggregate over ``layer_stats`` (O(layers x steps), done by DuckDB), plus ``frames`` for
 the partial-frame count and ``runs`` for the run's shape.
 
-Layers with no gradient by construction (zero up to floating-point rounding in every frame
-from their first on, ``schemas.rounding``; e.g. the key bias of softmax attention) are
-listed apart and count neither as vanishing layers nor in ``issue_frames`` nor in the
-health, the same rule as the consumer's incremental :mod:`consumer.health`.
+Every layer counts, as in the reference implementation: a layer whose mean |g| stays below
+the vanishing threshold is a vanishing layer and its frames are issue frames, whatever its
+magnitude. Layers at floating-point rounding level in every frame from their first on
+(``schemas.rounding``; e.g. the key bias of softmax attention, whose gradient is zero by
+construction) are reported as a *finding* besides: it explains the vanishing flag and never
+changes the verdict by itself. A layer leaves the verdict only explicitly, and the report
+says which: the run's ``ignore_layers`` (``start_run(..., ignore_layers=...)``, recorded in
+``runs.ignore_layers``) and the report's own ``ignore_layers`` (``gradstream report
+--ignore-layers``) leave out the vanishing and exploding flags of the layers they match
+(a NaN/Inf gradient still counts); ``exclude_rounding`` (``--exclude-rounding-level``, off
+by default) leaves out the vanishing flag of the layers of the finding. The consumer's
+incremental :mod:`consumer.health` applies the same rule.
 
 Two health figures, each with its window: the report classifies the frames of the step
 range it is asked for; the consumer keeps its own live health in ``runs`` (``health``,
@@ -29,7 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from analysis.store import require_run, stats_params
-from schemas.health import classify_health
+from schemas.health import classify_health, match_layers
 from schemas.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
 
@@ -83,9 +91,10 @@ class GradientFlowSummary(BaseModel):
     - ``total_steps``: last step considered + 1 (0 with no frame).
     - ``layers_with_vanishing_grads`` / ``layers_with_exploding_grads``: layers with
       ``is_vanishing`` / ``is_exploding`` in at least one frame, in model order
-      (``layers.layer_index``), not by name. A row's ``is_vanishing`` is left
-      out while its layer has had no gradient by construction from its first frame up to
-      that row's step (see ``layers_without_gradient``).
+      (``layers.layer_index``), not by name; without the layers of ``layers_excluded``
+      (and, with ``exclude_rounding``, a row's ``is_vanishing`` is left out while its
+      layer has had no gradient by construction from its first frame up to that row's
+      step, see ``layers_without_gradient``).
     - ``overall_health``: :func:`classify_health` of the data.
     - ``recommendations``: :func:`build_recommendations`.
 
@@ -102,6 +111,12 @@ class GradientFlowSummary(BaseModel):
     - ``issue_frames``: frames with any vanishing (as above), exploding or non-finite
       layer (a NaN/Inf gradient is an issue: its max |g| is inf, so the layer counts
       as exploding); ``issue_ratio = issue_frames / max(frames, 1)``.
+    - ``ignore_layers``: the patterns applied (the run's, then the report's own);
+      ``layers_excluded``: the layers they match (model order), whose vanishing and
+      exploding flags count nowhere here. ``excluded_rounding_level``: the report was
+      asked to leave out the vanishing flag of ``layers_without_gradient``.
+    - ``findings``: sentences on what the data shows beyond the verdict, one per kind
+      (:func:`build_findings`): today the layers of ``layers_without_gradient``.
     - ``layers_without_gradient``: layers with no gradient by construction (model order):
       at rounding level in every stored frame from their first up to the end of the range
       (``schemas.rounding``: mean |g|, or the RMS in norms mode, at most
@@ -159,6 +174,10 @@ class GradientFlowSummary(BaseModel):
     last_step: int | None = None
     live_health: LiveHealth | None = None
     live_window_differs: bool = False
+    ignore_layers: list[str] = Field(default_factory=list)
+    layers_excluded: list[str] = Field(default_factory=list)
+    excluded_rounding_level: bool = False
+    findings: list[str] = Field(default_factory=list)
 
 
 def _show_name(name: str) -> str:
@@ -230,6 +249,37 @@ def build_recommendations(
     return recs
 
 
+def build_findings(
+    no_gradient: list[str], since_step: int | None, excluded_rounding_level: bool = False
+) -> list[str]:
+    """What the data shows beyond the verdict, as sentences.
+
+    Layers at rounding level since their first frame (``schemas.rounding``) give one
+    sentence naming them (at most ``NAMES_IN_TEXT``): their gradient looks zero by
+    construction. They still count as vanishing layers (the reference rule) unless the
+    report excludes them (``excluded_rounding_level``) or a run setting does.
+
+    Args:
+        no_gradient: layers with no gradient by construction (model order).
+        since_step: the earliest first step of those layers.
+        excluded_rounding_level: the report left their vanishing flag out.
+
+    Returns:
+        The findings (empty when there is none).
+    """
+    if not no_gradient:
+        return []
+    counted = ("left out of the verdict (exclude layers at rounding level)"
+               if excluded_rounding_level else
+               "they count as vanishing; to leave them out, set ignore_layers "
+               "(start_run(..., ignore_layers=[...]) or --ignore-layers PATTERN)")
+    return [
+        f"gradient at rounding level since step {since_step}: "
+        f"{_name_list(no_gradient)}; likely zero by construction, e.g. a softmax "
+        f"attention key bias ({counted})."
+    ]
+
+
 _HEALTH_LINE: dict[GradientHealth, str] = {
     GradientHealth.CRITICAL: (
         "Critical: training is unstable. Pause the run and find the cause before spending "
@@ -254,25 +304,32 @@ def _summary_sql(with_dtype: bool) -> str:
     aggregated per layer and per step. One row per layer with a flag or no gradient
     (model order), each carrying the frame counts (frames, issue_frames, last_step,
     first_nonfinite_step, first_step); one row with NULL layer columns when no layer is listed.
+    Parameters besides the range: ``$excluded`` (INTEGER[], layer indices whose vanishing
+    and exploding flags count nowhere) and ``$exclude_rounding`` (BOOLEAN: leave out the
+    vanishing flag of rows with ``no_gradient``).
 
     Args:
         with_dtype: the store's ``layers`` table has the ``dtype`` column (schema 1.3).
     """
     return f"""
     WITH z AS MATERIALIZED ({rounding_rows_sql(with_dtype)}),
+    x AS (SELECT unnest($excluded::INTEGER[]) AS layer_index),
     s AS (
-        SELECT step, layer_index, is_exploding, nonfinite, no_gradient, first_step,
-               is_vanishing AND NOT no_gradient AS vanishing
-        FROM z WHERE $from_step IS NULL OR step >= $from_step
+        SELECT step, layer_index, nonfinite, no_gradient, first_step,
+               is_vanishing AND NOT excluded AND NOT ($exclude_rounding AND no_gradient)
+                   AS vanishing,
+               is_exploding AND NOT excluded AS exploding
+        FROM (SELECT *, layer_index IN (SELECT layer_index FROM x) AS excluded FROM z)
+        WHERE $from_step IS NULL OR step >= $from_step
     ),
     per_layer AS (
         SELECT layer_index, bool_or(vanishing) AS vanishing,
-               bool_or(is_exploding) AS exploding, bool_or(nonfinite > 0) AS nonfinite,
+               bool_or(exploding) AS exploding, bool_or(nonfinite > 0) AS nonfinite,
                bool_and(no_gradient) AS no_gradient, min(first_step) AS first_step
         FROM s GROUP BY layer_index
     ),
     f AS (
-        SELECT step, bool_or(vanishing OR is_exploding OR nonfinite > 0) AS issue,
+        SELECT step, bool_or(vanishing OR exploding OR nonfinite > 0) AS issue,
                bool_or(nonfinite > 0) AS nonfinite
         FROM s GROUP BY step
     ),
@@ -295,13 +352,51 @@ def _summary_sql(with_dtype: bool) -> str:
     """
 
 
-def _has_layer_dtype(con: duckdb.DuckDBPyConnection) -> bool:
-    """Whether the store's ``layers`` table has the ``dtype`` column (schema 1.3)."""
+def _has_column(con: duckdb.DuckDBPyConnection, table: str, column: str) -> bool:
+    """Whether the store's ``table`` has ``column`` (stores written by older versions may
+    lack ``layers.dtype``, schema 1.3, or ``runs.ignore_layers``, schema 1.5)."""
     row = con.execute(
         "SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
-        "AND table_name = 'layers' AND column_name = 'dtype'"
+        "AND table_name = $table AND column_name = $column",
+        {"table": table, "column": column},
     ).fetchone()
     return bool(row and row[0])
+
+
+def _has_layer_dtype(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether the store's ``layers`` table has the ``dtype`` column (schema 1.3)."""
+    return _has_column(con, "layers", "dtype")
+
+
+def run_exclusion(
+    con: duckdb.DuckDBPyConnection, run_id: str, ignore_layers: tuple[str, ...] = ()
+) -> tuple[list[str], list[int], list[str]]:
+    """The layers a run's report leaves out of the verdict by explicit setting.
+
+    Args:
+        con: a store connection. run_id: an existing run.
+        ignore_layers: patterns added to the run's own ``runs.ignore_layers``.
+
+    Returns:
+        ``(patterns, layer indices, layer names)``: the patterns applied (the run's, then
+        ``ignore_layers``, without repeats) and the layers they match in model order
+        (:func:`schemas.health.match_layers`). No query of the layers without patterns.
+    """
+    stored: list[str] = []
+    if _has_column(con, "runs", "ignore_layers"):
+        row = con.execute("SELECT coalesce(ignore_layers, []) FROM runs WHERE run_id = $r",
+                          {"r": run_id}).fetchone()
+        stored = list(row[0]) if row else []
+    patterns = list(dict.fromkeys([*stored, *ignore_layers]))
+    if not patterns:
+        return [], [], []
+    rows = con.execute(
+        "SELECT layer_index, name FROM layers WHERE run_id = $r ORDER BY layer_index",
+        {"r": run_id},
+    ).fetchall()
+    hit = match_layers([name for _, name in rows], patterns)
+    chosen = [row for row, h in zip(rows, hit.tolist(), strict=True) if h]
+    return patterns, [i for i, _ in chosen], [n for _, n in chosen]
 
 _LOCAL_ORIGIN_SQL = """
     SELECT s.step, list(DISTINCT s.rank ORDER BY s.rank) AS ranks,
@@ -347,6 +442,9 @@ def build_report(
     run_id: str,
     from_step: int | None = None,
     to_step: int | None = None,
+    *,
+    ignore_layers: tuple[str, ...] = (),
+    exclude_rounding: bool = False,
 ) -> GradientFlowSummary:
     """Summarise one run from the store: flagged layers, health, recommendations.
 
@@ -355,6 +453,10 @@ def build_report(
         run_id: the run (see :func:`analysis.store.resolve_run`).
         from_step: first optimiser step considered (inclusive), ``None`` = from the start.
         to_step: last optimiser step considered (inclusive), ``None`` = to the end.
+        ignore_layers: patterns excluded besides the run's own ``ignore_layers``
+            (module doc; :func:`run_exclusion`).
+        exclude_rounding: leave out the vanishing flag of layers with no gradient by
+            construction (module doc; off by default, as in the reference).
 
     Returns:
         The :class:`GradientFlowSummary` of the frames in the range; field formulas are in
@@ -374,7 +476,10 @@ def build_report(
     nonfinite: list[str] = []
     no_gradient: list[str] = []
     since: list[int] = []
-    rows = con.execute(_summary_sql(_has_layer_dtype(con)), params).fetchall()
+    patterns, excluded_index, excluded_names = run_exclusion(con, run_id, ignore_layers)
+    rows = con.execute(_summary_sql(_has_layer_dtype(con)), {
+        **params, "excluded": excluded_index, "exclude_rounding": exclude_rounding,
+    }).fetchall()
     for *_counts, index, name, is_van, is_exp, is_nf, is_zero, first_step in rows:
         if index is None:
             continue
@@ -420,6 +525,11 @@ def build_report(
         first_bad_local_exploding=origin is not None and bool(origin[3]),
         layers_without_gradient=no_gradient,
         no_gradient_since_step=min(since) if since else None,
+        ignore_layers=patterns,
+        layers_excluded=excluded_names,
+        excluded_rounding_level=exclude_rounding,
+        findings=build_findings(no_gradient, min(since) if since else None,
+                                exclude_rounding),
         first_step=first_step,
         last_step=last_step,
         live_health=live,
@@ -548,8 +658,9 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     shows at most ``NAMES_IN_TABLE`` names followed by "... and N more". The health row
     names its window (:func:`health_window_text`); a "live health" row follows when the
     consumer's stored health covers another window (:func:`live_health_text`). Layers
-    with no gradient by construction get their own row ("no gradient: by construction
-    since step S: ..."), only when there are some.
+    with no gradient by construction get their own row ("no gradient: at rounding level
+    since step S: ...") and a "Findings" section, only when there are some; layers excluded
+    by ``ignore_layers`` get an "excluded" row naming the patterns and the layers.
 
     Args:
         summary: from :func:`build_report`.
@@ -589,19 +700,31 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
         nonfinite.append(f" (first at step {summary.first_nonfinite_step})")
     table.add_row("non-finite", nonfinite)
     if summary.layers_without_gradient:
-        zero = Text(f"by construction since step {summary.no_gradient_since_step}: ")
+        zero = Text(f"at rounding level since step {summary.no_gradient_since_step}: ")
         zero.append_text(_names_cell(summary.layers_without_gradient))
+        if summary.excluded_rounding_level:
+            zero.append(" (excluded: exclude layers at rounding level)")
         table.add_row("no gradient", zero)
+    if summary.ignore_layers:
+        excluded = Text("by run setting " + ", ".join(map(repr, summary.ignore_layers)) + ": ")
+        excluded.append_text(_names_cell(summary.layers_excluded))
+        table.add_row("excluded", excluded)
     origin = local_origin_text(summary)
     if origin is not None:
         table.add_row("started in", Text(origin))
     recs = Text()
     for i, rec in enumerate(summary.recommendations):
         recs.append(("\n" if i else "") + f"• {rec}")
+    parts: list[RenderableType] = [table]
+    if summary.findings:
+        found = Text()
+        for i, line in enumerate(summary.findings):
+            found.append(("\n" if i else "") + f"• {line}")
+        parts += [Text(""), Text("Findings", style="bold underline"), found]
     title = Text("gradient flow: run ")
     title.append(_show_name(summary.run_id), style="bold")
     return Panel(
-        Group(table, Text(""), Text("Recommendations", style="bold underline"), recs),
+        Group(*parts, Text(""), Text("Recommendations", style="bold underline"), recs),
         title=title,
         border_style=HEALTH_STYLE[health].removeprefix("bold "),
     )

@@ -11,12 +11,21 @@ rolling window is set, as the reference implementation's ``max_frames``):
   ``issue_ratio > 0.5``; ProblemsDetected if any exploding layer or ``issue_ratio > 0.3``;
   MinorIssues if any vanishing layer or ``issue_ratio > 0.1``; else Healthy.
 
-Layers with no gradient by construction (zero up to floating-point rounding at every frame
-from their first on, ``schemas.rounding``) keep their stored flag ``is_vanishing``,
-but that flag counts nowhere here: not as a vanishing layer, not in ``issue_frames``. The
-tracker judges each frame's layers as it arrives (per layer: seen, ever above rounding
-level) and leaves out the vanishing flag of a layer that has not been above rounding level
-yet, this frame included.
+By default every layer counts, as in the reference implementation: no layer is left out
+because of its magnitude. Layers leave the counts only by an explicit, visible choice:
+
+- ``excluded`` (the run's ``ignore_layers`` patterns, from ``start_run(...,
+  ignore_layers=...)`` or ``--ignore-layers``; :func:`schemas.health.match_layers`): their
+  vanishing and exploding flags count nowhere (not as a flagged layer, not in
+  ``issue_frames``). A NaN/Inf gradient in such a layer still counts: it corrupts the
+  weights at the next optimiser step whatever the layer is.
+- ``exclude_rounding`` (off by default; ``--exclude-rounding-level``): the vanishing flag of a
+  layer with no gradient by construction so far (zero up to floating-point rounding at
+  every frame from its first on, ``schemas.rounding``) counts nowhere either.
+
+Whatever the options, the tracker judges each frame's layers as it arrives (per layer:
+seen, ever above rounding level) so that those layers can be reported as a finding
+(:attr:`RunHealthTracker.no_gradient`).
 
 The tracker keeps counters (per-layer counts of vanishing / exploding / non-finite frames,
 issue frames, frames) and, per step, the indices of its flagged layers, so that a new frame
@@ -59,21 +68,34 @@ class RunHealthTracker:
             no-gradient-by-construction state is the whole run's, never windowed.
         roundoff: float64[L] unit roundoff of each layer's gradient dtype
             (:func:`schemas.rounding.unit_roundoff`); None = float32 for every layer.
+        excluded: bool[L], layers excluded by the run setting (module doc); None = none.
+        exclude_rounding: leave out the vanishing flag of the layers of
+            :attr:`no_gradient` (module doc; off by default, as in the reference).
 
     Attributes:
         seen: bool[L], the layer was in some frame. ordinary: bool[L], some frame showed
             it above rounding level (or could not judge it: no magnitude given).
         vanishing_frames, exploding_frames, nonfinite_frames: int64[L] considered frames
-            per flag (vanishing without the layers of :attr:`no_gradient`).
+            per flag (without the layers left out, :attr:`left_out`).
+
+    Raises:
+        ValueError: ``excluded`` or ``roundoff`` does not have L entries.
     """
 
     def __init__(
-        self, num_layers: int, max_frames: int = 0, roundoff: np.ndarray | None = None
+        self, num_layers: int, max_frames: int = 0, roundoff: np.ndarray | None = None,
+        *, excluded: np.ndarray | None = None, exclude_rounding: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.max_frames = max_frames
         self.roundoff = (unit_roundoff(None, num_layers) if roundoff is None
                          else np.asarray(roundoff, np.float64))
+        self.excluded = (np.zeros(num_layers, bool) if excluded is None
+                         else np.asarray(excluded, bool).copy())
+        for name, arr in (("roundoff", self.roundoff), ("excluded", self.excluded)):
+            if arr.shape != (num_layers,):
+                raise ValueError(f"{name} has shape {arr.shape}, expected ({num_layers},)")
+        self.exclude_rounding = exclude_rounding
         self.seen = np.zeros(num_layers, bool)
         self.ordinary = np.zeros(num_layers, bool)
         self.vanishing_frames = np.zeros(num_layers, np.int64)
@@ -91,6 +113,15 @@ class RunHealthTracker:
         """bool[L]: layers with no gradient by construction so far (seen, and at rounding
         level in every frame that had them; ``schemas.rounding``)."""
         return self.seen & ~self.ordinary
+
+    @property
+    def left_out(self) -> np.ndarray:
+        """bool[L]: layers whose vanishing flag counts nowhere now: :attr:`excluded`,
+        plus :attr:`no_gradient` with ``exclude_rounding`` (module doc). Their exploding
+        flag counts nowhere when :attr:`excluded`."""
+        if self.exclude_rounding:
+            return self.excluded | self.no_gradient
+        return self.excluded
 
     @property
     def first_nonfinite_step(self) -> int | None:
@@ -123,7 +154,7 @@ class RunHealthTracker:
             magnitude: float64[n] gradient magnitude per row
                 (:func:`schemas.rounding.gradient_magnitude`: mean |g|, or the RMS in
                 norms mode). None: the rows cannot be judged and count as ordinary layers
-                (every vanishing flag counts, as without the rounding test).
+                (never in :attr:`no_gradient`).
         """
         idx = layer_index.astype(np.int64)
         pending = ~self.ordinary[idx]
@@ -133,8 +164,11 @@ class RunHealthTracker:
             at_rounding = at_rounding_level(magnitude, self.roundoff[idx], nonfinite)
             self.ordinary[idx[~at_rounding]] = True
         self.seen[idx] = True
-        if is_vanishing.any() and pending.any():
-            is_vanishing = is_vanishing & self.ordinary[idx]
+        if is_vanishing.any() and (self.excluded.any() or (self.exclude_rounding
+                                                           and pending.any())):
+            is_vanishing = is_vanishing & ~self.left_out[idx]
+        if is_exploding.any() and self.excluded.any():
+            is_exploding = is_exploding & ~self.excluded[idx]
         c = _Contribution(
             layer_index[is_vanishing].astype(np.int32) if is_vanishing.any() else _EMPTY,
             layer_index[is_exploding].astype(np.int32) if is_exploding.any() else _EMPTY,
@@ -189,6 +223,8 @@ def restore_tracker(
     roundoff: np.ndarray | None = None,
     seen: np.ndarray | None = None,
     ordinary: np.ndarray | None = None,
+    excluded: np.ndarray | None = None,
+    exclude_rounding: bool = False,
 ) -> RunHealthTracker:
     """Rebuild a tracker from stored frames (worker restart), without replaying frames.
 
@@ -196,18 +232,25 @@ def restore_tracker(
         num_layers: L. max_frames: rolling window (0 = whole run).
         frame_steps: int[F], every stored step of the run.
         flag_steps, flag_layers: int[R], the stored layer rows with any flag set.
-        flag_vanishing, flag_exploding, flag_nonfinite: bool[R], the flags of those rows;
-            ``flag_vanishing`` without the rows of layers that had no gradient by
-            construction up to that row's step (``DuckDBSink.load_flags``).
+        flag_vanishing, flag_exploding, flag_nonfinite: bool[R], the flags of those rows
+            as stored, except with ``exclude_rounding``: then ``flag_vanishing`` without
+            the rows of layers that had no gradient by construction up to that row's step
+            (``DuckDBSink.load_flags(run_id, exclude_rounding=True)``).
         roundoff: float64[L] unit roundoff per layer (None = float32).
         seen, ordinary: bool[L], the per-layer rounding state
-            (``DuckDBSink.load_gradient_state``). None: every layer counts as ordinary
-            (no vanishing flag is left out after the restart).
+            (``DuckDBSink.load_gradient_state``). None: every layer counts as ordinary.
+        excluded, exclude_rounding: as in :class:`RunHealthTracker`; the vanishing and
+            exploding flags of ``excluded`` layers are left out here.
 
     Returns:
         A tracker equal to one that saw those frames one by one (in step order).
     """
-    tracker = RunHealthTracker(num_layers, max_frames, roundoff)
+    tracker = RunHealthTracker(num_layers, max_frames, roundoff, excluded=excluded,
+                               exclude_rounding=exclude_rounding)
+    if flag_layers.size and tracker.excluded.any():
+        kept = ~tracker.excluded[flag_layers]
+        flag_vanishing = flag_vanishing & kept
+        flag_exploding = flag_exploding & kept
     tracker.ordinary = (np.ones(num_layers, bool) if ordinary is None
                         else np.asarray(ordinary, bool).copy())
     tracker.seen = tracker.ordinary.copy() if seen is None else np.asarray(seen, bool).copy()

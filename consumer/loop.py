@@ -137,7 +137,8 @@ class ConsumerLoop(ABC):
     Args:
         settings: the process's settings: ``kafka_kwargs()``, ``group_id``, ``dlq_topic``,
             ``poll_timeout_ms``, ``max_poll_records``, ``max_partition_fetch_bytes``,
-            ``flush_interval_s``, ``max_batch_rows``, ``max_frames``, ``metrics_port``.
+            ``flush_interval_s``, ``max_batch_rows``, ``max_frames``, ``ignore_layers``,
+            ``exclude_rounding_level``, ``metrics_port``.
         on_open: called on the loop's thread with the DuckDBSink right after a DuckDB
             output is opened, before consuming (``gradstream serve`` takes a read cursor).
 
@@ -158,7 +159,8 @@ class ConsumerLoop(ABC):
                  ) -> None:
         self.settings = settings
         self._on_open = on_open
-        self.book = RunBook(settings.max_frames)
+        self.book = RunBook(settings.max_frames, tuple(settings.ignore_layers),
+                            settings.exclude_rounding_level)
         self.counters = self.Counters()
         self.metrics = WorkerMetrics(self.pending_count)
         self.watchdog = StallWatchdog(settings.stall_timeout_s)

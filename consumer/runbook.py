@@ -33,14 +33,21 @@ class RunBook:
     Args:
         max_frames: rolling window of run health in frames (0 = the whole run), as in
             :class:`consumer.health.RunHealthTracker`.
+        ignore_layers: the process's own ``--ignore-layers`` patterns, excluded in every
+            run besides the run's own ``ignore_layers`` (``schemas.health.match_layers``).
+        exclude_rounding: the tracker's ``exclude_rounding`` (``--exclude-rounding-level``;
+            off by default: every layer counts, as in the reference implementation).
 
     Attributes:
         runs: run id -> RunInfo. trackers: run id -> RunHealthTracker.
         finished: run id -> ranks whose RunFinished was seen.
     """
 
-    def __init__(self, max_frames: int) -> None:
+    def __init__(self, max_frames: int, ignore_layers: tuple[str, ...] = (),
+                 exclude_rounding: bool = False) -> None:
         self.max_frames = max_frames
+        self.ignore_layers = tuple(ignore_layers)
+        self.exclude_rounding = exclude_rounding
         self.runs: dict[str, RunInfo] = {}
         self.trackers: dict[str, RunHealthTracker] = {}
         self.finished: dict[str, set[int]] = {}
@@ -49,8 +56,9 @@ class RunBook:
         """Register the run of ``msg`` (replacing nothing: call once per run id)."""
         run = RunInfo.from_message(msg)
         self.runs[run.run_id] = run
-        self.trackers[run.run_id] = RunHealthTracker(run.num_layers, self.max_frames,
-                                                     run.roundoff)
+        self.trackers[run.run_id] = RunHealthTracker(
+            run.num_layers, self.max_frames, run.roundoff,
+            excluded=run.excluded(self.ignore_layers), exclude_rounding=self.exclude_rounding)
         return run
 
     def finish(self, msg: RunFinished) -> bool:
@@ -79,13 +87,15 @@ class RunBook:
             self.runs[run.run_id] = run
             steps, complete, ranks = sink.load_frames(run.run_id)
             stored[run.run_id] = (steps, complete, ranks)
-            flags = sink.load_flags(run.run_id)
+            flags = sink.load_flags(run.run_id, self.exclude_rounding)
             seen, ordinary = sink.load_gradient_state(run.run_id, run.num_layers)
             self.trackers[run.run_id] = restore_tracker(
                 run.num_layers, self.max_frames, steps, flags["step"],
                 flags["layer_index"], flags["is_vanishing"].astype(bool),
                 flags["is_exploding"].astype(bool), flags["nonfinite"].astype(bool),
                 roundoff=run.roundoff, seen=seen, ordinary=ordinary,
+                excluded=run.excluded(self.ignore_layers),
+                exclude_rounding=self.exclude_rounding,
             )
         for run_id, rank in sink.con.execute("SELECT run_id, rank FROM run_ranks").fetchall():
             self.finished.setdefault(run_id, set()).add(rank)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schemas.health import match_layers
 from schemas.rounding import unit_roundoff
 from schemas.wire import RunStarted
 
@@ -21,6 +22,8 @@ class RunInfo:
             and max |g| (|g| units).
         dtypes: L gradient dtype names (``RunStarted.dtypes``, schema 1.3; None entries
             unknown), or None when the producer sent none.
+        ignore_layers: the run's ``ignore_layers`` patterns (``RunStarted.ignore_layers``,
+            schema 1.5): layers it excludes from its health, explicitly.
     """
 
     run_id: str
@@ -30,6 +33,7 @@ class RunInfo:
     vanishing_threshold: float
     exploding_threshold: float
     dtypes: tuple[str | None, ...] | None = None
+    ignore_layers: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -42,6 +46,11 @@ class RunInfo:
         (:func:`schemas.rounding.unit_roundoff`; unknown = float32)."""
         return unit_roundoff(self.dtypes, self.num_layers)
 
+    def excluded(self, extra: tuple[str, ...] = ()) -> np.ndarray:
+        """bool[L]: layers matched by :attr:`ignore_layers` or by ``extra`` (the consumer's
+        own ``--ignore-layers``; :func:`schemas.health.match_layers`)."""
+        return match_layers(self.layer_names, (*self.ignore_layers, *extra))
+
     @classmethod
     def from_message(cls, msg: RunStarted) -> RunInfo:
         """Build from a RunStarted message."""
@@ -53,6 +62,7 @@ class RunInfo:
             vanishing_threshold=msg.vanishing_threshold,
             exploding_threshold=msg.exploding_threshold,
             dtypes=None if msg.dtypes is None else tuple(msg.dtypes),
+            ignore_layers=tuple(msg.ignore_layers),
         )
 
     def conflict_with(self, msg: RunStarted) -> str | None:

@@ -41,6 +41,13 @@ class LoopSettings(TopicCreationSettings):
             default, 30 s, is 300 poll timeouts and 150 flush intervals: no healthy loop
             holds a partition's position that long while records wait, and a stall is
             still acted on within 37.5 s (CI saw one last 120 s unnoticed).
+        ignore_layers: layer-name patterns (``schemas.health.match_layers``) excluded
+            from every run's health, issue frames and vanishing / exploding alerts, besides
+            each run's own ``ignore_layers`` (``GRADSTREAM_IGNORE_LAYERS``:
+            comma-separated). Empty = every layer counts.
+        exclude_rounding_level: also leave out the vanishing flag of layers with no
+            gradient by construction (``schemas.rounding``; ``consumer.health``). Off by
+            default: every layer counts, as in the reference implementation.
     """
 
     dlq_topic: str = DEFAULT_DLQ_TOPIC
@@ -54,6 +61,17 @@ class LoopSettings(TopicCreationSettings):
     max_partition_fetch_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     stall_timeout_s: float = Field(default=30.0, ge=0)
+    ignore_layers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    exclude_rounding_level: bool = False
+
+    @field_validator("ignore_layers", mode="before")
+    @classmethod
+    def _ignore_layers(cls, value: object) -> object:
+        """Accept a comma-separated string (``GRADSTREAM_IGNORE_LAYERS``) as well as a
+        list."""
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
 
 
 class ConsumerSettings(LoopSettings):

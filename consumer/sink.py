@@ -313,10 +313,12 @@ class DuckDBSink:
     # -- reads used on start-up and for late shards ---------------------------------------
 
     def load_runs(self) -> list[RunInfo]:
-        """Every stored run with its layers (model order) and their gradient dtypes
-        (``RunInfo.dtypes`` None when no layer of the run has one)."""
+        """Every stored run with its layers (model order), their gradient dtypes
+        (``RunInfo.dtypes`` None when no layer of the run has one) and its
+        ``ignore_layers``."""
         runs = self.con.execute(
-            "SELECT run_id, world_size, vanishing_threshold, exploding_threshold FROM runs"
+            "SELECT run_id, world_size, vanishing_threshold, exploding_threshold, "
+            "coalesce(ignore_layers, []) FROM runs"
         ).fetchall()
         layers = self.con.execute(
             "SELECT run_id, list(name ORDER BY layer_index), list(numel ORDER BY layer_index), "
@@ -324,11 +326,12 @@ class DuckDBSink:
         ).fetchall()
         by_run = {r: (names, numel, dtypes) for r, names, numel, dtypes in layers}
         out = []
-        for run_id, world, van, exp in runs:
+        for run_id, world, van, exp, ignore in runs:
             names, numel, dtypes = by_run.get(run_id, ([], [], []))
             out.append(RunInfo(run_id, world, tuple(names), np.asarray(numel, np.int64),
                                van, exp,
-                               tuple(dtypes) if any(d is not None for d in dtypes) else None))
+                               tuple(dtypes) if any(d is not None for d in dtypes) else None,
+                               tuple(ignore)))
         return out
 
     def load_frames(self, run_id: str) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
@@ -343,21 +346,28 @@ class DuckDBSink:
             tbl["ranks_seen"].to_pylist(),
         )
 
-    def load_flags(self, run_id: str) -> dict[str, np.ndarray]:
-        """A run's stored layer rows with a flag that counts for run health: step,
-        layer_index, is_vanishing, is_exploding, nonfinite (arrays of equal length).
+    def load_flags(self, run_id: str, exclude_rounding: bool = False) -> dict[str, np.ndarray]:
+        """A run's stored layer rows with a flag: step, layer_index, is_vanishing,
+        is_exploding, nonfinite (arrays of equal length), as stored.
 
-        ``is_vanishing`` is the stored threshold flag except on the rows of a layer with no
-        gradient by construction up to that step (``schemas.rounding``), where it is
-        False, as :class:`consumer.health.RunHealthTracker` counted it. One windowed
-        aggregate over the run's rows (:func:`schemas.rounding.rounding_rows_sql`).
+        With ``exclude_rounding`` (:class:`consumer.health.RunHealthTracker`'s option, off
+        by default), ``is_vanishing`` is False on the rows of a layer with no gradient by
+        construction up to that step (``schemas.rounding``), as the tracker counted it:
+        one windowed aggregate over the run's rows
+        (:func:`schemas.rounding.rounding_rows_sql`). Layers excluded by ``ignore_layers``
+        are left out by :func:`consumer.health.restore_tracker`, not here.
         """
+        vanishing = "is_vanishing AND NOT no_gradient" if exclude_rounding else "is_vanishing"
+        source = f"({rounding_rows_sql()})" if exclude_rounding else (
+            "(SELECT * FROM layer_stats WHERE run_id = $run_id)")
+        params = {"run_id": run_id, "to_step": None} if exclude_rounding else {
+            "run_id": run_id}
         tbl = self.con.sql(
-            f"WITH z AS ({rounding_rows_sql()}) "
-            "SELECT step, layer_index, is_vanishing AND NOT no_gradient AS is_vanishing, "
+            f"WITH z AS {source} "
+            f"SELECT step, layer_index, {vanishing} AS is_vanishing, "
             "is_exploding, nonfinite > 0 AS nonfinite FROM z "
-            "WHERE (is_vanishing AND NOT no_gradient) OR is_exploding OR nonfinite > 0",
-            params={"run_id": run_id, "to_step": None},
+            f"WHERE ({vanishing}) OR is_exploding OR nonfinite > 0",
+            params=params,
         ).to_arrow_table()
         return {
             name: tbl[name].to_numpy(zero_copy_only=False) for name in tbl.column_names
@@ -474,6 +484,8 @@ class DuckDBSink:
             "host": [m.host for m in started],
             "start_time": [m.start_time for m in started],
             "config": [json.dumps(m.config, sort_keys=True, default=str) for m in started],
+            "ignore_layers": pa.array([m.ignore_layers or None for m in started],
+                                      pa.list_(pa.string())),
         })
         lengths = np.array([len(m.layer_names) for m in started])
         layers = pa.table({
@@ -493,9 +505,9 @@ class DuckDBSink:
         con.register("gs_layers", layers)
         con.execute(
             "INSERT INTO runs (run_id, world_size, num_layers, vanishing_threshold, "
-            "exploding_threshold, host, start_time, config) SELECT run_id, world_size, "
-            "num_layers, vanishing_threshold, exploding_threshold, host, start_time, "
-            "config::JSON FROM gs_runs ON CONFLICT DO NOTHING"
+            "exploding_threshold, host, start_time, config, ignore_layers) SELECT run_id, "
+            "world_size, num_layers, vanishing_threshold, exploding_threshold, host, "
+            "start_time, config::JSON, ignore_layers FROM gs_runs ON CONFLICT DO NOTHING"
         )
         con.execute(
             "INSERT OR IGNORE INTO layers (run_id, layer_index, name, numel, dtype) "

@@ -1,12 +1,48 @@
-"""The run-health rule (``classify_health``, extended for non-finite gradients): one pure
-function, used by the consumer's incremental tracker (``consumer.health``) and by the
-report computed from the store (``analysis.report``), so that both always agree.
+"""The run-health rule (``classify_health``, extended for non-finite gradients) and the
+layer exclusion a run may set (``match_layers``): pure functions, used by the consumer's
+incremental tracker (``consumer.health``) and by the report computed from the store
+(``analysis.report``), so that both always agree.
 
-Semantics follow trustformers-debug's ``gradient_flow`` module (``classify_health``)."""
+Semantics follow trustformers-debug's ``gradient_flow`` module (``classify_health``): every
+layer's flags count. A layer leaves the counts only when the run says so explicitly
+(``ignore_layers`` patterns, :func:`match_layers`), and the report names it.
+"""
 
 from __future__ import annotations
 
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
 from schemas.wire import GradientHealth
+
+
+def match_layers(names: Sequence[str], patterns: Iterable[str]) -> np.ndarray:
+    """Which layers an ``ignore_layers`` setting excludes.
+
+    Patterns are shell-style, as :func:`fnmatch.fnmatchcase` (case-sensitive, whatever the
+    platform): ``*`` matches any run of characters including ``.``, ``?`` one character,
+    ``[seq]`` / ``[!seq]`` a character in / not in ``seq``. A pattern is matched against
+    the whole layer name: ``"*.attention.self.key.bias"`` excludes every BERT key bias.
+
+    Args:
+        names: L layer names (model order).
+        patterns: the patterns; empty = no layer.
+
+    Returns:
+        bool[L], True where some pattern matches the name. One compiled regular expression
+        for all patterns; O(L) matches.
+    """
+    pats = [p for p in patterns if p]
+    out = np.zeros(len(names), bool)
+    if not pats:
+        return out
+    regex = re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in pats), re.DOTALL)
+    for i, name in enumerate(names):
+        out[i] = regex.match(name) is not None
+    return out
 
 
 def classify_health(
@@ -37,8 +73,9 @@ def classify_health(
 
     Args:
         any_vanishing: some layer had ``is_vanishing`` in some frame considered (layers
-            with no gradient by construction left out, see :class:`GradientFlowSummary`).
-        any_exploding: some layer had ``is_exploding`` in some frame considered.
+            excluded by the run's ``ignore_layers`` left out, :func:`match_layers`).
+        any_exploding: some layer had ``is_exploding`` in some frame considered (the
+            same exclusion).
         issue_frames: frames with any vanishing, exploding or non-finite layer
             (0 <= issue_frames).
         frames: frames considered (issue_frames <= frames).

@@ -6,8 +6,16 @@ score of a row, so the bias's gradient is a sum of terms that cancel exactly), a
 parameter feeding only a zero-initialised layer at step 0, and so on. Computed in floating
 point, such a gradient is not 0 but the rounding residue of that cancellation. The plain
 threshold rule (trustformers-debug's ``gradient_flow`` module) flags it vanishing (mean |g|
-below the threshold) at every step, and the run is reported unhealthy although nothing is
-wrong. This module recognises those layers from the data.
+below the threshold) at every step. This module recognises those layers from the data, so
+that the report can say so: a *finding* ("gradient at rounding level since step 0: likely
+zero by construction"), never a change of the verdict by itself. A magnitude test cannot
+tell "zero by construction" from "vanishing from the first step" (a float64 run that
+declares no dtype is judged as float32, so a layer at mean |g| = 2e-9 beside a layer at 0.5
+passes it), so by default every layer counts, as in the reference. Layers leave the
+verdict only explicitly: the run's ``ignore_layers`` (``schemas.health.match_layers``,
+e.g. set from the model's structure by the Hugging Face adapter), or the documented
+option "exclude layers at rounding level" (``--exclude-rounding-level``), which applies this
+test and makes the report name the layers it left out.
 
 Test at one frame (one step, all reported layers), for layer l:
 
@@ -56,8 +64,8 @@ smallest layer; every other layer stays above 6 u of the largest.
 A layer has **no gradient by construction** when it was at rounding level at every frame
 of the run in which it was reported, from its first on. The first frame in which it is
 not makes it an ordinary layer for the rest of the run (a layer that had a gradient and
-then lost it is vanishing, as before). The consumer decides frame by frame, in arrival
-order (:class:`consumer.health.RunHealthTracker`); the store's SQL
+then lost it is never excluded, even with the option). The consumer decides frame by
+frame, in arrival order (:class:`consumer.health.RunHealthTracker`); the store's SQL
 (:func:`rounding_rows_sql`) decides in step order; the two agree whenever frames are
 finalised in step order (a late shard rewriting an earlier frame can differ at that
 frame only).

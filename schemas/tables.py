@@ -6,8 +6,10 @@ Written by the consumer's sink, read by ``analysis``. All statements are idempot
 Tables
 ------
 runs
-    One row per run: world size, thresholds, host, times, config, and the incremental
-    health counters kept by the worker (``frames``, ``issue_frames``, ``health``...).
+    One row per run: world size, thresholds, host, times, config, the layer-name patterns
+    the run excludes from its health (``ignore_layers``, schema 1.5; NULL = none, and in
+    stores written before), and the incremental health counters kept by the worker
+    (``frames``, ``issue_frames``, ``health``...).
 run_ranks
     One row per (run, rank) that sent RunFinished: its last step, steps it recorded and
     step summaries it dropped (queue full while Kafka was unreachable).
@@ -75,6 +77,9 @@ SCHEMA_DDL: tuple[str, ...] = (
         first_nonfinite_step BIGINT
     )
     """,
+    # The run's explicit layer exclusion (RunStarted.ignore_layers, schema 1.5): NULL in
+    # stores written before, and for runs that set none.
+    "ALTER TABLE runs ADD COLUMN IF NOT EXISTS ignore_layers VARCHAR[]",
     """
     CREATE TABLE IF NOT EXISTS run_ranks (
         run_id         VARCHAR NOT NULL,

@@ -46,7 +46,7 @@ from schemas.stats import EXP_HIST_MAX as EXP_HIST_MAX
 from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 4
+SCHEMA_MINOR = 5
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """1.0: per-layer numel, sum_abs, sum_sq, max_abs, nonfinite. 1.1 adds the optional richer
 statistics (exponent histogram, weight and update norms); 1.0 messages still parse (the new
@@ -62,7 +62,9 @@ gradient dtype of each layer in RunStarted. A 1.2 consumer ignores them and woul
 replicas once per rank. 1.4 adds the optional ``part_index``/``part_count`` of a
 StepSummary: a summary too large for the cluster's message limit travels as several
 messages, each holding a disjoint range of layers; a 1.3 consumer would take every part
-after the first for a duplicate."""
+after the first for a duplicate. 1.5 adds the optional ``ignore_layers`` of RunStarted
+(layer-name patterns the run excludes from its health, explicitly); a 1.4 consumer ignores
+it and counts every layer."""
 
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -142,6 +144,11 @@ class RunStarted(_Wire):
     ``dtypes`` (schema 1.3, optional): each layer's gradient dtype name (``float32``,
     ``bfloat16``, ``float16``, ``float64``, ...), used to tell a gradient that is zero up to
     that dtype's rounding from one that is merely small.
+    ``ignore_layers`` (schema 1.5, optional): shell-style patterns
+    (:func:`schemas.health.match_layers`) of layers the run excludes from its health, issue
+    frames and vanishing / exploding alerts, by an explicit setting
+    (``start_run(..., ignore_layers=...)`` or an adapter that knows the model's structure);
+    recorded with the run and named in its report. Empty = every layer counts.
     """
 
     type: Literal["run_started"] = "run_started"
@@ -156,6 +163,8 @@ class RunStarted(_Wire):
     start_time: WallTime
     config: dict[str, Any] = Field(default_factory=dict)
     dtypes: list[Annotated[str, Field(min_length=1, max_length=32)]] | None = None
+    ignore_layers: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list, max_length=1024)
 
     @model_validator(mode="after")
     def _aligned(self) -> RunStarted:

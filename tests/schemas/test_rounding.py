@@ -172,15 +172,37 @@ def feed(tracker: RunHealthTracker, f: GradientFrame) -> H:
                           gradient_magnitude(f.mean_abs_grad, f.sum_sq, f.numel))
 
 
-def test_layer_at_rounding_level_from_step_0_has_no_gradient_and_run_is_healthy():
+def test_layer_at_rounding_level_from_step_0_is_judged_but_counts_by_default():
+    """The reference rule by default: the layer is vanishing in every frame (issue ratio
+    1.0: ProblemsDetected) and is also known as having no gradient by construction (the
+    report's finding). Only ``exclude_rounding`` leaves it out (the run is Healthy)."""
     t = RunHealthTracker(4)
+    old = RunHealthTracker(4, exclude_rounding=True)
     rng = np.random.default_rng(1)
     for s in range(20):
         f = frame(s, [1e-2, 3e-3, float(rng.uniform(2e-14, 3e-13)), 5e-2])
         assert f.is_vanishing.tolist() == [False, False, True, False]  # the stored threshold flag
-        assert feed(t, f) is H.HEALTHY
-    assert t.no_gradient.tolist() == [False, False, True, False]
-    assert t.frames == 20 and t.issue_frames == 0 and not t.vanishing_frames.any()
+        assert feed(t, f) is H.PROBLEMS_DETECTED
+        assert feed(old, f) is H.HEALTHY
+    for tracker in (t, old):
+        assert tracker.no_gradient.tolist() == [False, False, True, False]
+    assert t.frames == 20 and t.issue_frames == 20 and t.vanishing_frames.tolist() == [0, 0, 20, 0]
+    assert t.left_out.tolist() == [False] * 4
+    assert old.issue_frames == 0 and not old.vanishing_frames.any()
+    assert old.left_out.tolist() == [False, False, True, False]
+
+
+def test_excluded_layers_count_nowhere_but_nonfinite_still_does():
+    """The run's ignore_layers: vanishing and exploding flags of the excluded layer count
+    nowhere; its NaN/Inf does (Critical)."""
+    t = RunHealthTracker(3, excluded=np.array([False, True, False]))
+    for s in range(5):
+        assert feed(t, frame(s, [1e-2, 1e-13 if s % 2 else 2e3, 5e-2])) is H.HEALTHY
+    assert t.issue_frames == 0 and not (t.vanishing_frames.any() or t.exploding_frames.any())
+    assert feed(t, frame(5, [1e-2, 1e-3, 5e-2], nonfinite=[0, 1, 0])) is H.CRITICAL
+    assert t.issue_frames == 1 and t.nonfinite_frames.tolist() == [0, 1, 0]
+    with pytest.raises(ValueError, match="excluded has shape"):
+        RunHealthTracker(3, excluded=np.zeros(2, bool))
 
 
 def test_layer_that_had_a_gradient_and_lost_it_is_vanishing():
@@ -192,25 +214,28 @@ def test_layer_that_had_a_gradient_and_lost_it_is_vanishing():
     assert t.issue_frames == 15 and t.health is H.PROBLEMS_DETECTED  # 75 % > 30 %
 
 
-def test_zero_until_it_gets_a_gradient_counts_from_then_on():
+@pytest.mark.parametrize(("exclude_rounding", "counted"), [(False, 8), (True, 5)])
+def test_zero_until_it_gets_a_gradient(exclude_rounding, counted):
     """Exactly zero for 3 steps (e.g. feeding a zero-initialised layer), then a gradient:
-    ordinary from step 3 on; its vanishing frames from step 10 on count."""
-    t = RunHealthTracker(3)
+    ordinary from step 3 on. Its 3 zero frames and 5 lost ones are vanishing; with
+    ``exclude_rounding`` only the 5 from step 10 on count."""
+    t = RunHealthTracker(3, exclude_rounding=exclude_rounding)
     for s in range(15):
         g = 0.0 if s < 3 else (1e-3 if s < 10 else 1e-13)
         feed(t, frame(s, [1e-2, g, 5e-2]))
         assert bool(t.no_gradient[1]) is (s < 3)
-    assert t.vanishing_frames.tolist() == [0, 5, 0] and t.issue_frames == 5
+    assert t.vanishing_frames.tolist() == [0, counted, 0] and t.issue_frames == counted
 
 
-def test_nonfinite_frame_ends_no_gradient_and_counts_as_issue():
-    t = RunHealthTracker(3)
+@pytest.mark.parametrize(("exclude_rounding", "issues"), [(False, 3), (True, 2)])
+def test_nonfinite_frame_ends_no_gradient_and_counts_as_issue(exclude_rounding, issues):
+    t = RunHealthTracker(3, exclude_rounding=exclude_rounding)
     feed(t, frame(0, [1e-2, 1e-13, 5e-2]))
     assert t.no_gradient.tolist() == [False, True, False]
     feed(t, frame(1, [1e-2, 1e-13, 5e-2], nonfinite=[0, 2, 0]))
     assert not t.no_gradient.any()
     feed(t, frame(2, [1e-2, 1e-13, 5e-2]))
-    assert t.issue_frames == 2 and t.health is H.CRITICAL
+    assert t.issue_frames == issues and t.health is H.CRITICAL
 
 
 def test_without_magnitudes_every_flag_counts_as_in_the_seed():
@@ -228,13 +253,15 @@ def _started(dtypes: list[str] | None) -> RunStarted:
                       numel=[100] * 4, start_time=1.0, dtypes=dtypes)
 
 
+@pytest.mark.parametrize("exclude_rounding", [False, True])
 @pytest.mark.parametrize("dtypes", [None, ["float32", "float32", "bfloat16", "float32"]])
-def test_restore_from_the_store_equals_incremental(tmp_path, dtypes):
+def test_restore_from_the_store_equals_incremental(tmp_path, dtypes, exclude_rounding):
     """Frames written by the real sink; a restarted worker's tracker (load_runs, load_flags,
-    load_gradient_state, restore_tracker) equals the one that saw them, and goes on alike."""
+    load_gradient_state, restore_tracker) equals the one that saw them, and goes on alike,
+    by default and with ``exclude_rounding``."""
     msg = _started(dtypes)
     run = RunInfo.from_message(msg)
-    live = RunHealthTracker(4, 0, run.roundoff)
+    live = RunHealthTracker(4, 0, run.roundoff, exclude_rounding=exclude_rounding)
     means = [  # b: zero by construction; c: zero for 2 steps, then 1e-4 (2e-3 of the top
         # below a gap of 100: rounding level in bfloat16, a gradient in float32), then
         # 1e-13 from step 6; d: exploding at step 3
@@ -252,24 +279,29 @@ def test_restore_from_the_store_equals_incremental(tmp_path, dtypes):
     sink.write(batch, "g")
     (loaded,) = sink.load_runs()
     assert loaded.dtypes == (None if dtypes is None else tuple(dtypes))
-    flags = sink.load_flags("r")
+    flags = sink.load_flags("r", exclude_rounding)
     seen, ordinary = sink.load_gradient_state("r", 4)
     steps = sink.load_frames("r")[0]
     sink.close()
     restored = restore_tracker(
         4, 0, steps, flags["step"], flags["layer_index"], flags["is_vanishing"].astype(bool),
         flags["is_exploding"].astype(bool), flags["nonfinite"].astype(bool),
-        roundoff=loaded.roundoff, seen=seen, ordinary=ordinary)
+        roundoff=loaded.roundoff, seen=seen, ordinary=ordinary,
+        exclude_rounding=exclude_rounding)
     for t in (live, restored):
         assert t.no_gradient.tolist() == [False, True, bf16, False]
     for name in ("frames", "issue_frames", "health"):
         assert getattr(restored, name) == getattr(live, name)
     for name in ("vanishing_frames", "exploding_frames", "nonfinite_frames"):
         assert getattr(restored, name).tolist() == getattr(live, name).tolist()
-    assert live.vanishing_frames.tolist() == [0, 0, 0 if bf16 else 2, 0]
+    if exclude_rounding:
+        assert live.vanishing_frames.tolist() == [0, 0, 0 if bf16 else 2, 0]
+    else:  # every vanishing row: b in all 8 frames, c at steps 0, 1, 6, 7
+        assert live.vanishing_frames.tolist() == [0, 8, 4, 0]
     nxt = frame(8, [1e-2, 1e-13, 1e-13, 5e-2])
     assert feed(restored, nxt) is feed(live, nxt)
-    assert restored.issue_frames == live.issue_frames == (1 if bf16 else 4)
+    expect = (1 if bf16 else 4) if exclude_rounding else 9
+    assert restored.issue_frames == live.issue_frames == expect
     assert restored.no_gradient.tolist() == live.no_gradient.tolist()
 
 
@@ -286,8 +318,22 @@ class JudgedRun(Run):
         return out
 
 
-def test_vanishing_alert_skips_no_gradient_layers_but_not_lost_gradients():
+def test_vanishing_alert_fires_for_a_layer_at_rounding_level_by_default():
+    """The reference rule: a layer below the threshold is vanishing, whatever its
+    magnitude; the tracker knows it as no gradient by construction (a finding)."""
     run = JudgedRun(AlertEngine(only("vanishing", consecutive=3, resolve_after=2)))
+    for s in range(4):  # "attn.q" zero by construction from step 0: |g| ~ 1e-13 of 1e-2
+        run.step(s, scale={"attn.q": 1e-11})
+    fired = run.of(AlertRule.VANISHING)
+    assert [(e.state.value, e.step, e.layers) for e in fired] == [(FIRING, 2, ["attn.q"])]
+    assert run.tracker.no_gradient.tolist() == [False, True, False, False]
+
+
+def test_vanishing_alert_skips_excluded_layers_but_not_lost_gradients():
+    """With the layer excluded (here: exclude_rounding), it raises no alert; a layer that
+    had a gradient and loses it still does."""
+    run = JudgedRun(AlertEngine(only("vanishing", consecutive=3, resolve_after=2)))
+    run.tracker.exclude_rounding = True
     for s in range(8):  # "attn.q" zero by construction from step 0: |g| ~ 1e-13 of 1e-2
         run.step(s, scale={"attn.q": 1e-11})
     assert run.events == [] and run.tracker.no_gradient.tolist() == [False, True, False, False]

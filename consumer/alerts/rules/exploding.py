@@ -56,8 +56,10 @@ class ExplodingRule(StreakRule[ExplodingRuleConfig]):
         return super().evaluate(ctx)
 
     def flags(self, ctx: FrameContext) -> np.ndarray:
-        """The frame's ``is_exploding``."""
-        return ctx.frame.is_exploding
+        """The frame's ``is_exploding``, minus the layers excluded by the run's
+        ``ignore_layers`` (:attr:`consumer.health.RunHealthTracker.excluded`)."""
+        f = ctx.frame
+        return f.is_exploding & ~ctx.tracker.excluded[f.layer_index]
 
     def order_key(self, ctx: FrameContext) -> np.ndarray:
         """max |g|: the largest first."""

@@ -2,9 +2,10 @@
 ``consecutive`` frames in a row (streak semantics: ``consumer.alerts.rules.streak``; a
 NaN/Inf frame keeps a layer's count as it is).
 
-A layer with no gradient by construction (zero up to floating-point rounding in every
-frame so far, from its first: :attr:`consumer.health.RunHealthTracker.no_gradient`,
-``schemas.rounding``) is not vanishing for this rule.
+Every layer counts, as in the reference implementation, except those the run health
+leaves out explicitly (:attr:`consumer.health.RunHealthTracker.left_out`: the run's
+``ignore_layers``, and, only with the consumer's ``--exclude-rounding-level``, layers with
+no gradient by construction so far, ``schemas.rounding``).
 """
 
 from __future__ import annotations
@@ -33,16 +34,16 @@ class VanishingRule(StreakRule[VanishingRuleConfig]):
     title: ClassVar[str] = "vanishing layers"
     description: ClassVar[str] = (
         "A layer's mean |g| below the run's vanishing threshold for `consecutive` frames "
-        "in a row (layers with no gradient by construction excepted)."
+        "in a row (layers excluded by the run's ignore_layers excepted)."
     )
     config_model: ClassVar[type[RuleConfig]] = VanishingRuleConfig
     adjective: ClassVar[str] = "vanishing"
     comparison: ClassVar[str] = "mean |g| <"
 
     def flags(self, ctx: FrameContext) -> np.ndarray:
-        """The frame's ``is_vanishing``, minus layers with no gradient by construction."""
+        """The frame's ``is_vanishing``, minus the layers the run health leaves out."""
         f = ctx.frame
-        return f.is_vanishing & ~ctx.tracker.no_gradient[f.layer_index]
+        return f.is_vanishing & ~ctx.tracker.left_out[f.layer_index]
 
     def order_key(self, ctx: FrameContext) -> np.ndarray:
         """-mean |g|: the smallest first."""
