@@ -1,16 +1,43 @@
 """Gradient-flow network analysis (per-layer flow, flow network, regions, dead zones),
-computed from the stored history of a run. Semantics follow trustformers-debug's
-``gradient_visualization`` module.
+computed from the stored history of a run. Semantics follow the reference implementation
+(trustformers-debug, module ``gradient_debugger::visualization``).
 
 :func:`build_flow_visualization` loads the run once (:func:`load_history`) and derives
 every section with NumPy passes over the ``layers x steps`` arrays, O(layers x steps) in
 total. The report models and the formula of every field are in
-:mod:`analysis.analyses.flow_models`; the reference implementation's placeholders replaced
-here are ``direction_vector = [norm]`` (left out: needs gradient vectors), ``connectivity =
-number of layers`` (node degree), edges between hash-order neighbours (consecutive layers in
-backpropagation order), edge types falling through to ``Blocked`` (Blocked = the receiving
-layer's gradient is exactly zero), ``criticality_score 0.8`` (share of gradient lost along
-the path) and ``affected_parameters 1000`` (sum of the layers' ``numel``).
+:mod:`analysis.analyses.flow_models`.
+
+Differences from the reference (with reasons in ``analysis/REFERENCE_DIFFERENCES.md``;
+the option ``rules="reference"`` restores those marked R, with the reference's own
+cut-offs, from :mod:`analysis.analyses.flow_reference`):
+
+- Placeholders computed from data: ``direction_vector = [norm]`` (left out: needs gradient
+  vectors), ``connectivity = number of layers`` (node degree), edges between hash-order
+  neighbours (consecutive layers in backpropagation order), ``criticality_score 0.8`` and
+  ``optimization_potential 0.6`` (share of gradient lost along the path; share of the
+  parameters on it), ``affected_parameters 1000`` (sum of the layers' ``numel``).
+- (R) ``FlowDirection``: turning-point test and a t-test on the slope over the temporal
+  window, instead of the sign of ``latest - oldest`` over the last three samples.
+- (R) ``stability_score``: ``1 / (1 + std / mean)`` over the window instead of ``1 / (1 +
+  variance)`` of the last five samples.
+- (R) ``NodeType``: position in the backpropagation chain and Tukey fences on the edges'
+  per-element log gains, instead of ``bottleneck_score > 0.8`` / ``flow rate > 1`` /
+  ``sum of norms < 0.01`` / ``any norm > 10``.
+- (R) ``FlowEdge`` and ``EdgeType``: per-element gain between the two layers (geometric
+  mean, consistency, zero fraction) and cut-offs Blocked >= 1/2 zero, Intermittent
+  consistency < 1/2, Strong gain >= 1, instead of the mean of the two layers' flow rates
+  and consistencies with cut-offs 1.0 / 0.8, 0.1 / 0.3, 0.6 and a fall-through to Blocked.
+- (R) ``network_connectivity``: share of edges not Blocked instead of ``edges / (n (n -
+  1))``.
+- Critical paths: stretches of non-Strong edges, product of gains (reference: one
+  "main path" of all layers, sum of strengths, constant scores).
+- (R) Vanishing and exploding regions, dead zones: the run's own per-step flags (the rule
+  of health, report and alerts), at least half of the steps, adjacent layers merged,
+  severities in orders of magnitude, instead of one region per layer at mean norm < 1e-5
+  (Critical < 1e-7), max norm > 100 (Critical > 1000), norms < 1e-8 in more than half of
+  the samples.
+- ``flow_consistency``: a zero sample followed by a non-zero one is an infinite change
+  (the reference's ``+ 1e-8`` gives 1e8, the same consistency to eight digits).
 """
 
 from __future__ import annotations
@@ -23,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from analysis.analyses import series
+from analysis.analyses import flow_reference, series
 from analysis.analyses.flow_models import (
     PALETTES,
     ColorScheme,
@@ -57,6 +84,7 @@ from analysis.analyses.history import (
     Packed,
     load_history,
 )
+from analysis.analyses.reference import DEFAULT_RULES, Rules
 from analysis.analyses.regions import adjacent_runs, steps_all, steps_any
 from analysis.analyses.render import (
     ROWS_IN_TABLE,
@@ -143,10 +171,27 @@ def flow_from_history(
         _layer_flow(history, i, window, step_scores[i], consistency, bottleneck, flow_rate)
         for i in range(history.num_layers)
     ]
-    temporal = _temporal_flows(history, window, cfg) if cfg.show_temporal_flows else []
-    network = _network(history, mom.mean, consistency)
+    reference = cfg.rules == "reference"
+    if not cfg.show_temporal_flows:
+        temporal = []
+    elif reference:
+        temporal = _reference_temporal_flows(history, packed)
+    else:
+        temporal = _temporal_flows(history, window, cfg)
+    if reference:
+        network = _reference_network(history, x, mom.mean, consistency, bottleneck, flow_rate)
+    else:
+        network = _network(history, mom.mean, consistency)
     paths = _critical_paths(history, network) if cfg.show_critical_paths else []
     regions = cfg.show_problem_regions
+    if regions and reference:
+        vanishing, exploding, dead = _reference_regions(history, packed)
+    elif regions:
+        vanishing = _vanishing_regions(history)
+        exploding = _exploding_regions(history)
+        dead = _dead_zones(history)
+    else:
+        vanishing, exploding, dead = [], [], []
     return GradientFlowVisualization(
         run_id=history.run_id,
         from_step=history.from_step,
@@ -157,9 +202,9 @@ def flow_from_history(
         temporal_flows=temporal,
         flow_network=network,
         critical_paths=paths,
-        vanishing_regions=_vanishing_regions(history) if regions else [],
-        exploding_regions=_exploding_regions(history) if regions else [],
-        dead_zones=_dead_zones(history) if regions else [],
+        vanishing_regions=vanishing,
+        exploding_regions=exploding,
+        dead_zones=dead,
         visualization_config=cfg,
     )
 
@@ -223,6 +268,130 @@ def _temporal_flows(
             )
         )
     return out
+
+
+def _reference_temporal_flows(
+    history: GradientHistory, packed: Packed
+) -> list[TemporalGradientFlow]:
+    """Temporal flows by the reference's rules: direction from the last three samples,
+    stability ``1 / (1 + variance)`` of the last five (:mod:`.flow_reference`)."""
+    values, steps, counts = packed.values, packed.steps, packed.counts
+    directions = flow_reference.latest_directions(values, counts)
+    stable = flow_reference.stability_scores(values, counts)
+    return [
+        TemporalGradientFlow(
+            step=int(steps[i, -1]),
+            layer_name=history.names[i],
+            gradient_magnitude=float(values[i, -1]),
+            flow_direction=directions[i],
+            stability_score=float(stable[i]),
+        )
+        for i in range(history.num_layers)
+        if counts[i] > 0
+    ]
+
+
+def _reference_network(
+    history: GradientHistory,
+    x: np.ndarray,
+    strength: np.ndarray,
+    consistency: np.ndarray,
+    bottleneck: np.ndarray,
+    flow_rate: np.ndarray,
+) -> GradientFlowNetwork:
+    """The flow network by the reference's rules (``build_gradient_flow_network``): node
+    types from each layer's own series, edge strength and consistency the means of the two
+    layers' ``information_flow_rate`` and ``flow_consistency``, the reference's edge
+    cut-offs and ``network_connectivity = edges / (n (n - 1))``. The edges join
+    consecutive layers in backpropagation order (the reference's hash-order neighbours are
+    a placeholder); ``blocked_fraction`` is measured as with gradstream's rules."""
+    count = history.num_layers
+    node_types = flow_reference.node_types(x, bottleneck, flow_rate)
+    e_strength = (flow_rate[1:] + flow_rate[:-1]) / 2.0
+    e_consistency = (consistency[1:] + consistency[:-1]) / 2.0
+    types = flow_reference.edge_types(e_strength, e_consistency)
+    blocked_fraction = _edge_arrays(history)["blocked_fraction"]
+    nodes = [
+        FlowNode(
+            layer_name=history.names[i],
+            layer_index=int(history.layer_index[i]),
+            node_type=node_types[i],
+            gradient_strength=float(strength[i]),
+            connectivity=(1 if i > 0 else 0) + (1 if i < count - 1 else 0),
+            influence_score=float(strength[i] * consistency[i]),
+        )
+        for i in range(count)
+    ]
+    edges = [
+        FlowEdge(
+            from_layer=history.names[e + 1],
+            to_layer=history.names[e],
+            flow_strength=float(e_strength[e]),
+            flow_consistency=float(e_consistency[e]),
+            edge_type=types[e],
+            blocked_fraction=float(blocked_fraction[e]),
+        )
+        for e in range(count - 2, -1, -1)
+    ]
+    n_edges = len(edges)
+    efficiency = float(e_strength.sum()) / max(n_edges, 1)
+    connectivity = n_edges / (max(count, 1) * max(count - 1, 1))
+    metrics = NetworkMetrics(
+        overall_flow_efficiency=efficiency,
+        network_connectivity=connectivity,
+        bottleneck_density=(
+            sum(n.node_type is NodeType.BOTTLENECK for n in nodes) / count if count else 0.0
+        ),
+        flow_stability=float(e_consistency.sum()) / max(n_edges, 1),
+        information_propagation_speed=efficiency * connectivity,
+    )
+    return GradientFlowNetwork(nodes=nodes, edges=edges, network_metrics=metrics)
+
+
+def _reference_regions(
+    history: GradientHistory, packed: Packed
+) -> tuple[list[VanishingRegion], list[ExplodingRegion], list[GradientDeadZone]]:
+    """Regions and dead zones by the reference's rules: one per layer, from the layer's
+    finite samples (:mod:`.flow_reference`); ``duration_steps`` the layer's samples,
+    ``affected_parameters`` its ``numel``."""
+    values, counts = packed.values, packed.counts
+    vanishing, exploding, dead = [], [], []
+    v_classes = flow_reference.vanishing_classes(values, counts)
+    e_classes = flow_reference.exploding_classes(values)
+    d_classes = flow_reference.dead_zone_classes(values, counts)
+    for i in range(history.num_layers):
+        samples = int(counts[i])
+        if v_classes[i] is not None:
+            severity = v_classes[i]
+            vanishing.append(VanishingRegion(
+                region_id=f"vanishing_{len(vanishing) + 1}",
+                affected_layers=[history.names[i]],
+                severity_level=severity,
+                extent=_extent(history, i, i, samples),
+                mitigation_suggestions=_vanishing_advice(history, i, i, severity),
+            ))
+        if e_classes[i] is not None:
+            peak = float(np.nanmax(values[i]))
+            exploding.append(ExplodingRegion(
+                region_id=f"exploding_{len(exploding) + 1}",
+                affected_layers=[history.names[i]],
+                severity_level=e_classes[i],
+                extent=_extent(history, i, i, samples),
+                mitigation_suggestions=_exploding_advice(
+                    False, peak, flow_reference.EXPLODING_NORM
+                ),
+            ))
+        if d_classes[i] is not None:
+            zeros, potential, intervene = d_classes[i]
+            dead.append(GradientDeadZone(
+                zone_id=f"dead_zone_{len(dead) + 1}",
+                affected_layers=[history.names[i]],
+                dead_duration=zeros,
+                recovery_potential=potential,
+                intervention_required=intervene,
+                affected_parameters=int(history.numel[i]),
+            ))
+    return vanishing, exploding, dead
 
 
 def _edge_arrays(history: GradientHistory) -> dict[str, np.ndarray]:
@@ -523,7 +692,8 @@ def render_flow(report: GradientFlowVisualization) -> RenderableType:
     parts: list[RenderableType] = []
     head = Text("gradient flow of run ", style="bold")
     head.append(show_name(report.run_id))
-    head.append(f"  ({report.layers} layers, {report.steps} steps)", style="dim")
+    head.append(f"  ({report.layers} layers, {report.steps} steps, {cfg.rules} rules)",
+                style="dim")
     parts.append(head)
     m = report.flow_network.network_metrics
     metrics = table("network", ["metric", "value"], [False, True])
@@ -634,6 +804,9 @@ class FlowOptions(BaseModel):
       (``temporal_window`` of :class:`GradientVisualizationConfig`), >= 1.
     - ``alpha``: significance level of the direction tests, in (0, 1).
     - ``color_scheme``: colours of the tables and of the report's palette.
+    - ``rules``: ``"gradstream"`` (default) or ``"reference"``: the reference's flow
+      directions, stability scores, node and edge types, connectivity, regions and dead
+      zones (see the module docstring).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -641,6 +814,7 @@ class FlowOptions(BaseModel):
     window: int = Field(default=GradientVisualizationConfig().temporal_window, ge=1)
     alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, lt=1.0)
     color_scheme: ColorScheme = ColorScheme.DEFAULT
+    rules: Rules = DEFAULT_RULES
 
 
 def _build(
@@ -653,7 +827,8 @@ def _build(
     """:func:`build_flow_visualization` with the config made from ``options`` (other
     config fields at their defaults). Raises what that function raises."""
     config = GradientVisualizationConfig(
-        temporal_window=options.window, alpha=options.alpha, color_scheme=options.color_scheme
+        temporal_window=options.window, alpha=options.alpha, color_scheme=options.color_scheme,
+        rules=options.rules,
     )
     return build_flow_visualization(con, run_id, from_step, to_step, config)
 

@@ -1,15 +1,24 @@
 """Report models of the gradient-flow network analysis (per-layer flow, flow network,
 critical paths, regions, dead zones).
 
-Field names and semantics follow trustformers-debug's ``gradient_visualization`` module
-(the reference implementation); the formula of every field is in its class docstring and in
-:mod:`analysis.flow`. Collections keyed by layer name in the reference (``HashMap``) are
-lists in model order here, each entry carrying its ``layer_name``.
+Field names follow the reference implementation (trustformers-debug, module
+``gradient_debugger::visualization``); the formula of every field is in its class docstring
+and in :mod:`analysis.flow`. Collections keyed by layer name in the reference (``HashMap``)
+are lists in model order here, each entry carrying its ``layer_name``.
+
+Differences from the reference: the classes below state gradstream's rule and, where it
+differs, the reference's; ``GradientVisualizationConfig.rules = "reference"`` applies the
+reference's rules (:mod:`analysis.analyses.flow_reference`). The full list with reasons
+is in :mod:`analysis.flow` and ``analysis/REFERENCE_DIFFERENCES.md``. Fields added here:
+``layer_index``, ``samples``, ``blocked_fraction``, ``GradientDeadZone.affected_parameters``
+and the report's run/range header; ``GradientVisualizationConfig`` adds ``alpha`` and
+``rules``.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -77,6 +86,12 @@ class FlowDirection(StrEnum):
     - ``Backward``: significantly negative: the flow is weakening.
     - ``Stagnant``: neither: no reversal pattern and no trend beyond noise (including a
       constant, e.g. all-zero, layer, and windows of fewer than 3 samples).
+
+    Reference (``rules="reference"``): from the last three samples only, ``trend = latest
+    - oldest``: Stagnant if ``|trend| < 1e-6``, Forward if positive, else Oscillating if
+    the two steps change sign, else Backward; Forward with fewer than three samples.
+    Not the default: the sign of one difference of a noisy series is a coin toss, and
+    1e-6 is in norm units.
     """
 
     FORWARD = "Forward"
@@ -116,6 +131,13 @@ class NodeType(StrEnum):
       starts.
     - ``Sink``: no outgoing edge: the first layer in model order, where it ends.
     - ``Normal``: otherwise.
+
+    Reference (``rules="reference"``): from each layer's own series, Bottleneck if
+    ``bottleneck_score > 0.8``, Amplifier if ``information_flow_rate > 1``, Sink if the sum
+    of its norms is below 0.01, Source if a norm exceeds 10, else Normal. Not the default:
+    the cut-offs are in norm units (they move with model size and loss scale), the sum grows
+    with the number of steps, and no rule looks at the neighbours that make a node a
+    bottleneck of a flow.
     """
 
     SOURCE = "Source"
@@ -153,6 +175,13 @@ class EdgeType(StrEnum):
     - ``Strong``: ``flow_strength >= 1``: the per-element gradient does not shrink across
       the edge.
     - ``Weak``: ``flow_strength < 1``: it shrinks.
+
+    Reference (``rules="reference"``, strength and consistency the means of the two
+    layers' flow rate and flow consistency): Strong if strength > 1 and consistency > 0.8,
+    Weak if strength < 0.1 or consistency < 0.3, Intermittent if consistency < 0.6, else
+    Blocked (a fall-through that calls a moderate, consistent edge Blocked). Not the
+    default: the mean of two layers' own variation says nothing about what passes between
+    them.
     """
 
     STRONG = "Strong"
@@ -271,7 +300,9 @@ class ExplodingSeverity(StrEnum):
 class VanishingRegion(_Model):
     """Adjacent layers (model order) each vanishing in at least half of its steps (a step
     vanishes when ``mean_abs_grad < vanishing_threshold`` with no NaN/Inf, the run's frame
-    rule). ``severity_level`` from the median over the layers of their geometric-mean
+    rule; reference, ``rules="reference"``: one region per layer whose mean norm is below
+    1e-5, Critical below 1e-7, else Moderate. Not the default: health, report and alerts
+    judge vanishing by the run's threshold, and the analyses must agree with them). ``severity_level`` from the median over the layers of their geometric-mean
     per-element magnitude; ``extent.duration_steps``: steps at which every layer of the
     region that reported was vanishing."""
 
@@ -284,7 +315,8 @@ class VanishingRegion(_Model):
 
 class ExplodingRegion(_Model):
     """Adjacent layers (model order) each exploding (``max_abs_grad >
-    exploding_threshold``) or non-finite in at least one step. ``severity_level`` from the
+    exploding_threshold``) or non-finite in at least one step (reference: one region per
+    layer whose largest norm is above 100, Critical above 1000, else Moderate). ``severity_level`` from the
     region's largest gradient element; ``extent.duration_steps``: steps at which at least
     one layer of the region exploded or was non-finite."""
 
@@ -314,7 +346,9 @@ class RecoveryPotential(StrEnum):
 
 class GradientDeadZone(_Model):
     """Adjacent layers each with an exactly zero gradient (``grad_norm = 0``, no NaN/Inf)
-    in at least half of its steps.
+    in at least half of its steps (reference: one zone per layer with norms below 1e-8 in
+    more than half of its samples, recovery Low above 90 % else Medium, intervention above
+    80 %).
 
     - ``dead_duration``: steps at which every layer of the zone that reported was dead.
     - ``recovery_potential``: :class:`RecoveryPotential`.
@@ -352,6 +386,10 @@ class GradientVisualizationConfig(_Model):
     - ``flow_threshold``: drawing cut-off: nodes whose ``gradient_strength`` is below this
       fraction of the strongest node's are drawn dimmed.
     - ``alpha``: significance level of the statistical tests (direction classes).
+    - ``rules``: ``"gradstream"`` (default) or ``"reference"``: the reference's rules for
+      flow directions, stability scores, node and edge types, network connectivity,
+      regions and dead zones (:mod:`analysis.analyses.flow_reference`). Not a field of the
+      reference's config.
     """
 
     show_temporal_flows: bool = True
@@ -361,6 +399,7 @@ class GradientVisualizationConfig(_Model):
     temporal_window: int = Field(default=50, ge=1)
     flow_threshold: float = Field(default=0.01, ge=0.0, le=1.0)
     alpha: float = Field(default=0.01, gt=0.0, lt=1.0)
+    rules: Literal["gradstream", "reference"] = "gradstream"
 
     @property
     def palette(self) -> dict[str, str]:

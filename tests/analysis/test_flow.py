@@ -306,3 +306,103 @@ def test_report_is_strict_json(tmp_path: Path) -> None:
                              "vanishing_regions", "exploding_regions", "dead_zones",
                              "visualization_config"}
     assert all(math.isfinite(n["gradient_strength"]) for n in document["flow_network"]["nodes"])
+
+
+# -- the reference's rules (rules="reference"), answers worked out by hand from its formulas
+
+
+def reference_case(tmp_path: Path) -> GradientFlowVisualization:
+    norms = np.array([
+        [1.0, 2.0, 4.0, 8.0],          # a: flow rate 7/4 > 1 -> Amplifier; rising -> Forward
+        [1e-3] * 4,                    # b: sum 0.004 < 0.01 -> Sink; flat -> Stagnant
+        [5.0, 5.0, 6.0, 4.0],          # c: Normal; 5, 6, 4 falls with a reversal -> Oscillating
+        [20.0, 20.0, 20.0, 19.5],      # d: a norm > 10 -> Source; 20, 20, 19.5 -> Backward
+        [10.0, 10.0, 10.0, 0.1],       # e: bottleneck 1 - 0.1 / 7.525 > 0.8 -> Bottleneck
+        [1e-6] * 4,                    # f: mean 1e-6 < 1e-5 -> vanishing, Moderate
+        [0.0, 0.0, 0.0, 1e-3],         # g: 3 of 4 below 1e-8 -> dead zone, Medium
+        [50.0, 150.0, 50.0, 50.0],     # h: max 150 > 100 -> exploding, Moderate
+    ])
+    path = write_history(tmp_path / "s.duckdb", norms, names=list("abcdefgh"))
+    return flow_of(path, config=GradientVisualizationConfig(rules="reference"))
+
+
+def test_reference_node_types_and_directions(tmp_path: Path) -> None:
+    report = reference_case(tmp_path)
+    N, D = NodeType, FlowDirection
+    assert [n.node_type for n in report.flow_network.nodes] == [
+        N.AMPLIFIER, N.SINK, N.NORMAL, N.SOURCE, N.BOTTLENECK, N.SINK, N.BOTTLENECK,
+        N.AMPLIFIER]
+    assert [t.flow_direction for t in report.temporal_flows] == [
+        D.FORWARD, D.STAGNANT, D.OSCILLATING, D.BACKWARD, D.BACKWARD, D.STAGNANT, D.FORWARD,
+        D.BACKWARD]
+    # a: 1 / (1 + population variance of 1, 2, 4, 8) = 1 / (1 + 7.1875).
+    assert report.temporal_flows[0].stability_score == pytest.approx(1 / 8.1875)
+    assert report.visualization_config.rules == "reference"
+
+
+def test_reference_edges_and_connectivity(tmp_path: Path) -> None:
+    """Edge b -> a: strength (7/4 + 0) / 2 = 0.875, consistency (1/2 + 1) / 2 = 0.75:
+    neither Strong, Weak nor Intermittent, so the reference's fall-through Blocked. Edge
+    c -> b: strength (0 + 3/4) / 2, consistency (1 + 1 / (1 + (0 + 1/5 + 2/6) / 3)) / 2."""
+    report = reference_case(tmp_path)
+    edges = {(e.from_layer, e.to_layer): e for e in report.flow_network.edges}
+    ba = edges[("b", "a")]
+    assert (ba.flow_strength, ba.flow_consistency) == pytest.approx((0.875, 0.75))
+    assert ba.edge_type is EdgeType.BLOCKED
+    cb = edges[("c", "b")]
+    c_consistency = 1 / (1 + (0 + 1 / 5 + 2 / 6) / 3)
+    assert cb.flow_strength == pytest.approx(0.375)
+    assert cb.flow_consistency == pytest.approx((1 + c_consistency) / 2)
+    # h -> g: strength (50 + 1e-3 / 4) / 2 > 1, consistency of g about 3e-5: Weak.
+    assert edges[("h", "g")].edge_type is EdgeType.WEAK
+    assert report.flow_network.network_metrics.network_connectivity == pytest.approx(7 / 56)
+
+
+def test_reference_regions_one_per_layer(tmp_path: Path) -> None:
+    report = reference_case(tmp_path)
+    assert [(r.affected_layers, r.severity_level) for r in report.vanishing_regions] == [
+        (["f"], VanishingSeverity.MODERATE)]
+    assert [(r.affected_layers, r.severity_level) for r in report.exploding_regions] == [
+        (["h"], ExplodingSeverity.MODERATE)]
+    (zone,) = report.dead_zones
+    assert zone.affected_layers == ["g"] and zone.dead_duration == 3
+    assert zone.recovery_potential is RecoveryPotential.MEDIUM
+    assert zone.intervention_required is False  # 3/4 is not above 0.8
+    assert report.vanishing_regions[0].extent.affected_parameters == 100
+    assert report.vanishing_regions[0].extent.duration_steps == 4
+
+
+@pytest.mark.parametrize(
+    ("norms", "severity"),
+    [([5e-8] * 3, VanishingSeverity.CRITICAL), ([1e-7] * 3, VanishingSeverity.MODERATE),
+     ([1e-5] * 3, None)],
+)
+def test_reference_vanishing_cut_offs(
+    tmp_path: Path, norms: list[float], severity: VanishingSeverity | None
+) -> None:
+    """Mean norm < 1e-7: Critical; < 1e-5: Moderate; 1e-5 itself: no region."""
+    path = write_history(tmp_path / "s.duckdb", np.array([norms, [1.0] * 3]))
+    report = flow_of(path, config=GradientVisualizationConfig(rules="reference"))
+    assert [r.severity_level for r in report.vanishing_regions] == (
+        [severity] if severity else [])
+
+
+def test_reference_dead_zone_cut_offs(tmp_path: Path) -> None:
+    """10 samples: 10 zeros -> Low (> 0.9), intervention; 9 -> Medium (0.9 is not above
+    0.9), intervention (> 0.8); 6 -> Medium, no intervention; 5 -> no zone (0.5)."""
+    rows = []
+    for zeros in (10, 9, 6, 5):
+        rows.append([0.0] * zeros + [1.0] * (10 - zeros))
+    path = write_history(tmp_path / "s.duckdb", np.array(rows))
+    report = flow_of(path, config=GradientVisualizationConfig(rules="reference"))
+    assert [(z.affected_layers[0], z.recovery_potential, z.intervention_required)
+            for z in report.dead_zones] == [
+        ("layer0", RecoveryPotential.LOW, True), ("layer1", RecoveryPotential.MEDIUM, True),
+        ("layer2", RecoveryPotential.MEDIUM, False)]
+
+
+def test_reference_direction_needs_three_samples(tmp_path: Path) -> None:
+    path = write_history(tmp_path / "s.duckdb", np.array([[3.0, 1.0]]))
+    report = flow_of(path, config=GradientVisualizationConfig(rules="reference"))
+    assert report.temporal_flows[0].flow_direction is FlowDirection.FORWARD
+    assert report.temporal_flows[0].stability_score == 1.0
