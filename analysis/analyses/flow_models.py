@@ -302,7 +302,8 @@ class VanishingRegion(_Model):
     vanishes when ``mean_abs_grad < vanishing_threshold`` with no NaN/Inf, the run's frame
     rule; reference, ``rules="reference"``: one region per layer whose mean norm is below
     1e-5, Critical below 1e-7, else Moderate. Not the default: health, report and alerts
-    judge vanishing by the run's threshold, and the analyses must agree with them). ``severity_level`` from the median over the layers of their geometric-mean
+    judge vanishing by the run's threshold, and the analyses must agree with them).
+    ``severity_level`` from the median over the layers of their geometric-mean
     per-element magnitude; ``extent.duration_steps``: steps at which every layer of the
     region that reported was vanishing."""
 
@@ -316,9 +317,9 @@ class VanishingRegion(_Model):
 class ExplodingRegion(_Model):
     """Adjacent layers (model order) each exploding (``max_abs_grad >
     exploding_threshold``) or non-finite in at least one step (reference: one region per
-    layer whose largest norm is above 100, Critical above 1000, else Moderate). ``severity_level`` from the
-    region's largest gradient element; ``extent.duration_steps``: steps at which at least
-    one layer of the region exploded or was non-finite."""
+    layer whose largest norm is above 100, Critical above 1000, else Moderate).
+    ``severity_level`` from the region's largest gradient element;
+    ``extent.duration_steps``: steps at which at least one layer of the region exploded or was non-finite."""
 
     region_id: str
     affected_layers: list[str]

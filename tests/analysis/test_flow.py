@@ -328,13 +328,12 @@ def reference_case(tmp_path: Path) -> GradientFlowVisualization:
 
 def test_reference_node_types_and_directions(tmp_path: Path) -> None:
     report = reference_case(tmp_path)
-    N, D = NodeType, FlowDirection
-    assert [n.node_type for n in report.flow_network.nodes] == [
-        N.AMPLIFIER, N.SINK, N.NORMAL, N.SOURCE, N.BOTTLENECK, N.SINK, N.BOTTLENECK,
-        N.AMPLIFIER]
-    assert [t.flow_direction for t in report.temporal_flows] == [
-        D.FORWARD, D.STAGNANT, D.OSCILLATING, D.BACKWARD, D.BACKWARD, D.STAGNANT, D.FORWARD,
-        D.BACKWARD]
+    assert [n.node_type.value for n in report.flow_network.nodes] == [
+        "Amplifier", "Sink", "Normal", "Source", "Bottleneck", "Sink", "Bottleneck",
+        "Amplifier"]
+    assert [t.flow_direction.value for t in report.temporal_flows] == [
+        "Forward", "Stagnant", "Oscillating", "Backward", "Backward", "Stagnant", "Forward",
+        "Backward"]
     # a: 1 / (1 + population variance of 1, 2, 4, 8) = 1 / (1 + 7.1875).
     assert report.temporal_flows[0].stability_score == pytest.approx(1 / 8.1875)
     assert report.visualization_config.rules == "reference"
