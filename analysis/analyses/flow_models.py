@@ -319,7 +319,8 @@ class ExplodingRegion(_Model):
     exploding_threshold``) or non-finite in at least one step (reference: one region per
     layer whose largest norm is above 100, Critical above 1000, else Moderate).
     ``severity_level`` from the region's largest gradient element;
-    ``extent.duration_steps``: steps at which at least one layer of the region exploded or was non-finite."""
+    ``extent.duration_steps``: steps at which at least one layer of the region exploded
+    or was non-finite."""
 
     region_id: str
     affected_layers: list[str]
