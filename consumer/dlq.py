@@ -22,7 +22,10 @@ def dead_letter_headers(
     Args:
         reason: why the message was refused (one line, names the field).
         topic, partition, offset: where the original message was read.
-        error: short error class, e.g. ``invalid`` or ``unknown_run``.
+        error: short error class: ``invalid`` (unusable, or does not fit the run's
+            parameters), ``unknown_run``, ``conflicting_run`` (a RunStarted contradicting
+            the run's: its rank is refused) or ``refused_rank`` (a summary of a refused
+            rank).
     """
     return [
         ("reason", reason.encode()),

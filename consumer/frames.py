@@ -285,6 +285,13 @@ class GradientFrame:
             a counted piece whose statistics disagreed with it (``consumer.merge``).
         local: the per-rank local view rows of the ranks merged into this version of the
             frame, or None.
+        layout_violations: int64[v, 5] rows (layer_index, kind, rank, got, expected) of
+            pieces that do not fit their parameter's size or shard layout
+            (``consumer.merge.check_layout``; kinds in ``consumer.merge``); a frame with any
+            is stored as partial and raises the ``shard_layout`` alert.
+        refused_ranks: rank -> why its data for this frame was refused (its RunStarted was
+            refused, or its summary of this step was dead-lettered): a missing rank listed
+            here sent data, one not listed sent nothing.
 
     In norms mode ``sum_abs``, ``max_abs_grad`` and ``mean_abs_grad`` are NaN for the
     layers where some shard lacked them (module docstring).
@@ -321,11 +328,22 @@ class GradientFrame:
         default_factory=lambda: np.empty((0, 3), np.int32)
     )
     local: LocalRows | None = None
+    layout_violations: np.ndarray = field(
+        default_factory=lambda: np.empty((0, 5), np.int64)
+    )
+    refused_ranks: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def all_ranks_seen(self) -> bool:
+        """True when every rank of ``world_size`` reported."""
+        return len(self.ranks_seen) == self.world_size
 
     @property
     def complete(self) -> bool:
-        """True when every rank of ``world_size`` reported."""
-        return len(self.ranks_seen) == self.world_size
+        """True when every rank of ``world_size`` reported and every piece fits its
+        parameter (no ``layout_violations``): only then are the frame's values the
+        statistics of the whole gradient."""
+        return self.all_ranks_seen and not len(self.layout_violations)
 
     @property
     def missing_ranks(self) -> tuple[int, ...]:

@@ -21,6 +21,21 @@ same piece holds a replica: its statistics are compared with the counted ones
 :data:`REPLICA_RTOL` are recorded on the frame (``replica_divergence``). Without a layout
 each rank's statistics are a disjoint shard of their own, as in schema 1.2.
 
+Pieces must fit their parameter (:func:`check_shard`, :func:`check_layout`). A summary
+whose entries cannot be pieces of the parameters RunStarted declared (more elements than
+the parameter, a whole-parameter piece of another size) is refused before the merge, from
+the message alone. At finalisation the counted pieces of every reported layer must hold
+no more elements than the parameter, and, in a frame every rank reported, exactly as many;
+the replicas of one piece must hold as many elements as the counted one, and every rank
+must cut a layer into the same number of pieces. A frame breaking any of these carries the
+rows in ``GradientFrame.layout_violations``: it is stored as partial (never complete) and
+raises the ``shard_layout`` alert. The checks are NumPy expressions over the layers.
+
+Refused ranks. A rank whose RunStarted was refused (:meth:`ShardMerger.refuse`), or whose
+summary of one step was refused (:meth:`ShardMerger.reject`), will send nothing usable for
+those frames: a frame waits only for the other ranks, is finalised as partial at once, and
+names why each such rank is missing (``GradientFrame.refused_ranks``).
+
 The merger also tracks, per Kafka partition, the earliest offset of every pending frame:
 a worker must never store or commit a position past it, so that a crash or a rebalance
 rebuilds pending frames from Kafka instead of losing them.
@@ -48,6 +63,24 @@ non-negative terms has a relative error of at most gamma_n = n u / (1 - n u), u 
 below 1e-6 for every n up to 9e9 elements. Element counts (``numel``, ``nonfinite``) must
 be equal exactly."""
 
+VIOLATION_NUMEL = 1
+"""Layout violation: the counted pieces of a layer hold more elements than the parameter
+(any frame), or fewer (a frame every rank reported). Row: (layer, kind, -1, elements
+counted, parameter's numel)."""
+VIOLATION_REPLICA_NUMEL = 2
+"""Layout violation: a replica of a piece holds another number of elements than the counted
+replica. Row: (layer, kind, rank, its numel, the counted replica's numel)."""
+VIOLATION_SHARD_COUNT = 3
+"""Layout violation: a rank cuts a layer into another number of pieces than the first rank
+that reported it in the frame. Row: (layer, kind, rank, its shard_count, the first one)."""
+VIOLATION_KINDS: dict[int, str] = {
+    VIOLATION_NUMEL: "numel", VIOLATION_REPLICA_NUMEL: "replica_numel",
+    VIOLATION_SHARD_COUNT: "shard_count",
+}
+"""Names of the layout-violation kinds (alert values)."""
+
+_NO_VIOLATIONS = np.empty((0, 5), np.int64)
+
 PartitionKey = tuple[str, int]
 """(topic, partition)."""
 
@@ -67,7 +100,8 @@ class PieceLedger:
         num_layers: L. world_size: W.
     """
 
-    __slots__ = ("divergence", "nonfinite", "numel", "owner", "seen", "sums", "world_size")
+    __slots__ = ("count", "divergence", "nonfinite", "numel", "owner", "seen", "sums",
+                 "violations", "world_size")
 
     def __init__(self, num_layers: int, world_size: int) -> None:
         size = num_layers * world_size
@@ -77,7 +111,9 @@ class PieceLedger:
         self.numel = np.zeros(size, np.int64)
         self.nonfinite = np.zeros(size, np.int64)
         self.sums = np.full((size, 3), np.nan)  # sum_abs, sum_sq, max_abs
+        self.count = np.zeros(num_layers, np.int64)  # first shard_count seen (0: none)
         self.divergence: list[np.ndarray] = []
+        self.violations: list[np.ndarray] = []
 
     def admit(self, shard: StepSummary) -> np.ndarray:
         """Record the pieces of ``shard`` (which must carry a layout) and return which of its
@@ -86,13 +122,25 @@ class PieceLedger:
         Returns:
             bool[k] aligned with ``shard.layer_indices``: True for a piece seen for the
             first time (count it), False for a replica of a counted piece (compared with it;
-            a disagreement is appended to :attr:`divergence` as rows (layer_index, rank,
-            reference_rank)).
+            a disagreement of the sums or the non-finite count is appended to
+            :attr:`divergence` as rows (layer_index, rank, reference_rank), one of the
+            element count to :attr:`violations`). An entry whose ``shard_count`` differs
+            from the first one seen for its layer is recorded in :attr:`violations` and not
+            counted (False).
         """
         layers = np.asarray(shard.layer_indices, np.int64)
         keys = layers * self.world_size + np.asarray(shard.shard_index, np.int64)
-        new = ~self.seen[keys]
         numel = np.asarray(shard.numel, np.int64)
+        count = np.asarray(shard.shard_count, np.int64)
+        first = self.count[layers]
+        unset = first == 0
+        self.count[layers[unset]] = count[unset]
+        other_cut = ~unset & (first != count)
+        if other_cut.any():
+            self.violations.append(_violation_rows(
+                layers[other_cut], VIOLATION_SHARD_COUNT, shard.rank, count[other_cut],
+                first[other_cut]))
+        new = ~self.seen[keys] & ~other_cut
         nonfinite = np.asarray(shard.nonfinite, np.int64)
         sums = np.column_stack([
             np.asarray(shard.sum_abs, np.float64) if shard.sum_abs is not None
@@ -107,14 +155,18 @@ class PieceLedger:
         self.numel[fresh] = numel[new]
         self.nonfinite[fresh] = nonfinite[new]
         self.sums[fresh] = sums[new]
-        old = ~new
+        old = ~new & ~other_cut
         if old.any():
             ref = keys[old]
             a, b = self.sums[ref], sums[old]
+            other_size = self.numel[ref] != numel[old]
+            if other_size.any():
+                self.violations.append(_violation_rows(
+                    layers[old][other_size], VIOLATION_REPLICA_NUMEL, shard.rank,
+                    numel[old][other_size], self.numel[ref][other_size]))
             with np.errstate(invalid="ignore"):
                 far = np.abs(a - b) > REPLICA_RTOL * np.maximum(np.abs(a), np.abs(b))
-            differs = (far.any(axis=1) | (self.numel[ref] != numel[old])
-                       | (self.nonfinite[ref] != nonfinite[old]))
+            differs = (far.any(axis=1) & ~other_size) | (self.nonfinite[ref] != nonfinite[old])
             if differs.any():
                 rows = np.column_stack([
                     layers[old][differs], np.full(int(differs.sum()), shard.rank),
@@ -129,8 +181,85 @@ class PieceLedger:
             return _NO_DIVERGENCE
         return np.concatenate(self.divergence)
 
+    def violation_rows(self) -> np.ndarray:
+        """int64[v, 5] layout-violation rows (layer_index, kind, rank, got, expected) of the
+        replicas and cuts that did not fit (kinds :data:`VIOLATION_REPLICA_NUMEL`,
+        :data:`VIOLATION_SHARD_COUNT`)."""
+        if not self.violations:
+            return _NO_VIOLATIONS
+        return np.concatenate(self.violations)
+
 
 _NO_DIVERGENCE = np.empty((0, 3), np.int32)
+
+
+def _violation_rows(layers: np.ndarray, kind: int, rank: int, got: np.ndarray,
+                    expected: np.ndarray) -> np.ndarray:
+    """int64[k, 5] rows (layer, kind, rank, got, expected) for ``k`` layers."""
+    k = len(layers)
+    return np.column_stack([layers, np.full(k, kind), np.full(k, rank), got,
+                            expected]).astype(np.int64)
+
+
+def check_shard(shard: StepSummary, full_numel: np.ndarray) -> str | None:
+    """Why ``shard``'s entries cannot be pieces of the run's parameters, judged from the
+    message alone, or None when they can.
+
+    A piece holds at most the parameter's elements; a piece that is the whole parameter
+    (``shard_count == 1``, or no layout in a run of one rank) holds exactly as many.
+    (``shard_index < shard_count <= world_size`` is checked when the message is decoded.)
+
+    Args:
+        shard: a validated StepSummary whose layer indices are within the run.
+        full_numel: int64[L] the parameters' sizes (RunStarted).
+
+    Returns:
+        One line naming the first offending entry and how many there are, or None.
+    """
+    layers = np.asarray(shard.layer_indices, np.int64)
+    numel = np.asarray(shard.numel, np.int64)
+    full = full_numel[layers]
+    over = numel > full
+    if shard.shard_count is not None:
+        whole = np.asarray(shard.shard_count, np.int64) == 1
+    else:
+        whole = np.full(len(layers), shard.world_size == 1)
+    wrong = over | (whole & (numel != full))
+    if not wrong.any():
+        return None
+    bad = np.flatnonzero(wrong)
+    i = int(bad[0])
+    what = ("exceeds" if over[i] else "differs from") + " the parameter's"
+    piece = ("the whole parameter (shard_count 1)" if whole[i] and not over[i]
+             else "a piece")
+    return (f"rank {shard.rank} step {shard.step}: layer {int(layers[i])} holds "
+            f"{int(numel[i])} elements as {piece}, which {what} {int(full[i])} from "
+            f"RunStarted ({bad.size} such layer(s)); the summary does not fit the run's "
+            "layer list")
+
+
+def check_layout(numel: np.ndarray, full_numel: np.ndarray, every_rank: bool) -> np.ndarray:
+    """Layout-violation rows of a frame's merged element counts (kind
+    :data:`VIOLATION_NUMEL`).
+
+    The counted pieces of a parameter are disjoint, so together they hold at most its
+    elements, and once every rank reported, exactly its elements (a layer no rank reported,
+    ``numel == 0``, had no gradient: not a violation).
+
+    Args:
+        numel: int64[L] elements merged per layer. full_numel: int64[L] the parameters'
+            sizes (RunStarted). every_rank: every rank of the run reported.
+
+    Returns:
+        int64[v, 5] rows (layer_index, kind, -1, merged numel, parameter numel).
+    """
+    bad = numel > full_numel
+    if every_rank:
+        bad |= (numel > 0) & (numel < full_numel)
+    if not bad.any():
+        return _NO_VIOLATIONS
+    layers = np.flatnonzero(bad)
+    return _violation_rows(layers, VIOLATION_NUMEL, -1, numel[layers], full_numel[layers])
 
 
 @dataclass(slots=True)
@@ -198,6 +327,50 @@ class ShardMerger:
         self._partial_sums: OrderedDict[tuple[str, int], _Pending] = OrderedDict()
         self.partial_cache_size = 4096
         self.duplicates = 0
+        self._refused: dict[str, dict[int, str]] = {}
+        # (run, step) -> rank -> why its summary of that step was refused; bounded like
+        # the partial cache (a step whose frame never forms is forgotten eventually).
+        self._rejected: OrderedDict[tuple[str, int], dict[int, str]] = OrderedDict()
+
+    # -- refused ranks -------------------------------------------------------------------
+
+    def refuse(self, run_id: str, rank: int, reason: str) -> None:
+        """Record that ``rank``'s RunStarted for ``run_id`` was refused (``reason``): its
+        summaries are refused from now on (:meth:`refusal`) and the run's frames stop
+        waiting for it."""
+        self._refused.setdefault(run_id, {})[rank] = reason
+
+    def refusal(self, run_id: str, rank: int) -> str | None:
+        """Why ``rank``'s RunStarted for ``run_id`` was refused, or None."""
+        return self._refused.get(run_id, {}).get(rank)
+
+    def reject(self, run_id: str, step: int, rank: int, reason: str) -> None:
+        """Record that ``rank``'s summary of ``step`` was refused (dead-lettered for
+        ``reason``): that frame stops waiting for the rank and names the reason."""
+        key = (run_id, step)
+        self._rejected.setdefault(key, {})[rank] = reason
+        self._rejected.move_to_end(key)
+        while len(self._rejected) > self.partial_cache_size:
+            self._rejected.popitem(last=False)
+
+    def _excused(self, run_id: str, step: int) -> dict[int, str]:
+        """Ranks of (run, step) whose data was refused, with why (run-level refusals
+        first named)."""
+        out = {r: f"its RunStarted was refused: {why}"
+               for r, why in self._refused.get(run_id, {}).items()}
+        for r, why in self._rejected.get((run_id, step), {}).items():
+            out.setdefault(r, f"its summary was dead-lettered: {why}")
+        return out
+
+    def _covered(self, run: RunInfo, step: int, ranks: set[int] | frozenset[int]) -> bool:
+        """Every rank of the run reported ``step`` or had its data refused."""
+        if len(ranks) >= run.world_size:
+            return True
+        refused = self._refused.get(run.run_id)
+        rejected = self._rejected.get((run.run_id, step))
+        if not refused and not rejected:
+            return False
+        return len(set(ranks).union(refused or (), rejected or ())) >= run.world_size
 
     # -- restore -------------------------------------------------------------------------
 
@@ -262,7 +435,10 @@ class ShardMerger:
             pending.ranks.add(shard.rank)
         pending.wall_time = max(pending.wall_time, shard.wall_time)
         if len(pending.ranks) < run.world_size:
-            return None
+            if not self._covered(run, shard.step, pending.ranks):
+                return None
+            (frame,) = self._finalise_partial(run, [key])  # the others' data was refused
+            return frame
         del self._pending[key]
         record.complete.add(shard.step)
         return self._frame(run, shard.step, pending, pending.ranks, pending.wall_time)
@@ -316,8 +492,32 @@ class ShardMerger:
         expired = [k for k, p in self._pending.items() if p.first_seen <= limit]
         frames = []
         for run_id, step in expired:
+            frames += self._finalise_partial(runs[run_id], [(run_id, step)])
+        return frames
+
+    def settle(self, run: RunInfo) -> list[GradientFrame]:
+        """Finalise as partial every pending frame of ``run`` that now waits only for
+        ranks whose data was refused (after :meth:`refuse`)."""
+        keys = [k for k, p in self._pending.items()
+                if k[0] == run.run_id and self._covered(run, k[1], p.ranks)]
+        return self._finalise_partial(run, keys)
+
+    def settle_step(self, run: RunInfo, step: int) -> GradientFrame | None:
+        """The pending frame of (``run``, ``step``) finalised as partial when it now waits
+        only for ranks whose data was refused (after :meth:`reject`), else None."""
+        key = (run.run_id, step)
+        pending = self._pending.get(key)
+        if pending is None or not self._covered(run, step, pending.ranks):
+            return None
+        (frame,) = self._finalise_partial(run, [key])
+        return frame
+
+    def _finalise_partial(self, run: RunInfo, keys: list[tuple[str, int]]
+                          ) -> list[GradientFrame]:
+        """Finalise the pending frames ``keys`` of ``run`` as partial."""
+        frames = []
+        for run_id, step in keys:
             pending = self._pending.pop((run_id, step))
-            run = runs[run_id]
             record = self._finalised.setdefault(run_id, _RunFrames())
             record.partial[step] = frozenset(pending.ranks)
             if pending.parts:
@@ -342,10 +542,11 @@ class ShardMerger:
             frames = self.expire(runs, now=float("inf"))
         return frames
 
-    @staticmethod
     def _frame(
-        run: RunInfo, step: int, pending: _Pending, ranks: set[int], wall_time: float
+        self, run: RunInfo, step: int, pending: _Pending, ranks: set[int], wall_time: float
     ) -> GradientFrame:
+        """The frame of ``pending`` with its layout checked (:func:`check_layout`, the
+        ledger's rows) and the refused ranks named."""
         frame = compute_frame(
             run.run_id,
             step,
@@ -356,8 +557,19 @@ class ShardMerger:
             world_size=run.world_size,
             wall_time=wall_time,
         )
+        violations = check_layout(pending.merged.numel, run.numel,
+                                  len(ranks) >= run.world_size)
         if pending.ledger is not None:
             frame.replica_divergence = pending.ledger.divergence_rows()
+            ledger_rows = pending.ledger.violation_rows()
+            if len(ledger_rows):
+                violations = np.concatenate([violations, ledger_rows])
+        frame.layout_violations = violations
+        if len(ranks) < run.world_size:
+            excused = self._excused(run.run_id, step)
+            frame.refused_ranks = {r: excused[r] for r in frame.missing_ranks if r in excused}
+        else:
+            self._rejected.pop((run.run_id, step), None)
         if pending.local:
             frame.local = LocalRows.concat(pending.local)
         return frame

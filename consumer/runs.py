@@ -77,6 +77,24 @@ class RunInfo:
         ):
             return (
                 f"RunStarted for run {self.run_id!r} from rank {msg.rank} lists different "
-                "layers (names or numel) than the run's first RunStarted"
+                "layers (names or numel) than the run's first RunStarted: "
+                + _layer_difference(tuple(msg.layer_names), np.asarray(msg.numel, np.int64),
+                                    self.layer_names, self.numel)
             )
         return None
+
+
+def _layer_difference(names: tuple[str, ...], numel: np.ndarray,
+                      run_names: tuple[str, ...], run_numel: np.ndarray) -> str:
+    """Where a layer list (``names``, int64 ``numel``) first differs from the run's, in
+    words: the layer counts and the first index whose name or size differs."""
+    n = min(len(names), len(run_names))
+    same = (np.asarray(names[:n], object) == np.asarray(run_names[:n], object)) & (
+        numel[:n] == run_numel[:n])
+    i = int(np.argmin(same)) if not same.all() else n
+    if i == n:
+        where = f"the first {n} layers agree"
+    else:
+        where = (f"first difference at layer {i}: {names[i]!r} ({int(numel[i])} elements) "
+                 f"where the run has {run_names[i]!r} ({int(run_numel[i])} elements)")
+    return f"{len(names)} layers against the run's {len(run_names)}, {where}"

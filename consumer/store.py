@@ -32,7 +32,7 @@ import numpy as np
 from consumer.frame_codec import message_to_merged
 from consumer.frames import LocalRows, MergedShards, compute_frame
 from consumer.loop import ConsumerLoop, FrameOutput, LoopCounters
-from consumer.merge import merge_shard, not_yet_counted
+from consumer.merge import check_layout, merge_shard, not_yet_counted
 from consumer.outputs import DuckDBOutput
 from consumer.runs import RunInfo
 from consumer.store_settings import StoreSettings
@@ -159,6 +159,10 @@ class Store(ConsumerLoop):
             exploding_threshold=run.exploding_threshold, ranks_seen=tuple(sorted(ranks)),
             world_size=run.world_size, wall_time=msg.wall_time,
         )
+        # the worker's size check again (its ledger's rows do not travel): a frame whose
+        # pieces do not add up to the parameters is stored as partial here too
+        frame.layout_violations = check_layout(merged.numel, run.numel,
+                                               len(ranks) >= run.world_size)
         if msg.has_local:
             frame.local = LocalRows.from_shard(msg)
         self.book.record(frame, self._batch)

@@ -9,6 +9,17 @@ batch goes to a DuckDB file (single-process mode) or to the frames topic (scale-
 ``frames_topic`` set, read by ``gradstream store``). The offsets stored never pass the
 first record of a frame still waiting for ranks, so a crash or a rebalance rebuilds
 pending frames from Kafka.
+
+Nothing that does not fit the run is merged. A RunStarted that contradicts the run's
+(another layer list, another world size) is dead-lettered and its rank is *refused*: every
+later summary of that rank is dead-lettered too (error ``refused_rank``, the reason naming
+the refused RunStarted), never merged by layer index into layers that are not its own,
+and the run's frames stop waiting for it (partial, the ``missing_ranks`` alert saying the
+rank's data was refused). A summary whose pieces cannot belong to the run's parameters
+(:func:`consumer.merge.check_shard`) is dead-lettered; a frame whose merged pieces do not
+add up to the parameters' sizes is stored as partial with the ``shard_layout`` alert
+(:mod:`consumer.merge`). A refusal lives in the worker's memory: after a restart the
+refused rank's later summaries meet the size checks only.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from consumer.alerts.service import AlertService
 from consumer.frame_publisher import load_runs_topic
 from consumer.frames import GradientFrame
 from consumer.loop import ConsumerLoop, FrameOutput, LoopCounters, PartitionKey
-from consumer.merge import ShardMerger
+from consumer.merge import ShardMerger, check_shard
 from consumer.outputs import DuckDBOutput, FramesTopicOutput
 from consumer.settings import ConsumerSettings
 from consumer.topic_admin import ensure_topics
@@ -62,6 +73,8 @@ class Worker(ConsumerLoop):
         super().__init__(settings, on_open)
         self.merger: ShardMerger | None = None
         self.alerts: AlertService | None = None
+        self._started_by: dict[str, int] = {}
+        """run id -> rank of the RunStarted that defined the run (runs started here)."""
 
     @property
     def scale_out(self) -> bool:
@@ -189,8 +202,18 @@ class Worker(ConsumerLoop):
         if known is not None:
             conflict = known.conflict_with(msg)
             if conflict:
+                origin = self._started_by.get(msg.run_id)
+                if origin is not None and origin != msg.rank:
+                    conflict += f" (the run was started by rank {origin})"
                 self.dead_letter(record, conflict, "conflicting_run")
+                assert self.merger is not None
+                self.merger.refuse(msg.run_id, msg.rank, conflict)
+                log.warning("run %s: rank %d refused, its summaries will be dead-lettered: "
+                            "%s", msg.run_id, msg.rank, conflict)
+                for frame in self.merger.settle(known):
+                    self._emit(frame)
             return
+        self._started_by[msg.run_id] = msg.rank
         run = self.book.start(msg)
         self._batch.runs_started.append(msg)
         log.info("run %s started: %d layers, world size %d", msg.run_id, run.num_layers,
@@ -208,21 +231,40 @@ class Worker(ConsumerLoop):
         run = self._known_run(msg.run_id, record)
         if run is None:
             return
+        assert self.merger is not None
         if msg.world_size != run.world_size:
             self.dead_letter(record, f"world_size {msg.world_size} differs from the run's "
                              f"{run.world_size}", "invalid")
             return
+        refused = self.merger.refusal(msg.run_id, msg.rank)
+        if refused is not None:
+            self._reject(record, msg, f"rank {msg.rank}'s RunStarted was refused: {refused}",
+                         "refused_rank")
+            return
         top = int(np.max(msg.layer_indices))
         if top >= run.num_layers:
-            self.dead_letter(record, f"layer_indices reach {top} but run "
-                             f"{msg.run_id!r} has {run.num_layers} layers", "invalid")
+            self._reject(record, msg, f"layer_indices reach {top} but run {msg.run_id!r} "
+                         f"has {run.num_layers} layers", "invalid")
+            return
+        misfit = check_shard(msg, run.numel)
+        if misfit is not None:
+            self._reject(record, msg, misfit, "invalid")
             return
         self.counters.step_summaries += 1
-        assert self.merger is not None
         if self.alerts is not None:
             self.alerts.note_shard(run, msg)  # which rank's shard holds NaN/Inf
         frame = self.merger.add(run, msg, (record.topic, record.partition), record.offset,
                                 time.monotonic())
+        if frame is not None:
+            self._emit(frame)
+
+    def _reject(self, record: Any, msg: StepSummary, reason: str, error: str) -> None:
+        """Dead-letter a summary of a known run and tell the merger: that frame stops
+        waiting for the rank and says why it is missing."""
+        self.dead_letter(record, reason, error)
+        assert self.merger is not None
+        self.merger.reject(msg.run_id, msg.step, msg.rank, reason)
+        frame = self.merger.settle_step(self.runs[msg.run_id], msg.step)
         if frame is not None:
             self._emit(frame)
 

@@ -70,6 +70,7 @@ class AlertRule(StrEnum):
     STALLED = "stalled"
     MISSING_RANKS = "missing_ranks"
     REPLICA_DIVERGENCE = "replica_divergence"
+    SHARD_LAYOUT = "shard_layout"
 
 
 RULE_NAME_PATTERN = r"[a-z][a-z0-9_]{0,63}"

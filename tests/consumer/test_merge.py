@@ -1,14 +1,22 @@
-"""Shard merge: completion, duplicates, timeouts, late shards and offset holding."""
+"""Shard merge: completion, duplicates, timeouts, late shards and offset holding; pieces
+that do not fit their parameter; refused ranks."""
 
 import numpy as np
 import pytest
 
 from consumer.frames import MergedShards
-from consumer.merge import ShardMerger
+from consumer.merge import (
+    VIOLATION_NUMEL,
+    VIOLATION_REPLICA_NUMEL,
+    VIOLATION_SHARD_COUNT,
+    ShardMerger,
+    check_layout,
+    check_shard,
+)
 from consumer.runs import RunInfo
 from schemas.wire import StepSummary
 
-RUN = RunInfo("r", 3, ("a", "b"), np.array([2, 2]), 1e-7, 1e3)
+RUN = RunInfo("r", 3, ("a", "b"), np.array([6, 6]), 1e-7, 1e3)  # 3 disjoint shards of 2
 P = ("topic", 0)
 
 
@@ -214,3 +222,117 @@ def test_missing_part_gives_partial_frame_then_late_part_completes_it():
     assert frame is not None and frame.complete and frame.ranks_seen == (0, 1, 2)
     assert frame.numel.tolist() == [6, 6]
     assert frame.mean_abs_grad.tolist() == pytest.approx([8 / 6, 8 / 6])  # (2+4+2)/6
+
+
+# -- pieces that do not fit; refused ranks --------------------------------------------------
+
+PAIR = RunInfo("p", 2, ("w", "b"), np.array([4096, 16]), 1e-7, 1e3)
+
+
+def piece(step: int, rank: int, numel: list[int], value: float = 1.0,
+          layout: tuple[list[int], list[int]] | None = None, world: int = 2) -> StepSummary:
+    index, count = layout if layout is not None else (None, None)
+    return StepSummary(
+        run_id=PAIR.run_id, step=step, rank=rank, world_size=world, wall_time=1.0,
+        layer_indices=list(range(len(numel))), numel=numel,
+        sum_abs=[n * value for n in numel], sum_sq=[n * value**2 for n in numel],
+        max_abs=[value] * len(numel), nonfinite=[0] * len(numel),
+        shard_index=index, shard_count=count,
+    )
+
+
+def test_disjoint_pieces_adding_up_to_more_than_the_parameter_mark_the_frame_partial():
+    """Two ranks each claim all 4096 elements of `w` as their own disjoint piece (no
+    layout): 8192 counted elements cannot be a 4096-element parameter."""
+    m = ShardMerger(10.0, StoreStub().load)
+    m.add(PAIR, piece(0, 0, [4096, 8]), P, 1, 0.0)
+    frame = m.add(PAIR, piece(0, 1, [4096, 8], 2.0), P, 2, 0.0)
+    assert frame is not None and frame.all_ranks_seen and not frame.complete
+    assert frame.layout_violations.tolist() == [[0, VIOLATION_NUMEL, -1, 8192, 4096]]
+
+
+def test_pieces_short_of_the_parameter_once_every_rank_reported_mark_the_frame_partial():
+    m = ShardMerger(10.0, StoreStub().load)
+    m.add(PAIR, piece(0, 0, [1024, 8]), P, 1, 0.0)
+    frame = m.add(PAIR, piece(0, 1, [2048, 8]), P, 2, 0.0)
+    assert not frame.complete
+    assert frame.layout_violations.tolist() == [[0, VIOLATION_NUMEL, -1, 3072, 4096]]
+    ok = ShardMerger(10.0, StoreStub().load)
+    ok.add(PAIR, piece(0, 0, [2048, 8]), P, 1, 0.0)
+    good = ok.add(PAIR, piece(0, 1, [2048, 8]), P, 2, 0.0)
+    assert good.complete and good.layout_violations.shape == (0, 5)
+
+
+def test_a_partial_frame_is_checked_for_excess_only():
+    m = ShardMerger(5.0, StoreStub().load)
+    m.add(PAIR, piece(0, 0, [2048, 8]), P, 1, 0.0)  # half of each parameter: may be fine
+    (partial,) = m.expire({"p": PAIR}, 10.0)
+    assert partial.missing_ranks == (1,) and partial.layout_violations.shape == (0, 5)
+
+
+def test_replicas_of_another_size_and_other_cuts_are_violations_not_divergence():
+    m = ShardMerger(10.0, StoreStub().load)
+    m.add(PAIR, piece(0, 0, [4096, 16], layout=([0, 0], [1, 1])), P, 1, 0.0)
+    # rank 1: a "replica" of w of another size, and b cut into 2 pieces where rank 0 cut 1
+    frame = m.add(PAIR, piece(0, 1, [2048, 8], layout=([0, 1], [1, 2])), P, 2, 0.0)
+    rows = sorted(frame.layout_violations.tolist())
+    assert rows == [[0, VIOLATION_REPLICA_NUMEL, 1, 2048, 4096],
+                    [1, VIOLATION_SHARD_COUNT, 1, 2, 1]]
+    assert frame.replica_divergence.shape == (0, 3)  # the sizes are the violation
+    assert frame.numel.tolist() == [4096, 16]  # only rank 0's pieces counted
+    assert not frame.complete
+
+
+def test_a_summary_that_cannot_be_a_piece_of_the_run_is_refused_from_the_message_alone():
+    assert check_shard(piece(0, 0, [4096, 16], layout=([0, 0], [1, 1])), PAIR.numel) is None
+    assert check_shard(piece(0, 1, [2048, 16]), PAIR.numel) is None  # a disjoint half
+    over = check_shard(piece(3, 1, [8192, 16]), PAIR.numel)
+    assert over is not None and "rank 1 step 3" in over and "8192" in over \
+        and "exceeds the parameter's 4096" in over
+    whole = check_shard(piece(0, 0, [4096, 8], layout=([0, 0], [1, 1])), PAIR.numel)
+    assert whole is not None and "layer 1 holds 8 elements as the whole parameter" in whole
+    single = StepSummary(run_id="p", step=0, rank=0, world_size=1, wall_time=1.0,
+                         layer_indices=[0], numel=[100], sum_sq=[1.0], nonfinite=[0])
+    assert "differs from the parameter's 4096" in check_shard(single, PAIR.numel)
+
+
+def test_check_layout_is_vectorised_over_layers():
+    numel = np.array([0, 10, 20, 40, 5])
+    full = np.array([10, 10, 10, 40, 10])
+    assert check_layout(numel, full, True)[:, [0, 3, 4]].tolist() == [
+        [2, 20, 10], [4, 5, 10]]  # layer 0 had no gradient: not a violation
+    assert check_layout(numel, full, False)[:, 0].tolist() == [2]
+
+
+def test_refused_rank_is_not_waited_for_and_named_in_the_frame():
+    m = ShardMerger(1e9, StoreStub().load)
+    m.refuse("p", 1, "its layer list differs from rank 0's")
+    assert m.refusal("p", 1) == "its layer list differs from rank 0's"
+    assert m.refusal("p", 0) is None
+    frame = m.add(PAIR, piece(0, 0, [4096, 16], layout=([0, 0], [1, 1])), P, 1, 0.0)
+    assert frame is not None and not frame.complete and frame.missing_ranks == (1,)
+    assert frame.refused_ranks == {
+        1: "its RunStarted was refused: its layer list differs from rank 0's"}
+    assert frame.numel.tolist() == [4096, 16] and m.pending_count == 0
+
+
+def test_refusal_settles_frames_that_waited_for_the_refused_rank():
+    m = ShardMerger(1e9, StoreStub().load)
+    assert m.add(PAIR, piece(0, 0, [2048, 8]), P, 1, 0.0) is None
+    m.refuse("p", 1, "another layer list")
+    (frame,) = m.settle(PAIR)
+    assert frame.missing_ranks == (1,) and 1 in frame.refused_ranks
+    assert m.pending_count == 0 and m.earliest_pending_offsets() == {}
+
+
+def test_a_dead_lettered_summary_excuses_its_rank_for_that_step_only():
+    m = ShardMerger(1e9, StoreStub().load)
+    m.add(PAIR, piece(5, 0, [2048, 8]), P, 1, 0.0)
+    m.add(PAIR, piece(6, 0, [2048, 8]), P, 2, 0.0)
+    m.reject("p", 5, 1, "numel 8192 exceeds 4096")
+    frame = m.settle_step(PAIR, 5)
+    assert frame is not None and frame.refused_ranks == {
+        1: "its summary was dead-lettered: numel 8192 exceeds 4096"}
+    assert m.settle_step(PAIR, 6) is None and m.pending_count == 1  # step 6 still waits
+    late = m.add(PAIR, piece(5, 1, [2048, 8]), P, 3, 0.0)  # a good re-send merges late
+    assert late is not None and late.complete

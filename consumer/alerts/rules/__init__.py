@@ -79,6 +79,7 @@ from consumer.alerts.rules.missing_ranks import MissingRanksRule
 from consumer.alerts.rules.nonfinite import NonfiniteRule
 from consumer.alerts.rules.replica_divergence import ReplicaDivergenceRule
 from consumer.alerts.rules.run_health import RunHealthRule
+from consumer.alerts.rules.shard_layout import ShardLayoutRule
 from consumer.alerts.rules.shared import FrameView, LocalOrigin, num, preview
 from consumer.alerts.rules.stalled import StalledRule
 from consumer.alerts.rules.vanishing import VanishingRule
@@ -93,6 +94,7 @@ RULES: tuple[type[Rule], ...] = (
     StalledRule,
     MissingRanksRule,
     ReplicaDivergenceRule,
+    ShardLayoutRule,
 )
 """The registry: every rule a worker evaluates, one line each (module doc)."""
 

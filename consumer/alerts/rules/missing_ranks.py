@@ -1,8 +1,15 @@
 """``missing_ranks``: ``consecutive`` frames in a row finalised without every rank
-(partial frames, after the worker's shard timeout).
+(partial frames, after the worker's shard timeout, or at once when the missing ranks' data
+was refused).
 
-Values: ``missing_ranks``, ``ranks_seen``, ``world_size``, ``consecutive`` (partial
-frames in a row so far).
+The message says what happened to each missing rank: a rank whose data was refused (its
+RunStarted was refused, or its summary of the step was dead-lettered;
+``GradientFrame.refused_ranks``) is named with the reason, the others sent nothing for the
+step. A frame with every rank but a shard-layout violation is the ``shard_layout`` rule's,
+not this one's.
+
+Values: ``missing_ranks``, ``silent_ranks`` (sent nothing), ``refused_ranks`` (rank ->
+reason), ``ranks_seen``, ``world_size``, ``consecutive`` (partial frames in a row so far).
 """
 
 from __future__ import annotations
@@ -44,18 +51,27 @@ class MissingRanksRule(Rule[MissingRanksRuleConfig]):
         """Count partial frames in a row; bad from the ``consecutive``-th one."""
         frame = ctx.frame
         k = self.config.consecutive
-        self.partial_streak = 0 if frame.complete else self.partial_streak + 1
+        self.partial_streak = 0 if frame.all_ranks_seen else self.partial_streak + 1
         if self.partial_streak < k:
             return Finding(False)
         missing = list(frame.missing_ranks)
+        refused = {r: why for r, why in frame.refused_ranks.items() if r in missing}
+        silent = [r for r in missing if r not in refused]
+        what = []
+        if silent:
+            what.append(f"rank(s) {silent} sent nothing for it")
+        what += [f"rank {r}'s data was refused: {why}" for r, why in sorted(refused.items())]
         return Finding(
             True, [], missing,
             {
                 "missing_ranks": missing,
+                "silent_ranks": silent,
+                "refused_ranks": {str(r): why for r, why in sorted(refused.items())},
                 "ranks_seen": list(frame.ranks_seen),
                 "world_size": frame.world_size,
                 "consecutive": self.partial_streak,
             },
             f"step {frame.step} finalised without rank(s) {missing} of world size "
-            f"{frame.world_size} ({self.partial_streak} partial frame(s) in a row)",
+            f"{frame.world_size} ({self.partial_streak} partial frame(s) in a row): "
+            + "; ".join(what),
         )
