@@ -288,7 +288,7 @@ def test_weight_statistics_from_real_producers(app: typer.Typer, kafka_bootstrap
                         step, {k: np.array_split(g, 2)[r] for k, g in grads.items()},
                         weights={k: np.array_split(v, 2)[r] for k, v in weights.items()})
                 else:
-                    p.record_step(step, grads, weights=weights)
+                    p.record_step(step, grads, weights=weights, replicated=True)
             weights = {k: (v - 0.5 * grads[k]).astype(np.float32) for k, v in weights.items()}
         for p in producers:
             p.finish_run()
