@@ -10,8 +10,10 @@ For each case it prints, measured in the same run and interleaved (best of ``--r
   ``&[f64]``) done as three separate float64 NumPy reductions after a float64 copy;
 * the extra cost of the exponent histogram (``summarize(histogram=True)`` minus
   ``summarize()``);
-* norms mode (``summarize(norms_only=True)``) and the encoded message size per step in full
-  and norms mode;
+* norms mode (``summarize(norms_only=True)``) and the size of one rank's StepSummary per
+  step in full and norms mode, as the producer sends it (its default wire format, binary,
+  :func:`schemas.wire.encode_binary`) and as JSON (``GRADSTREAM_WIRE_FORMAT=json``), each
+  labelled with its format;
 * the weight summaries (``producer.weights.summarize_weights``: power sums S1..S4,
   extremes, non-finite count, exponent histogram of |w|; one fused numba pass per layer),
   measured on weights of the same sizes as the gradients (setting ``weight_stats``): the
@@ -47,6 +49,7 @@ Usage (from the repository root)::
 
     python bench/producer_overhead.py            # (a) 100 x 500k, (b) 1000 x 4k float32
     python bench/producer_overhead.py --quick    # smaller arrays, fewer repeats
+    python bench/producer_overhead.py --case-a 4x1000 --case-b 1000x16 --repeats 1  # smoke
     python bench/producer_overhead.py --clock wall
 
 Each case ends with a ``ratios:`` line: ``weight_stats_to_floor`` (the weight statistics
@@ -78,9 +81,13 @@ if str(ROOT) not in sys.path:
 
 from producer import GradientProducer  # noqa: E402
 from producer import summary as summary_mod  # noqa: E402
+from producer.settings import ProducerSettings  # noqa: E402
 from producer.summary import summarize  # noqa: E402
 from producer.weights import summarize_weights  # noqa: E402
-from schemas.wire import StepSummary, encode_message  # noqa: E402
+from schemas.wire import StepSummary, WireFormat, encode_message  # noqa: E402
+
+SENT_FORMAT: WireFormat = ProducerSettings.model_fields["wire_format"].default
+"""The wire format the producer sends by default (``GRADSTREAM_WIRE_FORMAT`` unset)."""
 
 _PROBE = r"""
 import sys, time
@@ -204,14 +211,26 @@ def _record_step_times(
     return result
 
 
-def _message_bytes(grads: dict[str, np.ndarray]) -> tuple[int, int]:
-    """Encoded size (bytes) of one rank's StepSummary of ``grads`` in full and norms mode."""
-    s = summarize(grads)
-    common = dict(run_id="bench", step=1, rank=0, world_size=1, wall_time=time.time(),
-                  layer_indices=list(range(len(s))), numel=s.numel.tolist(),
-                  sum_sq=s.sum_sq.tolist(), nonfinite=s.nonfinite.tolist())
-    full = StepSummary(**common, sum_abs=s.sum_abs.tolist(), max_abs=s.max_abs.tolist())
-    return len(encode_message(full)), len(encode_message(StepSummary(**common)))
+def message_bytes(
+    grads: dict[str, np.ndarray], wire_format: WireFormat, run_id: str = "bench", step: int = 1,
+) -> tuple[int, int]:
+    """Size (bytes) of one rank's StepSummary of ``grads`` encoded in ``wire_format``, in
+    full and norms mode: the fields ``GradientProducer`` fills for a step without the
+    optional statistics (histograms, weights, shard layout, local view), from
+    ``summarize(grads)`` and ``summarize(grads, norms_only=True)``. The record value Kafka
+    stores for that step has this size (``tests/bench/test_producer_overhead.py`` checks it
+    against the records a producer sends)."""
+    sizes = []
+    for norms_only in (False, True):
+        s = summarize(grads, norms_only=norms_only)
+        sizes.append(len(encode_message(StepSummary(
+            run_id=run_id, step=step, rank=0, world_size=1, wall_time=time.time(),
+            layer_indices=list(range(len(s))), numel=s.numel.tolist(),
+            sum_abs=None if s.sum_abs is None else s.sum_abs.tolist(), sum_sq=s.sum_sq.tolist(),
+            max_abs=None if s.max_abs is None else s.max_abs.tolist(),
+            nonfinite=s.nonfinite.tolist(),
+        ), wire_format)))
+    return sizes[0], sizes[1]
 
 
 def _case(label: str, layers: int, numel: int, repeats: int, clock: str) -> float:
@@ -294,9 +313,14 @@ def _case(label: str, layers: int, numel: int, repeats: int, clock: str) -> floa
     for what, seconds in weight_rows:
         print(f"  {what:<52} {seconds * 1e3:9.3f} {seconds / floor:8.2f} "
               f"{seconds / ufloor:8.2f}")
-    full_bytes, norms_bytes = _message_bytes(grads)
-    print(f"  encoded StepSummary: full mode {full_bytes} B, norms mode {norms_bytes} B "
-          f"({norms_bytes / full_bytes:.2f}x)")
+    other: WireFormat = "json" if SENT_FORMAT == "binary" else "binary"
+    for wire_format in (SENT_FORMAT, other):
+        full_bytes, norms_bytes = message_bytes(grads, wire_format)
+        what = ("as sent: the producer's default" if wire_format == SENT_FORMAT
+                else f"GRADSTREAM_WIRE_FORMAT={wire_format}")
+        print(f"  StepSummary in the {wire_format} wire format ({what}): full mode "
+              f"{full_bytes} B, norms mode {norms_bytes} B (norms/full "
+              f"{norms_bytes / full_bytes:.2f})")
     gbps = layers * numel * 4 / best["summary"] / 1e9
     print(f"  summarize() reads {gbps:.1f} GB/s; floor {layers * numel * 4 / floor / 1e9:.1f} GB/s")
     print(f"  ratios: weight_stats_to_floor={best['weights_only'] / floor:.2f} "
@@ -306,6 +330,18 @@ def _case(label: str, layers: int, numel: int, repeats: int, clock: str) -> floa
     return best["summary"] / floor
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``"LAYERSxNUMEL"`` -> (layers, numel), both >= 1 (argparse type)."""
+    try:
+        layers, numel = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected LAYERSxNUMEL, e.g. 100x500000") from None
+    if layers < 1 or numel < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: layers and numel must be >= 1")
+    return layers, numel
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the process exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -313,10 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds per case")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
                         help="clock of the summary rows (default: calling thread's CPU time)")
+    parser.add_argument("--case-a", type=_shape, default=None, metavar="LAYERSxNUMEL",
+                        help="case (a) size (default 100x500000; --quick 20x100000)")
+    parser.add_argument("--case-b", type=_shape, default=None, metavar="LAYERSxNUMEL",
+                        help="case (b) size (default 1000x4096; --quick 200x4096)")
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 11)
-    case_a = (20, 100_000) if args.quick else (100, 500_000)
-    case_b = (200, 4_096) if args.quick else (1000, 4_096)
+    case_a = args.case_a or ((20, 100_000) if args.quick else (100, 500_000))
+    case_b = args.case_b or ((200, 4_096) if args.quick else (1000, 4_096))
 
     try:
         import numba

@@ -14,12 +14,11 @@ import pytest
 import torch
 import transformers
 
+from producer.adapters.hf import GradstreamCallback
 from producer.summary import LayerSummaries, summarize
 from tests.producer.adapters import FakeProducer
 
 nn = torch.nn
-
-from producer.adapters.hf import GradstreamCallback  # noqa: E402 - after the importorskips
 
 
 class TinyRegressor(nn.Module):

@@ -8,16 +8,15 @@ import jax
 import numpy as np
 import pytest
 
-from producer.summary import summarize
-
-jnp = jax.numpy
-
-from producer.adapters.jax import (  # noqa: E402 - after the importorskip
+from producer.adapters.jax import (
     _local_part,
     flatten_gradients,
     layer_numel,
     path_name,
 )
+from producer.summary import summarize
+
+jnp = jax.numpy
 
 
 def normal(rng: np.random.Generator, shape: tuple[int, ...]) -> Any:

@@ -13,14 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from producer.adapters.lightning import GradstreamCallback
 from producer.summary import LayerSummaries, summarize
 from tests.producer.adapters import FakeProducer
 
 nn = torch.nn
 # Lightning 2.6 with torch 2.15 warns about torch's own pytree API; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated")
-
-from producer.adapters.lightning import GradstreamCallback  # noqa: E402 - after importorskip
 
 
 class TinyModule(pl.LightningModule):

@@ -18,17 +18,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from producer.summary import LayerSummaries, summarize
-from tests.producer.adapters import FakeProducer, FakeSettings
-
-nn = torch.nn
-
-from producer.adapters.torch import (  # noqa: E402 - after the importorskip
+from producer.adapters.torch import (
     GradientTap,
     gradient_piece,
     select_names,
     summarize_tensors,
 )
+from producer.summary import LayerSummaries, summarize
+from tests.producer.adapters import FakeProducer, FakeSettings
+
+nn = torch.nn
 
 REL = 1e-9
 

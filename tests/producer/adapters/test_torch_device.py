@@ -10,17 +10,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch  # installed by `make test` (requirements-frameworks.txt): missing fails
 
-torch = pytest.importorskip("torch")
-
-from producer.adapters import torch_device  # noqa: E402 - after the importorskip
-from producer.adapters.torch import (  # noqa: E402
+from producer.adapters import torch_device
+from producer.adapters.torch import (
     GradientTap,
     launch_summaries,
     summarize_tensors,
 )
-from producer.summary import LayerSummaries  # noqa: E402
-from tests.producer.adapters import FakeProducer  # noqa: E402
+from producer.summary import LayerSummaries
+from tests.producer.adapters import FakeProducer
 
 U32 = 2.0**-24  # unit roundoff of float32
 

@@ -10,17 +10,16 @@ import time
 
 import numpy as np
 import pytest
+import torch  # installed by `make test` (requirements-frameworks.txt): missing fails
 
-torch = pytest.importorskip("torch")
-
-from producer.adapters import torch as tap_mod  # noqa: E402 - after the importorskip
-from producer.adapters.torch import (  # noqa: E402
+from producer.adapters import torch as tap_mod
+from producer.adapters.torch import (
     GradientTap,
     launch_summaries,
     summarize_tensors,
 )
-from producer.summary import summarize  # noqa: E402
-from tests.producer.adapters import FakeProducer  # noqa: E402
+from producer.summary import summarize
+from tests.producer.adapters import FakeProducer
 
 
 def test_chunk_plan_covers_every_element_once_in_layer_order() -> None:
