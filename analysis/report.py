@@ -250,7 +250,8 @@ def build_recommendations(
 
 
 def build_findings(
-    no_gradient: list[str], since_step: int | None, excluded_rounding_level: bool = False
+    no_gradient: list[str], since_step: int | None, excluded_rounding_level: bool = False,
+    excluded: list[str] | None = None,
 ) -> list[str]:
     """What the data shows beyond the verdict, as sentences.
 
@@ -263,16 +264,23 @@ def build_findings(
         no_gradient: layers with no gradient by construction (model order).
         since_step: the earliest first step of those layers.
         excluded_rounding_level: the report left their vanishing flag out.
+        excluded: layers excluded by ``ignore_layers`` (the sentence says whether those
+            of the finding are).
 
     Returns:
         The findings (empty when there is none).
     """
     if not no_gradient:
         return []
-    counted = ("left out of the verdict (exclude layers at rounding level)"
-               if excluded_rounding_level else
-               "they count as vanishing; to leave them out, set ignore_layers "
-               "(start_run(..., ignore_layers=[...]) or --ignore-layers PATTERN)")
+    left = set(excluded or ())
+    if all(n in left for n in no_gradient):
+        counted = "excluded by the run setting ignore_layers"
+    elif excluded_rounding_level:
+        counted = "left out of the verdict (exclude layers at rounding level)"
+    else:
+        counted = ("they count as vanishing, as in the reference; to leave them out, set "
+                   "ignore_layers (start_run(..., ignore_layers=[...]), --ignore-layers "
+                   "PATTERN, or the Hugging Face callback's ignore_attention_key_bias=True)")
     return [
         f"gradient at rounding level since step {since_step}: "
         f"{_name_list(no_gradient)}; likely zero by construction, e.g. a softmax "
@@ -529,7 +537,7 @@ def build_report(
         layers_excluded=excluded_names,
         excluded_rounding_level=exclude_rounding,
         findings=build_findings(no_gradient, min(since) if since else None,
-                                exclude_rounding),
+                                exclude_rounding, excluded_names),
         first_step=first_step,
         last_step=last_step,
         live_health=live,
@@ -706,7 +714,10 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
             zero.append(" (excluded: exclude layers at rounding level)")
         table.add_row("no gradient", zero)
     if summary.ignore_layers:
-        excluded = Text("by run setting " + ", ".join(map(repr, summary.ignore_layers)) + ": ")
+        shown = summary.ignore_layers[:NAMES_IN_TABLE]
+        more = len(summary.ignore_layers) - len(shown)
+        excluded = Text("by run setting " + ", ".join(map(repr, shown))
+                        + (f" and {more} more patterns" if more else "") + ": ")
         excluded.append_text(_names_cell(summary.layers_excluded))
         table.add_row("excluded", excluded)
     origin = local_origin_text(summary)

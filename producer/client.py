@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ import numpy as np
 from producer.settings import ProducerSettings
 from producer.summary import LayerSummaries, summarize, warmup
 from producer.weights import WeightSummaries, summarize_weights
+from schemas.health import match_layers
 from schemas.wire import (
     RunFinished,
     RunStarted,
@@ -151,6 +152,7 @@ class GradientProducer:
         exploding_threshold: float = 1e3,
         config: Mapping[str, Any] | None = None,
         dtypes: Mapping[str, str] | None = None,
+        ignore_layers: Sequence[str] = (),
     ) -> None:
         """Announce the run: its layers in model order and their full-tensor sizes.
 
@@ -166,6 +168,15 @@ class GradientProducer:
             dtypes: layer name -> gradient dtype name (``"float32"``, ``"bfloat16"``, ...)
                 for every layer, or None (unknown). The consumer uses it to tell a gradient
                 that is zero up to the dtype's rounding from a merely small one.
+            ignore_layers: shell-style layer-name patterns
+                (:func:`schemas.health.match_layers`) whose vanishing and exploding flags
+                the run's health, issue frames and alerts leave out, explicitly: the
+                patterns travel in RunStarted (schema 1.5), are recorded with the run and
+                named in its report. Unlike ``settings.exclude``, the layers are still
+                sent, stored and analysed; a NaN/Inf gradient in them still counts. Use it
+                for parameters whose gradient is zero by construction (e.g. the key bias of
+                softmax attention). A pattern that matches no announced layer is logged as
+                a warning.
 
         Raises:
             pydantic.ValidationError: invalid layer list or thresholds (names the field).
@@ -204,7 +215,12 @@ class GradientProducer:
             host=socket.gethostname(),
             start_time=time.time(),
             config=run_config,
+            ignore_layers=list(dict.fromkeys(ignore_layers)),
         )
+        for pattern in message.ignore_layers:
+            if not match_layers(selected, [pattern]).any():
+                log.warning("ignore_layers pattern %r matches none of the run's %d layers",
+                               pattern, len(selected))
         self._layer_index = {name: i for i, name in enumerate(message.layer_names)}
         self._known = set(layer_numel)
         self._enqueue(_Pending("start", message))

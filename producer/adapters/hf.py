@@ -22,6 +22,21 @@ gradients the optimiser receives, so with clipping active the total norm seen is
 layer's share of the norm is unaffected. DeepSpeed keeps gradients outside ``.grad`` and
 is not supported.
 
+Structural exclusion (``ignore_attention_key_bias``, off by default). The key bias of a
+softmax self-attention gets a gradient that is zero by construction: it adds ``q . b_k``, the
+same constant, to every score of a query's row, and softmax is invariant to that shift, so
+its gradient is the rounding residue of an exact cancellation, below the vanishing
+threshold at every step. By default such a layer counts as vanishing, as in the reference
+implementation, and the report lists it as a finding ("gradient at rounding level since
+step 0"), so a BERT run is not Healthy. With ``ignore_attention_key_bias=True`` the callback
+finds those parameters from the model's structure (:func:`attention_key_biases`: every
+module whose class name ends with ``SelfAttention`` holding a ``key`` ``nn.Linear`` with a
+bias, as ``BertSelfAttention``, ``RobertaSelfAttention``, ``ViTSelfAttention``), never from
+their magnitude, and sends their exact layer names as the run's ``ignore_layers``: the run
+records them, the health leaves their vanishing / exploding flags out, and the report names
+them ("excluded by run setting"). Fused projections (GPT-2's ``c_attn``) hold the key bias in
+a slice of one parameter and are not excluded.
+
 ``GradstreamCallback`` is created on first access, as a subclass of
 ``transformers.TrainerCallback``: importing this module works without transformers, and
 accessing the class without it raises an ImportError naming the package to install.
@@ -31,7 +46,42 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["GradstreamCallback"]  # noqa: F822 - created lazily by __getattr__
+__all__ = ["GradstreamCallback", "attention_key_biases"]  # noqa: F822 - lazy class
+
+KEY_BIAS_REASON = (
+    "key bias of softmax self-attention: zero gradient by construction (softmax is "
+    "invariant to the row-constant shift q . b_k)"
+)
+"""Why :func:`attention_key_biases` are excluded; recorded in the run's config
+(``ignore_layers_structural.reason``)."""
+
+
+def attention_key_biases(model: Any) -> list[Any]:
+    """The key-projection biases of a model's softmax self-attention modules, by structure.
+
+    A module counts when its class name ends with ``SelfAttention`` (Hugging Face's
+    ``BertSelfAttention``, ``RobertaSelfAttention``, ``ViTSelfAttention``, ...) and it has a
+    child ``key`` that is a ``torch.nn.Linear`` with a bias. Nothing is measured.
+
+    Args:
+        model: a ``torch.nn.Module``.
+
+    Returns:
+        The bias ``Parameter`` objects, in ``named_modules`` order (each once).
+    """
+    import torch
+
+    found: list[Any] = []
+    seen: set[int] = set()
+    for _, module in model.named_modules():
+        if not type(module).__name__.endswith("SelfAttention"):
+            continue
+        key = getattr(module, "key", None)
+        bias = getattr(key, "bias", None) if isinstance(key, torch.nn.Linear) else None
+        if bias is not None and id(bias) not in seen:
+            seen.add(id(bias))
+            found.append(bias)
+    return found
 
 _PIP_HINT = "pip install 'transformers>=4.47' accelerate (or pip install 'gradstream[hf]')"
 
@@ -74,6 +124,12 @@ def _build_callback_class() -> type:
                 gradient_accumulation_steps, max_grad_norm, learning_rate).
             finish_run: call ``producer.finish_run()`` in ``on_train_end`` (default True).
             close_producer: also call ``producer.close()`` there (default False).
+            ignore_layers: layer-name patterns the run leaves out of its health, explicitly
+                (``GradientProducer.start_run``).
+            ignore_attention_key_bias: also exclude the key biases of softmax
+                self-attention, found from the model's structure (module doc,
+                :func:`attention_key_biases`). Off by default: they count as vanishing,
+                as in the reference, and the report lists them as a finding.
 
         Raises:
             TypeError / ValueError: invalid ``every_n_steps``.
@@ -98,6 +154,8 @@ def _build_callback_class() -> type:
             config: Mapping[str, Any] | None = None,
             finish_run: bool = True,
             close_producer: bool = False,
+            ignore_layers: Iterable[str] = (),
+            ignore_attention_key_bias: bool = False,
         ) -> None:
             self._session = _TapSession(
                 producer,
@@ -110,6 +168,9 @@ def _build_callback_class() -> type:
                 config=config,
                 finish_run=finish_run,
                 close_producer=close_producer,
+                ignore_layers=ignore_layers,
+                structural_ignore=attention_key_biases if ignore_attention_key_bias else None,
+                structural_reason=KEY_BIAS_REASON,
             )
 
         @property

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import glob
 import logging
 import math
 import os
@@ -78,6 +79,7 @@ class SummaryRecorder(Protocol):
         exploding_threshold: float = ...,
         config: Mapping[str, Any] | None = ...,
         dtypes: Mapping[str, str] | None = ...,
+        ignore_layers: Sequence[str] = ...,
     ) -> None:
         """Announce the layer list (see ``GradientProducer.start_run``)."""
 
@@ -836,12 +838,19 @@ class GradientTap:
         """
         return dict(self._layer_numel)
 
+    def layer_name_of(self, param: Any) -> str | None:
+        """The layer name this tap gives a parameter (the object itself, not a copy), or
+        None when the tap does not watch it (not selected, or not a parameter of the
+        model)."""
+        return self._name_of.get(id(param))
+
     def start_run(
         self,
         *,
         vanishing_threshold: float = 1e-7,
         exploding_threshold: float = 1e3,
         config: Mapping[str, Any] | None = None,
+        ignore_layers: Sequence[str] = (),
     ) -> None:
         """Call ``producer.start_run`` with this tap's layer list.
 
@@ -849,6 +858,8 @@ class GradientTap:
             vanishing_threshold: mean |g| below which a layer is vanishing.
             exploding_threshold: max |g| above which a layer is exploding.
             config: free-form JSON-serialisable run configuration.
+            ignore_layers: layer-name patterns the run leaves out of its health,
+                explicitly (``GradientProducer.start_run``).
 
         Raises:
             Whatever ``producer.start_run`` raises (e.g. RuntimeError if already started).
@@ -859,6 +870,7 @@ class GradientTap:
             exploding_threshold=exploding_threshold,
             config=config,
             dtypes={name: dtype_name(param.dtype) for name, param in self._params},
+            ignore_layers=list(ignore_layers),
         )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -1158,7 +1170,12 @@ class _TapSession:
         config: Mapping[str, Any] | None,
         finish_run: bool,
         close_producer: bool,
+        ignore_layers: Iterable[str] = (),
+        structural_ignore: Callable[[Any], Iterable[Any]] | None = None,
+        structural_reason: str = "",
     ) -> None:
+        if isinstance(ignore_layers, str):
+            ignore_layers = [ignore_layers]
         if every_n_steps is not None and (
             isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
         ):
@@ -1175,6 +1192,9 @@ class _TapSession:
         self.config = dict(config or {})
         self.finish_run = finish_run
         self.close_producer = close_producer
+        self.ignore_layers = list(ignore_layers)
+        self.structural_ignore = structural_ignore
+        self.structural_reason = structural_reason
         self.tap: GradientTap | None = None
 
     def begin(
@@ -1203,10 +1223,20 @@ class _TapSession:
             name_fn=self.name_fn,
         )
         config = {"framework": dict(framework), **self.config}
+        ignore = list(self.ignore_layers)
+        if self.structural_ignore is not None:
+            # Parameters the adapter knows by the model's structure, never by magnitude:
+            # named exactly (glob.escape keeps [, *, ? in names literal).
+            names = [n for n in map(tap.layer_name_of, self.structural_ignore(model))
+                     if n is not None]
+            ignore += [glob.escape(n) for n in names]
+            config.setdefault("ignore_layers_structural", {
+                "reason": self.structural_reason, "layers": names})
         tap.start_run(
             vanishing_threshold=self.vanishing_threshold,
             exploding_threshold=self.exploding_threshold,
             config=config,
+            ignore_layers=ignore,
         )
         self.tap = tap
         return tap

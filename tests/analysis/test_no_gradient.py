@@ -93,7 +93,8 @@ def test_layer_at_rounding_level_from_step_0_is_a_finding_and_still_vanishing(tm
     assert len(summary.findings) == 1
     assert summary.findings[0].startswith(
         "gradient at rounding level since step 0: attn.key.bias; likely zero by "
-        "construction, e.g. a softmax attention key bias (they count as vanishing")
+        "construction, e.g. a softmax attention key bias (they count as vanishing, as in "
+        "the reference")
     text = text_of(summary)
     assert "no gradient   at rounding level since step 0: attn.key.bias" in text
     assert "Findings" in text and "likely zero by construction" in text
@@ -128,6 +129,7 @@ def test_ignore_layers_excludes_by_name_and_the_report_names_them(tmp_path, wher
     assert summary.layers_with_vanishing_grads == []
     assert (summary.issue_frames, summary.overall_health) == (0, H.HEALTHY)
     assert summary.layers_without_gradient == ["attn.key.bias"]
+    assert "(excluded by the run setting ignore_layers)" in summary.findings[0]
     assert "excluded      by run setting '*.key.bias': attn.key.bias" in text_of(summary)
 
 
