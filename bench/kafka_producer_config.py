@@ -1,13 +1,16 @@
 """Measure kafka-python producer settings for gradstream's traffic (many small messages).
 
-Sends real StepSummary messages (columnar JSON, ``--layers`` layers) through a real broker
-(``KAFKA_BOOTSTRAP_SERVERS`` or a temporary local broker) for each combination of
+Sends real StepSummary messages (``--layers`` layers, encoded in ``--wire-format``: by
+default the producer's own default, the columnar binary form; ``json`` for the JSON one)
+through a real broker (``KAFKA_BOOTSTRAP_SERVERS`` or a temporary local broker) for each
+combination of
 compression and ``linger_ms``, with ``acks=all`` and idempotence, and prints throughput
 (messages/s), the median and p99 time from ``send`` to acknowledgement, and the bytes on
 the wire per message (compressed batch size / messages). The producer defaults in
-``producer/settings.py`` come from this table.
+``producer/settings.py`` come from this table (first measured with JSON messages).
 
-Run: ``python bench/kafka_producer_config.py [--messages N] [--layers L]``.
+Run: ``python bench/kafka_producer_config.py [--messages N] [--layers L]
+[--wire-format binary|json]``.
 """
 
 from __future__ import annotations
@@ -22,11 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas.wire import StepSummary, encode_message
+from producer.settings import ProducerSettings
+from schemas.wire import StepSummary, WireFormat, encode_message
+
+SENT_FORMAT: WireFormat = ProducerSettings.model_fields["wire_format"].default
+"""The wire format the producer sends by default (``GRADSTREAM_WIRE_FORMAT`` unset)."""
 
 
-def payloads(layers: int, count: int) -> list[bytes]:
-    """``count`` encoded StepSummary messages of ``layers`` layers with random statistics."""
+def payloads(layers: int, count: int, wire_format: WireFormat = SENT_FORMAT) -> list[bytes]:
+    """``count`` StepSummary messages of ``layers`` layers with random statistics, encoded
+    in ``wire_format``."""
     rng = np.random.default_rng(0)
     out = []
     for step in range(count):
@@ -36,7 +44,7 @@ def payloads(layers: int, count: int) -> list[bytes]:
             layer_indices=list(range(layers)), numel=[4096] * layers,
             sum_abs=(np.sqrt(sum_sq) * 40).tolist(), sum_sq=sum_sq.tolist(),
             max_abs=np.sqrt(sum_sq).tolist(), nonfinite=[0] * layers,
-        )))
+        ), wire_format))
     return out
 
 
@@ -74,15 +82,20 @@ def measure(bootstrap: str, values: list[bytes], compression: str | None, linger
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Print the table (``argv`` as on the command line, default ``sys.argv[1:]``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--messages", type=int, default=400)
     parser.add_argument("--layers", type=int, default=1000)
-    args = parser.parse_args()
-    values = payloads(args.layers, args.messages)
+    parser.add_argument("--wire-format", choices=("binary", "json"), default=SENT_FORMAT,
+                        help=f"message encoding (default {SENT_FORMAT}: what the producer "
+                        "sends by default)")
+    args = parser.parse_args(argv)
+    values = payloads(args.layers, args.messages, args.wire_format)
     size = statistics.mean(len(v) for v in values)
+    sent = " (the producer's default)" if args.wire_format == SENT_FORMAT else ""
     print(f"{args.messages} StepSummary messages of {args.layers} layers, {size / 1024:.1f} KiB "
-          "JSON each; acks=all, idempotent")
+          f"each in the {args.wire_format} wire format{sent}; acks=all, idempotent")
 
     broker = None
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")

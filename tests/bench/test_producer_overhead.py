@@ -3,13 +3,9 @@ checked against the records a real producer sends through the real broker."""
 
 from __future__ import annotations
 
-import math
 import re
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,23 +14,14 @@ from kafka import KafkaConsumer, TopicPartition
 from bench import producer_overhead
 from producer import GradientProducer
 from schemas.wire import StepSummary, decode_message
+from tests.bench import ROOT, finite_positive, run_script
 
-ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 1000  # the README's figures are per step of 1000 layers
 
 
-def _finite_positive(text: str) -> float:
-    value = float(text)
-    assert math.isfinite(value) and value > 0, text
-    return value
-
-
 def test_tiny_run_prints_every_case_and_the_ratio_lines() -> None:
-    out = subprocess.run(
-        [sys.executable, "bench/producer_overhead.py", "--case-a", "4x1000", "--case-b",
-         "50x16", "--repeats", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
-    ).stdout
+    out = run_script("producer_overhead", "--case-a", "4x1000", "--case-b", "50x16",
+                     "--repeats", "1")
     lines = out.strip().splitlines()
     assert "case (a): 4 layers x 1000 float32" in out and "case (b): 50 layers x 16" in out
     assert "numba not imported" in out  # `import producer` stays free of numba
@@ -45,7 +32,7 @@ def test_tiny_run_prints_every_case_and_the_ratio_lines() -> None:
         assert set(pairs) == {"weight_stats_to_floor", "weights_to_floor",
                               "weights_to_update_floor", "nan_to_floor"}
         for value in pairs.values():
-            _finite_positive(value)
+            finite_positive(value)
     sizes = re.findall(r"StepSummary in the (binary|json) wire format \((as sent: the "
                        r"producer's default|GRADSTREAM_WIRE_FORMAT=json)\): full mode (\d+) B, "
                        r"norms mode (\d+) B", out)
@@ -56,7 +43,7 @@ def test_tiny_run_prints_every_case_and_the_ratio_lines() -> None:
         assert 0 < int(norms) < int(full)
     last = re.fullmatch(r"summary_ratio_to_floor=(\d+\.\d\d)", lines[-1])
     assert last is not None, lines[-1]
-    _finite_positive(last.group(1))
+    finite_positive(last.group(1))
 
 
 def _sent_step_sizes(bootstrap: str, topic: str, grads: dict[str, np.ndarray]) -> dict:
