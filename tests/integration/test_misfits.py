@@ -1,0 +1,179 @@
+"""Never merge what does not fit: real Kafka broker, real worker, real DuckDB file.
+
+Two ranks announcing different layer lists (as FSDP v1 with ``use_orig_params=True``
+makes them: each rank lists its local slices) must not have rank 1's statistics merged by
+layer index into rank 0's layers; a piece whose numel does not fit its parameter must not
+yield a complete frame. The tests read what the user would: the dead-letter topic with its
+reason headers, the ``frames`` table and the alerts stored with the run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import duckdb
+import numpy as np
+from kafka import KafkaConsumer, KafkaProducer
+
+from consumer.alerts.rows import read_alerts
+from consumer.dlq import decode_headers
+from consumer.settings import ConsumerSettings
+from consumer.topic_admin import ensure_topics
+from consumer.worker import Worker
+from schemas.alert import AlertRule
+from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
+
+STEPS = 3
+
+
+def settings_for(bootstrap: str, name: str, db: str) -> ConsumerSettings:
+    """One partition, a shard timeout far longer than the test: a frame finalised as
+    partial here was finalised because the missing rank's data was refused."""
+    return ConsumerSettings(
+        bootstrap_servers=bootstrap, topic=f"misfit-{name}", dlq_topic=f"misfit-dlq-{name}",
+        alerts_topic=f"misfit-alerts-{name}", group_id=f"misfit-{name}", db=db,
+        shard_timeout_s=600.0, partitions=1,
+    )
+
+
+def summary(run_id: str, step: int, rank: int, numel: list[int], value: float,
+            layout: bool) -> StepSummary:
+    """A rank's summary with |g| = ``value`` in every element."""
+    k = len(numel)
+    return StepSummary(
+        run_id=run_id, step=step, rank=rank, world_size=2, wall_time=1.7e9 + step,
+        layer_indices=list(range(k)), numel=numel, sum_abs=[n * value for n in numel],
+        sum_sq=[n * value * value for n in numel], max_abs=[value] * k, nonfinite=[0] * k,
+        shard_index=[0] * k if layout else None, shard_count=[1] * k if layout else None,
+    )
+
+
+def run_through_worker(settings: ConsumerSettings, run_id: str,
+                       messages: list[RunStarted | StepSummary | RunFinished]) -> Worker:
+    """Send ``messages`` in order, then consume them until the run is finished and stored."""
+    ensure_topics(settings, [settings.topic])
+    producer = KafkaProducer(bootstrap_servers=settings.bootstrap_servers, acks="all")
+    for m in messages:
+        producer.send(settings.topic, key=run_id.encode(), value=encode_message(m, "binary"))
+    producer.flush()
+    producer.close()
+    worker = Worker(settings)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        assert worker.wait_for_runs([run_id], 120), worker.error
+    finally:
+        worker.stop()
+        thread.join(60)
+    assert worker.error is None
+    return worker
+
+
+def dead_letters(settings: ConsumerSettings, expected: int) -> list[dict[str, str]]:
+    """Headers of the dead-letter topic's records (until ``expected`` arrived, then 1 s
+    more for any surplus)."""
+    dlq = KafkaConsumer(settings.dlq_topic, bootstrap_servers=settings.bootstrap_servers,
+                        auto_offset_reset="earliest")
+    letters: list[dict[str, str]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(letters) < expected and time.monotonic() < deadline:
+            for batch in dlq.poll(timeout_ms=500).values():
+                letters += [decode_headers(m.headers) for m in batch]
+        for batch in dlq.poll(timeout_ms=1000).values():
+            letters += [decode_headers(m.headers) for m in batch]
+    finally:
+        dlq.close()
+    return letters
+
+
+def test_a_rank_announcing_another_layer_list_is_refused_never_merged(
+    kafka_bootstrap: str, tmp_path, unique_name: str
+) -> None:
+    """Rank 0 lists (a: 4096, b: 16), rank 1 (c: 4096, d: 64): rank 1's RunStarted and
+    every summary of it are dead-lettered with the reason; the frames hold rank 0's pieces
+    only (layer a keeps 4096 elements and rank 0's norm, not 8192 and a mix), are partial,
+    and the missing_ranks alert says rank 1's data was refused, not that it sent nothing."""
+    settings = settings_for(kafka_bootstrap, unique_name, str(tmp_path / "s.duckdb"))
+    run_id = f"layers-{unique_name}"
+    starts = [RunStarted(run_id=run_id, rank=r, world_size=2, layer_names=names,
+                         numel=numel, start_time=1.7e9)
+              for r, (names, numel) in enumerate([(["a", "b"], [4096, 16]),
+                                                  (["c", "d"], [4096, 64])])]
+    messages: list = [*starts]
+    for step in range(STEPS):
+        messages.append(summary(run_id, step, 0, [4096, 16], 0.5, layout=True))
+        messages.append(summary(run_id, step, 1, [4096, 64], 2.0, layout=True))
+    messages += [RunFinished(run_id=run_id, rank=r, world_size=2, last_step=STEPS - 1,
+                             steps_recorded=STEPS, end_time=1.7e9 + STEPS) for r in (0, 1)]
+    worker = run_through_worker(settings, run_id, messages)
+    assert worker.counters.dead_letters == 1 + STEPS
+
+    letters = dead_letters(settings, 1 + STEPS)
+    assert [h["error"] for h in letters] == ["conflicting_run"] + ["refused_rank"] * STEPS
+    assert "from rank 1 lists different layers" in letters[0]["reason"]
+    assert "first difference at layer 0: 'c' (4096 elements) where the run has 'a'" \
+        in letters[0]["reason"] and "(the run was started by rank 0)" in letters[0]["reason"]
+    assert all(h["reason"].startswith("rank 1's RunStarted was refused: RunStarted for run")
+               for h in letters[1:])
+
+    con = duckdb.connect(settings.db, read_only=True)
+    frames = con.execute("SELECT step, complete, ranks_seen, missing_ranks FROM frames "
+                         "WHERE run_id = ? ORDER BY step", [run_id]).fetchall()
+    assert frames == [(s, False, [0], [1]) for s in range(STEPS)]
+    rows = con.execute("SELECT layer_index, numel, grad_norm FROM layer_stats "
+                       "WHERE run_id = ? AND step = 0 ORDER BY layer_index", [run_id]).fetchall()
+    assert [(i, n) for i, n, _ in rows] == [(0, 4096), (1, 16)]
+    assert np.isclose(rows[0][2], np.sqrt(4096 * 0.25))  # rank 0's norm only
+    (fired,) = [a for a in read_alerts(con, run_id, rule=AlertRule.MISSING_RANKS)
+                if a.state.value == "firing"]
+    assert fired.ranks == [1] and "sent nothing" not in fired.message
+    assert "rank 1's data was refused: its RunStarted was refused" in fired.message
+    assert fired.values["silent_ranks"] == [] and list(fired.values["refused_ranks"]) == ["1"]
+    con.close()
+
+
+def test_pieces_that_do_not_fit_their_parameter_never_make_a_complete_frame(
+    kafka_bootstrap: str, tmp_path, unique_name: str
+) -> None:
+    """Two ranks hold disjoint halves of (w: 4096, b: 16). Step 0 fits; at step 1 rank 1
+    claims 8192 elements of w (dead-lettered from the message alone); at step 2 each rank
+    claims all 4096 elements of w as its own disjoint piece (8192 counted for a 4096
+    parameter: a marked partial frame with the shard_layout alert)."""
+    settings = settings_for(kafka_bootstrap, unique_name, str(tmp_path / "s.duckdb"))
+    run_id = f"numel-{unique_name}"
+    messages: list = [RunStarted(run_id=run_id, rank=r, world_size=2, layer_names=["w", "b"],
+                                 numel=[4096, 16], start_time=1.7e9) for r in (0, 1)]
+    pieces = {0: ([2048, 8], [2048, 8]), 1: ([2048, 8], [8192, 8]), 2: ([4096, 8], [4096, 8])}
+    for step, (mine, theirs) in pieces.items():
+        messages.append(summary(run_id, step, 0, mine, 0.5, layout=False))
+        messages.append(summary(run_id, step, 1, theirs, 0.25, layout=False))
+    messages += [RunFinished(run_id=run_id, rank=r, world_size=2, last_step=2,
+                             steps_recorded=3, end_time=1.7e9 + 3) for r in (0, 1)]
+    worker = run_through_worker(settings, run_id, messages)
+    assert worker.counters.dead_letters == 1
+
+    (letter,) = dead_letters(settings, 1)
+    assert letter["error"] == "invalid"
+    assert letter["reason"].startswith("rank 1 step 1: layer 0 holds 8192 elements as a "
+                                       "piece, which exceeds the parameter's 4096")
+
+    con = duckdb.connect(settings.db, read_only=True)
+    frames = con.execute("SELECT step, complete, ranks_seen, missing_ranks FROM frames "
+                         "WHERE run_id = ? ORDER BY step", [run_id]).fetchall()
+    assert frames == [(0, True, [0, 1], []), (1, False, [0], [1]), (2, False, [0, 1], [])]
+    numel = con.execute("SELECT step, numel FROM layer_stats WHERE run_id = ? AND "
+                        "layer_index = 0 ORDER BY step", [run_id]).fetchall()
+    assert numel == [(0, 4096), (1, 2048), (2, 8192)]  # stored as counted, marked partial
+    alerts = read_alerts(con, run_id)
+    (layout,) = [a for a in alerts if a.rule == AlertRule.SHARD_LAYOUT
+                 and a.state.value == "firing"]
+    assert layout.step == 2 and layout.layers == ["w"] and layout.severity.value == "critical"
+    assert "w's pieces hold 8192 elements, the parameter 4096 (RunStarted)" in layout.message
+    assert "stored as partial" in layout.message
+    (missing,) = [a for a in alerts if a.rule == AlertRule.MISSING_RANKS
+                  and a.state.value == "firing"]
+    assert missing.step == 1 and "rank 1's data was refused: its summary was " \
+        "dead-lettered: rank 1 step 1: layer 0 holds 8192 elements" in missing.message
+    con.close()
