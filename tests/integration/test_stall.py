@@ -10,8 +10,9 @@ The tests inject the fault; detection and recovery are the loop's own code:
   member) and for the store (assigns itself every partition).
 
 Each checks the warning, the Prometheus counters, and that every record was read once and
-every frame stored once: records read = records produced, one ``frames`` row per step,
-``layers`` ``layer_stats`` rows per step.
+every frame stored once: records read = records produced, one ``frames`` row per step and
+``LAYERS`` ``layer_stats`` rows per step (or, for a scale-out worker, one merged frame per
+step on the frames topic).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import numpy as np
 import pytest
-from kafka import KafkaProducer
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from consumer.frame_codec import frame_to_message
 from consumer.frames import MergedShards, compute_frame
@@ -37,7 +39,14 @@ from consumer.store import Store
 from consumer.store_settings import StoreSettings
 from consumer.topic_admin import ensure_topics
 from consumer.worker import Worker
-from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
+from schemas.wire import (
+    MergedFrame,
+    RunFinished,
+    RunStarted,
+    StepSummary,
+    decode_frame_message,
+    encode_message,
+)
 
 STEPS = 30
 LAYERS = 3
@@ -80,24 +89,52 @@ def frames_messages(run_id: str) -> list[bytes]:
     return out
 
 
-def worker_loop(kafka: str, tmp_path: Path, name: str) -> tuple[ConsumerLoop, str, list[bytes]]:
-    """A single-process worker (group member, DuckDB output), its topic and its input."""
+@dataclass
+class Case:
+    """A loop under test, the topic it reads, its input, and the check that every frame
+    of the run was stored (or published) exactly once."""
+
+    loop: ConsumerLoop
+    topic: str
+    values: list[bytes]
+    run_id: str
+    assert_stored_once: Callable[[], None]
+
+
+def worker_case(kafka: str, tmp_path: Path, name: str) -> Case:
+    """A single-process worker (group member, DuckDB output)."""
     settings = ConsumerSettings(
         bootstrap_servers=kafka, topic=f"stall-sum-{name}", dlq_topic=f"stall-dlq-{name}",
         alerts_topic=f"stall-alerts-{name}", group_id=f"stall-{name}",
         db=str(tmp_path / "worker.duckdb"), stall_timeout_s=STALL_TIMEOUT_S)
-    return Worker(settings), settings.topic, summaries(f"run-{name}")
+    run_id = f"run-{name}"
+    return Case(Worker(settings), settings.topic, summaries(run_id), run_id,
+                lambda: assert_stored_once(settings.db, run_id))
 
 
-def store_loop(kafka: str, tmp_path: Path, name: str) -> tuple[ConsumerLoop, str, list[bytes]]:
-    """The store (assigns itself every partition, DuckDB output), its topic, its input."""
+def scale_out_case(kafka: str, tmp_path: Path, name: str) -> Case:
+    """A scale-out worker (group member; frames published, offsets committed to Kafka)."""
+    settings = ConsumerSettings(
+        bootstrap_servers=kafka, topic=f"stall-sum-{name}", dlq_topic=f"stall-dlq-{name}",
+        alerts_topic=f"stall-alerts-{name}", group_id=f"stall-{name}",
+        frames_topic=f"stall-frames-{name}", runs_topic=f"stall-runs-{name}",
+        stall_timeout_s=STALL_TIMEOUT_S)
+    run_id = f"run-{name}"
+    return Case(Worker(settings), settings.topic, summaries(run_id), run_id,
+                lambda: assert_published_once(kafka, f"stall-frames-{name}", run_id))
+
+
+def store_case(kafka: str, tmp_path: Path, name: str) -> Case:
+    """The store (assigns itself every partition, DuckDB output)."""
     settings = StoreSettings(
         bootstrap_servers=kafka, frames_topic=f"stall-frames-{name}",
         alerts_topic=f"stall-alerts-{name}", dlq_topic=f"stall-dlq-{name}",
         group_id=f"stall-store-{name}", db=str(tmp_path / "store.duckdb"),
         stall_timeout_s=STALL_TIMEOUT_S)
     ensure_topics(settings, [settings.frames_topic, settings.alerts_topic])
-    return Store(settings), settings.frames_topic, frames_messages(f"run-{name}")
+    run_id = f"run-{name}"
+    return Case(Store(settings), settings.frames_topic, frames_messages(run_id), run_id,
+                lambda: assert_stored_once(settings.db, run_id))
 
 
 @contextmanager
@@ -160,82 +197,126 @@ def assert_stored_once(db: str, run_id: str) -> None:
     assert rows == (STEPS * LAYERS, STEPS * LAYERS)
 
 
+def assert_published_once(kafka: str, topic: str, run_id: str) -> None:
+    """The frames topic holds every step's merged frame of the run once."""
+    consumer = KafkaConsumer(bootstrap_servers=kafka, group_id=None,
+                             enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        end = consumer.end_offsets(tps)
+        steps: list[int] = []
+        deadline = time.monotonic() + 30
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            assert time.monotonic() < deadline, "frames topic not read within 30 s"
+            for records in consumer.poll(timeout_ms=200).values():
+                steps += [m.step for r in records
+                          if isinstance(m := decode_frame_message(r.value), MergedFrame)
+                          and m.run_id == run_id]
+    finally:
+        consumer.close()
+    assert sorted(steps) == list(range(STEPS))
+
+
+def pause_until_settled(consumer: Any, timeout: float = 20.0) -> None:
+    """The fault: pause every assigned partition behind the loop's back, again after each
+    rebalance (a new assignment starts unpaused; a new group rebalances once more when
+    the worker's own topics appear), until the assignment has stayed paused for 1 s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, "the group never settled"
+        assigned = set(consumer.assignment())
+        consumer.pause(*assigned)
+        time.sleep(1.0)
+        if assigned and set(consumer.assignment()) == assigned == set(consumer.paused()):
+            return
+
+
+def read_all(case: Case) -> Callable[[], bool]:
+    """Whether the loop read every record of the case once and wrote every frame."""
+    loop = case.loop
+    return lambda: (metric(loop, "gradstream_messages_total", topic=case.topic)
+                    >= len(case.values) and loop.counters.frames >= STEPS
+                    and not loop._batch and loop.output is not None
+                    and loop.output.settle(wait=False) and not loop._unacknowledged)
+
+
+@pytest.mark.parametrize("make_case", [worker_case, store_case], ids=["worker", "store"])
 def test_paused_partition_is_detected_and_re_sought(
         kafka_bootstrap: str, tmp_path: Path, unique_name: str,
-        caplog: pytest.LogCaptureFixture) -> None:
-    """Every partition of a worker paused behind its back: the waiting one is reported
-    after the stall timeout, re-sought and resumed; every record is then read once and
-    every frame stored once, without re-creating the consumer."""
+        caplog: pytest.LogCaptureFixture, make_case: Any) -> None:
+    """Every partition paused behind the loop's back: the waiting one is reported after
+    the stall timeout, re-sought and resumed; every record is then read once and every
+    frame stored once, without re-creating the consumer."""
     caplog.set_level(logging.INFO, logger="gradstream.consumer")
-    worker, topic, values = worker_loop(kafka_bootstrap, tmp_path, unique_name)
-    run_id = f"run-{unique_name}"
-    with running(worker):
-        consumer = worker._consumer
-        consumer.pause(*consumer.assignment())  # the fault: fetching stops
-        produce(kafka_bootstrap, topic, run_id, values)
-        took = wait_for(lambda: worker.runs_done([run_id]), 30, "the run stored", worker)
-        # The run's messages are written at the loop's next flush.
-        wait_for(lambda: worker.counters.writes > 0 and not worker._batch, 10,
-                 "the batch written", worker)
+    case = make_case(kafka_bootstrap, tmp_path, unique_name)
+    loop = case.loop
+    with running(loop):
+        consumer = loop._consumer
+        pause_until_settled(consumer)
+        produce(kafka_bootstrap, case.topic, case.run_id, case.values)
+        took = wait_for(read_all(case), 30, "every record read and written", loop)
         wait_for(lambda: any("moves again" in r.getMessage() for r in caplog.records), 10,
-                 "the recovery logged at the next check", worker)
-        stalls = metric(worker, "gradstream_consumer_stalls_total", topic=topic)
-        seeks = metric(worker, "gradstream_consumer_stall_recoveries_total", action="seek")
-        recreates = metric(worker, "gradstream_consumer_stall_recoveries_total",
+                 "the recovery logged at the next check", loop)
+        stalls = metric(loop, "gradstream_consumer_stalls_total", topic=case.topic)
+        seeks = metric(loop, "gradstream_consumer_stall_recoveries_total", action="seek")
+        recreates = metric(loop, "gradstream_consumer_stall_recoveries_total",
                            action="recreate")
-        read = metric(worker, "gradstream_messages_total", topic=topic)
-        same_consumer = worker._consumer is consumer
-    print(f"paused partition: stored {took:.2f} s after producing (stall timeout "
-          f"{STALL_TIMEOUT_S:g} s); stalls={stalls:g} seeks={seeks:g} recreates={recreates:g}")
-    assert worker.error is None
+        read = metric(loop, "gradstream_messages_total", topic=case.topic)
+        same_consumer = loop._consumer is consumer
+    print(f"{type(loop).__name__.lower()}, partitions paused: read and written {took:.2f} s "
+          f"after producing (stall timeout {STALL_TIMEOUT_S:g} s); stalls={stalls:g} "
+          f"seeks={seeks:g} recreates={recreates:g}")
+    assert loop.error is None
     warnings = [r.getMessage() for r in caplog.records
                 if r.levelno == logging.WARNING and "stalled partition" in r.getMessage()]
-    assert warnings and f"stalled partition {topic}[" in warnings[0]
-    assert f"end offset {len(values)} ({len(values)} records waiting)" in warnings[0]
+    assert warnings and f"stalled partition {case.topic}[" in warnings[0]
+    n = len(case.values)
+    assert f"position 0, end offset {n} ({n} records waiting)" in warnings[0]
     assert "re-seeking" in warnings[0]
     assert (stalls, seeks, recreates) == (1, 1, 0)
     assert same_consumer
     assert took >= STALL_TIMEOUT_S  # nothing was read before the watchdog acted
-    assert read == len(values)  # each record read once
-    assert worker.counters.frames == STEPS
-    assert_stored_once(worker.settings.db, run_id)
+    assert read == n  # each record read once
+    assert loop.counters.frames == STEPS
+    case.assert_stored_once()
 
 
-@pytest.mark.parametrize("make_loop", [worker_loop, store_loop], ids=["worker", "store"])
+@pytest.mark.parametrize("make_case", [worker_case, scale_out_case, store_case],
+                         ids=["worker", "scale-out-worker", "store"])
 def test_consumer_that_fetches_nothing_is_re_created(
         kafka_bootstrap: str, tmp_path: Path, unique_name: str,
-        caplog: pytest.LogCaptureFixture, make_loop: Any) -> None:
+        caplog: pytest.LogCaptureFixture, make_case: Any) -> None:
     """A consumer whose fetcher returns nothing (a seek does not cure it): after the stall
-    timeout a re-seek, after another the consumer is re-created, re-joins (worker) or
-    re-assigns (store) and reads on from the stored offsets. Half of the run is produced
-    and stored before the fault, so the new consumer must start at the stored offsets:
-    every record read once, every frame stored once."""
+    timeout a re-seek, after another the consumer is re-created, re-joins the group
+    (workers) or re-assigns itself (store) and reads on from the stored offsets (DuckDB,
+    or the group's commits for the scale-out worker). Half of the run is read and written
+    before the fault, so the new consumer must start where the old one stopped: every
+    record read once, every frame stored once."""
     caplog.set_level(logging.INFO, logger="gradstream.consumer")
-    loop, topic, values = make_loop(kafka_bootstrap, tmp_path, unique_name)
-    run_id = f"run-{unique_name}"
-    half = len(values) // 2
+    case = make_case(kafka_bootstrap, tmp_path, unique_name)
+    loop, half = case.loop, len(case.values) // 2
     with running(loop):
-        produce(kafka_bootstrap, topic, run_id, values[:half])
-        wait_for(lambda: metric(loop, "gradstream_messages_total", topic=topic) == half
-                 and loop.counters.writes > 0 and not loop._batch, 30,
-                 "the first half stored", loop)
+        produce(kafka_bootstrap, case.topic, case.run_id, case.values[:half])
+        wait_for(lambda: metric(loop, "gradstream_messages_total", topic=case.topic) == half
+                 and not loop._batch and not loop._unacknowledged, 30,
+                 "the first half read and written", loop)
         broken = loop._consumer
         broken._fetcher.fetch_records = lambda *args, **kwargs: ({}, True)  # the fault
-        produce(kafka_bootstrap, topic, run_id, values[half:])
-        took = wait_for(lambda: metric(loop, "gradstream_messages_total", topic=topic)
-                        == len(values) and loop.counters.frames == STEPS, 60,
-                        "every record read", loop)
-        wait_for(lambda: not loop._batch and loop.output is not None
-                 and loop.output.settle(wait=False), 10, "the batch written", loop)
-        stalls = metric(loop, "gradstream_consumer_stalls_total", topic=topic)
+        produce(kafka_bootstrap, case.topic, case.run_id, case.values[half:])
+        took = wait_for(read_all(case), 60, "every record read and written", loop)
+        stalls = metric(loop, "gradstream_consumer_stalls_total", topic=case.topic)
         seeks = metric(loop, "gradstream_consumer_stall_recoveries_total", action="seek")
         recreates = metric(loop, "gradstream_consumer_stall_recoveries_total",
                            action="recreate")
+        read = metric(loop, "gradstream_messages_total", topic=case.topic)
         replaced = loop._consumer is not broken
-        time.sleep(2 * STALL_TIMEOUT_S)  # no further stall once read to the end
+        time.sleep(2 * STALL_TIMEOUT_S)  # read to the end: no further action
         later = metric(loop, "gradstream_consumer_stall_recoveries_total")
-    print(f"{type(loop).__name__.lower()} with a fetcher returning nothing: read "
-          f"{took:.2f} s after producing (stall timeout {STALL_TIMEOUT_S:g} s); "
+    print(f"{type(loop).__name__.lower()} writing {loop.describe_output()}, fetcher "
+          f"returning nothing: read "
+          f"and written {took:.2f} s after producing (stall timeout {STALL_TIMEOUT_S:g} s); "
           f"stalls={stalls:g} seeks={seeks:g} recreates={recreates:g}")
     assert loop.error is None
     messages = [r.getMessage() for r in caplog.records]
@@ -246,5 +327,6 @@ def test_consumer_that_fetches_nothing_is_re_created(
     assert later == seeks + recreates
     assert replaced
     assert took >= 2 * STALL_TIMEOUT_S
+    assert read == len(case.values)  # each record read once
     assert loop.counters.frames == STEPS  # each frame made once
-    assert_stored_once(loop.settings.db, run_id)
+    case.assert_stored_once()
