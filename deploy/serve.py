@@ -7,7 +7,9 @@ as the store is open (the ``on_open(sink)`` hook of :class:`consumer.loop.Consum
 ``DuckDBSink.read_cursor()``), serves the dashboard, ``/api/query`` and the other read
 routes from it (:mod:`analysis.dashboard`), and advertises itself in ``<db>.serve.json``
 (:mod:`analysis.dashboard.sidecar`) so that ``gradstream query`` and the other readers
-find it; the file is removed on stop.
+find it; the file is removed on stop. Every route requires the endpoint's token
+(:attr:`EndpointOptions.token`, random unless chosen), which the sidecar holds and
+:attr:`ReadEndpoint.dashboard_url` carries for a browser.
 
 :class:`ServedLoop` is the one helper every writing command uses: it runs any consumer
 loop (:class:`consumer.worker.Worker` for ``gradstream consume``, ``serve`` and ``demo``;
@@ -103,6 +105,13 @@ class EndpointOptions:
         max_readers: read requests run at once (>= 1); ``None`` = no bound.
         reader_nice: nice value (0-19) set on each thread that answers a read; 0 = normal
             priority. Applied on Linux only (elsewhere a thread id is not a priority target).
+        token: the secret every route requires (header, or the cookie set by the URL
+            :attr:`ReadEndpoint.dashboard_url`); ``None``: a random one
+            (:func:`~analysis.dashboard.sidecar.new_token`). Either way it is written in
+            the sidecar.
+
+    Raises:
+        ValueError: ``token`` fails :func:`~analysis.dashboard.sidecar.check_token`.
     """
 
     host: str = "127.0.0.1"
@@ -111,6 +120,13 @@ class EndpointOptions:
     query_timeout_s: float = 120.0
     max_readers: int | None = DEFAULT_MAX_READERS
     reader_nice: int = READER_NICE
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        from analysis.dashboard.sidecar import check_token
+
+        if self.token is not None:
+            check_token(self.token)
 
 
 class BoundedReadCursors:
@@ -173,7 +189,8 @@ class ReadEndpoint:
         command: the ``gradstream`` command of this process, written in the sidecar.
 
     :meth:`attach` is the ``on_open`` hook of a consumer loop; :meth:`open_read_only`
-    serves a file no process writes. :attr:`url` is the base URL once serving.
+    serves a file no process writes. :attr:`url` is the base URL once serving,
+    :attr:`token` its secret, :attr:`dashboard_url` the URL to open in a browser.
     """
 
     def __init__(self, db: str | os.PathLike[str], options: EndpointOptions,
@@ -186,6 +203,7 @@ class ReadEndpoint:
         self.cursors: BoundedReadCursors | None = None
         self.server: DashboardServer | None = None
         self.url = ""
+        self.token = ""
         self._closing = threading.Lock()  # the loop's thread and the main thread both close
 
     def attach(self, sink: DuckDBSink) -> None:
@@ -229,7 +247,7 @@ class ReadEndpoint:
 
         o = self.options
         self.cursors = BoundedReadCursors(cursors, o.max_readers, o.reader_nice)
-        token = new_token()
+        token = o.token or new_token()
         app = Dashboard(self.cursors, token, o.refresh_s, o.query_timeout_s,  # type: ignore[arg-type]
                         self.status)
         try:
@@ -242,8 +260,17 @@ class ReadEndpoint:
             ) from None
         self.server.start()
         self.url = client_url(self.server.url, o.host)
+        self.token = token
         write_sidecar(self.db, self.url, token, writer=writer, command=self.command)
         return self.url
+
+    @property
+    def dashboard_url(self) -> str:
+        """``<url>/?token=<token>``: opens the dashboard and lets the browser in ("" before
+        serving)."""
+        from analysis.dashboard.sidecar import dashboard_url
+
+        return dashboard_url(self.url, self.token) if self.url else ""
 
     def close(self) -> None:
         """Remove the sidecar, stop serving, close the cursors (interrupting the queries
@@ -330,6 +357,12 @@ class ServedLoop(Generic[LoopT]):
         return {"counters": counters, "worker_alive": self.alive(),
                 "group_id": self.loop.settings.group_id, "topic": self.loop.topics()[0]}
 
+    @property
+    def dashboard_url(self) -> str:
+        """The URL that opens the dashboard with its token ("" without an endpoint or
+        before :meth:`start`)."""
+        return self.endpoint.dashboard_url if self.endpoint is not None else ""
+
     def alive(self) -> bool:
         """Whether the loop's thread still runs."""
         return self._thread is not None and self._thread.is_alive()
@@ -375,7 +408,7 @@ class ServedWorker(ServedLoop["Worker"]):
 
     Args:
         settings: the worker's settings (``settings.db`` is the store).
-        host / port / refresh_s / query_timeout_s / max_readers: as
+        host / port / refresh_s / query_timeout_s / max_readers / token: as
             :class:`EndpointOptions` (``port`` defaults to :data:`DEFAULT_PORT`).
         command: as :class:`ServedLoop`.
     """
@@ -384,11 +417,13 @@ class ServedWorker(ServedLoop["Worker"]):
         self, settings: ConsumerSettings, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
         refresh_s: float = 1.0, query_timeout_s: float = 120.0,
         max_readers: int | None = DEFAULT_MAX_READERS, command: str = "serve",
+        token: str | None = None,
     ) -> None:
         from consumer.worker import Worker
 
         super().__init__(functools.partial(Worker, settings), settings.db,
-                         EndpointOptions(host, port, refresh_s, query_timeout_s, max_readers),
+                         EndpointOptions(host, port, refresh_s, query_timeout_s, max_readers,
+                                         token=token),
                          command)
 
     @property
@@ -402,18 +437,25 @@ class ServedStore:
 
     Args:
         db: the store file.
-        host / port / refresh_s / query_timeout_s / max_readers: as
+        host / port / refresh_s / query_timeout_s / max_readers / token: as
             :class:`EndpointOptions`.
     """
 
     def __init__(self, db: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  refresh_s: float = 1.0, query_timeout_s: float = 120.0,
-                 max_readers: int | None = DEFAULT_MAX_READERS) -> None:
+                 max_readers: int | None = DEFAULT_MAX_READERS,
+                 token: str | None = None) -> None:
         self.db = str(db)
         # No writer to leave the CPU to: readers keep their normal priority.
         self.endpoint = ReadEndpoint(db, EndpointOptions(host, port, refresh_s, query_timeout_s,
-                                                         max_readers, reader_nice=0))
+                                                         max_readers, reader_nice=0,
+                                                         token=token))
         self.url = ""
+
+    @property
+    def dashboard_url(self) -> str:
+        """The URL that opens the dashboard with its token ("" before :meth:`start`)."""
+        return self.endpoint.dashboard_url
 
     def start(self) -> str:
         """Open the store read-only and serve it. Returns the URL.
@@ -454,7 +496,7 @@ def _held_hint(db: Path, exc: Exception) -> str:
         return (" Another process writes it without a read endpoint (--no-read-endpoint): "
                 "stop it, or restart it without that flag.")
     return (f" `gradstream {info.command}` (pid {info.pid}) writes it and serves its "
-            f"dashboard at {info.url}/")
+            f"dashboard at {info.dashboard_url}")
 
 
 def worker_failure(error: BaseException | None, db: str) -> str:

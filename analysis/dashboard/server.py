@@ -1,11 +1,11 @@
 """The dashboard's HTTP server (stdlib ``ThreadingHTTPServer``, one thread per request).
 
-Routes (all reads go through :class:`~analysis.dashboard.cursors.ReadCursors`, a fresh
-read-only cursor per request):
+Routes (:data:`ROUTES`; all reads go through :class:`~analysis.dashboard.cursors.ReadCursors`,
+a fresh read-only cursor per request). Every route requires the token (see *Access* below):
 
 ============================  ======================================================================
-``GET /``                     the dashboard page (``static/index.html``)
-``GET /static/<f>``           its script and style sheet, and the shared ``heatmap.js``
+``GET /``                     the dashboard page (``static/index.html``; also ``/index.html``)
+``GET /static/{name}``        its script and style sheet, and the shared ``heatmap.js``
 ``GET /api/status``           store path, whether this process writes it, worker counters
 ``GET /api/runs``             runs with health, frames, issue ratio, alert counts
 ``GET /api/grid``             ``run``, ``max_steps``, ``max_layers``, ``from_step``, ``to_step``:
@@ -21,30 +21,46 @@ read-only cursor per request):
 ``GET /api/alerts``           ``run`` (optional), ``limit``: newest alerts first
 ``GET /api/analyses``         the registered analyses (:mod:`analysis.registry`): name, help,
                               JSON Schema of the options
-``GET /api/analysis/<name>``  ``run``, ``from_step``, ``to_step`` and the analysis's options by
+``GET /api/analysis/{name}``  ``run``, ``from_step``, ``to_step`` and the analysis's options by
                               field name (``window=10``): its report, the JSON of ``gradstream
                               analyze --kind <name> --format json``
 ``GET /api/export``           ``run``, ``format`` (csv/json/parquet/jsonl), ``from_step``,
                               ``to_step``, ``order``: a download (:mod:`analysis.export`;
                               header ``X-Gradstream-Rows``: rows written)
-``POST /api/query``           JSON ``{"sql": ..., "params": {...} | [...], "timeout_s": ...}`` with
-                              ``Authorization: Bearer <token>``: one read-only statement, Arrow
-                              IPC stream back
+``POST /api/query``           JSON ``{"sql": ..., "params": {...} | [...], "timeout_s": ...}``:
+                              one read-only statement, Arrow IPC stream back
 ============================  ======================================================================
+
+Access (the convention of Jupyter): the server holds one secret token (``gradstream serve``
+and ``demo`` print ``http://HOST:PORT/?token=...``; ``<db>.serve.json`` holds it). A
+request is answered when it carries the token as
+
+- ``Authorization: Bearer <token>`` (scripts, :class:`analysis.reader.EndpointReader`), or
+- the cookie :func:`cookie_name` (``gradstream-token-<port>``: cookies are shared by every
+  port of a host, so each server names its own), which a page URL carrying
+  ``?token=<token>`` sets (``HttpOnly; SameSite=Strict; Path=/``) before redirecting
+  (303) to the same URL without the token, so the token leaves the address bar and
+  history. The browser then sends the cookie with the page's own requests.
+
+Tokens are compared with :func:`hmac.compare_digest`. Anything else (no token, a wrong
+one, an unknown path) is refused with 401 before routing: a JSON error on ``/api/``, a
+short HTML page saying where the URL is elsewhere. ``?token=`` is accepted on pages only,
+not on ``/api/`` (a script sends the header).
 
 Every ``/api/`` read runs under one time limit: the server's ``query_timeout_s``, or the
 request's ``timeout_s`` (query parameter or JSON field) when smaller. ``/api/report`` and
 ``/api/analysis/<name>`` answer ``Accept:`` :data:`~analysis.dashboard.wire.MODEL_JSON`
 with the exact report (NaN kept), which :class:`analysis.reader.EndpointReader` rebuilds.
 
-Errors are JSON ``{"error": message, "kind": ...}`` with 400 (bad argument), 401 (token),
-403 (``read_only``: a write refused; ``refused``: a file outside the store; ``forbidden``: a
-foreign Host/Origin), 404 (also an unknown run or analysis), 408 (``timeout``: the read
-reached its time limit), 413, 503 (store closed).
+Errors are JSON ``{"error": message, "kind": ...}`` with 400 (bad argument), 401
+(``unauthorized``: no or wrong token), 403 (``read_only``: a write refused; ``refused``: a
+file outside the store; ``forbidden``: a foreign Host/Origin), 404 (also an unknown run or
+analysis), 405 (a route asked with another method), 408 (``timeout``: the read reached its
+time limit), 413, 503 (store closed).
 
 Served on loopback by default. With a loopback bind the server also rejects requests
 whose ``Host`` header is not a loopback name (DNS-rebinding defence) and cross-origin
-POSTs; pages get a Content-Security-Policy allowing only their own scripts.
+requests; pages get a Content-Security-Policy allowing only their own scripts.
 """
 
 from __future__ import annotations
@@ -61,15 +77,18 @@ import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from html import escape
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, quote, urlencode, urlsplit
 
 from analysis.dashboard import api
 from analysis.dashboard.cursors import ReadCursors, StoreClosedError
+from analysis.dashboard.sidecar import TOKEN_CHARS, sidecar_path
 from analysis.dashboard.wire import MODEL_JSON, grid_to_arrow, model_to_json, table_to_ipc
 from analysis.export import EXPORT_FORMATS, export_run
 from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, norm_palette
@@ -123,10 +142,102 @@ _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+_LOGIN_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>gradstream: token required</title></head>
+<body><h1>This gradstream dashboard needs its token</h1>
+<p>Open the URL printed by <code>gradstream serve</code> (or <code>gradstream demo</code>)
+when it started, <code>http://HOST:PORT/?{param}=...</code>: it lets this browser in until
+it closes.</p>
+<p>Lost it? The token is the <code>token</code> field of <code>{sidecar}</code>, the file
+beside the store (readable only by its owner): open this page's address with
+<code>?{param}=</code> and that value.</p>
+</body></html>
+"""
+"""The page answered (401) to a browser without the token; ``{sidecar}``: the sidecar's
+file name."""
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 _JSON = "application/json; charset=utf-8"
 _RANGE_PARAMS = ("run", "from_step", "to_step", "timeout_s")
 """Query parameters of ``/api/analysis/<name>`` that are not options of the analysis."""
+
+TOKEN_PARAM = "token"
+"""Query parameter of a page URL that carries the token (``/?token=...``)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route of the server: ``method`` on ``path`` runs the request handler's method
+    ``handler`` (with the ``{name}`` segment, "" for an exact path).
+
+    Attributes:
+        method: ``GET`` or ``POST``.
+        path: an exact path, or a template ending in ``{name}``: any one non-empty path
+            segment (``/static/{name}`` matches ``/static/dashboard.js``).
+        handler: name of the :class:`_Handler` method that answers.
+        page: a page for the browser (HTML and its assets): ``?token=`` logs in there, and
+            a refusal is a short HTML page; else an ``/api/`` route (JSON errors).
+    """
+
+    method: str
+    path: str
+    handler: str
+    page: bool = False
+
+    def match(self, path: str) -> str | None:
+        """The ``{name}`` segment of ``path`` ("" for an exact path), or None when
+        ``path`` is not this route's."""
+        if not self.path.endswith("{name}"):
+            return "" if path == self.path else None
+        prefix = self.path.removesuffix("{name}")
+        name = path.removeprefix(prefix) if path.startswith(prefix) else ""
+        return name if name and "/" not in name else None
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/", "_index", page=True),
+    Route("GET", "/index.html", "_index", page=True),
+    Route("GET", "/static/{name}", "_static", page=True),
+    Route("GET", "/api/status", "_status"),
+    Route("GET", "/api/runs", "_runs"),
+    Route("GET", "/api/grid", "_grid"),
+    Route("GET", "/api/report", "_report"),
+    Route("GET", "/api/heatmap", "_heatmap"),
+    Route("GET", "/api/layer", "_layer"),
+    Route("GET", "/api/alerts", "_alerts"),
+    Route("GET", "/api/analyses", "_analyses"),
+    Route("GET", "/api/analysis/{name}", "_analysis"),
+    Route("GET", "/api/export", "_export"),
+    Route("POST", "/api/query", "_query"),
+)
+"""Every route the server answers, in the order they are matched (the table of the module
+docstring). All of them require the token."""
+
+STATIC_FILES: tuple[str, ...] = tuple(_STATIC)
+"""The names ``/static/{name}`` serves."""
+
+
+def cookie_name(port: int) -> str:
+    """Name of the cookie holding the token of the server on ``port``:
+    ``gradstream-token-<port>``. Browsers share cookies between every port of a host, so
+    two servers on one machine (``serve`` and ``demo``) each keep their own."""
+    return f"gradstream-token-{port}"
+
+
+def _same_secret(supplied: str, token: str) -> bool:
+    """Whether ``supplied`` is ``token``, in time independent of where they differ
+    (:func:`hmac.compare_digest` on their UTF-8 bytes)."""
+    return hmac.compare_digest(supplied.encode("utf-8", "surrogatepass"),
+                               token.encode("utf-8", "surrogatepass"))
+
+
+def _cookies(header: str) -> Iterator[tuple[str, str]]:
+    """(name, value) of each cookie of a ``Cookie:`` header. Split by hand: other
+    applications on the same host (any port) may have set cookies that
+    :class:`http.cookies.SimpleCookie` rejects, losing ours with them."""
+    for part in header.split(";"):
+        name, sep, value = part.strip().partition("=")
+        if sep:
+            yield name.strip(), value.strip().strip('"')
 
 
 def _read_error(exc: QueryError) -> _HTTPError:
@@ -164,10 +275,15 @@ class Dashboard:
 
     Args:
         cursors: provider of read-only cursors on the store.
-        token: secret required by ``POST /api/query``.
+        token: the secret every route requires (see the module docstring, *Access*).
         refresh_s: polling interval of the page, seconds.
         query_timeout_s: longest read of any ``/api/`` route, seconds (then interrupted).
         status: returns extra JSON for ``/api/status`` (e.g. the worker's counters).
+
+    Raises:
+        ValueError: ``token`` is empty (it would let every request in) or has a character
+            other than those of :data:`~analysis.dashboard.sidecar.TOKEN_CHARS` (it could not
+            sit in a URL and a cookie unquoted).
     """
 
     def __init__(
@@ -178,6 +294,8 @@ class Dashboard:
         query_timeout_s: float = 120.0,
         status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        if not TOKEN_CHARS.fullmatch(token):
+            raise ValueError("the dashboard's token must be non-empty, of A-Z a-z 0-9 . _ ~ -")
         self.cursors = cursors
         self.token = token
         self.refresh_s = refresh_s
@@ -300,6 +418,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("X-Content-Type-Options", "nosniff")
         self.send_header("Cache-Control", "no-store")
+        if self.command == "POST" and status >= 400:
+            # The body may be unread (a refused request): do not parse it as the next one.
+            self.close_connection = True
+            self.send_header("Connection", "close")
         for key, value in (extra or {}).items():
             self.send_header(key, value)
         self.end_headers()
@@ -381,45 +503,102 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HTTPError(HTTPStatus.BAD_REQUEST, "the run parameter is required", "invalid")
         return run
 
+    # -- access ------------------------------------------------------------------------
+
+    def _port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def _authorized(self) -> bool:
+        """Whether the request carries the token: ``Authorization: Bearer`` or this
+        server's cookie."""
+        token = self.app.token
+        scheme, _, supplied = self.headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and _same_secret(supplied.strip(), token):
+            return True
+        name = cookie_name(self._port())
+        return any(key == name and _same_secret(value, token)
+                   for header in self.headers.get_all("Cookie") or ()
+                   for key, value in _cookies(header))
+
+    def _login(self, split: Any) -> bool:
+        """A page URL carrying ``?token=``: when right, set the cookie and redirect (303)
+        to the same URL without it, and return True; when wrong, False (refused next)."""
+        pairs = parse_qsl(split.query, keep_blank_values=True)
+        supplied = [value for key, value in pairs if key == TOKEN_PARAM]
+        if not supplied or not _same_secret(supplied[-1], self.app.token):
+            return False
+        rest = urlencode([(key, value) for key, value in pairs if key != TOKEN_PARAM])
+        cookie = (f"{cookie_name(self._port())}={self.app.token}; Path=/; HttpOnly; "
+                  "SameSite=Strict")
+        self._send(HTTPStatus.SEE_OTHER, b"", "text/plain; charset=utf-8",
+                   {"Location": split.path + (f"?{rest}" if rest else ""),
+                    "Set-Cookie": cookie, "Referrer-Policy": "no-referrer"})
+        return True
+
+    def _refuse(self, page: bool) -> None:
+        """401: no or wrong token. A page gets a short HTML page saying where the URL is,
+        an ``/api/`` route a JSON error."""
+        sidecar = sidecar_path(self.app.cursors.db).name
+        extra = {"WWW-Authenticate": 'Bearer realm="gradstream"'}
+        if not page:
+            message = (f"missing or wrong token: send 'Authorization: Bearer <token>' (the "
+                       f"token field of {sidecar}, beside the store), or open the URL "
+                       "printed by `gradstream serve` / `gradstream demo`")
+            body = json.dumps({"error": message, "kind": "unauthorized"}).encode("utf-8")
+            self._send(HTTPStatus.UNAUTHORIZED, body, _JSON, extra)
+            return
+        body = _LOGIN_PAGE.format(sidecar=escape(sidecar), param=TOKEN_PARAM).encode("utf-8")
+        self._send(HTTPStatus.UNAUTHORIZED, body, "text/html; charset=utf-8",
+                   {**extra, "Content-Security-Policy": _CSP})
+
     # -- dispatch ----------------------------------------------------------------------
 
     def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        """Host check, token check, then the route's handler (404 / 405 when none)."""
         try:
             self._check_host()
-            path = urlsplit(self.path).path
-            if path in ("/", "/index.html"):
-                self._send(200, self.app.index_html(), "text/html; charset=utf-8",
-                           {"Content-Security-Policy": _CSP})
-            elif path.startswith("/static/"):
-                self._static(path.removeprefix("/static/"))
-            elif path == "/api/status":
-                self._status()
-            elif path.startswith("/api/"):
-                self._api(path.removeprefix("/api/"), self._params())
-            else:
+            split = urlsplit(self.path)
+            path = split.path
+            matches = [(route, name) for route in ROUTES
+                       if (name := route.match(path)) is not None]
+            page = (matches[0][0].page if matches
+                    else not (path == "/api" or path.startswith("/api/")))
+            if method == "GET" and page and self._login(split):
+                return
+            if not self._authorized():
+                self._refuse(page)
+                return
+            chosen = [(route, name) for route, name in matches if route.method == method]
+            if not chosen:
+                if matches:
+                    allowed = ", ".join(sorted({route.method for route, _ in matches}))
+                    raise _HTTPError(HTTPStatus.METHOD_NOT_ALLOWED,
+                                     f"{path} answers {allowed}, not {method}", "not_found")
                 raise _HTTPError(HTTPStatus.NOT_FOUND, f"no page {path}", "not_found")
+            route, name = chosen[0]
+            getattr(self, route.handler)(self._params(), name)
         except _HTTPError as exc:
             self._error(exc)
         except (BrokenPipeError, ConnectionResetError):
             pass
         except Exception as exc:  # a bug: answer 500 rather than drop the connection
-            log.exception("GET %s failed", self.path)
+            log.exception("%s %s failed", method, self.path)
             self._error(_HTTPError(HTTPStatus.INTERNAL_SERVER_ERROR,
                                    f"internal error: {type(exc).__name__}: {exc}", "internal"))
 
-    def do_POST(self) -> None:
-        try:
-            self._check_host()
-            if urlsplit(self.path).path != "/api/query":
-                raise _HTTPError(HTTPStatus.NOT_FOUND, "POST is only accepted on /api/query",
-                                 "not_found")
-            self._query()
-        except _HTTPError as exc:
-            self._error(exc)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+    # -- pages -------------------------------------------------------------------------
 
-    def _static(self, name: str) -> None:
+    def _index(self, _params: dict[str, str], _name: str) -> None:
+        self._send(200, self.app.index_html(), "text/html; charset=utf-8",
+                   {"Content-Security-Policy": _CSP, "Referrer-Policy": "no-referrer"})
+
+    def _static(self, _params: dict[str, str], name: str) -> None:
         entry = _STATIC.get(name)
         if entry is None:
             raise _HTTPError(HTTPStatus.NOT_FOUND, f"no file {name}", "not_found")
@@ -427,7 +606,24 @@ class _Handler(BaseHTTPRequestHandler):
         body = resources.files(package).joinpath(name).read_bytes()
         self._send(200, body, media)
 
-    def _status(self) -> None:
+    # -- /api --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _api_read(self, params: dict[str, str]) -> Iterator[Any]:
+        """A read cursor under the request's time limit; errors of the read become HTTP
+        errors (unknown run or analysis 404, bad argument 400)."""
+        try:
+            with self._read(self._timeout(params.get("timeout_s"))) as cur:
+                yield cur
+        except UnknownAnalysisError as exc:
+            raise _HTTPError(HTTPStatus.NOT_FOUND, str(exc), "not_found") from None
+        except StoreError as exc:
+            status = HTTPStatus.NOT_FOUND if "unknown run" in str(exc) else HTTPStatus.BAD_REQUEST
+            raise _HTTPError(status, str(exc), "invalid") from None
+        except ValueError as exc:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid") from None
+
+    def _status(self, _params: dict[str, str], _name: str) -> None:
         payload: dict[str, Any] = {
             "db": str(self.app.cursors.db),
             "writer": self.app.cursors.writer,
@@ -437,65 +633,62 @@ class _Handler(BaseHTTPRequestHandler):
             payload.update(self.app.status())
         self._json(payload)
 
-    def _api(self, name: str, params: dict[str, str]) -> None:
-        try:
-            with self._read(self._timeout(params.get("timeout_s"))) as cur:
-                if name == "runs":
-                    self._json(api.runs(cur))
-                elif name == "alerts":
-                    self._json(api.alerts(cur, params.get("run") or None,
-                                          self._int(params, "limit", 50) or 50))
-                elif name == "grid":
-                    run = self._run(params)
-                    args = (self._int(params, "max_steps", 1000) or 1000,
-                            self._int(params, "max_layers", 400) or 400,
-                            self._int(params, "from_step", None),
-                            self._int(params, "to_step", None))
-                    if self._accepts(ARROW_STREAM):
-                        table = grid_to_arrow(api.grid_model(cur, run, *args))
-                        self._send(200, table_to_ipc(table), ARROW_STREAM)
-                    else:
-                        body = self.app.cached(cur, run, ("grid", run, *args),
-                                               lambda: api.grid(cur, run, *args))
-                        self._send(200, body, "application/json; charset=utf-8")
-                elif name == "report":
-                    run = self._run(params)
-                    summary = api.report(cur, run, self._int(params, "from_step", None),
-                                         self._int(params, "to_step", None))
-                    self._model(summary)
-                elif name == "heatmap":
-                    run = self._run(params)
-                    drawing = api.heatmap(cur, run, self._int(params, "max_columns", 100) or 100,
-                                          self._int(params, "from_step", None),
-                                          self._int(params, "to_step", None))
-                    self._send(200, drawing.encode("utf-8"), "text/plain; charset=utf-8")
-                elif name == "layer":
-                    run = self._run(params)
-                    layer = self._int(params, "layer", None)
-                    if layer is None:
-                        raise _HTTPError(HTTPStatus.BAD_REQUEST, "the layer parameter is required",
-                                         "invalid")
-                    args = (layer, self._int(params, "max_points", 1000) or 1000,
-                            self._int(params, "from_step", None),
-                            self._int(params, "to_step", None))
-                    body = self.app.cached(cur, run, ("layer", run, *args),
-                                           lambda: api.layer(cur, run, *args))
-                    self._send(200, body, "application/json; charset=utf-8")
-                elif name == "export":
-                    self._export(cur, params)
-                elif name == "analyses":
-                    self._json(api.analyses())
-                elif name.startswith("analysis/"):
-                    self._analysis(cur, name.removeprefix("analysis/"), params)
-                else:
-                    raise _HTTPError(HTTPStatus.NOT_FOUND, f"no endpoint /api/{name}", "not_found")
-        except UnknownAnalysisError as exc:
-            raise _HTTPError(HTTPStatus.NOT_FOUND, str(exc), "not_found") from None
-        except StoreError as exc:
-            status = HTTPStatus.NOT_FOUND if "unknown run" in str(exc) else HTTPStatus.BAD_REQUEST
-            raise _HTTPError(status, str(exc), "invalid") from None
-        except ValueError as exc:
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid") from None
+    def _runs(self, params: dict[str, str], _name: str) -> None:
+        with self._api_read(params) as cur:
+            self._json(api.runs(cur))
+
+    def _alerts(self, params: dict[str, str], _name: str) -> None:
+        with self._api_read(params) as cur:
+            self._json(api.alerts(cur, params.get("run") or None,
+                                  self._int(params, "limit", 50) or 50))
+
+    def _grid(self, params: dict[str, str], _name: str) -> None:
+        with self._api_read(params) as cur:
+            run = self._run(params)
+            args = (self._int(params, "max_steps", 1000) or 1000,
+                    self._int(params, "max_layers", 400) or 400,
+                    self._int(params, "from_step", None),
+                    self._int(params, "to_step", None))
+            if self._accepts(ARROW_STREAM):
+                table = grid_to_arrow(api.grid_model(cur, run, *args))
+                self._send(200, table_to_ipc(table), ARROW_STREAM)
+            else:
+                body = self.app.cached(cur, run, ("grid", run, *args),
+                                       lambda: api.grid(cur, run, *args))
+                self._send(200, body, _JSON)
+
+    def _report(self, params: dict[str, str], _name: str) -> None:
+        with self._api_read(params) as cur:
+            run = self._run(params)
+            summary = api.report(cur, run, self._int(params, "from_step", None),
+                                 self._int(params, "to_step", None))
+            self._model(summary)
+
+    def _heatmap(self, params: dict[str, str], _name: str) -> None:
+        with self._api_read(params) as cur:
+            run = self._run(params)
+            drawing = api.heatmap(cur, run, self._int(params, "max_columns", 100) or 100,
+                                  self._int(params, "from_step", None),
+                                  self._int(params, "to_step", None))
+            self._send(200, drawing.encode("utf-8"), "text/plain; charset=utf-8")
+
+    def _layer(self, params: dict[str, str], _name: str) -> None:
+        with self._api_read(params) as cur:
+            run = self._run(params)
+            layer = self._int(params, "layer", None)
+            if layer is None:
+                raise _HTTPError(HTTPStatus.BAD_REQUEST, "the layer parameter is required",
+                                 "invalid")
+            args = (layer, self._int(params, "max_points", 1000) or 1000,
+                    self._int(params, "from_step", None),
+                    self._int(params, "to_step", None))
+            body = self.app.cached(cur, run, ("layer", run, *args),
+                                   lambda: api.layer(cur, run, *args))
+            self._send(200, body, _JSON)
+
+    def _analyses(self, params: dict[str, str], _name: str) -> None:
+        with self._api_read(params):
+            self._json(api.analyses())
 
     def _model(self, report: Any) -> None:
         """A pydantic report: :data:`MODEL_JSON` when asked for, else the page's JSON."""
@@ -504,19 +697,24 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(200, report.model_dump_json().encode("utf-8"), _JSON)
 
-    def _analysis(self, cur: Any, name: str, params: dict[str, str]) -> None:
-        run = self._run(params)
-        steps = (self._int(params, "from_step", None), self._int(params, "to_step", None))
-        options = {k: v for k, v in params.items() if k not in _RANGE_PARAMS}
-        if self._accepts(MODEL_JSON):
-            self._model(api.analysis_report(cur, name, run, *steps, options))
-            return
-        key = ("analysis", name, run, *steps, tuple(sorted(options.items())))
-        body = self.app.cached(cur, run, key,
-                               lambda: api.analysis(cur, name, run, *steps, options))
-        self._send(200, body, _JSON)
+    def _analysis(self, params: dict[str, str], name: str) -> None:
+        with self._api_read(params) as cur:
+            run = self._run(params)
+            steps = (self._int(params, "from_step", None), self._int(params, "to_step", None))
+            options = {k: v for k, v in params.items() if k not in _RANGE_PARAMS}
+            if self._accepts(MODEL_JSON):
+                self._model(api.analysis_report(cur, name, run, *steps, options))
+                return
+            key = ("analysis", name, run, *steps, tuple(sorted(options.items())))
+            body = self.app.cached(cur, run, key,
+                                   lambda: api.analysis(cur, name, run, *steps, options))
+            self._send(200, body, _JSON)
 
-    def _export(self, cur: Any, params: dict[str, str]) -> None:
+    def _export(self, params: dict[str, str], _name: str) -> None:
+        with self._api_read(params) as cur:
+            self._export_run(cur, params)
+
+    def _export_run(self, cur: Any, params: dict[str, str]) -> None:
         run = self._run(params)
         fmt = params.get("format", "csv")
         if fmt not in EXPORT_FORMATS:
@@ -541,12 +739,7 @@ class _Handler(BaseHTTPRequestHandler):
                 while chunk := fh.read(1 << 20):
                     self.wfile.write(chunk)
 
-    def _query(self) -> None:
-        supplied = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(supplied.encode(), self.app.token.encode()):
-            raise _HTTPError(HTTPStatus.UNAUTHORIZED,
-                             "missing or wrong token (see the server's <db>.serve.json)",
-                             "unauthorized")
+    def _query(self, _params: dict[str, str], _name: str) -> None:
         if self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
             raise _HTTPError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
                              "send the query as application/json", "invalid")

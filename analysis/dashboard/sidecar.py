@@ -1,8 +1,9 @@
 """The sidecar file by which a process serving reads of its store advertises itself.
 
 ``<db>.serve.json`` (e.g. ``gradstream.duckdb.serve.json``) holds the server's URL, its
-process id and host, the ``gradstream`` command it runs, the store's absolute path, and a
-random token that ``/api/query`` requires (``Authorization: Bearer <token>``). It is
+process id and host, the ``gradstream`` command it runs, the store's absolute path, and the
+token every route of the server requires (scripts send ``Authorization: Bearer <token>``,
+a browser opens :func:`dashboard_url`). It is
 written atomically with mode 0600 (only the store's owner can read the token) once the
 server listens, and removed when the server stops. :func:`read_sidecar` ignores a
 sidecar whose process is gone (a server that was killed) or that names another file.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import socket
 import time
@@ -31,7 +33,7 @@ class ServeInfo:
         url: base URL, e.g. ``http://127.0.0.1:8765``.
         pid: process id of the server; host: its host name.
         db: absolute path of the store it owns.
-        token: secret required by ``/api/query``.
+        token: the secret every route of the server requires.
         writer: whether the server also writes the store (runs the consumer worker).
         started_at: unix time (s) the server started listening.
         command: the ``gradstream`` command of the process (``serve``, ``consume``,
@@ -47,6 +49,11 @@ class ServeInfo:
     started_at: float
     command: str = "serve"
 
+    @property
+    def dashboard_url(self) -> str:
+        """The URL that opens the dashboard with the token (:func:`dashboard_url`)."""
+        return dashboard_url(self.url, self.token)
+
 
 def sidecar_path(db: str | os.PathLike[str]) -> Path:
     """``<db>.serve.json`` for the store ``db``."""
@@ -54,9 +61,41 @@ def sidecar_path(db: str | os.PathLike[str]) -> Path:
     return path.with_name(path.name + SUFFIX)
 
 
+TOKEN_CHARS = re.compile(r"[A-Za-z0-9._~-]+")
+"""Characters a token may have: unreserved in a URL and plain in a cookie, so
+``/?token=<token>`` and the cookie carry it unquoted (those of
+:func:`secrets.token_urlsafe`)."""
+
+MIN_TOKEN_LENGTH = 16
+"""Shortest token a user may choose (:func:`check_token`); :func:`new_token` makes 43."""
+
+
 def new_token() -> str:
-    """A random URL-safe token (32 bytes from :mod:`secrets`)."""
+    """A random URL-safe token (32 bytes from :mod:`secrets`, 43 characters)."""
     return secrets.token_urlsafe(32)
+
+
+def check_token(token: str) -> str:
+    """``token`` when it can serve as a server's token (chosen by a user, e.g.
+    ``GRADSTREAM_TOKEN``): at least :data:`MIN_TOKEN_LENGTH` characters of
+    :data:`TOKEN_CHARS`.
+
+    Raises:
+        ValueError: too short or another character; the message says how to make one.
+    """
+    if len(token) < MIN_TOKEN_LENGTH or not TOKEN_CHARS.fullmatch(token):
+        raise ValueError(
+            f"a token needs at least {MIN_TOKEN_LENGTH} characters of A-Z a-z 0-9 . _ ~ - "
+            "(make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'), "
+            "or leave it unset for a random one")
+    return token
+
+
+def dashboard_url(url: str, token: str) -> str:
+    """The URL that opens the dashboard at base ``url`` and lets the browser in:
+    ``<url>/?token=<token>`` (the page sets a cookie and drops the token from the
+    address; see :mod:`analysis.dashboard.server`)."""
+    return f"{url}/?token={token}"
 
 
 def write_sidecar(
@@ -65,7 +104,7 @@ def write_sidecar(
     """Write the sidecar of this process for store ``db`` (atomic rename, mode 0600).
 
     Args:
-        db: the store; url: where the server answers; token: its ``/api/query`` secret;
+        db: the store; url: where the server answers; token: its secret;
         writer: whether this process writes the store; command: the ``gradstream``
         command it runs (see :class:`ServeInfo`).
 

@@ -44,6 +44,7 @@ from deploy.cli.options import (
     ShardTimeoutOption,
     StallTimeoutOption,
     SummariesTopicOption,
+    TokenOption,
     WebhookOption,
     WriteDbOption,
     given,
@@ -82,19 +83,21 @@ class LoggingOptions(OptionGroup):
 
 @dataclasses.dataclass(frozen=True)
 class ReadOptions(OptionGroup):
-    """``--read-endpoint/--no-read-endpoint``, ``--read-port`` and ``--max-readers`` of a
-    process that writes a store."""
+    """``--read-endpoint/--no-read-endpoint``, ``--read-port``, ``--max-readers`` and
+    ``--token`` of a process that writes a store."""
 
     read_endpoint: ReadEndpointOption = True
     read_port: ReadPortOption = DEFAULT_READ_PORT
     max_readers: MaxReadersOption = DEFAULT_MAX_READERS
+    token: TokenOption = None
 
     def options(self) -> EndpointOptions | None:
         """The endpoint on 127.0.0.1 (:class:`deploy.serve.EndpointOptions`), or None when
         turned off."""
         if not self.read_endpoint:
             return None
-        return EndpointOptions(port=self.read_port, max_readers=self.max_readers)
+        return EndpointOptions(port=self.read_port, max_readers=self.max_readers,
+                               token=self.token)
 
 
 @dataclasses.dataclass(frozen=True)

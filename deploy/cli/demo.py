@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from deploy.cli.options import ReadEndpointOption, WebhookOption
+from deploy.cli.options import ReadEndpointOption, TokenOption, WebhookOption
 
 DEMO_EVENT_LOGGERS: dict[str, tuple[str, int]] = {
     "gradstream.alerts": ("alert", logging.CRITICAL),
@@ -97,9 +97,11 @@ def demo(
                      max=65535, metavar="PORT",
                      help="Serve the live dashboard and the read endpoint (the demo's worker "
                      "owns the DuckDB file, so it answers `gradstream query` and the page) on "
-                     "127.0.0.1:PORT while training runs; 0 = any free port."),
+                     "127.0.0.1:PORT while training runs; 0 = any free port. Open the printed "
+                     "URL (it carries the token)."),
     ] = 0,
     read_endpoint: ReadEndpointOption = True,
+    token: TokenOption = None,
 ) -> None:
     """Train an MLP on the digits dataset, data-parallel, in four scenarios, and watch
     gradstream catch vanishing and exploding gradients, and name the rank whose corrupted
@@ -146,6 +148,7 @@ def demo(
                 Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                          TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
                          console=console),
+                token=token,
             )
     except BrokerError as exc:
         console.print(f"[red]Could not start a Kafka broker:[/] {exc}")

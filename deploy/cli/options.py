@@ -60,6 +60,7 @@ __all__ = [
     "StallTimeoutOption",
     "SummariesTopicOption",
     "ToStepOption",
+    "TokenOption",
     "WebhookOption",
     "WriteDbOption",
     "given",
@@ -196,6 +197,29 @@ ReadPortOption = Annotated[
                  metavar="PORT",
                  help="TCP port of the read endpoint on 127.0.0.1; 0 = any free port "
                  "(readers find it in <db>.serve.json)."),
+]
+
+
+def _token(value: str | None) -> str | None:
+    """Check a chosen token (:func:`analysis.dashboard.sidecar.check_token`)."""
+    from analysis.dashboard.sidecar import check_token
+
+    if value is None:
+        return None
+    try:
+        return check_token(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+TokenOption = Annotated[
+    str | None,
+    typer.Option("--token", envvar="GRADSTREAM_TOKEN", metavar="TOKEN", callback=_token,
+                 show_default=False,
+                 help="Secret every read of the endpoint and the dashboard requires (scripts "
+                 "send 'Authorization: Bearer TOKEN'; the printed URL /?token=TOKEN lets a "
+                 "browser in). Default: $GRADSTREAM_TOKEN, else a random one; either way it "
+                 "is in <db>.serve.json. Prefer the variable: a flag shows in `ps`."),
 ]
 MaxReadersOption = Annotated[
     int,

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from deploy.cli.consume import ENVIRONMENT, LoggingOptions, WorkerOptions, run_served
 from deploy.cli.errors import fail
-from deploy.cli.options import MaxReadersOption, with_option_groups
+from deploy.cli.options import MaxReadersOption, TokenOption, with_option_groups
 from deploy.serve import DEFAULT_MAX_READERS, DEFAULT_PORT, ServedStore, ServedWorker
 
 
@@ -47,14 +47,17 @@ def serve(
         typer.Option(min=0.1, help="Longest SQL query answered for `gradstream query`, s."),
     ] = 120.0,
     max_readers: MaxReadersOption = DEFAULT_MAX_READERS,
+    token: TokenOption = None,
     worker: WorkerOptions,
     logs: LoggingOptions,
 ) -> None:
     """Consume gradient summaries into the store AND serve the live dashboard from the same
     process: runs with health badges, a heatmap that grows while a run streams, the alerts
-    feed, drill-down into a layer, export downloads. `gradstream query` goes through this
-    process while it holds the store. Stops on Ctrl-C / SIGTERM. The worker is the one of
-    `gradstream consume` and takes the same options."""
+    feed, drill-down into a layer, export downloads. Every page and read requires the token:
+    open the printed URL (http://127.0.0.1:PORT/?token=...), which lets the browser in;
+    scripts send the header (the token is in <db>.serve.json). `gradstream query` goes
+    through this process while it holds the store. Stops on Ctrl-C / SIGTERM. The worker is
+    the one of `gradstream consume` and takes the same options."""
     logs.setup()
     console = Console(stderr=True, highlight=False)
     served: ServedWorker | ServedStore
@@ -63,16 +66,18 @@ def serve(
         if settings.frames_topic is not None:
             fail("serve writes the store in this process: unset GRADSTREAM_FRAMES_TOPIC "
                  "(scale-out workers publish their frames and have no store to serve)", 2)
-        served = ServedWorker(settings, host, port, refresh, query_timeout, max_readers)
+        served = ServedWorker(settings, host, port, refresh, query_timeout, max_readers,
+                              token=token)
     else:
         from consumer.settings import ConsumerSettings
 
         db = Path(worker.db or ConsumerSettings().db)
-        served = ServedStore(db, host, port, refresh, query_timeout, max_readers)
+        served = ServedStore(db, host, port, refresh, query_timeout, max_readers, token)
     mode = "consuming into" if consume else "serving read-only"
     run_served(served, "serve", "gradstream.serve", "stopping",
-               lambda url: console.print(f"gradstream dashboard: {url}/  ({mode} {served.db})",
-                                         markup=False))
+               lambda _url: console.print(
+                   f"gradstream dashboard: {served.dashboard_url}  ({mode} {served.db})",
+                   markup=False, soft_wrap=True))  # one line: the URL stays whole
 
 
 def register(app: typer.Typer) -> None:

@@ -56,12 +56,15 @@ def kafka_for_demo(bootstrap_servers: str | None) -> Iterator[str]:
 def train_and_consume(
     console: Console, bootstrap: str, db: Path, chosen: list[str], ranks: int,
     steps: int | None, stamp: str, webhook: str | None, serve_port: int | None,
-    progress: Progress,
+    progress: Progress, token: str | None = None,
 ) -> list[str]:
     """Run a worker in a thread answering reads of ``db`` on 127.0.0.1:``serve_port`` (the
     live dashboard and the read endpoint, advertised in ``<db>.serve.json``; 0 = any free
     port, None = no endpoint), train each chosen scenario through Kafka, and wait until
     every run is stored. Returns the run ids.
+
+    The endpoint requires ``token`` (None: a random one); the printed dashboard URL
+    carries it (``http://127.0.0.1:PORT/?token=...``).
 
     The worker reads its other settings from the environment as ``gradstream consume``
     does; ``webhook`` (None: ``GRADSTREAM_WEBHOOK_URL``, if set) receives its alerts.
@@ -70,6 +73,8 @@ def train_and_consume(
         deploy.serve.ServeError: the worker could not open and serve the store.
         RuntimeError: the worker did not start or store every run in time.
     """
+    from rich.markup import escape
+
     from consumer.settings import ConsumerSettings
     from consumer.worker import Worker
     from deploy.demo.training import SCENARIOS, kafka_telemetry, run_data_parallel
@@ -80,11 +85,11 @@ def train_and_consume(
         dlq_topic=f"gradstream.demo-{stamp}.dlq", group_id=f"gradstream-demo-{stamp}",
         shard_timeout_s=10.0, **({"webhook_url": webhook} if webhook else {}),
     )
-    options = None if serve_port is None else EndpointOptions(port=serve_port)
+    options = None if serve_port is None else EndpointOptions(port=serve_port, token=token)
     served = ServedLoop(functools.partial(Worker, settings), db, options, "demo")
-    url = served.start()
-    if url:
-        console.print(f"Live dashboard: [bold]{url}/[/] (while the demo runs)")
+    if served.start():
+        console.print(f"Live dashboard: {escape(served.dashboard_url)} (while the demo runs)",
+                      style="bold", soft_wrap=True)  # one line: the URL stays whole
     worker = served.loop
     run_ids: list[str] = []
     try:

@@ -1,4 +1,7 @@
-"""The dashboard's HTTP endpoints on a store written by this process (no browser)."""
+"""The dashboard's HTTP endpoints on a store written by this process (no browser).
+
+Requests carry the server's token as ``Authorization: Bearer`` (the access rules
+themselves are tested in ``test_dashboard_auth.py``)."""
 
 from __future__ import annotations
 
@@ -15,11 +18,14 @@ import pytest
 from analysis import registry
 from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
+from analysis.dashboard.sidecar import new_token
 from analysis.plots.grid import FLAG_EXPLODING
 from analysis.registry import ANALYSES
 from tests.analysis import Stat, StoreBuilder
 
 NAMES = ["embed", "block", "head"]
+TOKEN = new_token()
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
@@ -29,7 +35,7 @@ def live(tmp_path: Path):  # type: ignore[no-untyped-def]
     store = builder.write()
     writer = duckdb.connect(str(store))
     cursors = ReadCursors.from_connection(writer.cursor(), store)
-    server = DashboardServer(Dashboard(cursors, "token"), "127.0.0.1", 0)
+    server = DashboardServer(Dashboard(cursors, TOKEN), "127.0.0.1", 0)
     server.start()
     try:
         yield writer, server.url
@@ -41,7 +47,7 @@ def live(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
+        with urllib.request.urlopen(urllib.request.Request(url, headers=AUTH | (headers or {})),
                                     timeout=10) as response:
             return response.status, response.read(), dict(response.headers)
     except urllib.error.HTTPError as exc:
@@ -154,7 +160,7 @@ def test_analyses_are_listed_with_their_options(live) -> None:  # type: ignore[n
     assert by_name["flow"]["help"] == registry.get("flow").help
     window = by_name["flow"]["options"]["properties"]["window"]
     assert (window["default"], window["minimum"]) == (50, 1)
-    assert set(by_name["explosion"]["options"]["properties"]) == {"threshold"}
+    assert set(by_name["explosion"]["options"]["properties"]) == {"threshold", "rules"}
 
 
 def test_analysis_reports_equal_the_direct_build(live) -> None:  # type: ignore[no-untyped-def]
@@ -223,7 +229,7 @@ def test_weights_report_is_the_command_line_json(tmp_path: Path) -> None:
                                        "--alpha", "0.05", "--format", "json"])
     assert printed.exit_code == 0, printed.output
     cursors = ReadCursors.open_read_only(db)
-    server = DashboardServer(Dashboard(cursors, "token"), "127.0.0.1", 0)
+    server = DashboardServer(Dashboard(cursors, TOKEN), "127.0.0.1", 0)
     server.start()
     try:
         served = get_json(server.url + "/api/analysis/weights?run=r&alpha=0.05")

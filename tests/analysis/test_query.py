@@ -387,10 +387,16 @@ def test_serve_no_consume_serves_a_store_read_only(store: Path) -> None:
             time.sleep(0.1)
         info = read_sidecar(store)
         assert info is not None and not info.writer
-        with urllib.request.urlopen(info.url + "/api/runs", timeout=10) as response:
+        auth = {"Authorization": f"Bearer {info.token}"}
+        with urllib.request.urlopen(urllib.request.Request(info.url + "/api/runs", headers=auth),
+                                    timeout=10) as response:
             runs = json.loads(response.read())["runs"]
         assert [r["run_id"] for r in runs] == ["r"]
-        with urllib.request.urlopen(info.url + "/", timeout=10) as response:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(info.url + "/api/runs", timeout=10)
+        assert refused.value.code == 401
+        with urllib.request.urlopen(urllib.request.Request(info.url + "/", headers=auth),
+                                    timeout=10) as response:
             page = response.read().decode()
             assert "default-src 'none'" in response.headers["Content-Security-Policy"]
         assert "<title>gradstream dashboard</title>" in page and "http" not in page.split(

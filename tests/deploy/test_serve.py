@@ -5,15 +5,21 @@ browser in ``tests/integration/test_dashboard_browser.py``)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import re
+import signal
+import subprocess
 import sys
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -153,3 +159,101 @@ def _post_query(url: str, token: str, sql: str) -> list[object]:
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=30) as answer:
         return pa.ipc.open_stream(answer).read_all().column("n").to_pylist()
+
+
+# -- the token: chosen or random, printed in the URL, in the sidecar -----------------------
+
+
+def test_an_endpoint_takes_a_chosen_token(tmp_path: Path) -> None:
+    """``EndpointOptions.token`` is the one the server requires and the sidecar holds;
+    without it each endpoint draws its own."""
+    from tests.analysis.crafted import write_history
+
+    db = write_history(tmp_path / "t.duckdb", np.ones((2, 3)))
+    chosen = "chosen-token_0123456789"
+    endpoint = ReadEndpoint(db, EndpointOptions(port=0, reader_nice=0, token=chosen))
+    endpoint.open_read_only()
+    try:
+        info = read_sidecar(db)
+        assert info is not None and info.token == chosen == endpoint.token
+        assert endpoint.dashboard_url == info.dashboard_url == f"{info.url}/?token={chosen}"
+        assert _post_query(info.url, chosen, "SELECT count(*) AS n FROM runs") == [1]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{info.url}/api/runs", timeout=10)
+        assert refused.value.code == 401
+    finally:
+        endpoint.close()
+    with pytest.raises(ValueError, match="at least 16 characters"):
+        EndpointOptions(token="short")
+    first, second = (ReadEndpoint(db, EndpointOptions(port=0, reader_nice=0)) for _ in range(2))
+    first.open_read_only()
+    first.close()
+    second.open_read_only()
+    second.close()
+    assert first.token != second.token and len(first.token) == 43
+
+
+def _serve(db: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "serve", "--no-consume", "--db", str(db),
+         "--port", "0", *args],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "80", **(env or {})},
+    )
+
+
+def _printed_url(serve: subprocess.Popen[str]) -> str:
+    """The URL of the line ``gradstream dashboard: URL  (...)`` that serve prints."""
+    assert serve.stderr is not None
+    for line in serve.stderr:
+        if line.startswith("gradstream dashboard: "):
+            return line.split()[2]
+    raise AssertionError(f"serve printed no URL (exit {serve.wait(30)})")
+
+
+@pytest.mark.parametrize("chosen", [None, "env-token-0123456789abcdef"])
+def test_serve_prints_the_url_with_the_token(tmp_path: Path, chosen: str | None) -> None:
+    """`gradstream serve` prints http://127.0.0.1:PORT/?token=TOKEN (one line, as a user
+    copies it), the token of the sidecar: $GRADSTREAM_TOKEN when set, else a random one.
+    The URL sets the cookie and opens the page; the bare address is refused."""
+    from tests.analysis.crafted import write_history
+
+    db = write_history(tmp_path / "s.duckdb", np.ones((2, 3)))
+    serve = _serve(db, env={"GRADSTREAM_TOKEN": chosen} if chosen else None)
+    try:
+        url = _printed_url(serve)
+        info = read_sidecar(db)
+        assert info is not None and url == info.dashboard_url
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/\?token=[A-Za-z0-9_-]+", url), url
+        if chosen:
+            assert info.token == chosen
+        address = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+        conn.request("GET", f"/?{address.query}")
+        login = conn.getresponse()
+        login.read()
+        assert login.status == 303 and login.headers["Location"] == "/"
+        cookie = login.headers["Set-Cookie"].split(";")[0]
+        conn.request("GET", "/", headers={"Cookie": cookie})
+        page = conn.getresponse()
+        assert page.status == 200 and b"<title>gradstream dashboard</title>" in page.read()
+        conn.close()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(info.url + "/", timeout=10)
+        assert refused.value.code == 401
+        assert b"gradstream serve" in refused.value.read()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.communicate(timeout=30)
+    assert serve.returncode == 0
+
+
+def test_serve_refuses_a_weak_token(tmp_path: Path) -> None:
+    from tests.analysis.crafted import write_history
+
+    db = write_history(tmp_path / "s.duckdb", np.ones((2, 3)))
+    serve = _serve(db, "--token", "short")
+    _out, err = serve.communicate(timeout=60)
+    flat = " ".join(err.replace("│", " ").split())  # the message as rich boxed it
+    assert serve.returncode == 2 and "a token needs at least 16 characters" in flat, err
+    assert not sidecar_path(db).exists()

@@ -7,13 +7,20 @@ health, a heatmap that grows while steps arrive, the alert raised by the worker 
 NaN gradient is injected (and the health badge turning Critical), a layer's series on
 click, and export links whose Parquet equals the stored table. A screenshot is saved and
 checked non-blank.
+
+The browser opens the token URL the process prints (``ServedWorker.dashboard_url``, as
+``gradstream serve`` does); the HttpOnly, SameSite=Strict cookie it sets carries every later
+request of the page, the export download included. The URL that ``gradstream demo``
+prints is parsed from its console output and opened while the demo's worker serves.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import duckdb
@@ -21,6 +28,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from analysis.dashboard.sidecar import read_sidecar, sidecar_path
 from consumer.settings import ConsumerSettings
 from deploy.serve import ServedWorker
 from producer import GradientProducer
@@ -92,8 +100,15 @@ def test_dashboard_live_in_chromium(settings, tmp_path, unique_name) -> None:
     try:
         assert served.worker is not None and served.worker.wait_ready(60), served.worker.error
         with chromium_page() as page:
-            page.goto(url + "/")
+            refused = page.goto(url + "/")  # without the token: the page that says where it is
+            assert refused is not None and refused.status == 401
+            assert "gradstream serve" in page.inner_text("body")
+            page.goto(served.dashboard_url)
+            assert page.url == url + "/"  # the token left the address bar
             assert page.title() == "gradstream dashboard"
+            (cookie,) = page.context.cookies()
+            assert (cookie["value"], cookie["httpOnly"], cookie["sameSite"], cookie["path"]) == (
+                served.endpoint.token, True, "Strict", "/")
             page.wait_for_selector("#status.ok", timeout=20_000)
             assert "live" in page.inner_text("#status")
             producer.start()
@@ -154,8 +169,13 @@ def test_dashboard_live_in_chromium(settings, tmp_path, unique_name) -> None:
             # The export link serves the run as Parquet, equal to the stored rows.
             href = page.get_attribute('a.export[data-format="parquet"]', "href")
             assert href is not None
-            with urllib.request.urlopen(url + href, timeout=30) as response:
-                exported = pq.read_table(io.BytesIO(response.read()))
+            # Downloaded with the browser's cookie, as a click on the link does.
+            download = page.context.request.get(url + href, timeout=30_000)
+            assert download.status == 200, download.text()
+            exported = pq.read_table(io.BytesIO(download.body()))
+            with pytest.raises(urllib.error.HTTPError) as no_token:
+                urllib.request.urlopen(url + href, timeout=30)
+            assert no_token.value.code == 401
     finally:
         served.stop()
         producer.join(5)
@@ -180,3 +200,56 @@ def test_dashboard_live_in_chromium(settings, tmp_path, unique_name) -> None:
                         for c in ("step", "layer", "grad_norm", "nonfinite")), strict=True))
     assert rows == sorted(stored)
     assert len(rows) == STEPS * len(LAYERS)
+
+
+class DemoConsole(io.StringIO):
+    """The demo's console output. When the line announcing the dashboard is written, the
+    URL is parsed from the text as printed and opened in chromium right then: the demo's
+    worker serves while the line is printed, and the demo goes on once this returns."""
+
+    def __init__(self, db) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.db = db
+        self.opened: dict[str, object] = {}
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        found = re.search(r"Live dashboard: (\S+)", self.getvalue())
+        if found and not self.opened:
+            self.opened["url"] = found.group(1)
+            self.open(found.group(1))
+        return written
+
+    def open(self, url: str) -> None:
+        info = read_sidecar(self.db)
+        assert info is not None and info.command == "demo"
+        assert url == f"{info.url}/?token={info.token}", url
+        with chromium_page() as page:
+            page.goto(url)
+            self.opened["address"] = page.url
+            self.opened["title"] = page.title()
+            page.wait_for_selector("#status.ok", timeout=20_000)
+            self.opened["status"] = page.inner_text("#status")
+
+
+def test_the_demo_prints_a_url_that_opens_the_dashboard(kafka_bootstrap, tmp_path,
+                                                        unique_name) -> None:
+    """``gradstream demo``'s printed URL, as a user copies it from an 80-column terminal
+    (one line, not wrapped), opens the live dashboard of the demo's worker."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from deploy.demo.pipeline import train_and_consume
+
+    db = tmp_path / "demo.duckdb"
+    spy = DemoConsole(db)
+    console = Console(file=spy, width=80, force_terminal=False)
+    run_ids = train_and_consume(console, kafka_bootstrap, db, ["healthy"], 1, 2, unique_name,
+                                None, 0, Progress(console=console))
+    assert spy.opened.get("title") == "gradstream dashboard", (spy.opened, spy.getvalue())
+    url = str(spy.opened["url"])
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/\?token=[A-Za-z0-9_-]{43}", url), url
+    assert spy.opened["address"] == url.split("?")[0]
+    assert "live" in str(spy.opened["status"])
+    assert run_ids == [f"demo-healthy-{unique_name}"]
+    assert not sidecar_path(db).exists()  # the demo stopped serving
