@@ -47,6 +47,12 @@ CSV_HEADER = "step,layer,mean_abs_grad,max_abs_grad,grad_norm,is_vanishing,is_ex
 """Header line of the CSV export, as in the reference format."""
 
 Order = Literal["name", "model"]
+CsvStyle = Literal["gradstream", "reference"]
+"""How :func:`export_csv` writes layer names: ``"gradstream"`` quotes a name that needs it
+(RFC 4180: empty, or holding a comma, quote, CR or LF); ``"reference"`` writes every name
+raw, as the reference implementation's ``export_csv`` does (byte for byte its output for
+the same frames; a name holding a comma or a line break then breaks the CSV's columns),
+and orders a step's layers by name."""
 
 
 def rust_exp_sql(column: str) -> str:
@@ -263,6 +269,7 @@ def export_csv(
     to_step: int | None = None,
     order: Order = "name",
     progress: Progress | None = None,
+    style: CsvStyle = "gradstream",
 ) -> int:
     """Write one run's per-layer timeline as CSV (the reference ``export_csv`` format).
 
@@ -280,21 +287,28 @@ def export_csv(
         to_step: last step exported (inclusive), ``None`` = to the end.
         order: layer order within a step, ``"name"`` (reference order) or ``"model"``.
         progress: optional callback of the fraction done (see :data:`Progress`).
+        style: ``"gradstream"`` (names quoted when needed) or ``"reference"`` (names raw,
+            name order: the reference's bytes exactly), see :data:`CsvStyle`.
 
     Returns:
         Number of data rows written (header excluded).
 
     Raises:
         StoreError: unknown run, invalid step range, or unusable output path.
-        ValueError: unknown ``order``.
+        ValueError: unknown ``order`` or ``style``.
     """
+    if style not in ("gradstream", "reference"):
+        raise ValueError(f"style must be 'gradstream' or 'reference', got {style!r}")
+    if style == "reference":
+        order = "name"
+    name_sql = "name" if style == "reference" else _csv_field("name")
     order_by = _order_sql(order)
     params = stats_params(run_id, from_step, to_step)
     # concat() skips NULLs, so a NULL statistic is an empty field, as in DuckDB's CSV writer.
     select = f"""
         WITH s AS ({STATS_SQL})
         SELECT concat(
-                   step, ',', {_csv_field("name")}, ',',
+                   step, ',', {name_sql}, ',',
                    {rust_exp_sql("mean_abs_grad")}, ',',
                    {rust_exp_sql("max_abs_grad")}, ',',
                    {rust_exp_sql("grad_norm")}, ',',
@@ -491,17 +505,25 @@ def export_run(
     to_step: int | None = None,
     order: Order = "name",
     progress: Progress | None = None,
+    style: CsvStyle = "gradstream",
 ) -> int:
     """Export a run in ``fmt`` (one of :data:`EXPORT_FORMATS`); see the writer of each.
+
+    ``style="reference"`` (:data:`CsvStyle`) exists for ``csv`` only.
 
     Returns:
         Rows written (frames for ``json``).
 
     Raises:
-        ValueError: unknown format or order.
+        ValueError: unknown format, order or style, or the reference style with a format
+            other than csv.
         StoreError: unknown run, invalid step range, or unusable output path.
     """
     writer = _WRITERS.get(fmt)
     if writer is None:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
+    if fmt == "csv":
+        return export_csv(con, run_id, path, from_step, to_step, order, progress, style)
+    if style != "gradstream":
+        raise ValueError(f"style {style!r} exists for the csv format only, not {fmt}")
     return writer(con, run_id, path, from_step, to_step, order, progress)

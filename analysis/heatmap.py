@@ -8,6 +8,17 @@ intensity alone would draw it blank like a zero gradient) and a legend line unde
 One SQL query aggregates ``layer_stats`` into at most ``max_columns`` buckets of
 consecutive frames per layer; NumPy fills the layers x columns grid; Python only joins
 characters.
+
+Reference style (``ascii_heatmap(..., style="reference")``, ``gradstream report --heatmap
+--heatmap-style reference``) draws exactly what the reference implementation's
+``to_ascii_animation`` draws from the same frames, dropping gradstream's presentation
+choices: rows by layer name (code-point order) instead of model order; one column per
+frame whatever their number (no ``max_columns`` buckets); no NaN/Inf glyph (a non-finite
+intensity draws as the reference casts it, blank); no legend line; names printed raw; and
+the reference's width rule: names right-aligned to the longest name measured in UTF-8
+bytes (the ``layer`` label is not counted and may stick out), padding counted in
+characters. The conformance suite (``tests/conformance``) compares this style with an
+executable reference byte for byte.
 """
 
 from __future__ import annotations
@@ -21,6 +32,9 @@ from analysis.store import STATS_SQL, require_run, stats_params
 
 if TYPE_CHECKING:
     import duckdb
+
+HeatmapStyle = Literal["gradstream", "reference"]
+"""``ascii_heatmap``'s layouts: gradstream's, or the reference implementation's exactly."""
 
 BLOCKS: tuple[str, ...] = (" ", "░", "▒", "▓", "█")
 """Intensity glyphs, from 0 (no flow) to 1 (the step's strongest layer)."""
@@ -74,8 +88,13 @@ def glyph(intensity: float) -> str:
 
 
 def _indices(intensity: np.ndarray) -> np.ndarray:
-    scaled = np.floor(np.nan_to_num(intensity, nan=0.0) * (len(BLOCKS) - 1) + 0.5)
-    return np.clip(scaled, 0, len(BLOCKS) - 1).astype(np.intp)
+    """Glyph indices: ``round(x * 4)`` with halves away from zero (Rust's ``f64::round``;
+    ``floor(y + 0.5)`` would round 0.49999999999999994 up), clamped to 0..4, NaN -> 0
+    (Rust's saturating ``as usize``)."""
+    scaled = np.nan_to_num(intensity, nan=0.0) * (len(BLOCKS) - 1)
+    low = np.floor(scaled)
+    rounded = np.where(scaled - low >= 0.5, low + 1, low)
+    return np.clip(rounded, 0, len(BLOCKS) - 1).astype(np.intp)
 
 
 def _display(name: str) -> str:
@@ -94,6 +113,7 @@ def ascii_heatmap(
     *,
     from_step: int | None = None,
     to_step: int | None = None,
+    style: HeatmapStyle = "gradstream",
 ) -> str:
     """Render a run's flow intensity as text: one row per layer, one column per step.
 
@@ -119,19 +139,27 @@ def ascii_heatmap(
         order: rows in model order (``layers.layer_index``) or by name (the reference order).
         from_step: first step drawn (inclusive), ``None`` = from the start.
         to_step: last step drawn (inclusive), ``None`` = to the end.
+        style: ``"gradstream"`` (the layout above) or ``"reference"``: the reference
+            implementation's drawing, exactly (see the module docstring; ``order`` and
+            ``max_columns`` are then ignored: name order, one column per frame).
 
     Returns:
         The heatmap, newline-terminated; ``"(no gradient frames recorded)\\n"`` when the
         run has no frame in the range.
 
     Raises:
-        ValueError: ``max_columns < 1`` or an unknown ``order``.
+        ValueError: ``max_columns < 1``, an unknown ``order`` or ``style``.
         StoreError: unknown run or invalid step range.
     """
     if max_columns < 1:
         raise ValueError(f"max_columns must be >= 1, got {max_columns}")
     if order not in ("model", "name"):
         raise ValueError(f"order must be 'model' or 'name', got {order!r}")
+    if style not in ("gradstream", "reference"):
+        raise ValueError(f"style must be 'gradstream' or 'reference', got {style!r}")
+    reference = style == "reference"
+    if reference:  # one column per frame: no bucket can hold two frames
+        order, max_columns = "name", _ONE_COLUMN_PER_FRAME
     params = stats_params(run_id, from_step, to_step) | {"max_columns": max_columns}
     require_run(con, run_id)
     cols = con.execute(_HEATMAP_SQL, params).fetchnumpy()
@@ -156,6 +184,8 @@ def ascii_heatmap(
     palette = np.array([*BLOCKS, NONFINITE_GLYPH])
     glyphs = np.where(nonfinite, len(BLOCKS), _indices(grid / frames_per_col))
 
+    if reference:
+        return _reference_text([names[i] for i in indices], _indices(grid))
     labels = [_display(names[i]) for i in indices]
     width = max(cell_len("layer"), *(cell_len(label) for label in labels))
     lines = [TITLE]
@@ -169,4 +199,26 @@ def ascii_heatmap(
             " " * (width - cell_len(label)) + label + "  " + "".join(palette[cells])
         )
     lines.append(LEGEND)
+    return "\n".join(lines) + "\n"
+
+
+_ONE_COLUMN_PER_FRAME = 2**62
+"""``max_columns`` of the reference style: more columns than a run can have frames."""
+
+
+def _reference_text(names: list[str], cells: np.ndarray) -> str:
+    """The reference's ``to_ascii_animation`` text for rows ``names`` (name order) and
+    glyph indices ``cells`` (rows x frames): width = longest name in UTF-8 bytes (8 with no
+    name), right-aligned by characters, ``layer`` label not counted."""
+    width = max((len(name.encode("utf-8")) for name in names), default=8)
+
+    def right(text: str) -> str:
+        return " " * max(0, width - len(text)) + text
+
+    n_frames = cells.shape[1]
+    palette = np.array(BLOCKS)
+    lines = [TITLE, right("layer") + "  " + "".join(str(c % 10) for c in range(n_frames)),
+             "─" * (width + 2 + n_frames)]
+    lines.extend(right(name) + "  " + "".join(palette[row]) for name, row in zip(
+        names, cells, strict=True))
     return "\n".join(lines) + "\n"

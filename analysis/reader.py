@@ -37,7 +37,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -136,18 +136,21 @@ class StoreReader(ABC):
 
     @abstractmethod
     def report(
-        self, run_id: str, from_step: int | None = None, to_step: int | None = None
+        self, run_id: str, from_step: int | None = None, to_step: int | None = None,
+        ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
     ) -> GradientFlowSummary:
         """The run's summary (:func:`analysis.report.build_report`) over the inclusive step
-        range ``[from_step, to_step]`` (``None`` = open)."""
+        range ``[from_step, to_step]`` (``None`` = open); ``ignore_layers`` (patterns added to
+        the run's own) and ``exclude_rounding`` as there."""
 
     @abstractmethod
     def heatmap(
         self, run_id: str, max_columns: int = 100, from_step: int | None = None,
-        to_step: int | None = None,
+        to_step: int | None = None, style: str = "gradstream",
     ) -> str:
         """The ASCII flow-intensity heatmap (:func:`analysis.heatmap.ascii_heatmap`), at most
-        ``max_columns`` step columns."""
+        ``max_columns`` step columns; ``style="reference"`` draws the reference
+        implementation's layout exactly (name order, one column per frame)."""
 
     @abstractmethod
     def analysis(
@@ -176,9 +179,11 @@ class StoreReader(ABC):
     def export(
         self, run_id: str, fmt: str, path: str | os.PathLike[str], from_step: int | None = None,
         to_step: int | None = None, order: str = "name", progress: Progress | None = None,
+        style: str = "gradstream",
     ) -> int:
         """Write the run in ``fmt`` (csv, json, parquet, jsonl) to ``path``
-        (:func:`analysis.export.export_run`; parent directories created).
+        (:func:`analysis.export.export_run`; parent directories created); ``style``: see
+        :data:`analysis.export.CsvStyle` (csv only).
 
         Returns:
             Rows written (frames for ``json``).
@@ -269,22 +274,29 @@ class FileReader(StoreReader):
             cur.close()
 
     def report(
-        self, run_id: str, from_step: int | None = None, to_step: int | None = None
+        self, run_id: str, from_step: int | None = None, to_step: int | None = None,
+        ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
     ) -> GradientFlowSummary:
         """See :meth:`StoreReader.report`."""
         from analysis.report import build_report
 
-        return self._call(lambda cur: build_report(cur, run_id, from_step, to_step))
+        return self._call(lambda cur: build_report(
+            cur, run_id, from_step, to_step, ignore_layers=tuple(ignore_layers),
+            exclude_rounding=exclude_rounding))
 
     def heatmap(
         self, run_id: str, max_columns: int = 100, from_step: int | None = None,
-        to_step: int | None = None,
+        to_step: int | None = None, style: str = "gradstream",
     ) -> str:
         """See :meth:`StoreReader.heatmap`."""
         from analysis.heatmap import ascii_heatmap
 
-        return self._call(lambda cur: ascii_heatmap(
-            cur, run_id, max_columns, from_step=from_step, to_step=to_step))
+        try:
+            return self._call(lambda cur: ascii_heatmap(
+                cur, run_id, max_columns, from_step=from_step, to_step=to_step,
+                style=style))  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
 
     def analysis(
         self, name: str, run_id: str, from_step: int | None = None, to_step: int | None = None,
@@ -315,13 +327,15 @@ class FileReader(StoreReader):
     def export(
         self, run_id: str, fmt: str, path: str | os.PathLike[str], from_step: int | None = None,
         to_step: int | None = None, order: str = "name", progress: Progress | None = None,
+        style: str = "gradstream",
     ) -> int:
         """See :meth:`StoreReader.export`."""
         from analysis.export import export_run
 
         try:
             return self._call(lambda cur: export_run(
-                cur, run_id, path, fmt, from_step, to_step, order, progress))  # type: ignore[arg-type]
+                cur, run_id, path, fmt, from_step, to_step, order, progress,
+                style))  # type: ignore[arg-type]
         except ValueError as exc:
             raise StoreError(str(exc)) from None
 
@@ -418,23 +432,29 @@ class EndpointReader(StoreReader):
                                         timeout_s=timeout_s, body=payload))
 
     def report(
-        self, run_id: str, from_step: int | None = None, to_step: int | None = None
+        self, run_id: str, from_step: int | None = None, to_step: int | None = None,
+        ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
     ) -> GradientFlowSummary:
-        """See :meth:`StoreReader.report` (``GET /api/report``)."""
+        """See :meth:`StoreReader.report` (``GET /api/report``; ``ignore_layers`` as a JSON
+        list)."""
         from analysis.dashboard.wire import MODEL_JSON
         from analysis.report import GradientFlowSummary
 
-        body = self._get("/api/report", {"run": run_id, "from_step": from_step,
-                                         "to_step": to_step}, MODEL_JSON)
+        body = self._get("/api/report", {
+            "run": run_id, "from_step": from_step, "to_step": to_step,
+            "ignore_layers": json.dumps(list(ignore_layers)) if ignore_layers else None,
+            "exclude_rounding": "true" if exclude_rounding else None,
+        }, MODEL_JSON)
         return GradientFlowSummary.model_validate_json(body)
 
     def heatmap(
         self, run_id: str, max_columns: int = 100, from_step: int | None = None,
-        to_step: int | None = None,
+        to_step: int | None = None, style: str = "gradstream",
     ) -> str:
         """See :meth:`StoreReader.heatmap` (``GET /api/heatmap``, plain text back)."""
         body = self._get("/api/heatmap", {"run": run_id, "max_columns": max_columns,
-                                          "from_step": from_step, "to_step": to_step},
+                                          "from_step": from_step, "to_step": to_step,
+                                          "style": style},
                          "text/plain")
         return body.decode("utf-8")
 
@@ -470,6 +490,7 @@ class EndpointReader(StoreReader):
     def export(
         self, run_id: str, fmt: str, path: str | os.PathLike[str], from_step: int | None = None,
         to_step: int | None = None, order: str = "name", progress: Progress | None = None,
+        style: str = "gradstream",
     ) -> int:
         """See :meth:`StoreReader.export` (``GET /api/export``, streamed to ``<path>.part``
         and renamed when complete); ``progress`` gets the fraction of bytes received."""
@@ -477,7 +498,7 @@ class EndpointReader(StoreReader):
         if target.is_dir():
             raise StoreError(f"output path {str(target)!r} is a directory")
         query = {"run": run_id, "format": fmt, "order": order, "from_step": from_step,
-                 "to_step": to_step}
+                 "to_step": to_step, "style": style}
         failure = f"export through {self.via} failed"
         try:
             target.parent.mkdir(parents=True, exist_ok=True)

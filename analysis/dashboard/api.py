@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from analysis import registry
 from analysis.plots.grid import load_grid, load_layer_series
+from analysis.store import StoreError
 
 if TYPE_CHECKING:
     import duckdb
@@ -164,30 +165,38 @@ def analyses() -> dict[str, object]:
 
 
 def report(
-    cur: duckdb.DuckDBPyConnection, run_id: str, from_step: int | None, to_step: int | None
+    cur: duckdb.DuckDBPyConnection, run_id: str, from_step: int | None, to_step: int | None,
+    ignore_layers: tuple[str, ...] = (), exclude_rounding: bool = False,
 ) -> GradientFlowSummary:
-    """The run summary (:func:`analysis.report.build_report`) over an inclusive step range.
+    """The run summary (:func:`analysis.report.build_report`) over an inclusive step range,
+    with the report's own ``ignore_layers`` patterns and ``exclude_rounding`` option.
 
     Raises:
         StoreError: unknown run or invalid range.
     """
     from analysis.report import build_report
 
-    return build_report(cur, run_id, from_step, to_step)
+    return build_report(cur, run_id, from_step, to_step, ignore_layers=ignore_layers,
+                        exclude_rounding=exclude_rounding)
 
 
 def heatmap(
     cur: duckdb.DuckDBPyConnection, run_id: str, max_columns: int, from_step: int | None,
-    to_step: int | None,
+    to_step: int | None, style: str = "gradstream",
 ) -> str:
-    """The ASCII flow-intensity heatmap (:func:`analysis.heatmap.ascii_heatmap`).
+    """The ASCII flow-intensity heatmap (:func:`analysis.heatmap.ascii_heatmap`; ``style``
+    ``"gradstream"`` or ``"reference"``).
 
     Raises:
-        StoreError: unknown run or invalid range.
+        StoreError: unknown run, invalid range or unknown style.
     """
     from analysis.heatmap import ascii_heatmap
 
-    return ascii_heatmap(cur, run_id, max_columns, from_step=from_step, to_step=to_step)
+    try:
+        return ascii_heatmap(cur, run_id, max_columns, from_step=from_step, to_step=to_step,
+                             style=style)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise StoreError(str(exc)) from None
 
 
 def analysis_report(
