@@ -16,7 +16,8 @@ a fresh read-only cursor per request). Every route requires the token (see *Acce
                               (:func:`analysis.report.build_report`), the JSON of ``gradstream
                               report --format json``
 ``GET /api/heatmap``          ``run``, ``max_columns``, ``from_step``, ``to_step``: the ASCII
-                              heatmap (:func:`analysis.heatmap.ascii_heatmap`), plain text
+                              heatmap (:func:`analysis.heatmap.ascii_heatmap`), plain text;
+                              ``style=reference``: the reference implementation's layout
 ``GET /api/layer``            ``run``, ``layer``, ``max_points``: one layer's norm series
 ``GET /api/alerts``           ``run`` (optional), ``limit``: newest alerts first
 ``GET /api/analyses``         the registered analyses (:mod:`analysis.registry`): name, help,
@@ -25,7 +26,8 @@ a fresh read-only cursor per request). Every route requires the token (see *Acce
                               field name (``window=10``): its report, the JSON of ``gradstream
                               analyze --kind <name> --format json``
 ``GET /api/export``           ``run``, ``format`` (csv/json/parquet/jsonl), ``from_step``,
-                              ``to_step``, ``order``: a download (:mod:`analysis.export`;
+                              ``to_step``, ``order``, ``style`` (csv): a download
+                              (:mod:`analysis.export`;
                               header ``X-Gradstream-Rows``: rows written)
 ``POST /api/query``           JSON ``{"sql": ..., "params": {...} | [...], "timeout_s": ...}``:
                               one read-only statement, Arrow IPC stream back
@@ -669,7 +671,8 @@ class _Handler(BaseHTTPRequestHandler):
             run = self._run(params)
             drawing = api.heatmap(cur, run, self._int(params, "max_columns", 100) or 100,
                                   self._int(params, "from_step", None),
-                                  self._int(params, "to_step", None))
+                                  self._int(params, "to_step", None),
+                                  params.get("style", "gradstream"))
             self._send(200, drawing.encode("utf-8"), "text/plain; charset=utf-8")
 
     def _layer(self, params: dict[str, str], _name: str) -> None:
@@ -724,7 +727,8 @@ class _Handler(BaseHTTPRequestHandler):
         start, end = self._int(params, "from_step", None), self._int(params, "to_step", None)
         with tempfile.TemporaryDirectory(prefix="gradstream-export-") as tmp:
             target = Path(tmp) / f"export.{fmt}"
-            rows = export_run(cur, run, target, fmt, start, end, order)  # type: ignore[arg-type]
+            rows = export_run(cur, run, target, fmt, start, end, order,  # type: ignore[arg-type]
+                              style=params.get("style", "gradstream"))  # type: ignore[arg-type]
             size = target.stat().st_size
             name = f"{_safe_stem(run)}.{fmt}"
             self.send_response(200)
