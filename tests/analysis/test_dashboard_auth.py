@@ -246,3 +246,33 @@ def test_tokens_are_checked(tmp_path: Path) -> None:
             check_token(bad)
     assert dashboard_url("http://127.0.0.1:8765", token) == (
         f"http://127.0.0.1:8765/?token={token}")
+
+
+def test_the_endpoint_reader_sends_the_token(served, tmp_path: Path) -> None:
+    """:class:`analysis.reader.EndpointReader` sends the sidecar's token with every
+    request (the GET routes and ``POST /api/query``); with a stale token (a sidecar of a
+    server since restarted) each read fails saying so."""
+    from analysis.dashboard.sidecar import ServeInfo
+    from analysis.query import QueryError
+    from analysis.reader import EndpointReader
+
+    host, port = served
+
+    def reader(token: str) -> EndpointReader:
+        info = ServeInfo(url=f"http://{host}:{port}", pid=0, host="elsewhere", db="a.duckdb",
+                         token=token, writer=False, started_at=0.0)
+        return EndpointReader(tmp_path / "a.duckdb", info, timeout_s=30.0)
+
+    good, stale = reader(TOKEN), reader(new_token())
+    reads = {
+        "sql": lambda r: r.sql("SELECT count(*) AS n FROM runs").column("n").to_pylist(),
+        "report": lambda r: r.report(RUN).run_id,
+        "heatmap": lambda r: len(r.heatmap(RUN)) > 0,
+        "grid": lambda r: r.grid(RUN).row_labels,
+        "analysis": lambda r: r.analysis("flow", RUN).run_id,
+    }
+    assert [read(good) for read in reads.values()] == [[1], RUN, True, ["x", "y", "z"], RUN]
+    for name, read in reads.items():
+        with pytest.raises(QueryError, match="missing or wrong token"):
+            read(stale)
+            pytest.fail(name)
