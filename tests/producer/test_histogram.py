@@ -1,7 +1,7 @@
 """Exponent histogram: bin placement, zeros, subnormals, merge across ranks, underflow.
 
-Every test runs on both backends: the numba kernels (skipped when numba is not installed)
-and the pure-NumPy fallback.
+Every test runs on both backends: the numba kernels (numba is a dependency: a missing numba
+fails, never skips) and the pure-NumPy fallback.
 """
 
 import math

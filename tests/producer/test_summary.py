@@ -1,7 +1,7 @@
 """summarize() against a float64 reference, NaN/Inf handling, dtypes and errors.
 
-Every test runs on both backends: the numba kernels (skipped when numba is not installed)
-and the pure-NumPy fallback.
+Every test runs on both backends: the numba kernels (numba is a dependency: a missing numba
+fails, never skips) and the pure-NumPy fallback.
 """
 
 import logging
