@@ -85,6 +85,14 @@ class LayerOrder(StrEnum):
     MODEL = "model"
 
 
+class Style(StrEnum):
+    """Presentation of the ASCII heatmap and the CSV export: gradstream's, or exactly the
+    reference implementation's (trustformers-debug ``gradient_flow``)."""
+
+    GRADSTREAM = "gradstream"
+    REFERENCE = "reference"
+
+
 @contextmanager
 def _progress_bar(description: str) -> Iterator[Callable[[float | None], None]]:
     """A transient rich progress bar on stderr; yields its ``fraction | None`` callback."""
@@ -128,6 +136,12 @@ def report(
         int,
         typer.Option("--max-columns", min=1, help="Widest heatmap, in step columns."),
     ] = 100,
+    heatmap_style: Annotated[
+        Style,
+        typer.Option("--heatmap-style", help="gradstream: model order, at most --max-columns "
+                     "columns, NaN/Inf glyph, legend; reference: the reference "
+                     "implementation's drawing exactly (name order, one column per step)."),
+    ] = Style.GRADSTREAM,
     output_format: Annotated[
         ReportFormat,
         typer.Option("--format", help="table: for people; json: one object per run."),
@@ -149,8 +163,8 @@ def report(
         console = Console(highlight=False)
         for run_id in run_ids:
             summary = reader.report(run_id, from_step, to_step)
-            drawing = (reader.heatmap(run_id, max_columns, from_step, to_step)
-                       if heatmap else None)
+            drawing = (reader.heatmap(run_id, max_columns, from_step, to_step,
+                                      heatmap_style.value) if heatmap else None)
             if output_format is ReportFormat.JSON:
                 document = summary.model_dump(mode="json")
                 if drawing is not None:
@@ -193,6 +207,12 @@ def export(
         typer.Option("--order", help="Layers within a step: by name (as trustformers-debug "
                      "exports them) or in model order."),
     ] = LayerOrder.NAME,
+    style: Annotated[
+        Style,
+        typer.Option("--style", help="csv only. gradstream: layer names quoted when they "
+                     "hold a comma, quote or line break; reference: the reference "
+                     "implementation's bytes exactly (names raw, name order)."),
+    ] = Style.GRADSTREAM,
     timeout: TimeoutOption = None,
 ) -> None:
     """Export a run's per-layer gradient statistics: CSV (one row per step and layer: mean
@@ -204,7 +224,8 @@ def export(
     with reading(db, timeout) as reader, _progress_bar(f"exporting {ext}") as on_progress:
         run_id = reader.resolve_run(run)
         target = output or Path("out") / f"{_safe_filename(run_id)}.{ext}"
-        count = reader.export(run_id, ext, target, from_step, to_step, order.value, on_progress)
+        count = reader.export(run_id, ext, target, from_step, to_step, order.value, on_progress,
+                              style.value)
     unit = "frames" if output_format is ExportFormat.JSON else "rows"
     Console(stderr=True, highlight=False).print(
         f"wrote {count} {unit} of run {run_id!r} to {os.fspath(target)}", markup=False

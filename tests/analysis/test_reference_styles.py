@@ -1,0 +1,87 @@
+"""The reference styles of the ASCII heatmap and the CSV export reproduce the reference
+implementation's output (``tests/conformance/reference.py``) byte for byte, from the same
+frames: name order, one column per frame (no ``max_columns`` buckets), raw names, its width
+rule, no legend (the CLI options: ``tests/deploy/cli/test_reference_styles.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from analysis.export import export_csv, export_run
+from analysis.heatmap import NONFINITE_GLYPH, ascii_heatmap
+from analysis.store import open_store
+from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
+from tests.conformance.reference import GradientFlowAnimator, GradientFrame, LayerGradientInfo
+
+MODEL = ["z_embed", "m_block", "a_head", "head ünï"]
+
+
+def build(tmp_path: Path, names: list[str], steps: int) -> tuple[Path, GradientFlowAnimator]:
+    """A store and the reference animator holding the same frames (norms vary per step)."""
+    builder = StoreBuilder(tmp_path / "s.duckdb").add_run("r", names)
+    animator = GradientFlowAnimator(0)
+    for step in range(steps):
+        stats = {n: Stat(mean=1e-9 if i == 1 else 0.01, max=2e3 if step % 7 == 3 else 1.0,
+                         norm=float((step * 7 + i * 3) % 9))
+                 for i, n in enumerate(names)}
+        builder.add_frame("r", step, stats)
+        top = max(s.norm for s in stats.values())
+        animator.frames.append(GradientFrame(step, tuple(sorted((
+            LayerGradientInfo(n, s.mean, s.max, s.norm, s.mean < 1e-7, s.max > 1e3,
+                              min(max(s.norm / top, 0.0), 1.0) if top > 0 else 0.0)
+            for n, s in stats.items()), key=lambda ly: ly.name))))
+    return builder.write(), animator
+
+
+@pytest.mark.parametrize(("names", "steps"), [(MODEL, 5), (MODEL, 150), (["x"], 1),
+                                              (NASTY_NAMES, 4)])
+def test_heatmap_reference_style_is_the_references(tmp_path: Path, names: list[str],
+                                                    steps: int) -> None:
+    path, animator = build(tmp_path, names, steps)
+    con = open_store(path)
+    try:
+        text = ascii_heatmap(con, "r", max_columns=10, order="model", style="reference")
+        assert text == animator.to_ascii_animation()
+        assert ascii_heatmap(con, "r", style="gradstream") != text  # legend, layout
+    finally:
+        con.close()
+
+
+def test_csv_reference_style_is_the_references(tmp_path: Path) -> None:
+    path, animator = build(tmp_path, MODEL + NASTY_NAMES, 6)
+    con = open_store(path)
+    try:
+        out = tmp_path / "ref.csv"
+        rows = export_csv(con, "r", out, order="model", style="reference")
+        assert out.read_bytes() == animator.export_csv().encode("utf-8")
+        assert rows == 6 * len(MODEL + NASTY_NAMES)
+        quoted = tmp_path / "quoted.csv"
+        export_csv(con, "r", quoted)
+        assert quoted.read_bytes() != out.read_bytes()  # "encoder.layer,0" quoted
+        with pytest.raises(ValueError, match="style"):
+            export_csv(con, "r", out, style="rust")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="csv format only"):
+            export_run(con, "r", tmp_path / "x.json", "json", style="reference")
+        with pytest.raises(ValueError, match="style"):
+            ascii_heatmap(con, "r", style="rust")  # type: ignore[arg-type]
+    finally:
+        con.close()
+
+
+def test_nan_intensity_draws_blank_in_reference_style(tmp_path: Path) -> None:
+    """The reference casts a NaN intensity (inf / inf) to glyph 0; gradstream's own style
+    marks the cell with its NaN/Inf glyph."""
+    path, _ = build(tmp_path, ["a", "b"], 1)
+    con = duckdb.connect(str(path))
+    con.execute("UPDATE layer_stats SET flow_intensity = 'NaN'::DOUBLE, "
+                "grad_norm = 'inf'::DOUBLE WHERE layer_index = 0")
+    con.close()
+    con = open_store(path)
+    try:
+        assert ascii_heatmap(con, "r", style="reference").splitlines()[3] == "a   "
+        assert ascii_heatmap(con, "r").splitlines()[3].endswith(f"a  {NONFINITE_GLYPH}")
+    finally:
+        con.close()
