@@ -1,6 +1,7 @@
 """Enhanced per-layer gradient analysis (statistics, convergence, stability, hierarchy,
-priorities), computed from the stored history of a run. Semantics follow
-trustformers-debug's ``enhanced_analysis`` module.
+priorities), computed from the stored history of a run. Semantics follow the reference
+implementation (trustformers-debug, module ``gradient_debugger::enhanced_analysis``,
+``EnhancedGradientAnalyzer``).
 
 :func:`build_enhanced_analysis` loads the run once, computes every per-layer fact in
 vectorised passes (:mod:`analysis.analyses.layer_facts`), then the network level
@@ -9,14 +10,54 @@ the comparisons (one sort of the layers' means instead of the reference implemen
 rescan of every layer for every layer) and the priorities. Total cost O(layers x steps).
 Report models and field formulas: :mod:`analysis.analyses.enhanced_models`.
 
-Placeholders of the reference implementation replaced: ``parameter_convergence = 0.8 x``
-(fit of the update-to-weight ratio), ``loss_convergence = 0.9 x`` (left out: no loss in the
-telemetry),
-``gradient_momentum`` / ``learning_velocity`` (autocorrelation and decay rate of the
-whole-model norm), ``plateau_duration 10`` (measured band around the recent level), the
-hierarchy group constants (computed from the members), ``estimated_steps = (1 - score) x
-1000`` (fitted decay to a floor) and the empty cross-level interactions (lagged
-correlations between levels).
+Options the reference's analyzer has: ``convergence_window`` (``window``, default 100),
+``stability_threshold`` (default 0.8) and ``AnalysisDepth`` (``depth``, default Standard;
+the reference stores it and never reads it, see
+:class:`~analysis.analyses.enhanced_models.AnalysisDepth` for what each level computes).
+
+Differences from the reference (with reasons in ``analysis/REFERENCE_DIFFERENCES.md``;
+the option ``rules="reference"`` restores those marked R, from
+:mod:`analysis.analyses.enhanced_reference`):
+
+- Placeholders computed from data under both rules: ``parameter_convergence = 0.8 x``
+  (fit of the update-to-weight ratio), ``loss_convergence = 0.9 x`` (left out: no loss
+  in the telemetry), ``gradient_momentum`` / ``learning_velocity`` / ``adaptation_rate``
+  (autocorrelation, decay rate, update ratio), ``plateau_duration 10`` (measured band),
+  ``estimated_steps = (1 - score) x 1000`` (fitted decay to a floor), the hierarchy group
+  constants (computed from the members), the empty cross-level interactions (lagged
+  correlations), ``impact_score = 0.5 x strength``, ``expected_improvement`` /
+  ``expected_impact`` (left out: not observable before the change).
+- (R) risk factors and ``LayerHealth``: the run's flags (vanishing, zero, exploding,
+  NaN/Inf, as health, report and alerts) plus instability and a significant
+  turning-point test, instead of mean norm < 1e-5 / > 100, stability < 0.5, oscillation
+  frequency > 0.5; NaN/Inf or exploding is Critical; fewer than 3 samples is Unknown.
+- (R) ``smoothness_index`` divided by the mean norm; ``trend_strength`` the R^2 of the
+  trend, not ``min(|slope|, 1)``; ``stability_measure`` 1 (not 0) for an all-zero layer.
+- (R) ``convergence_indicator``: share by which the fitted norm fell over the window
+  (``None`` below 3 samples) instead of the clipped slope of the newest-first window
+  (0.5 below W samples; as written it is positive when the norm rises).
+- (R) ``neuron_activity_ratio``: share of non-zero gradient elements (exponent
+  histogram) instead of ``mean / (mean + 1e-5)``.
+- (R) ``ComparativeAnalysis``: similar layers by a Welch z-test, not the ratio 1.2;
+  ``optimization_potential`` the share of flagged samples, not 0.8 / 0.6 / 0.3 by
+  relative performance.
+- (R) network health also Critical on NaN/Inf and Warning on any flagged layer.
+- (R) ``DistributionType``: significance tests of skewness and kurtosis and the
+  bimodality coefficient, not ``|skew| > 2``, ``kurtosis > 3`` / ``< -1``.
+- (R) ``LayerInteraction``: correlation of log-norm changes and a Fisher test
+  (Cooperative / Competitive / Disruptive / Neutral), not ``1 / (1 + |mean difference| +
+  |stability difference|)`` and the convergence difference < 0.1 / > 0.5.
+- (R) ``ConvergenceTrend``, ``LearningPhase``, ``PlateauDetection``: fits of the
+  whole-model norm, not the mean convergence indicator against 0.8 / 0.6 / 0.3, 0.2 /
+  0.4 / 0.6 / 0.8 and 0.9 / 0.95; ``PlateauSeverity`` by the plateau's share of the range.
+- (R) ``StabilityTrend``: a variance-ratio test of the recent log changes, not
+  ``overall_stability > stability_threshold`` (that comparison is reported beside it);
+  forecast from the trends, not 0.7 / 0.8 cut-offs; instability sources from the flags.
+- (R) hierarchy: one group per decade of mean norm, not the bands > 1, [0.1, 1], < 0.1.
+- (R) priorities: only layers with a risk (plus groups and the network), score ``1 - (1 -
+  f) x s``, urgency from the last step, instead of every layer scored ``0.4 health +
+  0.3 (1 - stability) + 0.2 potential + 0.1 flow rate / mean norm`` with urgency by
+  health.
 """
 
 from __future__ import annotations
@@ -30,11 +71,14 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from analysis.analyses import enhanced_reference
 from analysis.analyses.enhanced_models import (
     ActionType,
+    AnalysisDepth,
     ComparativeAnalysis,
     EnhancedLayerGradientAnalysis,
     FlowCharacteristics,
+    GradientHierarchy,
     GradientStatistics,
     ImplementationComplexity,
     ImplementationEffort,
@@ -70,7 +114,13 @@ from analysis.analyses.layer_facts import (
     compute_layer_facts,
     finite_or,
 )
-from analysis.analyses.network import issue_step_ratio, network_level
+from analysis.analyses.network import (
+    global_fit,
+    issue_step_ratio,
+    measured_plateau_duration,
+    network_level,
+)
+from analysis.analyses.reference import DEFAULT_RULES, Rules
 from analysis.analyses.render import (
     ROWS_IN_TABLE,
     add_more_row,
@@ -102,6 +152,9 @@ DEFAULT_INTERACTION_WINDOW = 2
 neighbours and, where parameters come as weight/bias pairs, the next layer's weight."""
 DEFAULT_SIMILAR_COUNT = 5
 """Most similar layers listed per layer."""
+DEFAULT_STABILITY_THRESHOLD = 0.8
+"""The analyzer's ``stability_threshold`` (the reference ``EnhancedGradientAnalyzer``
+default)."""
 
 
 def build_enhanced_analysis(
@@ -114,6 +167,9 @@ def build_enhanced_analysis(
     interaction_window: int = DEFAULT_INTERACTION_WINDOW,
     similar_count: int = DEFAULT_SIMILAR_COUNT,
     alpha: float = DEFAULT_ALPHA,
+    rules: Rules = DEFAULT_RULES,
+    depth: AnalysisDepth = AnalysisDepth.STANDARD,
+    stability_threshold: float = DEFAULT_STABILITY_THRESHOLD,
 ) -> EnhancedLayerGradientAnalysis:
     """The enhanced analysis (``generate_enhanced_analysis``) over one run's stored history.
 
@@ -125,6 +181,11 @@ def build_enhanced_analysis(
         interaction_window: model-order distance of the layer pairs tested (>= 1).
         similar_count: similar layers listed per layer (>= 0).
         alpha: significance level of the tests, in (0, 1).
+        rules: ``"gradstream"`` or ``"reference"`` (the reference's verdicts; see the
+            module docstring).
+        depth: :class:`~analysis.analyses.enhanced_models.AnalysisDepth`, the sections
+            computed.
+        stability_threshold: the analyzer's stability threshold, in [0, 1].
 
     Returns:
         The :class:`EnhancedLayerGradientAnalysis`.
@@ -140,6 +201,9 @@ def build_enhanced_analysis(
         interaction_window=interaction_window,
         similar_count=similar_count,
         alpha=alpha,
+        rules=rules,
+        depth=depth,
+        stability_threshold=stability_threshold,
     )
 
 
@@ -150,6 +214,9 @@ def enhanced_from_history(
     interaction_window: int = DEFAULT_INTERACTION_WINDOW,
     similar_count: int = DEFAULT_SIMILAR_COUNT,
     alpha: float = DEFAULT_ALPHA,
+    rules: Rules = DEFAULT_RULES,
+    depth: AnalysisDepth = AnalysisDepth.STANDARD,
+    stability_threshold: float = DEFAULT_STABILITY_THRESHOLD,
 ) -> EnhancedLayerGradientAnalysis:
     """The analysis of an already loaded history (see :func:`build_enhanced_analysis`)."""
     if convergence_window < 3:
@@ -158,8 +225,15 @@ def enhanced_from_history(
         raise ValueError(f"interaction_window must be >= 1, got {interaction_window}")
     if similar_count < 0:
         raise ValueError(f"similar_count must be >= 0, got {similar_count}")
+    if not 0.0 <= stability_threshold <= 1.0:
+        raise ValueError(f"stability_threshold must be in [0, 1], got {stability_threshold}")
     if history.num_layers == 0:
         raise StoreError(f"run {history.run_id!r} has no gradient rows in the step range")
+    depth = AnalysisDepth(depth)
+    if depth in (AnalysisDepth.COMPREHENSIVE, AnalysisDepth.EXPERT):
+        interaction_window = max(history.num_layers - 1, 1)  # every pair, as the reference
+    if depth is AnalysisDepth.EXPERT:
+        similar_count = max(history.num_layers - 1, 0)
     facts = compute_layer_facts(history, convergence_window, alpha)
     comparisons = _comparisons(history, facts, similar_count, alpha)
     details = [
@@ -174,10 +248,21 @@ def enhanced_from_history(
         )
         for i in range(history.num_layers)
     ]
-    network = network_level(history, facts, convergence_window, interaction_window, alpha)
-    hierarchy = build_hierarchy(history, facts, alpha)
+    basic = depth is AnalysisDepth.BASIC
+    network = network_level(
+        history, facts, convergence_window, 0 if basic else interaction_window, alpha
+    )
+    stab = network.stability_assessment
+    network = network.model_copy(update={"stability_assessment": stab.model_copy(update={
+        "stability_threshold": stability_threshold,
+        "above_stability_threshold": stab.overall_stability > stability_threshold,
+    })})
+    hierarchy = (
+        GradientHierarchy(layer_groups=[], hierarchy_levels=[], cross_level_interactions=[])
+        if basic else build_hierarchy(history, facts, alpha)
+    )
     priorities = _priorities(history, facts, network, hierarchy.layer_groups)
-    return EnhancedLayerGradientAnalysis(
+    report = EnhancedLayerGradientAnalysis(
         run_id=history.run_id,
         from_step=history.from_step,
         to_step=history.to_step,
@@ -190,6 +275,22 @@ def enhanced_from_history(
         network_level_analysis=network,
         gradient_hierarchy=hierarchy,
         optimization_priorities=priorities,
+        rules=rules,
+        analysis_depth=depth,
+        stability_threshold=stability_threshold,
+    )
+    if rules != "reference":
+        return report
+    fits = global_fit(history, convergence_window, alpha)
+    return enhanced_reference.apply_reference_rules(
+        report, history, facts,
+        enhanced_reference.reference_facts(history, facts, convergence_window),
+        stability_threshold=stability_threshold,
+        similar_count=similar_count,
+        plateau_duration=measured_plateau_duration(
+            fits["log_g"], fits["recent"], alpha  # type: ignore[arg-type]
+        ),
+        hierarchy_builder=lambda f, groups: build_hierarchy(history, f, alpha, groups),
     )
 
 
@@ -507,7 +608,8 @@ def render_enhanced(report: EnhancedLayerGradientAnalysis) -> RenderableType:
     stab = net.stability_assessment
     head = Text("enhanced gradient analysis of run ", style="bold")
     head.append(show_name(report.run_id))
-    head.append(f"  ({report.layers} layers, {report.steps} steps)", style="dim")
+    head.append(f"  ({report.layers} layers, {report.steps} steps, {report.rules} rules, "
+                f"{report.analysis_depth.value} depth)", style="dim")
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold", no_wrap=True)
     summary.add_column()
@@ -535,7 +637,9 @@ def render_enhanced(report: EnhancedLayerGradientAnalysis) -> RenderableType:
     )
     summary.add_row(
         "stability",
-        f"{num(stab.overall_stability)}, trend {stab.stability_trend.value}, outlook "
+        f"{num(stab.overall_stability)} "
+        f"({'above' if stab.above_stability_threshold else 'not above'} "
+        f"{stab.stability_threshold:g}), trend {stab.stability_trend.value}, outlook "
         f"{stab.stability_forecast.short_term_outlook.value} (short) / "
         f"{stab.stability_forecast.long_term_outlook.value} (long)",
     )
@@ -618,6 +722,13 @@ class EnhancedOptions(BaseModel):
       (``convergence_window`` of :func:`build_enhanced_analysis`), >= 3.
     - ``interaction_window``: model-order distance of the layer pairs tested, >= 1.
     - ``alpha``: significance level of the tests, in (0, 1).
+    - ``rules``: ``"gradstream"`` (default) or ``"reference"``: the reference's risk
+      factors, health, classifications, hierarchy bands and priority weighting (see the
+      module docstring).
+    - ``depth``: :class:`~analysis.analyses.enhanced_models.AnalysisDepth` (Basic,
+      Standard (default), Comprehensive, Expert).
+    - ``stability_threshold``: the analyzer's threshold on the overall stability, in
+      [0, 1] (default 0.8, the reference's).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -625,6 +736,9 @@ class EnhancedOptions(BaseModel):
     window: int = Field(default=DEFAULT_CONVERGENCE_WINDOW, ge=3)
     interaction_window: int = Field(default=DEFAULT_INTERACTION_WINDOW, ge=1)
     alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, lt=1.0)
+    rules: Rules = DEFAULT_RULES
+    depth: AnalysisDepth = AnalysisDepth.STANDARD
+    stability_threshold: float = Field(default=DEFAULT_STABILITY_THRESHOLD, ge=0.0, le=1.0)
 
 
 def _build(
@@ -638,6 +752,8 @@ def _build(
     return build_enhanced_analysis(
         con, run_id, from_step, to_step, convergence_window=options.window,
         interaction_window=options.interaction_window, alpha=options.alpha,
+        rules=options.rules, depth=options.depth,
+        stability_threshold=options.stability_threshold,
     )
 
 

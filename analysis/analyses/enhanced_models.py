@@ -18,6 +18,7 @@ Fields of the reference that cannot be computed from gradient telemetry are left
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -443,12 +444,18 @@ class StabilityForecast(_Model):
 class StabilityAssessment(_Model):
     """``overall_stability``: mean of the layers' ``stability_measure`` (as in the
     reference);
-    ``stability_trend``: :class:`StabilityTrend`."""
+    ``stability_trend``: :class:`StabilityTrend`; ``stability_threshold``: the analyzer's
+    threshold (the reference's default 0.8) and ``above_stability_threshold``:
+    ``overall_stability > stability_threshold``, the reference's test for a Stable trend
+    (under ``rules="reference"`` it decides ``stability_trend``; under gradstream's rules
+    it is reported beside the measured trend)."""
 
     overall_stability: float
     stability_trend: StabilityTrend
     instability_sources: list[InstabilitySource]
     stability_forecast: StabilityForecast
+    stability_threshold: float = 0.8
+    above_stability_threshold: bool = False
 
 
 class NetworkLevelAnalysis(_Model):
@@ -624,11 +631,35 @@ class OptimizationPriority(_Model):
     recommended_actions: list[PrioritizedAction]
 
 
+class AnalysisDepth(StrEnum):
+    """How much the enhanced analysis computes (the reference's ``AnalysisDepth``, which
+    its analyzer stores but never reads; here each level maps to sections):
+
+    - ``Basic``: per-layer details, network health, distribution, convergence, dynamics,
+      stability and the layers' priorities; no layer interactions, no hierarchy (empty
+      lists).
+    - ``Standard`` (default, as in the reference): everything, interactions between layers
+      up to ``interaction_window`` apart.
+    - ``Comprehensive``: Standard with every pair of layers tested for interactions (the
+      reference's all pairs, O(L^2 x steps)).
+    - ``Expert``: Comprehensive with every similar layer listed (no ``similar_count``
+      cap).
+    """
+
+    BASIC = "Basic"
+    STANDARD = "Standard"
+    COMPREHENSIVE = "Comprehensive"
+    EXPERT = "Expert"
+
+
 class EnhancedLayerGradientAnalysis(_Model):
     """The enhanced analysis (``EnhancedLayerGradientAnalysis``) of one run over an inclusive
     step range.
     ``layer_details`` in model order; ``convergence_window``, ``interaction_window`` and
-    ``alpha`` are the parameters used."""
+    ``alpha`` are the parameters used (``interaction_window`` as applied: all pairs at
+    Comprehensive and Expert depth); ``rules``, ``analysis_depth`` and
+    ``stability_threshold`` the options (:mod:`analysis.analyses.reference`,
+    :class:`AnalysisDepth`)."""
 
     run_id: str
     from_step: int | None
@@ -642,3 +673,6 @@ class EnhancedLayerGradientAnalysis(_Model):
     network_level_analysis: NetworkLevelAnalysis
     gradient_hierarchy: GradientHierarchy
     optimization_priorities: list[OptimizationPriority]
+    rules: Literal["gradstream", "reference"] = "gradstream"
+    analysis_depth: AnalysisDepth = AnalysisDepth.STANDARD
+    stability_threshold: float = 0.8

@@ -87,7 +87,10 @@ def _difficulty(health: list[LayerHealth]) -> OptimizationDifficulty:
 
 
 def build_hierarchy(
-    history: GradientHistory, facts: LayerFacts, alpha: float
+    history: GradientHistory,
+    facts: LayerFacts,
+    alpha: float,
+    groups: list[tuple[str, np.ndarray]] | None = None,
 ) -> GradientHierarchy:
     """Groups, levels and cross-level interactions of one history.
 
@@ -95,12 +98,16 @@ def build_hierarchy(
         history: the loaded run history.
         facts: its :class:`LayerFacts`.
         alpha: significance level of the cross-level tests.
+        groups: ``[(name, positions)]`` largest gradients first; ``None`` =
+            :func:`decade_groups` of the layers' mean norms (the reference's three bands
+            are :func:`analysis.analyses.enhanced_reference.reference_bands`).
 
     Returns:
         The :class:`GradientHierarchy`.
     """
     means = facts.moments.mean
-    groups = decade_groups(means)
+    if groups is None:
+        groups = decade_groups(means)
     energy = np.nansum(np.square(history.norms), axis=1)
     total_energy = float(energy.sum())
     total_params = max(float(history.numel.sum()), 1.0)
@@ -110,10 +117,11 @@ def build_hierarchy(
     for level_id, (name, members) in enumerate(groups):
         ratio = history.update_to_weight[members]
         ratio = ratio[np.isfinite(ratio)]
-        if name == ZERO_GROUP:
+        positive = means[members][means[members] > 0]
+        if name == ZERO_GROUP or positive.size == 0:
             coherence = 1.0
         else:
-            coherence = 1.0 - 2.0 * float(np.std(np.log10(means[members])))
+            coherence = 1.0 - 2.0 * float(np.std(np.log10(positive)))
         layer_groups.append(
             LayerGroup(
                 group_name=name,

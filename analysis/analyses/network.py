@@ -160,8 +160,14 @@ def layer_interactions(
     return out
 
 
-def _global_fit(history: GradientHistory, window: int, alpha: float) -> dict[str, object]:
-    """Fits of ``ln G`` over the last ``window`` steps and over the whole range."""
+def global_fit(history: GradientHistory, window: int, alpha: float) -> dict[str, object]:
+    """Fits of ``ln G`` (``G`` the whole-model gradient norm per step) over the last
+    ``window`` steps and over the whole range.
+
+    Returns:
+        ``{"log_g": float64 [T], "fit": Trend (last window), "whole": Trend (all steps),
+        "turning": TurningPoints (last window), "recent": float64 [<= window]}``.
+    """
     with np.errstate(divide="ignore"):
         log_g = np.log(history.global_norm)
     steps = history.steps.astype(np.float64)
@@ -263,7 +269,7 @@ def training_dynamics(
     momentum = float(series.lag1_autocorrelation(changes[None, :])[0])
     adaptation = history.update_ratio[-window:]
     is_plateau = phase is LearningPhase.PLATEAU
-    duration = _plateau_duration(log_g, recent, alpha) if is_plateau else 0
+    duration = measured_plateau_duration(log_g, recent, alpha) if is_plateau else 0
     share = duration / max(history.num_steps, 1)
     severity = (
         PlateauSeverity.MILD if share < 1 / 3
@@ -290,10 +296,10 @@ def training_dynamics(
     )
 
 
-def _plateau_duration(log_g: np.ndarray, recent: np.ndarray, alpha: float) -> int:
-    """Steps counted back from the last whose ``ln G`` lies within ``c +- z s`` of the
-    last window, ``z`` Bonferroni-corrected over the window so that noise alone ends the
-    count with probability ``alpha`` (O(T))."""
+def measured_plateau_duration(log_g: np.ndarray, recent: np.ndarray, alpha: float) -> int:
+    """Plateau length: steps counted back from the last whose ``ln G`` lies within
+    ``c +- z s`` of the last window, ``z`` Bonferroni-corrected over the window so that
+    noise alone ends the count with probability ``alpha`` (O(T))."""
     finite = recent[np.isfinite(recent)]
     if finite.size == 0:
         return 0
@@ -411,7 +417,7 @@ def network_level(
 ) -> NetworkLevelAnalysis:
     """Network-level analysis (``analyze_network_level_gradients``) from the facts and the
     whole-model norm."""
-    fits = _global_fit(history, window, alpha)
+    fits = global_fit(history, window, alpha)
     convergence = convergence_indicators(history, window, alpha, fits)
     return NetworkLevelAnalysis(
         overall_gradient_health=overall_health(facts.health, facts.risks),

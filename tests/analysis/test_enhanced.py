@@ -377,3 +377,173 @@ def test_model_order_and_strict_json(tmp_path: Path) -> None:
         raise ValueError(value)
 
     json.loads(report.model_dump_json(), parse_constant=reject)
+
+
+# -- the reference's rules (rules="reference"), answers worked out by hand from its formulas
+
+
+def reference_case(tmp_path: Path, **kw: object) -> EnhancedLayerGradientAnalysis:
+    """a rises 1..5; b flat at 1e-6; c flat at 200; d alternates 0, 1000 (5 samples, W = 3).
+
+    Per layer (mean, stability 1 / (1 + std / mean), oscillation reversals / n, risks):
+    a: 3, 1 / (1 + sqrt(2) / 3), 0, none -> Healthy; newest-first window 5, 4, 3 has
+    slope -1, so its convergence indicator is min(1, 1) = 1 (as written, a rising norm).
+    b: 1e-6 < 1e-5 -> Warning; c: 200 > 100 -> Warning; d: 400 > 100, stability 1 / (1 +
+    sqrt(240000) / 400) < 0.5, oscillation 3/5 > 0.5 -> three risks, Critical.
+    """
+    norms = np.array([
+        [1.0, 2.0, 3.0, 4.0, 5.0],
+        [1e-6] * 5,
+        [200.0] * 5,
+        [0.0, 1000.0, 0.0, 1000.0, 0.0],
+    ])
+    path = write_history(tmp_path / "s.duckdb", norms, names=list("abcd"))
+    return analysis_of(path, convergence_window=3, rules="reference", **kw)
+
+
+STAB_A = 1 / (1 + math.sqrt(2) / 3)
+STAB_D = 1 / (1 + math.sqrt(240000) / 400)
+
+
+def test_reference_layer_rules(tmp_path: Path) -> None:
+    report = reference_case(tmp_path)
+    assert report.rules == "reference"
+    by = details(report)
+    assert [by[n].health_metrics.overall_health for n in "abcd"] == [
+        LayerHealth.HEALTHY, LayerHealth.WARNING, LayerHealth.WARNING, LayerHealth.CRITICAL]
+    assert [len(by[n].health_metrics.risk_factors) for n in "abcd"] == [0, 1, 1, 3]
+    a, b, d = by["a"], by["b"], by["d"]
+    assert a.flow_characteristics.stability_measure == pytest.approx(STAB_A)
+    assert d.flow_characteristics.stability_measure == pytest.approx(STAB_D)
+    assert a.flow_characteristics.trend_strength == 1.0  # min(|slope 1|, 1)
+    assert a.flow_characteristics.smoothness_index == 1.0  # no second difference
+    # d: second differences 2000, 2000, 2000 -> 1 / (1 + 2000), in norm units.
+    assert d.flow_characteristics.smoothness_index == pytest.approx(1 / 2001)
+    assert [by[n].health_metrics.convergence_indicator for n in "abcd"] == [1.0, 0, 0, 0]
+    assert b.health_metrics.neuron_activity_ratio == pytest.approx(1 / 11)
+    # a: 3 / mean(1e-6, 200, 400) < 0.5 -> potential 0.8; c: 200 / 134.3 -> 0.3.
+    assert a.comparative_analysis.optimization_potential == 0.8
+    assert by["c"].comparative_analysis.optimization_potential == 0.3
+    assert [s.suggestion_type.value for s in d.optimization_suggestions] == [
+        "LearningRateAdjustment", "RegularizationAdd"]
+    assert [s.suggestion_type.value for s in b.optimization_suggestions] == [
+        "WeightInitialization"]
+
+
+def test_reference_network_rules(tmp_path: Path) -> None:
+    """Health: 1 of 4 Critical (> 0.1, not > 0.3) -> Warning. Mean convergence 1/4:
+    Diverging (< 0.3), RapidLearning (< 0.4), no plateau. Overall stability (STAB_A + 1 +
+    1 + STAB_D) / 4 = 0.782: Degrading at the threshold 0.8, Stable at 0.7; short outlook
+    Stable (> 0.7), long Uncertain (not > 0.8)."""
+    report = reference_case(tmp_path)
+    net = report.network_level_analysis
+    assert net.overall_gradient_health is LayerHealth.WARNING
+    conv = net.convergence_indicators
+    assert conv.gradient_convergence_score == pytest.approx(0.25)
+    assert conv.convergence_trend is ConvergenceTrend.DIVERGING
+    assert net.training_dynamics.learning_phase is LearningPhase.RAPID_LEARNING
+    assert not net.training_dynamics.plateau_detection.is_plateau
+    stab = net.stability_assessment
+    overall = (STAB_A + 1 + 1 + STAB_D) / 4
+    assert stab.overall_stability == pytest.approx(overall)
+    assert stab.stability_trend.value == "Degrading" and not stab.above_stability_threshold
+    forecast = stab.stability_forecast
+    assert (forecast.short_term_outlook.value, forecast.long_term_outlook.value) == (
+        "Stable", "Uncertain")
+    assert forecast.confidence_level == pytest.approx(overall)
+    sources = [(s.source_type, s.affected_layers[0], s.severity)
+               for s in stab.instability_sources]
+    assert sources == [
+        (InstabilityType.GRADIENT_VANISHING, "b", pytest.approx(0.9)),
+        (InstabilityType.GRADIENT_EXPLOSION, "c", pytest.approx(2.0)),
+        (InstabilityType.GRADIENT_EXPLOSION, "d", pytest.approx(4.0)),
+        (InstabilityType.OSCILLATION, "d", pytest.approx(0.6)),
+    ]
+    (tmp_path / "t").mkdir()
+    lower = reference_case(tmp_path / "t", stability_threshold=0.7)
+    assert lower.network_level_analysis.stability_assessment.stability_trend.value == "Stable"
+    # Interactions by the convergence difference: a (1) vs b (0) Competitive, b vs c
+    # Cooperative; strength 1 / (1 + |1e-6 - 200| + 0).
+    inter = {(x.layer1, x.layer2): x for x in net.layer_interactions}
+    assert inter[("a", "b")].interaction_type is InteractionType.COMPETITIVE
+    assert inter[("b", "c")].interaction_type is InteractionType.COOPERATIVE
+    assert inter[("b", "c")].interaction_strength == pytest.approx(1 / (1 + 200 - 1e-6))
+    groups = [(g.group_name, g.layers) for g in report.gradient_hierarchy.layer_groups]
+    assert groups == [("High Gradient Layers", ["a", "c", "d"]),
+                      ("Low Gradient Layers", ["b"])]
+
+
+def test_reference_priority_weighting(tmp_path: Path) -> None:
+    """score = min(0.4 w_health + 0.3 (1 - stability) + 0.2 potential + 0.1 flow rate /
+    mean norm, 1), w = 1 / 0.7 / 0.3 for Critical / Warning / Healthy; mean norm (3 + 1e-6
+    + 200 + 400) / 4; flow rates 4/5, 0, 0, 4000/5."""
+    report = reference_case(tmp_path)
+    mean_norm = (3 + 1e-6 + 200 + 400) / 4
+    expected = {
+        "a": 0.4 * 0.3 + 0.3 * (1 - STAB_A) + 0.2 * 0.8 + 0.1 * 0.8 / mean_norm,
+        "b": 0.4 * 0.7 + 0.2 * 0.8,
+        "c": 0.4 * 0.7 + 0.2 * 0.3,
+        "d": 1.0,
+    }
+    prio = report.optimization_priorities
+    assert [p.target_name for p in prio] == ["d", "b", "a", "c"]
+    assert {p.target_name: p.priority_score for p in prio} == pytest.approx(expected)
+    assert [p.urgency_level for p in prio] == [
+        UrgencyLevel.CRITICAL, UrgencyLevel.MEDIUM, UrgencyLevel.LOW, UrgencyLevel.MEDIUM]
+    assert all(p.target_type is OptimizationTarget.INDIVIDUAL_LAYER for p in prio)
+    assert [a.action_name for a in prio[0].recommended_actions] == [
+        "Reduce the learning rate", "Clip the gradient norm"]
+
+
+def test_reference_convergence_indicator_needs_a_full_window(tmp_path: Path) -> None:
+    """Fewer samples than W: 0.5 (the reference's neutral value)."""
+    path = write_history(tmp_path / "s.duckdb", np.array([[3.0, 2.0, 1.0]]))
+    report = analysis_of(path, convergence_window=5, rules="reference")
+    assert report.layer_details[0].health_metrics.convergence_indicator == 0.5
+    assert report.network_level_analysis.training_dynamics.learning_phase is \
+        LearningPhase.REFINEMENT  # 0.5 < 0.6
+
+
+@pytest.mark.parametrize(
+    ("skew", "kurt", "expected"),
+    [(2.01, 0.0, DistributionType.SKEWED), (-2.01, 5.0, DistributionType.SKEWED),
+     (2.0, 3.01, DistributionType.HEAVY_TAILED), (0.0, 3.0, DistributionType.NORMAL),
+     (0.0, -1.01, DistributionType.MULTIMODAL), (0.0, -1.0, DistributionType.NORMAL)],
+)
+def test_reference_distribution_type(skew: float, kurt: float,
+                                     expected: DistributionType) -> None:
+    from analysis.analyses.enhanced_reference import classify_distribution_reference
+
+    assert classify_distribution_reference(skew, kurt) is expected
+
+
+@pytest.mark.parametrize(
+    ("avg", "phase"),
+    [(0.19, "InitialLearning"), (0.2, "RapidLearning"), (0.4, "Refinement"),
+     (0.6, "Convergence"), (0.8, "Plateau")],
+)
+def test_reference_learning_phase_bands(avg: float, phase: str) -> None:
+    from analysis.analyses.enhanced_reference import learning_phase_reference
+
+    assert learning_phase_reference(avg).value == phase
+
+
+def test_analysis_depth_and_stability_threshold(tmp_path: Path) -> None:
+    norms = np.vstack([np.linspace(1, 2, 8) * k for k in (1.0, 2.0, 3.0, 4.0)])
+    path = write_history(tmp_path / "s.duckdb", norms)
+    standard = analysis_of(path)
+    assert standard.analysis_depth.value == "Standard" and standard.rules == "gradstream"
+    assert len(standard.network_level_analysis.layer_interactions) == 3 + 2  # d <= 2
+    basic = analysis_of(path, depth="Basic")
+    assert basic.network_level_analysis.layer_interactions == []
+    assert basic.gradient_hierarchy.layer_groups == []
+    full = analysis_of(path, depth="Comprehensive")
+    assert len(full.network_level_analysis.layer_interactions) == 6  # every pair
+    assert full.interaction_window == 3
+    stab = standard.network_level_analysis.stability_assessment
+    assert stab.stability_threshold == 0.8
+    assert stab.above_stability_threshold == (stab.overall_stability > 0.8)
+    strict = analysis_of(path, stability_threshold=1.0)
+    assert not strict.network_level_analysis.stability_assessment.above_stability_threshold
+    with pytest.raises(ValueError, match="stability_threshold"):
+        analysis_of(path, stability_threshold=1.5)

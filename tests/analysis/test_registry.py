@@ -113,10 +113,16 @@ def test_every_entry_loads_with_default_options() -> None:
     for entry in entries:
         assert entry.help.endswith(".") and callable(entry.build) and callable(entry.render)
         assert entry.options() == entry.options_from({})  # every option has a default
-    assert registry.get("flow").option_names == ("window", "alpha", "color_scheme")
-    assert registry.get("enhanced").option_names == ("window", "interaction_window", "alpha")
-    assert registry.get("explosion").option_names == ("threshold",)
-    assert registry.get("weights").option_names == ("alpha",)
+    assert registry.get("flow").option_names == ("window", "alpha", "color_scheme", "rules")
+    assert registry.get("enhanced").option_names == (
+        "window", "interaction_window", "alpha", "rules", "depth", "stability_threshold")
+    assert registry.get("explosion").option_names == ("threshold", "rules")
+    assert registry.get("weights").option_names == ("alpha", "rules")
+    for entry in entries:  # gradstream's rules by default, the reference's on request
+        assert entry.options().rules == "gradstream"
+        assert entry.options_from({"rules": "reference"}).rules == "reference"
+    with pytest.raises(ValueError, match="rules"):
+        registry.get("flow").options_from({"rules": "tukey"})
 
 
 def test_options_keep_their_own_fields_and_validate() -> None:

@@ -99,6 +99,42 @@ def test_options_reach_the_analyses(app: typer.Typer, crafted: Path) -> None:
     assert len(enhanced["network_level_analysis"]["layer_interactions"]) == 2
 
 
+@pytest.mark.parametrize("kind", ["flow", "enhanced", "explosion", "weights"])
+def test_reference_rules_option(app: typer.Typer, crafted: Path, kind: str) -> None:
+    """``--option rules=reference`` reaches every analysis (JSON and table); an unknown
+    rule set is refused before the store is read."""
+    result = invoke(app, "--db", str(crafted), "--kind", kind, "--option", "rules=reference",
+                    "--format", "json")
+    assert result.exit_code == 0, result.output
+    document = strict_json(result.stdout)
+    rules = (document["visualization_config"]["rules"] if kind == "flow"
+             else document["rules"])
+    assert rules == "reference"
+    if kind == "explosion":
+        # 5e3 against the running mean of the peaks (0 + 3 + 5e3) / 3: r = 3.0, Low
+        # (gradstream: 5 x the threshold, Medium).
+        assert document["exploding_layers"][0]["severity"] == "Low"
+    table = invoke(app, "--db", str(crafted), "--kind", kind, "--option", "rules=reference")
+    assert table.exit_code == 0, table.output
+    assert "reference" in table.stdout
+    bad = invoke(app, "--db", str(crafted), "--kind", kind, "--option", "rules=tukey")
+    assert bad.exit_code != 0
+
+
+def test_enhanced_depth_and_stability_threshold(app: typer.Typer, crafted: Path) -> None:
+    document = strict_json(invoke(
+        app, "--db", str(crafted), "--kind", "enhanced", "--option", "depth=Basic",
+        "--option", "stability_threshold=0.5", "--format", "json").stdout)
+    assert document["analysis_depth"] == "Basic"
+    assert document["network_level_analysis"]["layer_interactions"] == []
+    stab = document["network_level_analysis"]["stability_assessment"]
+    assert stab["stability_threshold"] == 0.5
+    assert stab["above_stability_threshold"] == (stab["overall_stability"] > 0.5)
+    bad = invoke(app, "--db", str(crafted), "--kind", "enhanced", "--option",
+                 "depth=Everything")
+    assert bad.exit_code != 0
+
+
 def test_errors_tell_what_to_do(app: typer.Typer, crafted: Path, tmp_path: Path) -> None:
     missing = invoke(app, "--db", str(tmp_path / "nope.duckdb"), "--kind", "flow")
     assert missing.exit_code == 1 and "does not exist" in missing.output
