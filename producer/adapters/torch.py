@@ -28,7 +28,16 @@ local shard, its ``Shard`` mesh dimensions cutting the parameter into disjoint p
 add up, its ``Replicate`` dimensions holding replicas. A gradient with a pending
 (``Partial``) reduction is not reported. ``numel`` in ``start_run`` is the full (global)
 parameter size. FSDP v1's flat parameters are not resolved into the original parameters:
-prefer FSDP2, or DDP, whose wrapper prefixes are normalised away.
+a model wrapped in ``FullyShardedDataParallel`` is refused at ``start_run``
+(:class:`UnsupportedParallelismError`); use FSDP2 (``fully_shard``), or DDP, whose wrapper
+prefixes are normalised away.
+
+Every rank of a run must announce the same layer list: the consumer merges rank r's
+statistics of layer i with the other ranks' statistics of layer i. When
+``torch.distributed`` is initialised with as many ranks as the producer's ``world_size``,
+``start_run`` compares the ranks' layer lists (one ``all_gather_object`` of a digest: every
+rank must call it) and refuses the run on every rank when they differ, as they do when each
+pipeline stage builds a tap on its own stage (not supported yet).
 
 The per-rank local view (DDP): :meth:`GradientTap.attach_ddp` registers a communication
 hook that summarises each bucket's local gradients (this rank's own, before the
@@ -45,6 +54,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import glob
+import hashlib
 import logging
 import math
 import os
@@ -107,6 +117,56 @@ def _import_torch() -> Any:
             "(or pip install 'gradstream[torch]')"
         ) from exc
     return torch
+
+
+class UnsupportedParallelismError(RuntimeError):
+    """The model is wrapped, or the ranks are laid out, in a way gradstream cannot turn
+    into the statistics of whole parameters yet (FSDP v1, ranks announcing different layer
+    lists such as pipeline stages). Raised by :meth:`GradientTap.start_run`, before
+    anything is sent; the message says what to use instead."""
+
+
+_FSDP1_ADVICE = (
+    "gradstream cannot resolve FSDP v1's flat parameters into the original parameters yet "
+    "(each rank holds a flat slice spanning several parameters; with use_orig_params=True "
+    "each rank's parameters are its local slices, so ranks would announce different layer "
+    "lists and summarise pieces that are not the parameters'). Wrap the model with FSDP2 "
+    "instead (torch.distributed.fsdp.fully_shard), whose DTensor parameters gradstream "
+    "summarises exactly, or use DistributedDataParallel"
+)
+
+
+def unsupported_wrapping(model: Any, params: Sequence[Any]) -> str | None:
+    """Why a tap on ``model`` would summarise gradients that are not those of whole
+    parameters, or None when every watched parameter is summarised exactly.
+
+    Refused: FSDP v1 (``torch.distributed.fsdp.FullyShardedDataParallel``, with or
+    without ``use_orig_params``), found as a wrapper module or as a parameter FSDP v1
+    flattened (its ``_fsdp_flattened`` mark): the tap would report flat slices as the
+    parameters' statistics.
+
+    Args:
+        model: the ``torch.nn.Module`` given to the tap. params: the watched parameters.
+
+    Returns:
+        One sentence naming the wrapping and what to use instead, or None.
+    """
+    torch = _import_torch()
+    fsdp1: type | None = None
+    if torch.distributed.is_available():
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+        except ImportError:  # pragma: no cover - builds without FSDP
+            pass
+        else:
+            fsdp1 = FullyShardedDataParallel
+    wrapped = fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules())
+    flattened = [p for p in params if getattr(p, "_fsdp_flattened", False)]
+    if not wrapped and not flattened:
+        return None
+    where = ("the model holds a FullyShardedDataParallel (FSDP v1) module" if wrapped
+             else f"{len(flattened)} watched parameter(s) were flattened by FSDP v1")
+    return f"{where}: {_FSDP1_ADVICE}"
 
 
 def _patterns(value: str | Iterable[str] | None, what: str) -> tuple[str, ...] | None:
@@ -742,6 +802,10 @@ class GradientTap:
         ValueError: ``every_n_steps < 1``; no parameter selected; two parameters normalise
             to the same name.
 
+    A model gradstream cannot summarise exactly (FSDP v1) builds a tap whose
+    :attr:`unsupported` says why; :meth:`start_run`, :meth:`layer_numel` and :meth:`step`
+    then raise :class:`UnsupportedParallelismError`.
+
     Attributes:
         skipped_without_grad: (parameter, step) pairs left out because ``.grad`` was
             ``None``, over the steps that were summarised.
@@ -755,6 +819,7 @@ class GradientTap:
             (deferred mode only, see ``defer``).
         every_n_steps: the effective sampling period (see the argument).
         next_step: the step number :meth:`step` uses when called without one.
+        unsupported: why this model cannot be summarised exactly (FSDP v1), or None.
     """
 
     def __init__(
@@ -796,6 +861,7 @@ class GradientTap:
                 f"exclude={exclude!r})"
             )
         self._layer_numel = {name: full_numel(param) for name, param in self._params}
+        self.unsupported = unsupported_wrapping(model, [p for _, p in self._params])
         self.producer = producer
         self.every_n_steps = math.lcm(own_n, int(producer_n))
         self.host_numpy = host_numpy
@@ -835,8 +901,53 @@ class GradientTap:
 
         Returns:
             A new dict; a DTensor parameter counts its global size.
+
+        Raises:
+            UnsupportedParallelismError: the model is wrapped in FSDP v1 (:attr:`unsupported`).
         """
+        self._refuse_unsupported()
         return dict(self._layer_numel)
+
+    def _refuse_unsupported(self) -> None:
+        """Raise :class:`UnsupportedParallelismError` when :attr:`unsupported` is set."""
+        if self.unsupported is not None:
+            raise UnsupportedParallelismError(self.unsupported)
+
+    def _check_ranks_agree(self) -> None:
+        """Refuse the run when the ranks of the default process group announce different
+        layer lists (names and sizes), e.g. one tap per pipeline stage.
+
+        Only when ``torch.distributed`` is initialised with as many ranks as the producer's
+        ``world_size`` (> 1): one ``all_gather_object`` of (layer count, SHA-256 of the
+        list), a collective every rank of the group must reach.
+
+        Raises:
+            UnsupportedParallelismError: some rank's list differs from rank 0's (on every
+                rank: all of them see the gathered digests).
+        """
+        torch = _import_torch()
+        dist = torch.distributed
+        world = getattr(self.producer, "world_size", None)
+        if (not isinstance(world, int) or world < 2 or not dist.is_available()
+                or not dist.is_initialized() or dist.get_world_size() != world):
+            return
+        listing = "\n".join(f"{name}\t{n}" for name, n in self._layer_numel.items())
+        mine = (len(self._layer_numel), hashlib.sha256(listing.encode()).hexdigest())
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        differ = [r for r, theirs in enumerate(gathered) if tuple(theirs) != tuple(gathered[0])]
+        if differ:
+            r = differ[0]
+            raise UnsupportedParallelismError(
+                f"the ranks announce different layer lists: rank {r} watches "
+                f"{gathered[r][0]} layer(s), rank 0 {gathered[0][0]} (or the same count with "
+                f"other names or sizes; {len(differ)} rank(s) differ from rank 0). Every rank "
+                "must report the same parameters (the consumer merges rank r's layer i with "
+                "the others' layer i): pipeline stages that each watch their own layers are "
+                "not supported yet; build the tap on the same model on every rank (DDP, "
+                "FSDP2 fully_shard, tensor parallel), or run one gradstream run per stage "
+                "with its own run id and world_size"
+            )
 
     def layer_name_of(self, param: Any) -> str | None:
         """The layer name this tap gives a parameter (the object itself, not a copy), or
@@ -862,8 +973,12 @@ class GradientTap:
                 explicitly (``GradientProducer.start_run``).
 
         Raises:
+            UnsupportedParallelismError: the model is wrapped in FSDP v1, or the ranks'
+                layer lists differ (see the class); nothing is sent.
             Whatever ``producer.start_run`` raises (e.g. RuntimeError if already started).
         """
+        self._refuse_unsupported()
+        self._check_ranks_agree()
         self.producer.start_run(
             self.layer_numel(),
             vanishing_threshold=vanishing_threshold,
@@ -1103,6 +1218,7 @@ class GradientTap:
     def _step(self, step: int | None) -> LayerSummaries | None:
         """:meth:`step` without the time accounting (``self._inside`` collects the seconds
         spent inside ``record_summaries``)."""
+        self._refuse_unsupported()
         if step is None:
             step = self.next_step
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:

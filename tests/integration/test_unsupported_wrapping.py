@@ -1,0 +1,111 @@
+"""Wrapping gradstream does not support yet is refused at ``start_run``, never summarised
+into wrong numbers: real ``torch.distributed`` ranks (gloo, CPU processes), the real
+``GradientTap`` and ``GradientProducer`` pointed at the real broker.
+
+- FSDP v1 (``FullyShardedDataParallel``), with flat parameters and with
+  ``use_orig_params=True`` (where each rank would list its own local slices: rank 0 one
+  90-element "0.weight", rank 1 four layers);
+- pipeline-style ranks that each build the tap on their own stage (different layer lists).
+
+Every rank gets :class:`UnsupportedParallelismError` from ``start_run`` with a message that
+says what to do, and its producer has sent nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue as queue_module
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from producer import GradientProducer
+from producer.adapters.torch import GradientTap, UnsupportedParallelismError
+
+CASES = ("fsdp1", "fsdp1_orig_params", "pipeline")
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def refusal_rank(rank: int, world: int, init: str, bootstrap: str, topic: str, run_id: str,
+                 queue: Any) -> None:
+    """Build each case's model on this rank, try ``start_run``, report what happened."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        out: dict[str, Any] = {}
+        for case in CASES:
+            net: nn.Module = _model()
+            if case.startswith("fsdp1"):
+                net = FullyShardedDataParallel(net, use_orig_params=case.endswith("params"),
+                                               device_id=torch.device("cpu"))
+            else:  # pipeline: rank 0 holds the first Linear, rank 1 the last
+                net = net[:2] if rank == 0 else net[2:]
+            producer = GradientProducer(f"{run_id}-{case}", rank=rank, world_size=world,
+                                        bootstrap_servers=bootstrap, topic=topic)
+            tap = GradientTap(net, producer)
+            try:
+                tap.start_run()
+                error = None
+            except UnsupportedParallelismError as exc:
+                error = str(exc)
+            stats = producer.stats()
+            out[case] = {"error": error, "built_with_reason": tap.unsupported is not None,
+                         "layers": tap.layer_names,
+                         "sent": stats.sent + stats.queued + stats.in_flight}
+            producer.close()
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp1_and_per_rank_layer_lists_are_refused_at_start_run(
+    kafka_bootstrap: str, tmp_path: Path, unique_name: str
+) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=refusal_rank, args=(
+        r, 2, f"file://{tmp_path / 'pg'}", kafka_bootstrap, f"refuse-{unique_name}",
+        f"refuse-{unique_name}", queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + 240
+    try:
+        while len(results) < 2 and time.monotonic() < deadline:
+            try:
+                rank, out = queue.get(timeout=1)
+                results[rank] = out
+            except queue_module.Empty:
+                assert not any(p.exitcode not in (None, 0) for p in procs), \
+                    [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert sorted(results) == [0, 1] and all(p.exitcode == 0 for p in procs)
+
+    for rank, out in results.items():
+        for case in ("fsdp1", "fsdp1_orig_params"):
+            got = out[case]
+            assert got["built_with_reason"] and got["sent"] == 0, (rank, case, got)
+            assert "FSDP v1" in got["error"], (rank, case)
+            assert "torch.distributed.fsdp.fully_shard" in got["error"]
+        pipe = out["pipeline"]
+        assert not pipe["built_with_reason"] and pipe["sent"] == 0
+        assert "the ranks announce different layer lists: rank 1 watches 2 layer(s), rank 0 " \
+            "2" in pipe["error"]
+        assert "pipeline stages that each watch their own layers are not supported yet" \
+            in pipe["error"]
+    # what FSDP v1 with use_orig_params=True would have announced: different lists per rank
+    assert results[0]["fsdp1_orig_params"]["layers"] != \
+        results[1]["fsdp1_orig_params"]["layers"]
