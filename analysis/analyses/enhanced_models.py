@@ -13,6 +13,15 @@ Fields of the reference that cannot be computed from gradient telemetry are left
 ``loss_convergence_score`` (the loss is not sent), ``expected_improvement`` and
 ``expected_impact`` (what a change would achieve is not observable before making it);
 ``LearningPhase.Overfitting`` is never assigned (it needs a validation loss).
+
+Differences from the reference: each class below gives gradstream's rule and, where the
+verdict differs, the reference's; the report option ``rules="reference"`` applies the
+reference's rules (:mod:`analysis.analyses.enhanced_reference`). The full list with
+reasons is in :mod:`analysis.enhanced` and ``analysis/REFERENCE_DIFFERENCES.md``. Added
+here: :class:`AnalysisDepth` mapped to sections, ``StabilityAssessment.stability_threshold``
+/ ``above_stability_threshold``, and fields the reference lacks (``layer_index``,
+``trend_slope``, ``oscillation_significant``, the flag fractions and counts,
+``correlation``, ``samples``, ``convergence_floor``, ``decay_rate``).
 """
 
 from __future__ import annotations
@@ -82,6 +91,12 @@ class LayerHealth(StrEnum):
     - ``Unknown``: otherwise, fewer than 3 samples (no statistics to judge by).
     - ``Warning``: at least one risk factor.
     - ``Healthy``: none.
+
+    Reference (``rules="reference"``): risk factors mean norm < 1e-5, mean norm > 100,
+    ``stability_measure < 0.5``, oscillation frequency > 0.5; Critical with more than two,
+    Warning with one or two, Healthy with none, never Unknown. Not the default: health,
+    report and alerts judge vanishing and explosion per step by the run's thresholds, and
+    a NaN/Inf gradient must never leave a layer Warning.
     """
 
     HEALTHY = "Healthy"
@@ -203,6 +218,12 @@ class DistributionType(StrEnum):
     - ``Multimodal``: bimodality coefficient ``(G1^2 + 1) / (G2 + 3 (n-1)^2 / ((n-2)(n-3)))
       > 5/9``, the value of a uniform distribution (Pfister et al. 2013).
     - ``Normal``: none of these (also with fewer than 4 layers, too few to test).
+
+    Reference (``rules="reference"``), population moments: Skewed if ``|skewness| > 2``,
+    HeavyTailed if ``kurtosis > 3``, Multimodal if ``kurtosis < -1``, else Normal
+    (Degenerate only without layers). Not the default: with tens of layers the sample
+    moments scatter past these fixed cut-offs by chance, and ``kurtosis < -1`` is not
+    bimodality (a uniform sample has -1.2).
     """
 
     NORMAL = "Normal"
@@ -236,6 +257,12 @@ class InteractionType(StrEnum):
     - ``Cooperative``: significant and positive: the layers' gradients grow and shrink
       together.
     - ``Competitive``: significant and negative: one grows when the other shrinks.
+
+    Reference (``rules="reference"``): from the two layers' convergence indicators,
+    Cooperative if they differ by less than 0.1, Competitive by more than 0.5, else
+    Neutral (never Disruptive), with ``interaction_strength = 1 / (1 + |mean difference| +
+    |stability difference|)``. Not the default: two layers' indicators can be equal without
+    their gradients moving together at all.
     """
 
     COOPERATIVE = "Cooperative"
@@ -325,6 +352,11 @@ class LearningPhase(StrEnum):
     - ``Refinement``: it falls significantly, but slower than over the whole range.
     - ``Plateau``: it does not fall significantly.
     - ``Overfitting``: never assigned (needs a validation loss).
+
+    Reference (``rules="reference"``): by the layers' mean convergence indicator,
+    InitialLearning < 0.2, RapidLearning < 0.4, Refinement < 0.6, Convergence < 0.8,
+    else Plateau. Not the default: that indicator is the clipped slope of the newest-first
+    window (positive when the norm rises) or 0.5 before the window fills.
     """
 
     INITIAL_LEARNING = "InitialLearning"
@@ -337,7 +369,8 @@ class LearningPhase(StrEnum):
 
 class PlateauSeverity(StrEnum):
     """Length of a plateau as a share of the steps analysed: Mild < 1/3, Moderate < 2/3,
-    Severe otherwise."""
+    Severe otherwise. Reference (``rules="reference"``): Severe if the mean convergence
+    indicator is above 0.95, else Mild (never Moderate); a plateau when above 0.9."""
 
     MILD = "Mild"
     MODERATE = "Moderate"
@@ -385,7 +418,12 @@ class StabilityTrend(StrEnum):
     """Change in the volatility of ``ln G``: the variance of its log changes over the
     last W steps against the W before, ``z = ln(F) / sqrt(2 / (n1 - 1) + 2 / (n2 - 1))``
     (large-sample test of a variance ratio F): ``Improving`` if ``z < -z_{1-alpha/2}``,
-    ``Degrading`` if ``z > z_{1-alpha/2}``, ``Stable`` otherwise or with too few steps."""
+    ``Degrading`` if ``z > z_{1-alpha/2}``, ``Stable`` otherwise or with too few steps.
+
+    Reference (``rules="reference"``): Stable if ``overall_stability >
+    stability_threshold`` (default 0.8), else Degrading (never Improving). Not the
+    default: that compares a level with a constant and says nothing about a trend; the
+    comparison is reported as ``StabilityAssessment.above_stability_threshold``."""
 
     IMPROVING = "Improving"
     STABLE = "Stable"
@@ -621,6 +659,14 @@ class OptimizationPriority(_Model):
       q the share of steps with any flagged layer.
 
     Sorted by urgency, then score, then parameters (descending).
+
+    Reference (``rules="reference"``): every layer, ``priority_score = min(0.4 h + 0.3
+    (1 - stability) + 0.2 optimization_potential + 0.1 information_flow_rate /
+    mean_gradient_norm, 1)`` with ``h`` 1 / 0.7 / 0.3 / 0.5 for Critical / Warning /
+    Healthy / Unknown; urgency Critical for Critical health, High for Warning with
+    stability < 0.3, else Medium, Low for Healthy; sorted by score. Not the default: the
+    flow-rate term is in units of the norm's variation per step and can alone saturate the
+    score, and a healthy layer still gets a priority.
     """
 
     target_name: str
