@@ -16,4 +16,9 @@
   :mod:`analysis.analyses.hierarchy`: the per-layer, network-level and hierarchy parts of
   the enhanced analysis.
 - :mod:`analysis.analyses.render`: helpers shared by the terminal renderings.
+- :mod:`analysis.analyses.reference`: the ``rules`` option (``"gradstream"`` or
+  ``"reference"``) shared by the four analyses; :mod:`analysis.analyses.flow_reference` and
+  :mod:`analysis.analyses.enhanced_reference`: the reference implementation's rules
+  behind ``rules="reference"``. Every difference from the reference is listed in
+  ``analysis/REFERENCE_DIFFERENCES.md``.
 """
