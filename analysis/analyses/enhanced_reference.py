@@ -78,7 +78,9 @@ class ReferenceFacts:
         stability: ``min(1 / (1 + std / mean), 1)``; 0 when the mean is 0 or no sample.
         smoothness: ``min(1 / (1 + mean_t |n_t - 2 n_{t-1} + n_{t-2}|), 1)``; 1 for < 3.
         trend_strength: ``min(|b|, 1)``, ``b`` the least-squares slope of the norms
-            against the sample index; 0 for < 3 samples.
+            against the sample index; 0 for < 3 samples. (The reference calls
+            ``GradientHistory::get_trend_slope``, whose body is not part of the ported
+            module; the analyzer's own ``compute_trend_for_values`` formula is used.)
         oscillation: direction reversals / samples (0 for < 4), as gradstream's.
         convergence: ``compute_convergence_indicator``: 0.5 with fewer than W samples;
             else the slope ``b'`` of the last W norms taken newest first against their

@@ -2,7 +2,10 @@
 gradient norm, one level per group, and the interactions between levels (formulas in
 :mod:`analysis.analyses.enhanced_models`). O(layers x steps) plus O(levels^2 x steps)
 for the cross-level pairs (a handful of decades). Semantics follow trustformers-debug's
-``enhanced_analysis`` module."""
+``enhanced_analysis`` module, except the grouping: decades of the mean norm instead of
+the reference's bands > 1, [0.1, 1], < 0.1 (those with ``rules="reference"``), and
+characteristics computed from the members instead of constants (differences listed in
+``analysis/REFERENCE_DIFFERENCES.md``)."""
 
 from __future__ import annotations
 

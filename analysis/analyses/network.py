@@ -1,7 +1,9 @@
 """Network-level part of the enhanced analysis: distribution of the layers, layer
 interactions, convergence, training dynamics and stability (formulas in
 :mod:`analysis.analyses.enhanced_models`). Semantics follow trustformers-debug's
-``enhanced_analysis`` module."""
+``enhanced_analysis`` module; where the rules differ, and the reference's rules behind the
+option ``rules="reference"``: :mod:`analysis.enhanced`,
+:mod:`analysis.analyses.enhanced_reference` and ``analysis/REFERENCE_DIFFERENCES.md``."""
 
 from __future__ import annotations
 

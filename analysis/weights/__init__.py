@@ -14,6 +14,12 @@ One module per concern:
   fraction come from :meth:`schemas.stats.WeightMoments.get`.
 - :mod:`analysis.weights.render`: the terminal tables.
 
+Differences from the reference (listed in :mod:`analysis.weights.models` and
+``analysis/REFERENCE_DIFFERENCES.md``): outlier bounds, extreme-value deductions, pooled
+overall statistics and the histogram entropy; the option ``rules="reference"`` restores
+the reference's. :class:`WeightHealth`, declared and never filled by the reference, is a
+layer's score, issues and recommendations.
+
 This module ties them together (:func:`build_weight_analysis`) and registers the analysis
 (:data:`ANALYSIS`, options :class:`WeightOptions`). Cost: SQL over at most two steps plus
 one aggregate of the update norms in between, then O(layers) in Python.
