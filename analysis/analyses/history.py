@@ -6,14 +6,12 @@ iterates it in hash order. Here a run's ``layer_stats`` rows in a step range bec
 ``layers x steps`` arrays in **model order** (``layers.layer_index`` from RunStarted), read
 in one SQL pass plus one per-layer aggregate (both O(rows), run by DuckDB on every core).
 
-Per (layer, step) flags (:data:`FLAG_VANISHING` ...) are computed in SQL with the run's own
-thresholds and the frame semantics (README.md, "How it works"), so that the analyses agree
-with the frames and alerts of the run. They only need ``grad_norm``, ``numel`` and
-``nonfinite``: when a producer sent norms only (``mean_abs_grad`` / ``max_abs_grad`` NULL),
-the per-element root mean square ``rms = grad_norm / sqrt(numel - nonfinite)`` stands in, in
-the direction that never raises a false flag: ``mean|g| <= rms <= max|g|`` (Cauchy-Schwarz),
-so ``rms < vanishing_threshold`` implies ``mean|g| < vanishing_threshold`` and
-``rms > exploding_threshold`` implies ``max|g| > exploding_threshold``.
+Per (layer, step) flags (:data:`FLAG_VANISHING` ...) are the row's stored flags, read
+through the one definition of each bit and predicate (:mod:`schemas.flags`): the flags the
+consumer computed for the frame with the run's thresholds (in norms mode from the RMS, in
+the direction that never raises a false flag), so that the analyses agree with the frames,
+the alerts and ``gradstream report`` of the run on which layers vanish, explode or hold
+NaN/Inf.
 """
 
 from __future__ import annotations
@@ -29,28 +27,18 @@ from analysis.store import StoreError, require_run, stats_params
 if TYPE_CHECKING:
     import duckdb
 
-FLAG_VANISHING = 1
-"""``nonfinite = 0`` and ``coalesce(mean_abs_grad, rms) < vanishing_threshold``."""
-FLAG_EXPLODING = 2
-"""``coalesce(max_abs_grad, rms) > exploding_threshold``."""
-FLAG_NONFINITE = 4
-"""``nonfinite > 0``: some gradient element was NaN or +-Inf."""
-FLAG_DEAD = 8
-"""``nonfinite = 0`` and ``grad_norm = 0``: every gradient element exactly zero."""
-FLAG_ISSUE = FLAG_VANISHING | FLAG_EXPLODING | FLAG_NONFINITE | FLAG_DEAD
-"""Any of the flags above."""
+# The flag bits, defined once (schemas.flags); re-exported for the analyses.
+from schemas.flags import FLAG_DEAD as FLAG_DEAD
+from schemas.flags import FLAG_EXPLODING as FLAG_EXPLODING
+from schemas.flags import FLAG_ISSUE as FLAG_ISSUE
+from schemas.flags import FLAG_NONFINITE as FLAG_NONFINITE
+from schemas.flags import FLAG_VANISHING as FLAG_VANISHING
+from schemas.flags import flag_bits_sql
 
 _RMS = "s.grad_norm / sqrt(greatest(s.numel - s.nonfinite, 1))"
 
 _ROWS_SQL = f"""
-    SELECT s.layer_index, s.step, s.grad_norm,
-           (CASE WHEN s.nonfinite > 0 THEN {FLAG_NONFINITE} ELSE 0 END
-            + CASE WHEN s.nonfinite = 0
-                        AND coalesce(s.mean_abs_grad, {_RMS}) < $van THEN {FLAG_VANISHING}
-                   ELSE 0 END
-            + CASE WHEN coalesce(s.max_abs_grad, {_RMS}) > $exp THEN {FLAG_EXPLODING} ELSE 0 END
-            + CASE WHEN s.nonfinite = 0 AND s.grad_norm = 0 THEN {FLAG_DEAD} ELSE 0 END
-           )::UTINYINT AS flags
+    SELECT s.layer_index, s.step, s.grad_norm, {flag_bits_sql("s")} AS flags
     FROM layer_stats AS s
     WHERE s.run_id = $run_id
       AND ($from_step IS NULL OR s.step >= $from_step)
@@ -300,7 +288,7 @@ def load_history(
     run_rows = con.execute(_RUN_SQL, {"run_id": run_id}).fetchall()
     # The run exists (checked by require_run).
     van, exp, world, _num_layers, run_first_step = run_rows[0]
-    rows = con.sql(_ROWS_SQL, params={**params, "van": van, "exp": exp}).fetchnumpy()
+    rows = con.sql(_ROWS_SQL, params=params).fetchnumpy()
     steps = np.asarray(con.sql(_STEPS_SQL, params=params).fetchnumpy()["step"], dtype=np.int64)
     layers = con.sql(_LAYER_SQL, params=params).fetchnumpy()
     update = con.sql(_UPDATE_SQL, params=params).fetchnumpy()

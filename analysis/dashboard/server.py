@@ -12,7 +12,8 @@ a fresh read-only cursor per request). Every route requires the token (see *Acce
                               the downsampled heatmap grid (:mod:`analysis.plots.grid`); with
                               ``Accept: application/vnd.apache.arrow.stream`` the exact grid as
                               Arrow (:func:`analysis.dashboard.wire.grid_to_arrow`)
-``GET /api/report``           ``run``, ``from_step``, ``to_step``: the run summary
+``GET /api/report``           ``run``, ``from_step``, ``to_step``, ``ignore_layers`` (a JSON
+                              list of patterns), ``exclude_rounding=true``: the run summary
                               (:func:`analysis.report.build_report`), the JSON of ``gradstream
                               report --format json``
 ``GET /api/heatmap``          ``run``, ``max_columns``, ``from_step``, ``to_step``: the ASCII
@@ -266,6 +267,24 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _patterns(value: str | None) -> tuple[str, ...]:
+    """The ``ignore_layers`` query parameter: a JSON list of strings (absent = none).
+
+    Raises:
+        _HTTPError: 400 when it is not such a list.
+    """
+    if not value:
+        return ()
+    try:
+        patterns = json.loads(value)
+    except ValueError:
+        patterns = None
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise _HTTPError(HTTPStatus.BAD_REQUEST,
+                         'ignore_layers must be a JSON list of strings, e.g. ["*.key.bias"]')
+    return tuple(patterns)
 
 
 def _safe_stem(run_id: str) -> str:
@@ -663,7 +682,9 @@ class _Handler(BaseHTTPRequestHandler):
         with self._api_read(params) as cur:
             run = self._run(params)
             summary = api.report(cur, run, self._int(params, "from_step", None),
-                                 self._int(params, "to_step", None))
+                                 self._int(params, "to_step", None),
+                                 _patterns(params.get("ignore_layers")),
+                                 params.get("exclude_rounding", "false") == "true")
             self._model(summary)
 
     def _heatmap(self, params: dict[str, str], _name: str) -> None:

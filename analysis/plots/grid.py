@@ -31,16 +31,14 @@ from analysis.store import StoreError, require_run, stats_params
 if TYPE_CHECKING:
     import duckdb
 
-FLAG_VANISHING = 1
-"""Cell flag bit: some entry of the cell had ``is_vanishing`` (mean |g| < threshold)."""
-FLAG_EXPLODING = 2
-"""Cell flag bit: some entry of the cell had ``is_exploding`` (max |g| > threshold)."""
-FLAG_NONFINITE = 4
-"""Cell flag bit: some entry of the cell had NaN/Inf gradient elements (``nonfinite > 0``)."""
-FLAG_NO_DATA = 8
-"""Cell flag bit: the layer has no ``layer_stats`` row in the cell's frames."""
-FLAG_ZERO = 16
-"""Cell flag bit: the cell's maximum gradient norm is exactly 0 (log10 undefined)."""
+# Cell flag bits, defined once (schemas.flags): a cell has FLAG_VANISHING / FLAG_EXPLODING /
+# FLAG_NONFINITE when some row of it has that stored flag; FLAG_NO_DATA, FLAG_ZERO as there.
+from schemas.flags import FLAG_EXPLODING as FLAG_EXPLODING
+from schemas.flags import FLAG_NO_DATA as FLAG_NO_DATA
+from schemas.flags import FLAG_NONFINITE as FLAG_NONFINITE
+from schemas.flags import FLAG_VANISHING as FLAG_VANISHING
+from schemas.flags import FLAG_ZERO as FLAG_ZERO
+from schemas.flags import predicate
 
 _RANGE = """
     run_id = $run_id
@@ -65,9 +63,9 @@ _GRID_SQL = f"""
            r.frame_no // k.k AS col_no,
            max(s.grad_norm) AS max_norm,
            max(s.flow_intensity) AS max_flow,
-           bool_or(s.is_vanishing) AS vanishing,
-           bool_or(s.is_exploding) AS exploding,
-           bool_or(s.nonfinite > 0) AS nonfinite,
+           bool_or({predicate("vanishing", "s")}) AS vanishing,
+           bool_or({predicate("exploding", "s")}) AS exploding,
+           bool_or({predicate("nonfinite", "s")}) AS nonfinite,
            min(s.step) AS first_step,
            max(s.step) AS last_step,
            any_value(r.n_frames) AS n_frames,
@@ -89,8 +87,9 @@ _SERIES_SQL = f"""
            min(step) AS first_step, max(step) AS last_step,
            max(grad_norm) AS max_norm, min(grad_norm) AS min_norm,
            max(mean_abs_grad) AS max_mean_abs, max(max_abs_grad) AS max_abs,
-           bool_or(is_vanishing) AS vanishing, bool_or(is_exploding) AS exploding,
-           bool_or(nonfinite > 0) AS nonfinite,
+           bool_or({predicate("vanishing")}) AS vanishing,
+           bool_or({predicate("exploding")}) AS exploding,
+           bool_or({predicate("nonfinite")}) AS nonfinite,
            any_value(total) AS total, any_value(k.k) AS k
     FROM s CROSS JOIN k
     GROUP BY bin ORDER BY bin

@@ -28,9 +28,11 @@ from deploy.cli.options import (
     AlertsTopicOption,
     BootstrapServersOption,
     DlqTopicOption,
+    ExcludeRoundingOption,
     FramesTopicOption,
     GroupInstanceIdOption,
     GroupOption,
+    IgnoreLayersOption,
     LogFormatOption,
     LogLevelOption,
     MaxFramesOption,
@@ -112,6 +114,8 @@ class WorkerOptions(OptionGroup):
     group_instance_id: GroupInstanceIdOption = None
     shard_timeout: ShardTimeoutOption = None
     max_frames: MaxFramesOption = None
+    ignore_layers: IgnoreLayersOption = None
+    exclude_rounding_level: ExcludeRoundingOption = None
     partitions: PartitionsOption = None
     alerts_topic: AlertsTopicOption = None
     alert_rules: AlertRulesOption = None
@@ -131,7 +135,8 @@ class WorkerOptions(OptionGroup):
             bootstrap_servers=self.bootstrap_servers, db=self.db, topic=self.topic,
             dlq_topic=self.dlq_topic, group_id=self.group_id,
             group_instance_id=self.group_instance_id, shard_timeout_s=self.shard_timeout,
-            max_frames=self.max_frames,
+            max_frames=self.max_frames, ignore_layers=self.ignore_layers or None,
+            exclude_rounding_level=self.exclude_rounding_level,
             partitions=self.partitions, alerts_topic=self.alerts_topic,
             alert_rules=self.alert_rules, alert_set=self.alert_set or None,
             webhook_url=self.webhook, metrics_port=self.metrics_port,
@@ -206,6 +211,8 @@ def store(
     group_id: StoreGroupOption = None,
     alerts_topic: AlertsTopicOption = None,
     max_frames: MaxFramesOption = None,
+    ignore_layers: IgnoreLayersOption = None,
+    exclude_rounding_level: ExcludeRoundingOption = None,
     metrics_port: MetricsPortOption = None,
     stall_timeout: StallTimeoutOption = None,
     read: ReadOptions,
@@ -225,6 +232,7 @@ def store(
     settings = StoreSettings(**given(
         bootstrap_servers=bootstrap_servers, db=db, frames_topic=frames_topic,
         group_id=group_id, alerts_topic=alerts_topic, max_frames=max_frames,
+        ignore_layers=ignore_layers or None, exclude_rounding_level=exclude_rounding_level,
         metrics_port=metrics_port, stall_timeout_s=stall_timeout,
     ))
     served = ServedLoop(functools.partial(Store, settings), settings.db, read.options(),

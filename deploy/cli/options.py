@@ -42,9 +42,11 @@ __all__ = [
     "DbOption",
     "DlqTopicOption",
     "DurationOption",
+    "ExcludeRoundingOption",
     "FramesTopicOption",
     "FromStepOption",
     "GroupOption",
+    "IgnoreLayersOption",
     "LogFormatOption",
     "LogLevelOption",
     "MaxFramesOption",
@@ -163,6 +165,24 @@ MaxFramesOption = Annotated[
     int | None,
     typer.Option("--max-frames",
                  help="Rolling window of run health in frames; 0 = whole run."),
+]
+IgnoreLayersOption = Annotated[
+    list[str] | None,
+    typer.Option("--ignore-layers", metavar="PATTERN", show_default=False,
+                 help="Leave the layers whose name matches this shell-style pattern (e.g. "
+                 "'*.attention.self.key.bias') out of health, issue frames and the "
+                 "vanishing / exploding alerts, besides each run's own ignore_layers; "
+                 "NaN/Inf still counts. Repeatable. Default: $GRADSTREAM_IGNORE_LAYERS "
+                 "(comma-separated), else none."),
+]
+ExcludeRoundingOption = Annotated[
+    bool | None,
+    typer.Option("--exclude-rounding-level/--count-rounding-level", show_default=False,
+                 help="Also leave out the vanishing flag of layers whose gradient has been "
+                 "at floating-point rounding level since their first frame (likely zero by "
+                 "construction). Off by default: every layer counts, as in the reference "
+                 "implementation, and such layers are a finding of the report. Default: "
+                 "$GRADSTREAM_EXCLUDE_ROUNDING_LEVEL, else off."),
 ]
 MetricsPortOption = Annotated[
     int | None,

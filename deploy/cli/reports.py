@@ -23,10 +23,36 @@ import typer
 from rich.console import Console
 
 from deploy.cli.errors import fail
-from deploy.cli.options import DEFAULT_DB, DbOption, FromStepOption, RunOption, ToStepOption
+from deploy.cli.options import (
+    DEFAULT_DB,
+    DbOption,
+    ExcludeRoundingOption,
+    FromStepOption,
+    IgnoreLayersOption,
+    RunOption,
+    ToStepOption,
+)
 
 if TYPE_CHECKING:
     from analysis.reader import StoreReader
+
+def exclusion_patterns(given: list[str] | None) -> list[str]:
+    """``--ignore-layers`` as given, else ``$GRADSTREAM_IGNORE_LAYERS`` split on commas (as
+    the consumer's settings read it), else none."""
+    if given:
+        return list(given)
+    env = os.environ.get("GRADSTREAM_IGNORE_LAYERS", "")
+    return [p.strip() for p in env.split(",") if p.strip()]
+
+
+def exclude_rounding(given: bool | None) -> bool:
+    """``--exclude-rounding-level`` as given, else ``$GRADSTREAM_EXCLUDE_ROUNDING_LEVEL``
+    (1/true/yes/on, any case), else off."""
+    if given is not None:
+        return given
+    env = os.environ.get("GRADSTREAM_EXCLUDE_ROUNDING_LEVEL", "").strip().lower()
+    return env in {"1", "true", "yes", "on"}
+
 
 TimeoutOption = Annotated[
     float | None,
@@ -146,9 +172,13 @@ def report(
         ReportFormat,
         typer.Option("--format", help="table: for people; json: one object per run."),
     ] = ReportFormat.TABLE,
+    ignore_layers: IgnoreLayersOption = None,
+    exclude_rounding_level: ExcludeRoundingOption = None,
     timeout: TimeoutOption = None,
 ) -> None:
-    """Summarise a run's gradient health: flagged layers, health class, recommendations."""
+    """Summarise a run's gradient health: flagged layers, health class, findings,
+    recommendations. Every layer counts, as in the reference implementation, except those
+    the run's ignore_layers or --ignore-layers exclude; the report names them."""
     from analysis.report import render_report
     from analysis.store import StoreError
 
@@ -162,7 +192,9 @@ def report(
             run_ids = [reader.resolve_run(run)]
         console = Console(highlight=False)
         for run_id in run_ids:
-            summary = reader.report(run_id, from_step, to_step)
+            summary = reader.report(
+                run_id, from_step, to_step,
+                exclusion_patterns(ignore_layers), exclude_rounding(exclude_rounding_level))
             drawing = (reader.heatmap(run_id, max_columns, from_step, to_step,
                                       heatmap_style.value) if heatmap else None)
             if output_format is ReportFormat.JSON:
