@@ -254,10 +254,21 @@ def _comparisons(
     """``compare_with_other_layers``: relative performance, rank and gap as gradstream's;
     similar layers those with ``max(m / (m' + 1e-8), m' / (m + 1e-8)) <= 1.2`` (nearest
     first, at most ``similar_count``); ``optimization_potential`` 0.8 if the relative
-    performance is below 0.5, 0.6 below 0.8, else 0.3 (one layer alone: 0.5)."""
+    performance is below 0.5, 0.6 below 0.8, else 0.3 (one layer alone: 0.5).
+
+    The ratio test is the pair of bounds ``m / 1.2 - 1e-8 <= m' <= 1.2 (m + 1e-8)``, so
+    the nearest similar layers are found among the ``similar_count`` neighbours on each
+    side in sorted order: O(L log L + L x similar_count) instead of the reference's
+    O(L^2).
+    """
     means = ref.mean
     count = means.size
     total = float(means.sum())
+    order = np.argsort(means, kind="stable")
+    position = np.empty(count, dtype=np.int64)
+    position[order] = np.arange(count)
+    ascending = means[order]
+    larger = count - np.searchsorted(ascending, means, side="right")
     out = []
     for i in range(count):
         if count == 1:
@@ -266,19 +277,23 @@ def _comparisons(
                 performance_gap=0.0, optimization_potential=0.5,
             ))
             continue
-        avg_other = (total - means[i]) / (count - 1)
-        relative = means[i] / avg_other if avg_other > 0 else 1.0
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.maximum(means[i] / (means + EPSILON), means / (means[i] + EPSILON))
-        close = np.flatnonzero(ratio <= 1.2)
-        close = close[close != i]
-        order = sorted(close.tolist(), key=lambda j: (abs(means[i] - means[j]), j))
+        m = float(means[i])
+        avg_other = (total - m) / (count - 1)
+        relative = m / avg_other if avg_other > 0 else 1.0
+        p = int(position[i])
+        lo, hi = max(p - similar_count, 0), min(p + similar_count + 1, count)
+        candidates = [int(order[q]) for q in range(lo, hi) if q != p]
+        close = [
+            j for j in candidates
+            if max(m / (means[j] + EPSILON), means[j] / (m + EPSILON)) <= 1.2
+        ]
+        close.sort(key=lambda j: (abs(m - means[j]), j))
         potential = 0.8 if relative < 0.5 else 0.6 if relative < 0.8 else 0.3
         out.append(ComparativeAnalysis(
             relative_performance=float(relative),
-            rank_among_layers=int((np.delete(means, i) > means[i]).sum()) + 1,
-            similar_layers=[history.names[j] for j in order[:similar_count]],
-            performance_gap=float(abs(means[i] - avg_other)),
+            rank_among_layers=int(larger[i]) + 1,
+            similar_layers=[history.names[j] for j in close[:similar_count]],
+            performance_gap=float(abs(m - avg_other)),
             optimization_potential=potential,
         ))
     return out

@@ -547,3 +547,17 @@ def test_analysis_depth_and_stability_threshold(tmp_path: Path) -> None:
     assert not strict.network_level_analysis.stability_assessment.above_stability_threshold
     with pytest.raises(ValueError, match="stability_threshold"):
         analysis_of(path, stability_threshold=1.5)
+
+
+def test_reference_similar_layers_by_ratio(tmp_path: Path) -> None:
+    """Means 1.0, 1.1, 1.25, 5: similar when max(m / m', m' / m) <= 1.2 (with the 1e-8
+    guard): 1.0 ~ 1.1 (1.1) but not 1.25 (1.25); 1.1 ~ 1.0 and 1.25 (1.14), nearest
+    first; 5 has none."""
+    norms = np.array([[1.0] * 4, [1.1] * 4, [1.25] * 4, [5.0] * 4])
+    path = write_history(tmp_path / "s.duckdb", norms, names=list("abcd"))
+    by = details(analysis_of(path, rules="reference"))
+    assert by["a"].comparative_analysis.similar_layers == ["b"]
+    assert by["b"].comparative_analysis.similar_layers == ["a", "c"]
+    assert by["c"].comparative_analysis.similar_layers == ["b"]
+    assert by["d"].comparative_analysis.similar_layers == []
+    assert by["d"].comparative_analysis.rank_among_layers == 1
