@@ -24,6 +24,8 @@ Differences from the reference (all listed, with reasons, in
   Critical and makes the run Critical (``grad_norm`` covers the finite elements; the
   reference's norm would be NaN, which compares false and hides the layer).
 - Default threshold: the run's exploding threshold (the reference has no default).
+- ``mean_gradient_norm`` / ``std_gradient_norm``: over every (layer, step) row of the
+  range, not over one snapshot's layers.
 - Added fields: ``step``, ``exploding_steps``, ``nonfinite_steps``, ``first_step``,
   ``first_explosion_step``, ``clip_norm_suggestion``.
 """

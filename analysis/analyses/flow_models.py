@@ -103,7 +103,8 @@ class FlowDirection(StrEnum):
 class TemporalGradientFlow(_Model):
     """A layer's latest flow state (``TemporalGradientFlow``).
 
-    - ``step``: the layer's last step in the range; ``gradient_magnitude``: its norm there.
+    - ``step``: the layer's last step in the range (the reference: the ``current_step``
+      argument); ``gradient_magnitude``: its norm there.
     - ``flow_direction``: :class:`FlowDirection` over the last ``temporal_window`` samples.
     - ``stability_score``: ``1 / (1 + std / mean)`` of the norm over the window (one over
       one plus the coefficient of variation; the reference's ``1 / (1 + variance)`` depends on

@@ -25,6 +25,9 @@ Differences from the reference (also in ``analysis/REFERENCE_DIFFERENCES.md``; t
   ``max(log2 std, 0)``, a scale, not an entropy.
 - Skewness and kurtosis need no minimum count (the reference returns 0 below 3 and 4
   weights; with exact power sums a set of 1 or 2 weights has well-defined moments).
+- Recommendations: one per issue (the reference matches them to the issue texts by
+  case-sensitive substrings, which leaves the heavy-tail and extreme-value issues without
+  advice).
 - NaN/Inf weights (both rules): counted in ``nonfinite``, excluded from the statistics,
   the layer scores 0 and the distribution is Critical; the reference's statistics turn NaN.
 - ``WeightHealth``: declared by the reference and never filled; here it is what
