@@ -58,6 +58,7 @@ __all__ = [
     "REFERENCE_Z_HIGH",
     "REFERENCE_Z_MEDIUM",
     "distribution_at",
+    "distribution_status",
     "drift_between",
     "weight_health",
 ]
@@ -200,17 +201,23 @@ def distribution_at(
     score -= 15 if overall.kurtosis > 5 else 0
     score -= 20 if extreme else 0
     score = 0.0 if overall.nonfinite else score
-    status = (
+    return WeightDistributionAnalysis(
+        step=step, layer_analyses=layers, overall_statistics=overall,
+        distribution_health=DistributionHealth(score=score, status=distribution_status(score)),
+        outlier_detection=outliers,
+    )
+
+
+def distribution_status(score: float) -> DistributionHealthStatus:
+    """The reference's bands of the distribution health score (``assess_distribution_health``,
+    kept under both rules): Excellent >= 90, Good >= 75, Fair >= 60, Poor >= 40, Critical
+    below."""
+    return (
         DistributionHealthStatus.EXCELLENT if score >= 90
         else DistributionHealthStatus.GOOD if score >= 75
         else DistributionHealthStatus.FAIR if score >= 60
         else DistributionHealthStatus.POOR if score >= 40
         else DistributionHealthStatus.CRITICAL
-    )
-    return WeightDistributionAnalysis(
-        step=step, layer_analyses=layers, overall_statistics=overall,
-        distribution_health=DistributionHealth(score=score, status=status),
-        outlier_detection=outliers,
     )
 
 

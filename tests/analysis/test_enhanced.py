@@ -561,3 +561,20 @@ def test_reference_similar_layers_by_ratio(tmp_path: Path) -> None:
     assert by["c"].comparative_analysis.similar_layers == ["b"]
     assert by["d"].comparative_analysis.similar_layers == []
     assert by["d"].comparative_analysis.rank_among_layers == 1
+
+
+@pytest.mark.parametrize(
+    ("critical", "warning", "expected"),
+    [(4, 0, LayerHealth.CRITICAL), (3, 0, LayerHealth.WARNING), (2, 0, LayerHealth.WARNING),
+     (1, 5, LayerHealth.HEALTHY), (1, 6, LayerHealth.WARNING), (0, 0, LayerHealth.HEALTHY)],
+)
+def test_network_health_keeps_the_reference_ratios(
+    critical: int, warning: int, expected: LayerHealth
+) -> None:
+    """Ten judged layers without threshold risks: Critical above 30 % Critical, Warning
+    above 10 % Critical or above 50 % Warning (the reference's rule, kept)."""
+    from analysis.analyses.network import overall_health
+
+    health = ([LayerHealth.CRITICAL] * critical + [LayerHealth.WARNING] * warning
+              + [LayerHealth.HEALTHY] * (10 - critical - warning))
+    assert overall_health(health, [["unstable"]] * 10) is expected

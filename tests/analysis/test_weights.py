@@ -337,3 +337,15 @@ def test_weight_health_is_the_layers_score_issues_and_recommendations() -> None:
     assert ours.score == 70 and len(ours.issues) == 1
     bad = stats.model_copy(update={"nonfinite": 1})
     assert weight_health(bad, outlier=False, rules="reference").score == 0
+
+
+@pytest.mark.parametrize(
+    ("score", "status"),
+    [(100, "Excellent"), (90, "Excellent"), (89.9, "Good"), (75, "Good"), (74.9, "Fair"),
+     (60, "Fair"), (59.9, "Poor"), (40, "Poor"), (39.9, "Critical"), (0, "Critical")],
+)
+def test_distribution_status_bands_are_the_references(score: float, status: str) -> None:
+    """Kept under both rules: Excellent >= 90, Good >= 75, Fair >= 60, Poor >= 40."""
+    from analysis.weights.compute import distribution_status
+
+    assert distribution_status(score).value == status
