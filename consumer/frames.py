@@ -10,7 +10,9 @@ Formulas (README.md, "How it works"; semantics follow trustformers-debug's
   layer holding NaN/Inf is reported as non-finite, not as vanishing: its finite part says
   nothing about how much gradient flows)
 - ``is_exploding = max_abs_grad > exploding_threshold``
-- ``flow_intensity = clamp(grad_norm / max_l grad_norm, 0, 1)``, 0 when that max is 0.
+- ``flow_intensity = clamp(grad_norm / max_l grad_norm, 0, 1)``, 0 when that max is 0
+  (when a norm overflowed to +inf, as float64 sums of squares above ~1.8e308 do, that
+  layer's intensity is inf / inf = NaN and the others' 0, as in the reference)
 
 Norms mode (schema 1.2): when some shard of a layer came without ``sum_abs``/``max_abs``,
 those two and ``mean_abs_grad`` are unknown (NaN, stored as NULL), and the flags use the
@@ -392,8 +394,9 @@ def compute_frame(
     exploding = np.where(has_abs, grad["max_abs"] > exploding_threshold,
                          rms > exploding_threshold)
     top = float(norm.max()) if norm.size else 0.0
-    if top > 0.0 and np.isfinite(top):
-        intensity = np.clip(norm / top, 0.0, 1.0)
+    if top > 0.0:  # an overflowed (+inf) norm: inf / inf = NaN, the others 0 (reference)
+        with np.errstate(invalid="ignore"):
+            intensity = np.clip(norm / top, 0.0, 1.0)
     else:
         intensity = np.zeros_like(norm)
     weight = _complete_sum_sq(part.weight_norm, numel)

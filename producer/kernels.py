@@ -24,8 +24,9 @@ per-block passes run and make a NaN cheap):
 3. only in a block whose sums came out non-finite (a NaN/Inf element, or a float64 square
    that overflows) the block is redone with masking while it is still in L1 (no second
    read of the layer, and BLOCK elements of masked work per NaN): elements whose exponent
-   field is all ones (IEEE 754 NaN/Inf) are counted and excluded; sums that still overflow
-   saturate at the largest double.
+   field is all ones (IEEE 754 NaN/Inf) are counted and excluded; a sum that still
+   overflows (float64 squares above ~1.8e308) is +inf, as in the reference implementation's
+   f64 arithmetic (never a capped number).
 
 Weight statistics (:func:`weights_f32`, :func:`weights_f64`) use the same scheme. Per
 block: one vectorised pass for S1..S4 and, against the kept float32 copy, the update's
@@ -101,7 +102,6 @@ FOLD = BLOCK << 20
 # Only reassociation and FMA contraction: NaN/Inf semantics stay IEEE (no nnan/ninf/nsz).
 # (numba wants a set here, not a frozenset.)
 _FASTMATH = {"reassoc", "contract"}
-_MAX_DOUBLE = float(np.finfo(np.float64).max)
 
 # The histogram layout (EXP_HIST_MIN, number of columns, exponent lookup tables) is passed
 # in by producer.summary at run time, never frozen into this module's cached machine code,
@@ -347,8 +347,8 @@ def _summarize_into(
             _block_hist(x[lo:hi], u[lo:hi], absmask, tables, counts[i], hist_min, tiny)
             if hi % FOLD == 0:
                 _fold_hist(tables, lut, counts[i], layer_low, top, absmask)
-    sum_abs = min(sum_abs + comp_abs, _MAX_DOUBLE)
-    sum_sq = min(sum_sq + comp_sq, _MAX_DOUBLE)
+    sum_abs = sum_abs + comp_abs  # +inf when it overflowed (_add then keeps comp at 0)
+    sum_sq = sum_sq + comp_sq
     out[0, i] = n
     out[1, i] = sum_abs
     out[2, i] = sum_sq
@@ -612,7 +612,7 @@ _ARGS_DOC = """
     Args:
         x: {dtype}[n], C-contiguous, n >= 1 (the caller flattens any shape).
         out: float64[5, L]; column i receives numel, sum |g|, sum g^2 (both over the
-            finite elements, float64 accumulation, saturated at the largest double),
+            finite elements, float64 accumulation, +inf on overflow),
             max |g| over the finite elements (0 when none) and the number of NaN/+-Inf
             elements. The counts are exact as float64 up to 2^53.
         i: layer index, 0 <= i < L (not checked: the caller guarantees it).

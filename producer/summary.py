@@ -233,11 +233,11 @@ class LayerSummaries:
     Attributes:
         names: layer names, length L, in the order of the input mapping.
         numel: int64[L], elements per layer (finite or not).
-        sum_abs: float64[L], sum of |g| over finite elements (saturates at the largest
-            finite double instead of overflowing to inf; only float64 input can get there);
-            None in norms mode (``summarize(..., norms_only=True)``).
-        sum_sq: float64[L], sum of g^2 over finite elements (saturates at the largest
-            finite double instead of overflowing to inf).
+        sum_abs: float64[L], sum of |g| over finite elements (+inf when the float64 sum
+            overflows, as in the reference implementation; only float64 input can get
+            there); None in norms mode (``summarize(..., norms_only=True)``).
+        sum_sq: float64[L], sum of g^2 over finite elements (+inf when it overflows:
+            float64 elements above ~1.34e154 in magnitude square past the largest double).
         max_abs: float64[L], max |g| over finite elements (0.0 when there are none); None
             in norms mode.
         nonfinite: int64[L], count of NaN/+-Inf elements.
@@ -464,7 +464,7 @@ def summarize(
 
     Statistics per layer (``schemas.wire.StepSummary``): ``numel``; over the finite elements,
     ``sum_abs`` = sum |g|, ``sum_sq`` = sum g^2 (float64 accumulation, relative error
-    ~1e-15, saturating at the largest double), ``max_abs`` = max |g| (exact; 0.0 if none);
+    ~1e-15, +inf on overflow), ``max_abs`` = max |g| (exact; 0.0 if none);
     ``nonfinite`` = count of NaN/+-Inf.
 
     Args:
@@ -570,7 +570,6 @@ _NP_CHUNK = 1 << 16
 #: relative error below (n - 1) u < 4.6e-13 (Higham 2002, section 4.2), whatever order
 #: ``reduceat`` uses.
 _NP_SMALL = 4096
-_MAX_DOUBLE = float(np.finfo(np.float64).max)
 
 
 def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> LayerSummaries:
@@ -580,7 +579,8 @@ def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> La
     sum g^2, ``add.reduce``, ``maximum.reduce``); runs of small layers share one chunk and
     are reduced per layer with ``reduceat``. A chunk (or small layer) whose sum of squares
     is non-finite (a NaN/Inf element, or a float64 square that overflows) is redone with
-    masking. Sums saturate at the largest double; the histogram is
+    masking. A sum that overflows is +inf (float64 arithmetic, as in the reference
+    implementation), never capped; the histogram is
     :meth:`schemas.stats.ExponentHistogram.from_layers`."""
     names = tuple(gradients)
     flats = [_as_float_array(name, gradients[name]).reshape(-1) for name in names]
@@ -612,7 +612,6 @@ def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> La
                 sums[:, i + k] = 0.0
                 _numpy_layer(flats[i + k], buf, sums, nonfinite, i + k)
             i = j
-    np.minimum(sums[:2], _MAX_DOUBLE, out=sums[:2])
     counts = ExponentHistogram.from_layers(flats).counts if histogram else None
     return LayerSummaries(names, np.array([f.size for f in flats], np.int64), sums[0],
                           sums[1], sums[2], nonfinite, counts)

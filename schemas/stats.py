@@ -778,9 +778,10 @@ class GradientSums(LayerStatistic):
                    sums[:, 2].copy(), counts[:, 1].copy())
 
     def saturate(self) -> GradientSums:
-        """Clip ``sum_abs`` and ``sum_sq`` at the largest finite double, in place (the wire
-        carries finite numbers; an overflowing sum is reported as that maximum). Returns
-        ``self``."""
+        """Clip ``sum_abs`` and ``sum_sq`` at the largest finite double, in place, for a
+        caller that needs finite numbers. Returns ``self``. The producer does not: an
+        overflowing gradient sum travels as +inf (wire schema 1.6), as the reference
+        implementation's f64 sums overflow."""
         np.minimum(self.sum_abs, _MAX_DOUBLE, out=self.sum_abs)
         np.minimum(self.sum_sq, _MAX_DOUBLE, out=self.sum_sq)
         return self

@@ -46,7 +46,7 @@ from schemas.stats import EXP_HIST_MAX as EXP_HIST_MAX
 from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 5
+SCHEMA_MINOR = 6
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """1.0: per-layer numel, sum_abs, sum_sq, max_abs, nonfinite. 1.1 adds the optional richer
 statistics (exponent histogram, weight and update norms); 1.0 messages still parse (the new
@@ -64,7 +64,10 @@ StepSummary: a summary too large for the cluster's message limit travels as seve
 messages, each holding a disjoint range of layers; a 1.3 consumer would take every part
 after the first for a duplicate. 1.5 adds the optional ``ignore_layers`` of RunStarted
 (layer-name patterns the run excludes from its health, explicitly); a 1.4 consumer ignores
-it and counts every layer."""
+it and counts every layer. 1.6 lets ``sum_abs`` / ``sum_sq`` (and their local views) be
++inf, a float64 sum that overflowed, instead of the largest double (JSON: ``Infinity``); a
+1.5 consumer dead-letters such a message, which only a float64 gradient with elements
+above ~1.34e154 (or sums above ~1.8e308) produces."""
 
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -106,6 +109,8 @@ _SEVERITY = {
 }
 
 NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+SumFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=True)]
+"""A sum of magnitudes: >= 0, +inf allowed (a float64 sum that overflowed), NaN refused."""
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(gt=0)]
@@ -116,7 +121,7 @@ WallTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 class _Wire(BaseModel):
     """Common base: strict about types, tolerant of unknown fields (newer minor versions)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, ser_json_inf_nan="constants")
 
     schema_version: str = SCHEMA_VERSION
 
@@ -192,7 +197,9 @@ class StepSummary(_Wire):
 
     Arrays are aligned with ``layer_indices`` (indices into RunStarted.layer_names):
     ``numel`` elements of this rank's shard (int > 0), ``sum_abs`` = sum |g| and
-    ``sum_sq`` = sum g^2 over the finite elements (float64, >= 0), ``max_abs`` = max |g|
+    ``sum_sq`` = sum g^2 over the finite elements (float64, >= 0; +inf when the float64
+    sum overflowed, as the reference implementation's f64 sums do: squares of elements
+    above ~1.34e154; schema 1.6), ``max_abs`` = max |g|
     over the finite elements (0 when none), ``nonfinite`` = count of NaN/+-Inf elements.
     ``wall_time`` is the producer's unix time (s) when the step was recorded.
     ``sum_abs`` and ``max_abs`` are both present (full mode) or both None (norms mode,
@@ -252,8 +259,8 @@ class StepSummary(_Wire):
     wall_time: WallTime
     layer_indices: list[NonNegInt] = Field(min_length=1)
     numel: list[PosInt]
-    sum_abs: list[NonNegFloat] | None = None
-    sum_sq: list[NonNegFloat]
+    sum_abs: list[SumFloat] | None = None
+    sum_sq: list[SumFloat]
     max_abs: list[NonNegFloat] | None = None
     nonfinite: list[NonNegInt]
     exp_hist_offsets: list[NonNegInt] | None = None
@@ -274,8 +281,8 @@ class StepSummary(_Wire):
     shard_count: list[PosInt] | None = None
     local_layer_indices: list[NonNegInt] | None = None
     local_numel: list[PosInt] | None = None
-    local_sum_abs: list[NonNegFloat] | None = None
-    local_sum_sq: list[NonNegFloat] | None = None
+    local_sum_abs: list[SumFloat] | None = None
+    local_sum_sq: list[SumFloat] | None = None
     local_max_abs: list[NonNegFloat] | None = None
     local_nonfinite: list[NonNegInt] | None = None
     part_index: NonNegInt | None = None
@@ -565,12 +572,12 @@ _ST_DTYPES: dict[str, np.dtype[Any]] = {
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
 }
-_NONNEG_FLOAT, _FINITE_FLOAT, _NONNEG_INT, _POS_INT, _HIST_COL = range(5)
-_FLOAT_KINDS = (_NONNEG_FLOAT, _FINITE_FLOAT)
+_NONNEG_FLOAT, _FINITE_FLOAT, _NONNEG_INT, _POS_INT, _HIST_COL, _SUM_FLOAT = range(6)
+_FLOAT_KINDS = (_NONNEG_FLOAT, _FINITE_FLOAT, _SUM_FLOAT)
 
 _ARRAY_FIELDS: dict[str, int] = {
-    "layer_indices": _NONNEG_INT, "numel": _POS_INT, "sum_abs": _NONNEG_FLOAT,
-    "sum_sq": _NONNEG_FLOAT, "max_abs": _NONNEG_FLOAT, "nonfinite": _NONNEG_INT,
+    "layer_indices": _NONNEG_INT, "numel": _POS_INT, "sum_abs": _SUM_FLOAT,
+    "sum_sq": _SUM_FLOAT, "max_abs": _NONNEG_FLOAT, "nonfinite": _NONNEG_INT,
     "exp_hist_offsets": _NONNEG_INT, "exp_hist_columns": _HIST_COL, "exp_hist_counts": _POS_INT,
     "weight_sum_sq": _NONNEG_FLOAT, "update_sum_sq": _NONNEG_FLOAT,
     "weight_sum": _FINITE_FLOAT, "weight_sum_cube": _FINITE_FLOAT,
@@ -579,7 +586,7 @@ _ARRAY_FIELDS: dict[str, int] = {
     "weight_exp_hist_columns": _HIST_COL, "weight_exp_hist_counts": _POS_INT,
     "shard_index": _NONNEG_INT, "shard_count": _POS_INT,
     "local_layer_indices": _NONNEG_INT, "local_numel": _POS_INT,
-    "local_sum_abs": _NONNEG_FLOAT, "local_sum_sq": _NONNEG_FLOAT,
+    "local_sum_abs": _SUM_FLOAT, "local_sum_sq": _SUM_FLOAT,
     "local_max_abs": _NONNEG_FLOAT, "local_nonfinite": _NONNEG_INT,
     "ranks_seen": _NONNEG_INT, "local_ranks": _NONNEG_INT,
 }
@@ -631,12 +638,17 @@ def _check_elements(name: str, kind: int, values: np.ndarray) -> None:
     lo = values.min()
     if kind in _FLOAT_KINDS:
         hi = values.max()
-        if (lo >= 0 if kind == _NONNEG_FLOAT else lo > -np.inf) and hi < np.inf:
+        if kind == _SUM_FLOAT:  # NaN fails >= (a NaN makes the minimum NaN)
+            if lo >= 0:
+                return
+            bad, rule = ~(values >= 0), ">= 0 (+inf allowed, not NaN)"
+        elif (lo >= 0 if kind == _NONNEG_FLOAT else lo > -np.inf) and hi < np.inf:
             return
-        bad = ~np.isfinite(values)
-        if kind == _NONNEG_FLOAT:
-            bad |= values < 0
-        rule = "finite and >= 0" if kind == _NONNEG_FLOAT else "finite"
+        else:
+            bad = ~np.isfinite(values)
+            if kind == _NONNEG_FLOAT:
+                bad |= values < 0
+            rule = "finite and >= 0" if kind == _NONNEG_FLOAT else "finite"
     elif kind == _NONNEG_INT:
         if lo >= 0:
             return

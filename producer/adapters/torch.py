@@ -75,7 +75,6 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 log = logging.getLogger("gradstream.adapters.torch")
 
-_MAX_DOUBLE = float(np.finfo(np.float64).max)
 
 
 class SummaryRecorder(Protocol):
@@ -471,8 +470,7 @@ def _summarize_threads(
     sum_sq = np.add.reduceat(np.concatenate([q.sum_sq for q in parts]), starts)
     max_abs = np.maximum.reduceat(np.concatenate([q.max_abs for q in parts]), starts)  # type: ignore[misc]
     nonfinite = np.add.reduceat(np.concatenate([q.nonfinite for q in parts]), starts)
-    return (np.minimum(sum_abs, _MAX_DOUBLE), np.minimum(sum_sq, _MAX_DOUBLE), max_abs,
-            nonfinite)
+    return sum_abs, sum_sq, max_abs, nonfinite  # +inf where a float64 sum overflowed
 
 
 class PendingSummaries:
@@ -544,9 +542,9 @@ class PendingSummaries:
                     stats[redo] = 0.0
                     nonfinite[sel[redo]] = self._numel[sel[redo]]
                     self.inexact += len(redo)
-            sum_abs[sel] = np.minimum(stats[:, 0], _MAX_DOUBLE)
-            with np.errstate(over="ignore"):
-                sum_sq[sel] = np.minimum(stats[:, 1] * stats[:, 1], _MAX_DOUBLE)
+            sum_abs[sel] = stats[:, 0]
+            with np.errstate(over="ignore"):  # +inf when the sum of squares overflows
+                sum_sq[sel] = stats[:, 1] * stats[:, 1]
             max_abs[sel] = stats[:, 2]
         self._batches = []
         result = LayerSummaries(self.names, self._numel, sum_abs, sum_sq, max_abs, nonfinite)
@@ -681,8 +679,8 @@ def summarize_tensors(
     """Summarise torch gradients where they live; the torch twin of ``summarize``.
 
     Per tensor: ``numel`` (all elements; the dense size for a sparse COO gradient);
-    over the finite elements ``sum_abs`` = sum |g| and ``sum_sq`` = sum g^2 (both
-    saturating at the largest finite double instead of overflowing) and ``max_abs`` =
+    over the finite elements ``sum_abs`` = sum |g| and ``sum_sq`` = sum g^2 (both +inf
+    when the float64 sum overflows, as in the reference implementation) and ``max_abs`` =
     max |g| (exact; 0.0 when none); ``nonfinite`` = number of NaN/+-Inf elements.
 
     CPU (default): dense float16/32/64 tensors are summarised by

@@ -139,6 +139,17 @@ def test_flow_intensity_level_ties(pipeline: Pipeline) -> None:
     assert_conforms(pipeline, case)
 
 
+def test_float64_near_overflow(pipeline: Pipeline) -> None:
+    """Squares above ~1.8e308 overflow: the reference's norm is inf (and the step's
+    intensities inf/inf = NaN for that layer, 0 for the others), never a capped number."""
+    case = constant_case("float64-overflow", {
+        "near": [[1.3e154, 1.0]] * 2,       # square 1.69e308: still finite
+        "over": [[2e154, 1.0], [1.0, 1.0]],  # square 4e308: inf at step 0
+        "small": [[1.0, 0.5]] * 2,
+    })
+    assert_conforms(pipeline, case)
+
+
 def test_nonfinite_gradients(pipeline: Pipeline) -> None:
     """NaN and Inf elements: a documented departure (module docstring)."""
     nan, inf = math.nan, math.inf

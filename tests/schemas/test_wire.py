@@ -1,9 +1,11 @@
 """Wire contract: every validator rejects what it must, with a reason naming the field."""
 
 import json
+import re
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from schemas.wire import (
     MAX_MESSAGE_BYTES,
@@ -277,8 +279,10 @@ def test_binary_is_smaller_than_json_for_many_layers():
 @pytest.mark.parametrize(
     ("override", "reason"),
     [
-        ({"sum_abs": [1.0, float("nan")]}, "sum_abs.1: must be finite and >= 0"),
-        ({"sum_sq": [-1.0, 1.0]}, "sum_sq.0: must be finite and >= 0"),
+        ({"sum_abs": [1.0, float("nan")]}, "sum_abs.1: must be >= 0 (+inf allowed, not NaN)"),
+        ({"sum_sq": [-1.0, 1.0]}, "sum_sq.0: must be >= 0 (+inf allowed, not NaN)"),
+        ({"sum_sq": [1.0, -float("inf")]}, "sum_sq.1: must be >= 0 (+inf allowed, not NaN)"),
+        ({"max_abs": [1.0, float("inf")]}, "max_abs.1: must be finite and >= 0"),
         ({"numel": [4, 0]}, "numel.1: must be > 0"),
         ({"numel": [4]}, "numel has 1 entries"),
         ({"layer_indices": [1, 1]}, "layer_indices must be unique"),
@@ -295,8 +299,24 @@ def test_binary_is_validated_like_json(override, reason):
     raw = _binary(**override)
     if "schema_version" in override:  # _binary sets 1.4: patch the metadata
         raw = raw.replace(b'\\"schema_version\\": \\"1.4\\"', b'\\"schema_version\\": \\"2.0\\"')
-    with pytest.raises(WireError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(WireError, match=re.escape(reason)):
         decode_message(raw)
+
+
+@pytest.mark.parametrize("fmt", ["binary", "json"])
+def test_overflowed_sums_travel_as_inf(fmt: str) -> None:
+    """A float64 sum that overflowed is +inf on the wire (schema 1.6), as the reference
+    implementation's f64 sums are, never the largest double; NaN stays refused."""
+    inf = float("inf")
+    msg = StepSummary(**_summary(sum_abs=[1.0, inf], sum_sq=[inf, 2.0],
+                                 local_layer_indices=[0], local_numel=[4],
+                                 local_sum_abs=[inf], local_sum_sq=[inf],
+                                 local_max_abs=[1.0], local_nonfinite=[0]))
+    raw = encode_message(msg, fmt)
+    back = decode_message(raw)
+    assert back == msg and back.sum_sq[0] == inf and back.local_sum_sq == [inf]
+    with pytest.raises(ValidationError):
+        StepSummary(**_summary(sum_sq=[float("nan"), 2.0]))
 
 
 def test_unknown_encoding_and_malformed_binary_are_refused():

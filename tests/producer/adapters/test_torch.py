@@ -103,7 +103,7 @@ def test_summarize_tensors_matches_numpy(values: np.ndarray) -> None:
         elements=st.floats(allow_nan=True, allow_infinity=True, width=64),
     )
 )
-def test_summarize_tensors_float64_extremes_saturate_like_numpy(values: np.ndarray) -> None:
+def test_summarize_tensors_float64_extremes_overflow_like_numpy(values: np.ndarray) -> None:
     want = summarize({"g": values})
     assert_same(summarize_tensors({"g": torch.from_numpy(values)}, host_numpy=False), want)
 
