@@ -578,3 +578,67 @@ def test_network_health_keeps_the_reference_ratios(
     health = ([LayerHealth.CRITICAL] * critical + [LayerHealth.WARNING] * warning
               + [LayerHealth.HEALTHY] * (10 - critical - warning))
     assert overall_health(health, [["unstable"]] * 10) is expected
+
+
+def test_reference_rules_agree_with_an_independent_port(tmp_path: Path) -> None:
+    """``rules="reference"`` against the straight port of the reference analyzer in
+    ``bench/reference_enhanced_port.py`` (written separately, used for the scaling
+    benchmark), on random histories at different scales (120 steps, W = 100): per-layer
+    health, risks, stability, smoothness, trend strength, oscillation, convergence,
+    activity, suggestions, comparisons (every similar layer at Expert depth), every
+    pair's interaction, the hierarchy bands."""
+    from bench import reference_enhanced_port as port
+
+    rng = np.random.default_rng(7)
+    t = np.arange(120, dtype=np.float64)
+    rows = [
+        rng.lognormal(0.0, 0.3, 120),                     # ~1
+        1e-6 * rng.lognormal(0.0, 0.1, 120),              # very low
+        200.0 * rng.lognormal(0.0, 0.05, 120),            # very high
+        np.where(t % 2 == 0, 0.0, np.where(t % 4 == 1, 1000.0, 3000.0)),  # 3 risks
+        0.3 * t + 0.5,                                    # rising: reference convergence
+        2.0 * t + 1.0,                                    # rising faster: convergence 1
+        5.0 - 0.03 * t,                                   # falling
+        0.3 * rng.lognormal(0.0, 0.02, 120),              # medium band
+        0.3 * rng.lognormal(0.0, 0.02, 120),              # its twin: similar
+        np.full(120, 0.05),                               # low band
+    ]
+    norms = np.vstack(rows)
+    names = [f"l{i}" for i in range(len(rows))]
+    path = write_history(tmp_path / "s.duckdb", norms, names=names)
+    ours = analysis_of(path, rules="reference", depth="Expert")
+    theirs = port.generate_enhanced_analysis(dict(zip(names, norms, strict=True)))
+    for d in ours.layer_details:
+        ref = theirs["details"][d.layer_name]
+        h, f, c = d.health_metrics, d.flow_characteristics, d.comparative_analysis
+        assert h.overall_health.value == ref["health"]["health"], d.layer_name
+        assert len(h.risk_factors) == len(ref["health"]["risks"]), d.layer_name
+        assert h.convergence_indicator == pytest.approx(ref["health"]["convergence"])
+        assert h.neuron_activity_ratio == pytest.approx(ref["health"]["activity"])
+        assert h.information_flow_rate == pytest.approx(ref["health"]["flow_rate"])
+        assert f.stability_measure == pytest.approx(ref["flow"]["stability"])
+        assert f.smoothness_index == pytest.approx(ref["flow"]["smoothness"])
+        assert f.trend_strength == pytest.approx(ref["flow"]["trend"])
+        assert f.oscillation_frequency == pytest.approx(ref["flow"]["oscillation"])
+        assert [s.suggestion_type.value for s in d.optimization_suggestions] == \
+            ref["suggestions"]
+        assert c.relative_performance == pytest.approx(ref["compare"]["relative"])
+        assert c.rank_among_layers == ref["compare"]["rank"]
+        assert c.optimization_potential == ref["compare"]["potential"]
+        assert sorted(c.similar_layers) == sorted(ref["compare"]["similar"])
+    assert "l8" in details(ours)["l7"].comparative_analysis.similar_layers
+    kinds = {x.interaction_type.value for x in ours.network_level_analysis.layer_interactions}
+    assert kinds == {"Cooperative", "Competitive", "Neutral"}
+    assert {d.health_metrics.overall_health.value for d in ours.layer_details} == {
+        "Healthy", "Warning", "Critical"}
+    pairs = {(x.layer1, x.layer2): x for x in ours.network_level_analysis.layer_interactions}
+    assert len(pairs) == len(theirs["interactions"]) == len(rows) * (len(rows) - 1) // 2
+    for a, b, strength, kind, _ in theirs["interactions"]:
+        x = pairs[(a, b)]
+        assert x.interaction_strength == pytest.approx(strength)
+        assert x.interaction_type.value == kind
+    assert ours.network_level_analysis.convergence_indicators.gradient_convergence_score == \
+        pytest.approx(theirs["convergence"])
+    groups = {g.group_name.split()[0].lower(): sorted(g.layers)
+              for g in ours.gradient_hierarchy.layer_groups}
+    assert groups == {k: sorted(v) for k, v in theirs["groups"].items() if v}
