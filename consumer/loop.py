@@ -251,6 +251,8 @@ class ConsumerLoop(ABC):
         """Open the output and restore state from it (``run()`` does this first; tests
         that feed records with :meth:`consume` call it themselves)."""
         self.output = self.open_output()
+        if self.output.sink is not None:
+            self.output.sink.ignore_layers = tuple(self.settings.ignore_layers)
         if self._on_open is not None and self.output.sink is not None:
             self._on_open(self.output.sink)
         self.restore()

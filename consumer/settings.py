@@ -44,7 +44,10 @@ class LoopSettings(TopicCreationSettings):
         ignore_layers: layer-name patterns (``schemas.health.match_layers``) excluded
             from every run's health, issue frames and vanishing / exploding alerts, besides
             each run's own ``ignore_layers`` (``GRADSTREAM_IGNORE_LAYERS``:
-            comma-separated). Empty = every layer counts.
+            comma-separated), and recorded with each run the process stores
+            (``runs.ignore_layers``), so that its report applies them too. In scale-out
+            mode give the workers (alerts) and the store (health, record) the same ones.
+            Empty = every layer counts.
         exclude_rounding_level: also leave out the vanishing flag of layers with no
             gradient by construction (``schemas.rounding``; ``consumer.health``). Off by
             default: every layer counts, as in the reference implementation.

@@ -241,6 +241,10 @@ class DuckDBSink:
         if self.path.parent != Path(""):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self._con = duckdb.connect(str(self.path))
+        self.ignore_layers: tuple[str, ...] = ()
+        """The writing process's own ``--ignore-layers`` patterns: recorded with each run it
+        stores first (``runs.ignore_layers`` = the run's patterns, then these), so that the
+        report applies what the live health applied."""
         for ddl in SCHEMA_DDL:
             self._con.execute(ddl)
         # The writer thread uses its own connection object to the same database instance.
@@ -484,8 +488,9 @@ class DuckDBSink:
             "host": [m.host for m in started],
             "start_time": [m.start_time for m in started],
             "config": [json.dumps(m.config, sort_keys=True, default=str) for m in started],
-            "ignore_layers": pa.array([m.ignore_layers or None for m in started],
-                                      pa.list_(pa.string())),
+            "ignore_layers": pa.array(
+                [list(dict.fromkeys([*m.ignore_layers, *self.ignore_layers])) or None
+                 for m in started], pa.list_(pa.string())),
         })
         lengths = np.array([len(m.layer_names) for m in started])
         layers = pa.table({
