@@ -700,7 +700,13 @@ def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,
         ("non-finite", _names(summary.layers_with_nonfinite_grads) + nonfinite_since),
     ]
     if summary.layers_without_gradient:
-        rows.append(("no gradient", _names(summary.layers_without_gradient)))
+        rows.append(("no gradient", html.escape(
+            f"at rounding level since step {summary.no_gradient_since_step}: ")
+            + _names(summary.layers_without_gradient)))
+    if summary.ignore_layers:
+        rows.append(("excluded", html.escape(
+            "by run setting " + ", ".join(map(repr, summary.ignore_layers)) + ": ")
+            + _names(summary.layers_excluded)))
     origin = local_origin_text(summary)
     if origin:
         rows.append(("started in", html.escape(origin)))
@@ -711,6 +717,7 @@ def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,
     )
     recommendations = "".join(f"<li>{html.escape(text)}</li>"
                               for text in summary.recommendations)
+    findings = "".join(f"<li>{html.escape(text)}</li>" for text in summary.findings)
     picture = (
         f'<img src="data:image/png;base64,{base64.b64encode(heatmap).decode("ascii")}" '
         f'alt="gradient-norm heatmap of run {html.escape(summary.run_id)}" '
@@ -722,6 +729,7 @@ def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,
         f"<p><strong>gradient flow of run <code>{html.escape(summary.run_id)}</code></strong> "
         f"{badge}</p>"
         f"<table>{table}</table>"
+        + (f"<p><strong>Findings</strong></p><ul>{findings}</ul>" if findings else "")
         + (f"<p><strong>Recommendations</strong></p><ul>{recommendations}</ul>"
            if recommendations else "")
         + picture + "</div>"

@@ -266,3 +266,15 @@ def test_a_healthy_run_has_no_such_layer(tmp_path):
     builder.add_steps("r", range(5), {n: healthy_stat() for n in NAMES})
     summary = report_of(builder.write())
     assert summary.layers_without_gradient == [] and summary.overall_health is H.HEALTHY
+
+
+def test_notebook_html_shows_the_finding_and_the_exclusion(tmp_path):
+    from analysis.history import report_html
+
+    path = write(tmp_path, bert_like(5))
+    page = report_html(report_of(path, ignore_layers=("attn.key.*",)))
+    assert "<strong>Findings</strong>" in page and "likely zero by construction" in page
+    assert "excluded" in page and "by run setting &#x27;attn.key.*&#x27;: " in page
+    assert "<code>attn.key.weight</code>, <code>attn.key.bias</code>" in page
+    plain = report_html(report_of(path))
+    assert "Findings" in plain and "by run setting" not in plain
