@@ -278,3 +278,21 @@ def test_notebook_html_shows_the_finding_and_the_exclusion(tmp_path):
     assert "<code>attn.key.weight</code>, <code>attn.key.bias</code>" in page
     plain = report_html(report_of(path))
     assert "Findings" in plain and "by run setting" not in plain
+
+
+def test_store_without_ignore_layers_column_still_reports(tmp_path):
+    """A store written before schema 1.5 has no runs.ignore_layers: the report opens it,
+    applies only its own patterns, and the consumer's sink adds the column on open."""
+    path = write(tmp_path, bert_like(6))
+    con = duckdb.connect(str(path))
+    con.execute("ALTER TABLE runs DROP COLUMN ignore_layers")
+    con.close()
+    summary = report_of(path)
+    assert summary.ignore_layers == [] and summary.overall_health is H.PROBLEMS_DETECTED
+    assert report_of(path, ignore_layers=("*.bias",)).layers_excluded == ["attn.key.bias"]
+    from consumer.sink import DuckDBSink
+
+    sink = DuckDBSink(path, write_behind=False)
+    (run,) = sink.load_runs()
+    sink.close()
+    assert run.ignore_layers == ()
