@@ -47,12 +47,16 @@ CSV_HEADER = "step,layer,mean_abs_grad,max_abs_grad,grad_norm,is_vanishing,is_ex
 """Header line of the CSV export, as in the reference format."""
 
 Order = Literal["name", "model"]
-CsvStyle = Literal["gradstream", "reference"]
-"""How :func:`export_csv` writes layer names: ``"gradstream"`` quotes a name that needs it
-(RFC 4180: empty, or holding a comma, quote, CR or LF); ``"reference"`` writes every name
-raw, as the reference implementation's ``export_csv`` does (byte for byte its output for
-the same frames; a name holding a comma or a line break then breaks the CSV's columns),
-and orders a step's layers by name."""
+Style = Literal["gradstream", "reference"]
+"""Presentation of :func:`export_csv` and :func:`export_json`. ``"gradstream"``: the CSV
+quotes a name that needs it (RFC 4180: empty, or holding a comma, quote, CR or LF); the JSON
+is one compact frame per line, non-finite floats ``null``. ``"reference"``: byte for byte
+what the reference implementation's ``export_csv`` / ``export_json`` write for the same
+frames, layers in name order: CSV names raw (a name holding a comma or a line break then
+breaks the CSV's columns); JSON pretty-printed as ``serde_json::to_string_pretty`` does
+(two-space indent, floats as ryu's shortest round-trip text: ``0.1``, ``1.0``, ``1e-7``,
+``1.5e300``; non-finite floats ``null``; control characters escaped ``\\u00xx`` in lower
+case; no trailing newline)."""
 
 
 def rust_exp_sql(column: str) -> str:
@@ -125,6 +129,8 @@ class _Text:
     prefix: str
     separator: str
     suffix: str
+    empty: str | None = None
+    """The whole file when there is no row (None: ``prefix + suffix``)."""
 
 
 _CSV = _Text(CSV_HEADER + "\n", "", "")
@@ -133,6 +139,91 @@ _JSON_ARRAY = _Text("[\n\t", ",\n\t", "\n]\n")
 """A JSON array laid out as DuckDB's ``FORMAT json, ARRAY true`` writer does."""
 _JSON_LINES = _Text("", "", "")
 """JSON Lines: the rows, each ending in a line feed."""
+_JSON_PRETTY = _Text("[\n", ",\n", "\n]", "[]")
+"""A JSON array as ``serde_json::to_string_pretty`` lays it out (frames rendered by
+:func:`_pretty_frame_sql`); ``[]`` when empty; no trailing newline."""
+
+
+def json_float_sql(column: str) -> str:
+    """SQL expression writing a DOUBLE as serde_json does (ryu's ``format64``).
+
+    Non-finite or NULL: ``null``. Zero: ``0.0`` (``-0.0`` for negative zero). Otherwise
+    the shortest round-trip decimal digits d (``CAST(x AS VARCHAR)`` gives them, as
+    CPython's ``repr`` and ryu do) with value ``d * 10^k``, n digits and ``kk = n + k``,
+    laid out as: ``k >= 0 and kk <= 16``: digits, k zeros, ``.0``; ``0 < kk <= 16``: a
+    decimal point after kk digits; ``-5 < kk <= 0``: ``0.``, -kk zeros, digits; one digit:
+    ``de(kk-1)``; else ``d.ddde(kk-1)``.
+
+    Args:
+        column: a SQL expression of type DOUBLE (trusted text, not user input).
+
+    Returns:
+        A SQL expression of type VARCHAR.
+    """
+    text = f"CAST(abs({column}) AS VARCHAR)"
+    mant = f"regexp_extract({text}, '^[0-9.]+')"
+    exp = (f"CASE WHEN contains({text}, 'e') THEN "
+           f"CAST(regexp_extract({text}, 'e([+-]?[0-9]+)$', 1) AS INTEGER) ELSE 0 END")
+    frac = f"split_part({mant}, '.', 2)"
+    raw = f"ltrim(split_part({mant}, '.', 1) || {frac}, '0')"
+    d = f"rtrim({raw}, '0')"
+    n = f"length({d})"
+    k = f"({exp} - length({frac}) + length({raw}) - {n})"
+    kk = f"({n} + {k})"
+    sign = f"CASE WHEN {column} < 0 OR (CAST({column} AS VARCHAR) = '-0.0') THEN '-' ELSE '' END"
+    body = (
+        f"CASE WHEN {k} >= 0 AND {kk} <= 16 THEN {d} || repeat('0', {k}) || '.0' "
+        f"WHEN {kk} > 0 AND {kk} <= 16 THEN left({d}, {kk}) || '.' || substr({d}, {kk} + 1) "
+        f"WHEN {kk} > -5 AND {kk} <= 0 THEN '0.' || repeat('0', -{kk}) || {d} "
+        f"WHEN {n} = 1 THEN {d} || 'e' || CAST({kk} - 1 AS VARCHAR) "
+        f"ELSE left({d}, 1) || '.' || substr({d}, 2) || 'e' || CAST({kk} - 1 AS VARCHAR) END"
+    )
+    return (f"CASE WHEN {column} IS NULL OR NOT isfinite({column}) THEN 'null' "
+            f"WHEN {column} = 0 THEN {sign} || '0.0' ELSE {sign} || ({body}) END")
+
+
+_JSON_ESCAPES: tuple[tuple[int, str], ...] = tuple(
+    (c, {8: "\\b", 9: "\\t", 10: "\\n", 12: "\\f", 13: "\\r"}.get(c, f"\\u{c:04x}"))
+    for c in range(32)
+)
+"""serde_json's escapes of the control characters (lower-case hex)."""
+
+
+def json_string_sql(column: str) -> str:
+    """SQL expression writing a VARCHAR as a JSON string the way serde_json escapes it:
+    backslash and quote escaped, ``\\b \\t \\n \\f \\r``, the other control
+    characters as ``\\u00xx`` (lower case), everything else (DEL and non-ASCII
+    included) raw."""
+    expr = f"replace(replace({column}, '\\', '\\\\'), '\"', '\\\"')"
+    for code, escape in _JSON_ESCAPES:
+        expr = f"replace({expr}, chr({code}), {_sql_text(escape)})"
+    return f"'\"' || {expr} || '\"'"
+
+
+def _pretty_frame_sql(order_by: str) -> str:
+    """SQL of one frame per row, laid out as serde_json's pretty printer (inside the
+    array: 2 spaces per level), with the separator in front (see :data:`_JSON_PRETTY`)."""
+    layer = (
+        "'      {\n        \"name\": ' || jname"
+        " || ',\n        \"mean_abs_grad\": ' || " + json_float_sql("mean_abs_grad") +
+        " || ',\n        \"max_abs_grad\": ' || " + json_float_sql("max_abs_grad") +
+        " || ',\n        \"grad_norm\": ' || " + json_float_sql("grad_norm") +
+        " || ',\n        \"is_vanishing\": ' || CASE WHEN is_vanishing THEN 'true' ELSE 'false' END"
+        " || ',\n        \"is_exploding\": ' || CASE WHEN is_exploding THEN 'true' ELSE 'false' END"
+        " || ',\n        \"flow_intensity\": ' || " + json_float_sql("flow_intensity") +
+        " || '\n      }'"
+    )
+    return f"""
+        WITH s AS ({STATS_SQL}),
+        n AS (SELECT DISTINCT layer_index, name, {json_string_sql("name")} AS jname FROM s)
+        SELECT {_sql_text(_JSON_PRETTY.separator)} || '  {{\n    "step": ' || CAST(step AS VARCHAR)
+               || ',\n    "layers": [\n'
+               || string_agg({layer}, ',\n' ORDER BY {order_by})
+               || '\n    ]\n  }}' AS line
+        FROM s JOIN n USING (layer_index, name)
+        GROUP BY step
+        ORDER BY step
+    """
 
 
 def _sql_text(text: str) -> str:
@@ -167,15 +258,19 @@ def _write_text(batches: pa.RecordBatchReader, out: Path, text: _Text,
     lead = len(text.separator.encode("utf-8"))
     rows = 0
     with out.open("wb") as fh:
-        fh.write(text.prefix.encode("utf-8"))
         for batch in batches:
             if batch.num_rows == 0:
                 continue
             data = _utf8_bytes(batch.column(0))
+            if not rows:
+                fh.write(text.prefix.encode("utf-8"))
             fh.write(data if rows else data[lead:])
             rows += batch.num_rows
             on_rows(rows)
-        fh.write(text.suffix.encode("utf-8"))
+        if rows or text.empty is None:
+            fh.write(((text.prefix if not rows else "") + text.suffix).encode("utf-8"))
+        else:
+            fh.write(text.empty.encode("utf-8"))
     return rows
 
 
@@ -256,6 +351,11 @@ def written_atomically(target: Path, failure: str) -> Iterator[Path]:
         part.unlink(missing_ok=True)
         raise
 
+def _check_style(style: str) -> None:
+    if style not in ("gradstream", "reference"):
+        raise ValueError(f"style must be 'gradstream' or 'reference', got {style!r}")
+
+
 def _count_sql(distinct_steps: bool) -> str:
     what = "count(DISTINCT step)" if distinct_steps else "count(*)"
     return f"WITH s AS ({STATS_SQL}) SELECT {what} FROM s"
@@ -269,7 +369,7 @@ def export_csv(
     to_step: int | None = None,
     order: Order = "name",
     progress: Progress | None = None,
-    style: CsvStyle = "gradstream",
+    style: Style = "gradstream",
 ) -> int:
     """Write one run's per-layer timeline as CSV (the reference ``export_csv`` format).
 
@@ -288,7 +388,7 @@ def export_csv(
         order: layer order within a step, ``"name"`` (reference order) or ``"model"``.
         progress: optional callback of the fraction done (see :data:`Progress`).
         style: ``"gradstream"`` (names quoted when needed) or ``"reference"`` (names raw,
-            name order: the reference's bytes exactly), see :data:`CsvStyle`.
+            name order: the reference's bytes exactly), see :data:`Style`.
 
     Returns:
         Number of data rows written (header excluded).
@@ -297,8 +397,7 @@ def export_csv(
         StoreError: unknown run, invalid step range, or unusable output path.
         ValueError: unknown ``order`` or ``style``.
     """
-    if style not in ("gradstream", "reference"):
-        raise ValueError(f"style must be 'gradstream' or 'reference', got {style!r}")
+    _check_style(style)
     if style == "reference":
         order = "name"
     name_sql = "name" if style == "reference" else _csv_field("name")
@@ -329,6 +428,7 @@ def export_json(
     to_step: int | None = None,
     order: Order = "name",
     progress: Progress | None = None,
+    style: Style = "gradstream",
 ) -> int:
     """Write one run's frames as a JSON array (the reference ``export_json`` format).
 
@@ -338,7 +438,9 @@ def export_json(
     booleans; non-finite floats are ``null`` (as serde_json writes them). Built with
     ``GROUP BY step`` and ``list(struct_pack(...) ORDER BY ...)``, each frame rendered by
     DuckDB's ``to_json``; one compact frame per line inside ``[`` and ``]`` (the layout of
-    DuckDB's ``FORMAT json, ARRAY true`` writer), not pretty-printed.
+    DuckDB's ``FORMAT json, ARRAY true`` writer), not pretty-printed. ``style="reference"``
+    writes the reference's bytes instead (:data:`Style`: serde_json's pretty layout and
+    float text, name order).
     The parent directory is created; an existing file is replaced.
 
     Args:
@@ -349,16 +451,21 @@ def export_json(
         to_step: last step exported (inclusive), ``None`` = to the end.
         order: layer order within a frame, ``"name"`` (reference order) or ``"model"``.
         progress: optional callback of the fraction done (see :data:`Progress`).
+        style: ``"gradstream"`` or ``"reference"`` (see :data:`Style`).
 
     Returns:
         Number of frames written.
 
     Raises:
         StoreError: unknown run, invalid step range, or unusable output path.
-        ValueError: unknown ``order``.
+        ValueError: unknown ``order`` or ``style``.
     """
-    order_by = _order_sql(order)
+    _check_style(style)
     params = stats_params(run_id, from_step, to_step)
+    if style == "reference":
+        return _export(con, run_id, path, _pretty_frame_sql(_order_sql("name")), params,
+                       _JSON_PRETTY, _count_sql(True), progress)
+    order_by = _order_sql(order)
     select = f"""
         WITH s AS ({STATS_SQL})
         SELECT {_sql_text(_JSON_ARRAY.separator)} || to_json(struct_pack(
@@ -505,25 +612,26 @@ def export_run(
     to_step: int | None = None,
     order: Order = "name",
     progress: Progress | None = None,
-    style: CsvStyle = "gradstream",
+    style: Style = "gradstream",
 ) -> int:
     """Export a run in ``fmt`` (one of :data:`EXPORT_FORMATS`); see the writer of each.
 
-    ``style="reference"`` (:data:`CsvStyle`) exists for ``csv`` only.
+    ``style="reference"`` (:data:`Style`) exists for ``csv`` and ``json``.
 
     Returns:
         Rows written (frames for ``json``).
 
     Raises:
-        ValueError: unknown format, order or style, or the reference style with a format
-            other than csv.
+        ValueError: unknown format, order or style, or the reference style with parquet or
+            jsonl.
         StoreError: unknown run, invalid step range, or unusable output path.
     """
     writer = _WRITERS.get(fmt)
     if writer is None:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
-    if fmt == "csv":
-        return export_csv(con, run_id, path, from_step, to_step, order, progress, style)
+    if fmt in ("csv", "json"):
+        return writer(con, run_id, path, from_step, to_step, order, progress,  # type: ignore[call-arg]
+                      style)
     if style != "gradstream":
-        raise ValueError(f"style {style!r} exists for the csv format only, not {fmt}")
+        raise ValueError(f"style {style!r} exists for the csv and json formats only, not {fmt}")
     return writer(con, run_id, path, from_step, to_step, order, progress)

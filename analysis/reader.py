@@ -183,7 +183,7 @@ class StoreReader(ABC):
     ) -> int:
         """Write the run in ``fmt`` (csv, json, parquet, jsonl) to ``path``
         (:func:`analysis.export.export_run`; parent directories created); ``style``: see
-        :data:`analysis.export.CsvStyle` (csv only).
+        :data:`analysis.export.Style` (csv and json).
 
         Returns:
             Rows written (frames for ``json``).

@@ -241,9 +241,10 @@ def export(
     ] = LayerOrder.NAME,
     style: Annotated[
         Style,
-        typer.Option("--style", help="csv only. gradstream: layer names quoted when they "
-                     "hold a comma, quote or line break; reference: the reference "
-                     "implementation's bytes exactly (names raw, name order)."),
+        typer.Option("--style", help="csv and json. gradstream: CSV names quoted when they "
+                     "hold a comma, quote or line break, one compact JSON frame per line; "
+                     "reference: the reference implementation's bytes exactly (name order, "
+                     "CSV names raw, JSON pretty-printed as serde_json does)."),
     ] = Style.GRADSTREAM,
     timeout: TimeoutOption = None,
 ) -> None:

@@ -1,4 +1,4 @@
-"""The reference styles of the ASCII heatmap and the CSV export reproduce the reference
+"""The reference styles of the ASCII heatmap and the CSV and JSON exports reproduce the reference
 implementation's output (``tests/conformance/reference.py``) byte for byte, from the same
 frames: name order, one column per frame (no ``max_columns`` buckets), raw names, its width
 rule, no legend (the CLI options: ``tests/deploy/cli/test_reference_styles.py``)."""
@@ -9,12 +9,19 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from analysis.export import export_csv, export_run
+from analysis.export import export_csv, export_json, export_run, json_float_sql
 from analysis.heatmap import NONFINITE_GLYPH, ascii_heatmap
 from analysis.store import open_store
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
-from tests.conformance.reference import GradientFlowAnimator, GradientFrame, LayerGradientInfo
+from tests.conformance.reference import (
+    GradientFlowAnimator,
+    GradientFrame,
+    LayerGradientInfo,
+    rust_json_float,
+)
 
 MODEL = ["z_embed", "m_block", "a_head", "head ünï"]
 
@@ -63,12 +70,37 @@ def test_csv_reference_style_is_the_references(tmp_path: Path) -> None:
         assert quoted.read_bytes() != out.read_bytes()  # "encoder.layer,0" quoted
         with pytest.raises(ValueError, match="style"):
             export_csv(con, "r", out, style="rust")  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="csv format only"):
-            export_run(con, "r", tmp_path / "x.json", "json", style="reference")
+        with pytest.raises(ValueError, match="csv and json formats only"):
+            export_run(con, "r", tmp_path / "x.parquet", "parquet", style="reference")
         with pytest.raises(ValueError, match="style"):
             ascii_heatmap(con, "r", style="rust")  # type: ignore[arg-type]
     finally:
         con.close()
+
+
+@pytest.mark.parametrize("steps", [0, 1, 7])
+def test_json_reference_style_is_the_references(tmp_path: Path, steps: int) -> None:
+    path, animator = build(tmp_path, MODEL + NASTY_NAMES + ["ctl\x01\x1f\x7f", "\\u001F"],
+                           steps)
+    con = open_store(path)
+    try:
+        out = tmp_path / "ref.json"
+        frames = export_json(con, "r", out, order="model", style="reference")
+        assert frames == steps
+        assert out.read_bytes() == animator.export_json().encode("utf-8")
+        assert export_run(con, "r", out, "json", style="reference") == steps
+        assert out.read_bytes() == animator.export_json().encode("utf-8")
+    finally:
+        con.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=1, max_size=40))
+def test_json_float_text_is_serde_jsons(values: list[float]) -> None:
+    con = duckdb.connect()
+    got = con.execute(f"SELECT {json_float_sql('x')} FROM (SELECT unnest($1::DOUBLE[]) AS x)",
+                      [values]).fetchall()
+    assert [g for (g,) in got] == [rust_json_float(v) for v in values]
 
 
 def test_nan_intensity_draws_blank_in_reference_style(tmp_path: Path) -> None:

@@ -11,12 +11,12 @@ the CSV and JSON exports, the ASCII heatmap. :func:`compare` lists every differe
 :class:`Tally` counts cases, comparisons and differences for the whole session.
 
 Presentation options used so that gradstream's output is the reference's, byte for byte:
-``export(..., style="reference")`` (CSV names raw, name order) and
-``heatmap(..., style="reference")``. Compared as sets (gradstream lists layers in model
+``export(..., style="reference")`` (CSV names raw; JSON pretty-printed as serde_json; name
+order) and ``heatmap(..., style="reference")``. Compared as sets (gradstream lists layers in model
 order, the reference by name): the report's layer lists. Compared by kind: recommendations
 (gradstream writes its own sentences; an extra gradstream line, e.g. the NaN/Inf advice, is
-counted as an extra, not a difference). JSON is compared as parsed values (the reference
-pretty-prints with serde_json, gradstream writes one compact frame per line).
+counted as an extra, not a difference). CSV and JSON are compared byte for byte where the
+case's sums are exact, else field by field to 1e-12.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Observed:
     report: object
     live_health: str | None
     csv: str
-    json_frames: list[dict[str, object]]
+    json_text: str
     heatmap: str
 
 
@@ -213,10 +213,10 @@ class Pipeline:
         csv_path = self.out / f"{run_id}.csv"
         json_path = self.out / f"{run_id}.json"
         self.reader.export(run_id, "csv", csv_path, from_step=from_step, style="reference")
-        self.reader.export(run_id, "json", json_path, from_step=from_step)
+        self.reader.export(run_id, "json", json_path, from_step=from_step, style="reference")
         heatmap = self.reader.heatmap(run_id, from_step=from_step, style="reference")
         return Observed(rows, report, live, csv_path.read_bytes().decode("utf-8"),
-                        json.loads(json_path.read_text(encoding="utf-8")), heatmap)
+                        json_path.read_bytes().decode("utf-8"), heatmap)
 
     def run(self, case: Case) -> list[str]:
         """Send, observe and compare one case; returns its differences (also tallied)."""
@@ -280,7 +280,7 @@ def compare(case: Case, ref: GradientFlowAnimator, got: Observed) -> list[str]:
     Compared: each (step, layer) value and flag of the retained frames; the report's
     total_steps, health, layer lists (as sets), issue frames, recommendation kinds (and that
     each layer line names the layers); the consumer's live health (whole-run cases); the CSV
-    bytes (``exact`` cases; else field by field to 1e-12); the JSON values; the heatmap text.
+    and JSON bytes (``exact`` cases; else field by field to 1e-12); the heatmap text.
     A difference in a field listed in ``case.departures`` is counted as a departure.
     """
     diffs: list[str] = []
@@ -351,9 +351,13 @@ def compare(case: Case, ref: GradientFlowAnimator, got: Observed) -> list[str]:
         check("csv", got.csv == ref_csv, _first_line_diff(got.csv, ref_csv))
     else:
         check("csv", _csv_close(got.csv, ref_csv), _first_line_diff(got.csv, ref_csv))
-    ref_json = json.loads(ref.export_json())
-    check("json", _json_close(got.json_frames, ref_json, case.exact),
-          _first_json_diff(got.json_frames, ref_json))
+    ref_text = ref.export_json()
+    got_frames, ref_frames = json.loads(got.json_text), json.loads(ref_text)
+    if case.exact:
+        check("json", got.json_text == ref_text, _first_line_diff(got.json_text, ref_text))
+    else:
+        check("json", _json_close(got_frames, ref_frames, False),
+              _first_json_diff(got_frames, ref_frames))
     ref_map = ref.to_ascii_animation()
     check("heatmap", got.heatmap == ref_map, _first_line_diff(got.heatmap, ref_map))
 

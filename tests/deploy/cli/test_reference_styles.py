@@ -1,4 +1,4 @@
-"""``gradstream export --style reference`` and ``gradstream report --heatmap
+"""``gradstream export --style reference`` (CSV and JSON) and ``gradstream report --heatmap
 --heatmap-style reference`` write the reference implementation's bytes."""
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ def test_cli_options_select_the_reference_styles(tmp_path: Path) -> None:
                                  "--heatmap-style", "reference", "--format", "json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["heatmap"] == animator.to_ascii_animation()
+    out = tmp_path / "cli.json"
     result = runner.invoke(app, ["export", "--db", str(path), "--run", "r", "--format",
-                                 "json", "--style", "reference", "--output",
-                                 str(tmp_path / "x.json")])
-    assert result.exit_code != 0 and "csv format only" in result.output
+                                 "json", "--style", "reference", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes() == animator.export_json().encode("utf-8")
+    result = runner.invoke(app, ["export", "--db", str(path), "--run", "r", "--format",
+                                 "parquet", "--style", "reference", "--output",
+                                 str(tmp_path / "x.parquet")])
+    assert result.exit_code != 0 and "csv and json formats only" in result.output
