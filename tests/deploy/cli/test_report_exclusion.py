@@ -170,3 +170,19 @@ def test_dashboard_script_uses_the_one_flag_definition() -> None:
     pairs = dict(re.findall(r"(\w+): (\d+)", table.group(1)))
     assert pairs and {k: int(v) for k, v in pairs.items()} == {
         k: FLAG_BITS[k] for k in pairs}
+
+
+def test_worker_and_store_options_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from consumer.store_settings import StoreSettings
+    from deploy.cli.consume import WorkerOptions
+
+    settings = WorkerOptions(ignore_layers=["*.key.bias", "x"],
+                             exclude_rounding_level=True).settings()
+    assert settings.ignore_layers == ["*.key.bias", "x"] and settings.exclude_rounding_level
+    default = WorkerOptions().settings()
+    assert default.ignore_layers == [] and not default.exclude_rounding_level
+    monkeypatch.setenv("GRADSTREAM_IGNORE_LAYERS", "*.key.bias, y")
+    monkeypatch.setenv("GRADSTREAM_EXCLUDE_ROUNDING_LEVEL", "true")
+    from_env = WorkerOptions().settings()
+    assert from_env.ignore_layers == ["*.key.bias", "y"] and from_env.exclude_rounding_level
+    assert StoreSettings().ignore_layers == ["*.key.bias", "y"]
