@@ -138,10 +138,12 @@ class StoreReader(ABC):
     def report(
         self, run_id: str, from_step: int | None = None, to_step: int | None = None,
         ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
+        order: str = "model",
     ) -> GradientFlowSummary:
         """The run's summary (:func:`analysis.report.build_report`) over the inclusive step
         range ``[from_step, to_step]`` (``None`` = open); ``ignore_layers`` (patterns added to
-        the run's own) and ``exclude_rounding`` as there."""
+        the run's own), ``exclude_rounding`` and ``order`` (of the layer lists: ``model`` or
+        ``name``, the reference's) as there."""
 
     @abstractmethod
     def heatmap(
@@ -276,13 +278,17 @@ class FileReader(StoreReader):
     def report(
         self, run_id: str, from_step: int | None = None, to_step: int | None = None,
         ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
+        order: str = "model",
     ) -> GradientFlowSummary:
         """See :meth:`StoreReader.report`."""
         from analysis.report import build_report
 
-        return self._call(lambda cur: build_report(
-            cur, run_id, from_step, to_step, ignore_layers=tuple(ignore_layers),
-            exclude_rounding=exclude_rounding))
+        try:
+            return self._call(lambda cur: build_report(
+                cur, run_id, from_step, to_step, ignore_layers=tuple(ignore_layers),
+                exclude_rounding=exclude_rounding, order=order))
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
 
     def heatmap(
         self, run_id: str, max_columns: int = 100, from_step: int | None = None,
@@ -434,6 +440,7 @@ class EndpointReader(StoreReader):
     def report(
         self, run_id: str, from_step: int | None = None, to_step: int | None = None,
         ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
+        order: str = "model",
     ) -> GradientFlowSummary:
         """See :meth:`StoreReader.report` (``GET /api/report``; ``ignore_layers`` as a JSON
         list)."""
@@ -444,6 +451,7 @@ class EndpointReader(StoreReader):
             "run": run_id, "from_step": from_step, "to_step": to_step,
             "ignore_layers": json.dumps(list(ignore_layers)) if ignore_layers else None,
             "exclude_rounding": "true" if exclude_rounding else None,
+            "order": None if order == "model" else order,
         }, MODEL_JSON)
         return GradientFlowSummary.model_validate_json(body)
 

@@ -95,7 +95,8 @@ class GradientFlowSummary(BaseModel):
     - ``total_steps``: last step considered + 1 (0 with no frame).
     - ``layers_with_vanishing_grads`` / ``layers_with_exploding_grads``: layers with
       ``is_vanishing`` / ``is_exploding`` in at least one frame, in model order
-      (``layers.layer_index``), not by name; without the layers of ``layers_excluded``
+      (``layers.layer_index``), or by name with ``build_report(..., order="name")`` (the
+      reference's order); without the layers of ``layers_excluded``
       (and, with ``exclude_rounding``, a row's ``is_vanishing`` is left out while its
       layer has had no gradient by construction from its first frame up to that row's
       step, see ``layers_without_gradient``).
@@ -457,6 +458,7 @@ def build_report(
     *,
     ignore_layers: tuple[str, ...] = (),
     exclude_rounding: bool = False,
+    order: str = "model",
 ) -> GradientFlowSummary:
     """Summarise one run from the store: flagged layers, health, recommendations.
 
@@ -469,6 +471,9 @@ def build_report(
             (module doc; :func:`run_exclusion`).
         exclude_rounding: leave out the vanishing flag of layers with no gradient by
             construction (module doc; off by default, as in the reference).
+        order: ``"model"`` (``layers.layer_index``) or ``"name"`` (code-point order, the
+            reference implementation's) for the vanishing, exploding and non-finite layer
+            lists and the names quoted in the recommendations.
 
     Returns:
         The :class:`GradientFlowSummary` of the frames in the range; field formulas are in
@@ -480,7 +485,10 @@ def build_report(
 
     Raises:
         StoreError: unknown run or invalid step range.
+        ValueError: unknown ``order``.
     """
+    if order not in ("model", "name"):
+        raise ValueError(f"order must be 'model' or 'name', got {order!r}")
     params = stats_params(run_id, from_step, to_step)
     require_run(con, run_id)
     vanishing: list[str] = []
@@ -501,6 +509,9 @@ def build_report(
                 names.append(name)
         if is_zero:
             since.append(first_step)
+    if order == "name":
+        for names in (vanishing, exploding, nonfinite):
+            names.sort()
     run_row = con.execute(_RUN_SQL, params).fetchone()
     assert rows and run_row is not None  # aggregate / checked by require_run
     frames, issue_frames, last_step, first_nonfinite_step, first_step = rows[0][:5]

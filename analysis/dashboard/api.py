@@ -166,18 +166,22 @@ def analyses() -> dict[str, object]:
 
 def report(
     cur: duckdb.DuckDBPyConnection, run_id: str, from_step: int | None, to_step: int | None,
-    ignore_layers: tuple[str, ...] = (), exclude_rounding: bool = False,
+    ignore_layers: tuple[str, ...] = (), exclude_rounding: bool = False, order: str = "model",
 ) -> GradientFlowSummary:
     """The run summary (:func:`analysis.report.build_report`) over an inclusive step range,
-    with the report's own ``ignore_layers`` patterns and ``exclude_rounding`` option.
+    with the report's own ``ignore_layers`` patterns, ``exclude_rounding`` option and layer
+    ``order`` (``model`` or ``name``).
 
     Raises:
-        StoreError: unknown run or invalid range.
+        StoreError: unknown run, invalid range or unknown order.
     """
     from analysis.report import build_report
 
-    return build_report(cur, run_id, from_step, to_step, ignore_layers=ignore_layers,
-                        exclude_rounding=exclude_rounding)
+    try:
+        return build_report(cur, run_id, from_step, to_step, ignore_layers=ignore_layers,
+                            exclude_rounding=exclude_rounding, order=order)
+    except ValueError as exc:
+        raise StoreError(str(exc)) from None
 
 
 def heatmap(

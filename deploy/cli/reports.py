@@ -174,6 +174,11 @@ def report(
     ] = ReportFormat.TABLE,
     ignore_layers: IgnoreLayersOption = None,
     exclude_rounding_level: ExcludeRoundingOption = None,
+    order: Annotated[
+        LayerOrder,
+        typer.Option("--order", help="Flagged-layer lists in model order, or by name (the "
+                     "reference implementation's order)."),
+    ] = LayerOrder.MODEL,
     timeout: TimeoutOption = None,
 ) -> None:
     """Summarise a run's gradient health: flagged layers, health class, findings,
@@ -194,7 +199,8 @@ def report(
         for run_id in run_ids:
             summary = reader.report(
                 run_id, from_step, to_step,
-                exclusion_patterns(ignore_layers), exclude_rounding(exclude_rounding_level))
+                exclusion_patterns(ignore_layers), exclude_rounding(exclude_rounding_level),
+                order.value)
             drawing = (reader.heatmap(run_id, max_columns, from_step, to_step,
                                       heatmap_style.value) if heatmap else None)
             if output_format is ReportFormat.JSON:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from analysis.export import export_csv, export_json, export_run, json_float_sql
 from analysis.heatmap import NONFINITE_GLYPH, ascii_heatmap
+from analysis.report import build_report
 from analysis.store import open_store
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
 from tests.conformance.reference import (
@@ -117,3 +118,25 @@ def test_nan_intensity_draws_blank_in_reference_style(tmp_path: Path) -> None:
         assert ascii_heatmap(con, "r").splitlines()[3].endswith(f"a  {NONFINITE_GLYPH}")
     finally:
         con.close()
+
+
+def test_report_order_name_lists_layers_as_the_reference(tmp_path: Path) -> None:
+    """``build_report(order="name")`` sorts the flagged-layer lists by name (the reference's
+    ``summary_report`` order), the default keeps model order; the names quoted in the
+    recommendations follow."""
+    path, animator = build(tmp_path, ["z_embed", "m_block", "a_head", "b_mid"], 8)
+    want = animator.summary_report()
+    con = open_store(path)
+    try:
+        by_model = build_report(con, "r")
+        by_name = build_report(con, "r", order="name")
+        with pytest.raises(ValueError, match="order"):
+            build_report(con, "r", order="hash")
+    finally:
+        con.close()
+    assert by_name.layers_with_exploding_grads == want.layers_with_exploding_grads
+    assert by_name.layers_with_vanishing_grads == want.layers_with_vanishing_grads == ["m_block"]
+    assert by_model.layers_with_exploding_grads == ["z_embed", "m_block", "a_head", "b_mid"]
+    assert want.layers_with_exploding_grads == ["a_head", "b_mid", "m_block", "z_embed"]
+    line = next(r for r in by_name.recommendations if r.startswith("Exploding"))
+    assert line.index("a_head") < line.index("b_mid") < line.index("z_embed")

@@ -12,8 +12,8 @@ the CSV and JSON exports, the ASCII heatmap. :func:`compare` lists every differe
 
 Presentation options used so that gradstream's output is the reference's, byte for byte:
 ``export(..., style="reference")`` (CSV names raw; JSON pretty-printed as serde_json; name
-order) and ``heatmap(..., style="reference")``. Compared as sets (gradstream lists layers in model
-order, the reference by name): the report's layer lists. Compared by kind: recommendations
+order), ``heatmap(..., style="reference")`` and ``report(..., order="name")`` (layer lists
+by name, as the reference sorts them). Compared by kind: recommendations
 (gradstream writes its own sentences; an extra gradstream line, e.g. the NaN/Inf advice, is
 counted as an extra, not a difference). CSV and JSON are compared byte for byte where the
 case's sums are exact, else field by field to 1e-12.
@@ -208,7 +208,7 @@ class Pipeline:
             "WHERE s.run_id = $run", {"run": run_id}).to_pylist()
         rows = {(r["step"], r["name"]): r for r in table}
         from_step = case.steps[-case.window] if case.window else None
-        report = self.reader.report(run_id, from_step=from_step)
+        report = self.reader.report(run_id, from_step=from_step, order="name")
         live = report.live_health.health.value if report.live_health else None
         csv_path = self.out / f"{run_id}.csv"
         json_path = self.out / f"{run_id}.json"
@@ -278,7 +278,7 @@ def compare(case: Case, ref: GradientFlowAnimator, got: Observed) -> list[str]:
     """Every difference between the reference and gradstream for one case.
 
     Compared: each (step, layer) value and flag of the retained frames; the report's
-    total_steps, health, layer lists (as sets), issue frames, recommendation kinds (and that
+    total_steps, health, layer lists (name order), issue frames, recommendation kinds (and that
     each layer line names the layers); the consumer's live health (whole-run cases); the CSV
     and JSON bytes (``exact`` cases; else field by field to 1e-12); the heatmap text.
     A difference in a field listed in ``case.departures`` is counted as a departure.
@@ -319,10 +319,11 @@ def compare(case: Case, ref: GradientFlowAnimator, got: Observed) -> list[str]:
           f"gradstream {rep.overall_health.value}, reference {want.overall_health.value}")
     for mine, theirs, name in (
         (rep.layers_with_vanishing_grads, want.layers_with_vanishing_grads, "vanishing_layers"),
+        # the report asked with order="name": lists in the reference's order
         (rep.layers_with_exploding_grads, want.layers_with_exploding_grads, "exploding_layers"),
     ):
         extra, missing = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
-        check(name, sorted(mine) == theirs,
+        check(name, mine == theirs,
               f"gradstream lists {extra[:10]} that the reference does not; the reference "
               f"lists {missing[:10]} that gradstream does not")
     check("issue_frames", (rep.issue_frames, rep.frames) == (want.issue_frames, want.frames),
@@ -333,10 +334,9 @@ def compare(case: Case, ref: GradientFlowAnimator, got: Observed) -> list[str]:
           f"gradstream kinds {kinds}, reference {want.recommendation_kinds}")
     for kind, names in (("vanishing_layers", want.layers_with_vanishing_grads),
                         ("exploding_layers", want.layers_with_exploding_grads)):
-        if kind in kinds:  # names quoted in model order, the first NAMES_IN_TEXT of them
+        if kind in kinds:  # names quoted in name order, the first NAMES_IN_TEXT of them
             line = rep.recommendations[kinds.index(kind)]
-            flagged = set(names)
-            ordered = [nm for nm in case.layers if nm in flagged]
+            ordered = list(names)
             named = all(nm in line for nm in ordered[:NAMES_IN_TEXT]) and (
                 len(ordered) <= NAMES_IN_TEXT
                 or f"and {len(ordered) - NAMES_IN_TEXT} more" in line)

@@ -33,3 +33,12 @@ def test_cli_options_select_the_reference_styles(tmp_path: Path) -> None:
                                  "parquet", "--style", "reference", "--output",
                                  str(tmp_path / "x.parquet")])
     assert result.exit_code != 0 and "csv and json formats only" in result.output
+
+
+def test_report_order_name(tmp_path: Path) -> None:
+    path, animator = build(tmp_path, MODEL, 8)
+    result = CliRunner().invoke(app, ["report", "--db", str(path), "--run", "r", "--order",
+                                      "name", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)["layers_with_exploding_grads"]
+    assert got == animator.summary_report().layers_with_exploding_grads == sorted(MODEL)
