@@ -14,6 +14,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,16 +25,17 @@ from deploy.serve import ServedWorker
 from tests.conformance.harness import TALLY, Pipeline
 
 
-@pytest.fixture(scope="module")
-def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
-             ) -> Iterator[Pipeline]:
-    """A served worker on a fresh topic and a reader of its store (module scope)."""
+@contextmanager
+def served_pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory,
+                    max_frames: int) -> Iterator[Pipeline]:
+    """A served worker (``--max-frames max_frames``) on a fresh topic and a reader of its
+    store."""
     name = uuid.uuid4().hex[:10]
     out = tmp_path_factory.mktemp("conformance")
     settings = ConsumerSettings(
         bootstrap_servers=kafka_bootstrap, topic=f"conf-sum-{name}",
         dlq_topic=f"conf-dlq-{name}", group_id=f"conf-grp-{name}",
-        db=str(out / "store.duckdb"), shard_timeout_s=120.0,
+        db=str(out / "store.duckdb"), shard_timeout_s=120.0, max_frames=max_frames,
     )
     served = ServedWorker(settings, port=0, refresh_s=1.0)
     served.start(timeout=120.0)
@@ -41,11 +43,29 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
         assert served.worker.wait_ready(120), f"worker did not join: {served.worker.error}"
         reader = open_reader(Path(settings.db))
         try:
-            yield Pipeline(kafka_bootstrap, settings.topic, reader, served.worker, out)
+            yield Pipeline(kafka_bootstrap, settings.topic, reader, served.worker, out,
+                           max_frames)
         finally:
             reader.close()
     finally:
         served.stop(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[Pipeline]:
+    """A served worker keeping the whole run's health (module scope)."""
+    with served_pipeline(kafka_bootstrap, tmp_path_factory, 0) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def windowed_pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+                      ) -> Iterator[Pipeline]:
+    """A served worker whose live health covers the last 3 frames (``--max-frames 3``),
+    the reference's ``max_frames`` rolling window (module scope)."""
+    with served_pipeline(kafka_bootstrap, tmp_path_factory, 3) as p:
+        yield p
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -129,6 +129,7 @@ class Observed:
     rows: dict[tuple[int, str], dict[str, object]]
     report: object
     live_health: str | None
+    live_window: int
     csv: str
     json_text: str
     heatmap: str
@@ -143,12 +144,14 @@ class Pipeline:
         reader: :func:`analysis.reader.open_reader` of the worker's store.
         worker: the :class:`consumer.worker.Worker`.
         out: a directory for exports.
+        max_frames: the worker's ``max_frames`` (window of its live health; 0 = whole run).
     """
 
     def __init__(self, bootstrap: str, topic: str, reader: StoreReader, worker: object,
-                 out: Path) -> None:
+                 out: Path, max_frames: int = 0) -> None:
         self.bootstrap, self.topic, self.reader, self.worker, self.out = (
             bootstrap, topic, reader, worker, out)
+        self.max_frames = max_frames
 
     def send(self, case: Case, run_id: str) -> None:
         """Send the case's summaries: every rank's producer, in the case's order."""
@@ -215,7 +218,8 @@ class Pipeline:
         self.reader.export(run_id, "csv", csv_path, from_step=from_step, style="reference")
         self.reader.export(run_id, "json", json_path, from_step=from_step, style="reference")
         heatmap = self.reader.heatmap(run_id, from_step=from_step, style="reference")
-        return Observed(rows, report, live, csv_path.read_bytes().decode("utf-8"),
+        return Observed(rows, report, live, self.max_frames,
+                        csv_path.read_bytes().decode("utf-8"),
                         json_path.read_bytes().decode("utf-8"), heatmap)
 
     def run(self, case: Case) -> list[str]:
@@ -279,7 +283,8 @@ def compare(case: Case, ref: GradientFlowAnimator, got: Observed) -> list[str]:
 
     Compared: each (step, layer) value and flag of the retained frames; the report's
     total_steps, health, layer lists (name order), issue frames, recommendation kinds (and that
-    each layer line names the layers); the consumer's live health (whole-run cases); the CSV
+    each layer line names the layers); the consumer's live health (when its ``max_frames``
+    is the case's window); the CSV
     and JSON bytes (``exact`` cases; else field by field to 1e-12); the heatmap text.
     A difference in a field listed in ``case.departures`` is counted as a departure.
     """
@@ -342,7 +347,7 @@ def compare(case: Case, ref: GradientFlowAnimator, got: Observed) -> list[str]:
                 or f"and {len(ordered) - NAMES_IN_TEXT} more" in line)
             check("recommendations", named,
                   f"{kind} line {line[:200]!r} does not name {ordered[:NAMES_IN_TEXT]}")
-    if case.window == 0:
+    if case.window == got.live_window:  # the consumer's window is the reference's
         check("live_health", got.live_health == want.overall_health.value,
               f"consumer {got.live_health}, reference {want.overall_health.value}")
 

@@ -197,6 +197,20 @@ def test_rolling_window(pipeline: Pipeline) -> None:
                                    window=3))
 
 
+@pytest.mark.parametrize("late_issues", [False, True])
+def test_consumer_max_frames_is_the_rolling_window(windowed_pipeline: Pipeline,
+                                                   late_issues: bool) -> None:
+    """The consumer's live health with ``--max-frames 3`` against the reference's
+    ``max_frames = 3``: early vanishing steps leave both windows; late exploding steps
+    stay."""
+    rng = np.random.default_rng(13)
+    grads = [{"a": dyadic(rng, 4, -40 if i < 4 else -8),
+              "b": dyadic(rng, 4, 1 if late_issues and i >= 6 else -6)} for i in range(9)]
+    case = Case(f"max-frames-3-late-{late_issues}", ["a", "b"], grads, list(range(9)),
+                window=3)
+    assert_conforms(windowed_pipeline, case)
+
+
 # -- random runs --------------------------------------------------------------------------------
 
 NAME_ALPHABET = "abxyz019._- ,\u00fc"
