@@ -2,9 +2,10 @@
 
 A dead letter (:mod:`consumer.dlq`) is the original key and value (cut at
 ``DLQ_VALUE_LIMIT`` bytes, header ``truncated``) with headers ``reason``, ``error`` (error
-class: invalid, unknown_run, conflicting_run), ``source_topic``, ``source_partition`` and
-``source_offset``. :class:`DeadLetterReader` reads the topic without a consumer group (every
-partition assigned, nothing committed), so reading never disturbs the workers.
+class: invalid, unknown_run, conflicting_run, refused_rank), ``source_topic``,
+``source_partition`` and ``source_offset``. :class:`DeadLetterReader` reads the topic
+without a consumer group (every partition assigned, nothing committed), so reading never
+disturbs the workers.
 :func:`read_topic` reads any gradstream topic the same way for ``gradstream inspect``,
 binary messages decoded to JSON (:func:`record_to_json`).
 """
