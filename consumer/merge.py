@@ -222,16 +222,17 @@ def check_shard(shard: StepSummary, full_numel: np.ndarray) -> str | None:
     over = numel > full
     if shard.shard_count is not None:
         whole = np.asarray(shard.shard_count, np.int64) == 1
+        wrong = over | (whole & (numel != full))
+    elif shard.world_size == 1:  # no layout, one rank: its piece is the whole parameter
+        wrong = numel != full
     else:
-        whole = np.full(len(layers), shard.world_size == 1)
-    wrong = over | (whole & (numel != full))
+        wrong = over
     if not wrong.any():
         return None
     bad = np.flatnonzero(wrong)
     i = int(bad[0])
     what = ("exceeds" if over[i] else "differs from") + " the parameter's"
-    piece = ("the whole parameter (shard_count 1)" if whole[i] and not over[i]
-             else "a piece")
+    piece = "a piece" if over[i] else "the whole parameter (shard_count 1)"
     return (f"rank {shard.rank} step {shard.step}: layer {int(layers[i])} holds "
             f"{int(numel[i])} elements as {piece}, which {what} {int(full[i])} from "
             f"RunStarted ({bad.size} such layer(s)); the summary does not fit the run's "
