@@ -67,6 +67,8 @@ class Case:
         declare_dtypes: pass ``dtypes=`` to ``start_run``.
         window: the reference's ``max_frames`` (0 = all); gradstream's report then covers
             the last ``window`` steps (``from_step``).
+        thresholds: (vanishing, exploding): the reference's ``with_vanishing_threshold`` /
+            ``with_exploding_threshold``, gradstream's ``start_run`` thresholds.
         exact: sums are exact in any order (dyadic values), so every value and the CSV
             bytes must be equal; otherwise values are compared to 1e-12 relative.
         departures: documented departures expected in this case (field names), each
@@ -82,6 +84,7 @@ class Case:
     send_seed: int | None = None
     declare_dtypes: bool = False
     window: int = 0
+    thresholds: tuple[float, float] = (VANISHING_THRESHOLD, EXPLODING_THRESHOLD)
     exact: bool = True
     departures: frozenset[str] = frozenset()
 
@@ -113,7 +116,7 @@ TALLY = Tally()
 
 def reference_of(case: Case) -> GradientFlowAnimator:
     """The reference animator fed with the case's full gradients, step by step."""
-    animator = GradientFlowAnimator(case.window, VANISHING_THRESHOLD, EXPLODING_THRESHOLD)
+    animator = GradientFlowAnimator(case.window, *case.thresholds)
     for step, grads in zip(case.steps, case.grads, strict=True):
         animator.record_step(step, {n: grads[n].astype(np.float64).tolist() for n in case.layers})
     return animator
@@ -162,7 +165,8 @@ class Pipeline:
         dtypes = ({n: str(case.grads[0][n].dtype) for n in case.layers}
                   if case.declare_dtypes else None)
         for p in producers:
-            p.start_run(numel, dtypes=dtypes)
+            p.start_run(numel, dtypes=dtypes, vanishing_threshold=case.thresholds[0],
+                        exploding_threshold=case.thresholds[1])
         order = [(r, i) for i in range(len(case.steps)) for r in range(case.ranks)]
         if case.send_seed is not None:
             rng = random.Random(case.send_seed)

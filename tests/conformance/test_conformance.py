@@ -215,13 +215,18 @@ def test_consumer_max_frames_is_the_rolling_window(windowed_pipeline: Pipeline,
 
 NAME_ALPHABET = "abxyz019._- ,\u00fc"
 
+THRESHOLDS = [(1e-7, 1e3), (1e-6, 100.0), (2.0**-20, 2.0**10), (2.0**-10, 2.0**-9)]
+"""(vanishing, exploding) thresholds of the random runs: the defaults, the reference's unit
+tests' custom ones, and powers of two that dyadic values hit exactly (ties)."""
+
 
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     """A random run: 1-5 layers (names of letters, digits, punctuation, a space, a comma and
     a non-ASCII letter), 1-6 steps (not necessarily from 0), 1-3 ranks in any layout, float32
-    or float64, dtypes declared or not, a window, per-layer magnitudes 2^-45..2^12 (both
-    thresholds inside), zero layers and spikes, and a random send order."""
+    or float64, dtypes declared or not, a window, thresholds (:data:`THRESHOLDS`), per-layer
+    magnitudes 2^-45..2^12 (both thresholds inside), zero layers, and a random send
+    order."""
     names = draw(st.lists(st.text(NAME_ALPHABET, min_size=1, max_size=6), min_size=1,
                           max_size=5, unique=True))
     n_steps = draw(st.integers(1, 6))
@@ -248,6 +253,7 @@ def cases(draw: st.DrawFn) -> Case:
         label=f"random(seed={seed})", layers=names, grads=grads, steps=steps, ranks=ranks,
         layout=layout, send_seed=draw(st.none() | st.integers(0, 1000)),  # type: ignore[arg-type]
         declare_dtypes=draw(st.booleans()), window=draw(st.integers(0, n_steps)),
+        thresholds=draw(st.sampled_from(THRESHOLDS)),
     )
 
 
