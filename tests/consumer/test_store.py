@@ -113,3 +113,19 @@ def test_alert_records_are_stored_once_and_bad_ones_skipped(store):
     assert rows == [("i1-firing", "nonfinite", [1])]
     assert s.counters.dead_letters == 1 and s.counters.alerts == 2
     assert s.output.sink.load_offsets(s.settings.group_id, topic) == {0: 3}
+
+
+def test_a_frame_whose_pieces_overflow_the_parameters_is_stored_as_partial(store):
+    """Scale-out: the store checks the merged sizes again (RunStarted: a 12, b 18): three
+    ranks of (4, 6) fit, six would count (24, 36) elements: marked partial, not complete."""
+    s, feed = store
+    frame = frame_of([0, 1, 2])
+    feed(frame_to_message(frame))
+    assert stored(s)[1] == [([0, 1, 2], True)]
+    doubled = frame_of([0, 1, 2])
+    doubled.numel = doubled.numel * 2
+    doubled.step = 6
+    feed(frame_to_message(doubled))
+    rows = s.output.sink.con.execute(
+        "SELECT step, ranks_seen, complete, missing_ranks FROM frames ORDER BY step").fetchall()
+    assert rows == [(5, [0, 1, 2], True, []), (6, [0, 1, 2], False, [])]
