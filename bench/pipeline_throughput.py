@@ -8,7 +8,8 @@
    :class:`deploy.broker.LocalBroker` on this machine). By default the ranks shard the
    model (FSDP-style: rank r reports its ``--layers`` layers of a ``ranks x layers`` model),
    so every layer entry of a message becomes one stored row; ``--replicated`` makes every
-   rank report every layer (DDP-style; ranks are merged, rows = message rows / ranks).
+   rank report a disjoint piece of every layer (FSDP2-style: the pieces add up to the
+   parameter; ranks are merged, rows = message rows / ranks).
 2. **Floor.** A bare kafka-python consumer (no group, same fetch sizes as the worker)
    reads the whole topic and discards the bytes: the cost of getting the records out of
    Kafka into Python, measured twice (before and after the pipeline), best kept.
@@ -94,6 +95,17 @@ class Span:
         return f"{per_row}; {(self.cpu + self.broker_cpu) / self.wall:.2f} cores busy"
 
 
+def _piece_numel(numel: np.ndarray, rank: int, ranks: int) -> np.ndarray:
+    """int64[L]: the elements of each parameter that ``rank`` holds when every one of
+    ``ranks`` ranks holds a disjoint piece of every parameter (the shapes' ``replicated``
+    case, as under FSDP): ``numel // ranks`` each, the last rank also the remainder, so the
+    pieces add up to the parameter's numel (the consumer checks it; a short sum is a
+    partial frame). Raises ValueError when a parameter has fewer elements than ranks."""
+    if int(numel.min()) < ranks:
+        raise ValueError(f"every parameter needs at least {ranks} elements to give each rank one")
+    return numel // ranks + (numel % ranks if rank == ranks - 1 else 0)
+
+
 def _produce_rank(bootstrap: str, topic: str, run_id: str, rank: int, ranks: int,
                   layers: int, steps: int, replicated: bool) -> tuple[int, float]:
     """Child process: one rank's producer. Returns (messages sent, seconds)."""
@@ -110,8 +122,8 @@ def _produce_rank(bootstrap: str, topic: str, run_id: str, rank: int, ranks: int
                                 topic=topic, enqueue_timeout_s=600.0, queue_size=256)
     start = time.perf_counter()
     producer.start_run(dict(zip(names, numel.tolist(), strict=True)))
-    shard = numel[:layers] if replicated else numel[rank * layers:(rank + 1) * layers]
-    shard = np.maximum(shard // (ranks if replicated else 1), 1)
+    shard = (_piece_numel(numel[:layers], rank, ranks) if replicated
+             else numel[rank * layers:(rank + 1) * layers])
     mine_scale = scale[:layers] if replicated else scale[rank * layers:(rank + 1) * layers]
     for step in range(steps):
         rms = mine_scale * rng.lognormal(0.0, 0.1, layers)
@@ -272,7 +284,8 @@ def _stage_messages(run_ids: list[str], ranks: int, layers: int, steps: int,
         for run_id, numel, scale, rngs in runs:
             for rank in range(ranks):
                 lo = 0 if replicated else rank * layers
-                shard = np.maximum(numel[lo:lo + layers] // (ranks if replicated else 1), 1)
+                shard = (_piece_numel(numel[:layers], rank, ranks) if replicated
+                         else numel[lo:lo + layers])
                 rms = scale[lo:lo + layers] * rngs[rank].lognormal(0.0, 0.1, layers)
                 records.append(encode_message(StepSummary(
                     run_id=run_id, step=step, rank=rank, world_size=ranks,
@@ -545,11 +558,14 @@ def run_shape(settings_args: dict[str, object], shape: Shape, broker_pid: int | 
     import duckdb
 
     con = duckdb.connect(settings.db, read_only=True)
-    stored, frames = con.execute(
-        "SELECT (SELECT count(*) FROM layer_stats), (SELECT count(*) FROM frames)"
+    stored, frames, complete = con.execute(
+        "SELECT (SELECT count(*) FROM layer_stats), (SELECT count(*) FROM frames), "
+        "(SELECT count_if(complete) FROM frames)"
     ).fetchone()
     con.close()
-    assert stored == rows and frames == shape.runs * shape.steps, (stored, rows, frames)
+    # Every frame complete: the bench's pieces fit their parameters (a misfit is partial).
+    assert stored == rows and frames == complete == shape.runs * shape.steps, (
+        stored, rows, frames, complete)
     pipeline_rate = rows / pipeline.wall
     floor_rate = rows / floor.wall
     print(f"pipeline: {rows} layer-rows ({frames} frames) stored in {pipeline.wall:.2f} s = "
