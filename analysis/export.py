@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from analysis.nonfinite import has_nan_column, reference_stats_sql, require_nan_split
 from analysis.store import STATS_SQL, StoreError, require_run, stats_params
 from schemas.tables import LAYER_STATS_COLUMNS
 
@@ -56,7 +57,11 @@ frames, layers in name order: CSV names raw (a name holding a comma or a line br
 breaks the CSV's columns); JSON pretty-printed as ``serde_json::to_string_pretty`` does
 (two-space indent, floats as ryu's shortest round-trip text: ``0.1``, ``1.0``, ``1e-7``,
 ``1.5e300``; non-finite floats ``null``; control characters escaped ``\\u00xx`` in lower
-case; no trailing newline)."""
+case; no trailing newline). The reference style also shows the reference's values of the
+layers holding NaN/Inf elements (``analysis.nonfinite``: mean and norm NaN with a NaN,
+inf with an Inf; max inf with an Inf; an Inf layer exploding; the step's intensities
+rebuilt), and refuses (``StoreError``) a range holding such a row stored without its NaN
+count (before wire schema 1.7)."""
 
 
 def rust_exp_sql(column: str) -> str:
@@ -200,9 +205,11 @@ def json_string_sql(column: str) -> str:
     return f"'\"' || {expr} || '\"'"
 
 
-def _pretty_frame_sql(order_by: str) -> str:
+def _pretty_frame_sql(order_by: str, stats_sql: str = STATS_SQL) -> str:
     """SQL of one frame per row, laid out as serde_json's pretty printer (inside the
-    array: 2 spaces per level), with the separator in front (see :data:`_JSON_PRETTY`)."""
+    array: 2 spaces per level), with the separator in front (see :data:`_JSON_PRETTY`);
+    ``stats_sql`` is the relation of the run's rows (``analysis.nonfinite``'s for the
+    reference style)."""
     layer = (
         "'      {\n        \"name\": ' || jname"
         " || ',\n        \"mean_abs_grad\": ' || " + json_float_sql("mean_abs_grad") +
@@ -214,7 +221,7 @@ def _pretty_frame_sql(order_by: str) -> str:
         " || '\n      }'"
     )
     return f"""
-        WITH s AS ({STATS_SQL}),
+        WITH s AS ({stats_sql}),
         n AS (SELECT DISTINCT layer_index, name, {json_string_sql("name")} AS jname FROM s)
         SELECT {_sql_text(_JSON_PRETTY.separator)} || '  {{\n    "step": ' || CAST(step AS VARCHAR)
                || ',\n    "layers": [\n'
@@ -398,14 +405,18 @@ def export_csv(
         ValueError: unknown ``order`` or ``style``.
     """
     _check_style(style)
+    params = stats_params(run_id, from_step, to_step)
+    stats_sql = STATS_SQL
     if style == "reference":
         order = "name"
+        require_run(con, run_id)
+        require_nan_split(con, params, "export --style reference")
+        stats_sql = reference_stats_sql(has_nan_column(con))
     name_sql = "name" if style == "reference" else _csv_field("name")
     order_by = _order_sql(order)
-    params = stats_params(run_id, from_step, to_step)
     # concat() skips NULLs, so a NULL statistic is an empty field, as in DuckDB's CSV writer.
     select = f"""
-        WITH s AS ({STATS_SQL})
+        WITH s AS ({stats_sql})
         SELECT concat(
                    step, ',', {name_sql}, ',',
                    {rust_exp_sql("mean_abs_grad")}, ',',
@@ -463,8 +474,11 @@ def export_json(
     _check_style(style)
     params = stats_params(run_id, from_step, to_step)
     if style == "reference":
-        return _export(con, run_id, path, _pretty_frame_sql(_order_sql("name")), params,
-                       _JSON_PRETTY, _count_sql(True), progress)
+        require_run(con, run_id)
+        require_nan_split(con, params, "export --style reference")
+        stats_sql = reference_stats_sql(has_nan_column(con))
+        return _export(con, run_id, path, _pretty_frame_sql(_order_sql("name"), stats_sql),
+                       params, _JSON_PRETTY, _count_sql(True), progress)
     order_by = _order_sql(order)
     select = f"""
         WITH s AS ({STATS_SQL})

@@ -14,11 +14,13 @@ Reference style (``ascii_heatmap(..., style="reference")``, ``gradstream report 
 ``to_ascii_animation`` draws from the same frames, dropping gradstream's presentation
 choices: rows by layer name (code-point order) instead of model order; one column per
 frame whatever their number (no ``max_columns`` buckets); no NaN/Inf glyph (a non-finite
-intensity draws as the reference casts it, blank); no legend line; names printed raw; and
-the reference's width rule: names right-aligned to the longest name measured in UTF-8
-bytes (the ``layer`` label is not counted and may stick out), padding counted in
-characters. The conformance suite (``tests/conformance``) compares this style with an
-executable reference byte for byte.
+intensity draws as the reference casts it, blank), and the intensities of a step holding
+NaN/Inf elements as the reference computes them (``analysis.nonfinite``; a range holding
+such a row stored without its NaN count, before wire schema 1.7, is refused); no legend
+line; names printed raw; and the reference's width rule: names right-aligned to the
+longest name measured in UTF-8 bytes (the ``layer`` label is not counted and may stick
+out), padding counted in characters. The conformance suite (``tests/conformance``)
+compares this style with an executable reference byte for byte.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from rich.cells import cell_len
 
+from analysis.nonfinite import has_nan_column, reference_stats_sql, require_nan_split
 from analysis.store import STATS_SQL, require_run, stats_params
 
 if TYPE_CHECKING:
@@ -55,8 +58,8 @@ LEGEND = (
 rounded to quarters, blank below 1/8 or for a layer absent from the frame;
 :data:`NONFINITE_GLYPH`); at most 80 terminal cells."""
 
-_HEATMAP_SQL = f"""
-    WITH s AS ({STATS_SQL}),
+_HEATMAP_SQL = """
+    WITH s AS ({stats}),
     steps AS (
         SELECT step,
                row_number() OVER (ORDER BY step) - 1 AS col,
@@ -162,7 +165,12 @@ def ascii_heatmap(
         order, max_columns = "name", _ONE_COLUMN_PER_FRAME
     params = stats_params(run_id, from_step, to_step) | {"max_columns": max_columns}
     require_run(con, run_id)
-    cols = con.execute(_HEATMAP_SQL, params).fetchnumpy()
+    stats_sql = STATS_SQL
+    if reference:  # the reference's intensities of the steps holding NaN/Inf elements
+        require_nan_split(con, stats_params(run_id, from_step, to_step),
+                          "heatmap --heatmap-style reference")
+        stats_sql = reference_stats_sql(has_nan_column(con))
+    cols = con.execute(_HEATMAP_SQL.format(stats=stats_sql), params).fetchnumpy()
     if len(cols["bucket"]) == 0:
         return EMPTY
     layer_index = np.asarray(cols["layer_index"], dtype=np.int64)

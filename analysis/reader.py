@@ -138,12 +138,13 @@ class StoreReader(ABC):
     def report(
         self, run_id: str, from_step: int | None = None, to_step: int | None = None,
         ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
-        order: str = "model",
+        order: str = "model", nonfinite_rule: str = "critical",
     ) -> GradientFlowSummary:
         """The run's summary (:func:`analysis.report.build_report`) over the inclusive step
         range ``[from_step, to_step]`` (``None`` = open); ``ignore_layers`` (patterns added to
-        the run's own), ``exclude_rounding`` and ``order`` (of the layer lists: ``model`` or
-        ``name``, the reference's) as there."""
+        the run's own), ``exclude_rounding``, ``order`` (of the layer lists: ``model`` or
+        ``name``, the reference's) and ``nonfinite_rule`` (``critical`` or ``reference``,
+        ``schemas.health.NONFINITE_RULES``) as there."""
 
     @abstractmethod
     def heatmap(
@@ -278,7 +279,7 @@ class FileReader(StoreReader):
     def report(
         self, run_id: str, from_step: int | None = None, to_step: int | None = None,
         ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
-        order: str = "model",
+        order: str = "model", nonfinite_rule: str = "critical",
     ) -> GradientFlowSummary:
         """See :meth:`StoreReader.report`."""
         from analysis.report import build_report
@@ -286,7 +287,8 @@ class FileReader(StoreReader):
         try:
             return self._call(lambda cur: build_report(
                 cur, run_id, from_step, to_step, ignore_layers=tuple(ignore_layers),
-                exclude_rounding=exclude_rounding, order=order))
+                exclude_rounding=exclude_rounding, order=order,
+                nonfinite_rule=nonfinite_rule))
         except ValueError as exc:
             raise StoreError(str(exc)) from None
 
@@ -440,7 +442,7 @@ class EndpointReader(StoreReader):
     def report(
         self, run_id: str, from_step: int | None = None, to_step: int | None = None,
         ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
-        order: str = "model",
+        order: str = "model", nonfinite_rule: str = "critical",
     ) -> GradientFlowSummary:
         """See :meth:`StoreReader.report` (``GET /api/report``; ``ignore_layers`` as a JSON
         list)."""
@@ -452,6 +454,7 @@ class EndpointReader(StoreReader):
             "ignore_layers": json.dumps(list(ignore_layers)) if ignore_layers else None,
             "exclude_rounding": "true" if exclude_rounding else None,
             "order": None if order == "model" else order,
+            "nonfinite_rule": None if nonfinite_rule == "critical" else nonfinite_rule,
         }, MODEL_JSON)
         return GradientFlowSummary.model_validate_json(body)
 

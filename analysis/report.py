@@ -40,8 +40,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from analysis.nonfinite import has_nan_column, require_nan_split
 from analysis.store import require_run, stats_params
-from schemas.health import classify_health, match_layers
+from schemas.health import check_nonfinite_rule, classify_health, match_layers
 from schemas.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
 
@@ -116,6 +117,15 @@ class GradientFlowSummary(BaseModel):
     - ``issue_frames``: frames with any vanishing (as above), exploding or non-finite
       layer (a NaN/Inf gradient is an issue: its max |g| is inf, so the layer counts
       as exploding); ``issue_ratio = issue_frames / max(frames, 1)``.
+    - ``nonfinite_rule``: how NaN/Inf gradients counted in the verdict
+      (``schemas.health.NONFINITE_RULES``). ``"critical"`` (default, gradstream's rule):
+      a layer with NaN/Inf elements makes its frame an issue frame and the run Critical.
+      ``"reference"``: the reference implementation's verdict exactly: a layer with an Inf
+      element (``nonfinite > nan``, wire schema 1.7) is exploding (listed in
+      ``layers_with_exploding_grads``), a layer with NaN only is no issue, and no rule
+      makes the run Critical by itself (``layers_with_nonfinite_grads`` and the NaN/Inf
+      recommendation stay, as facts). A range holding a non-finite row whose NaN count is
+      unknown (stored before 1.7) is refused (``analysis.nonfinite.require_nan_split``).
     - ``ignore_layers``: the patterns applied (the run's, then the report's own);
       ``layers_excluded``: the layers they match (model order), whose vanishing and
       exploding flags count nowhere here. ``excluded_rounding_level``: the report was
@@ -183,6 +193,7 @@ class GradientFlowSummary(BaseModel):
     layers_excluded: list[str] = Field(default_factory=list)
     excluded_rounding_level: bool = False
     findings: list[str] = Field(default_factory=list)
+    nonfinite_rule: str = "critical"
 
 
 def _show_name(name: str) -> str:
@@ -308,7 +319,7 @@ _HEALTH_LINE: dict[GradientHealth, str] = {
     GradientHealth.HEALTHY: "Gradient flow looks healthy; nothing to do.",
 }
 
-def _summary_sql(with_dtype: bool) -> str:
+def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
     """One statement for the layer lists and the frame counts of :func:`build_report`.
 
     Rows of the run up to ``$to_step`` are judged by
@@ -319,19 +330,24 @@ def _summary_sql(with_dtype: bool) -> str:
     first_nonfinite_step, first_step); one row with NULL layer columns when no layer is listed.
     Parameters besides the range: ``$excluded`` (INTEGER[], layer indices whose vanishing
     and exploding flags count nowhere) and ``$exclude_rounding`` (BOOLEAN: leave out the
-    vanishing flag of rows with ``no_gradient``).
+    vanishing flag of rows with ``no_gradient``) and ``$reference`` (BOOLEAN: the
+    reference implementation's non-finite semantics, ``schemas.health.NONFINITE_RULES``:
+    a row with an Inf element, ``nonfinite > nan``, is exploding, and a NaN/Inf row is no
+    issue by itself).
 
     Args:
         with_dtype: the store's ``layers`` table has the ``dtype`` column (schema 1.3).
+        with_nan: its ``layer_stats`` has the ``nan`` column (schema 1.7).
     """
     return f"""
-    WITH z AS MATERIALIZED ({rounding_rows_sql(with_dtype)}),
+    WITH z AS MATERIALIZED ({rounding_rows_sql(with_dtype, with_nan)}),
     x AS (SELECT unnest($excluded::INTEGER[]) AS layer_index),
     s AS (
         SELECT step, layer_index, nonfinite, no_gradient, first_step,
                is_vanishing AND NOT excluded AND NOT ($exclude_rounding AND no_gradient)
                    AS vanishing,
-               is_exploding AND NOT excluded AS exploding
+               (is_exploding OR ($reference AND coalesce(nonfinite > nan, false)))
+                   AND NOT excluded AS exploding
         FROM (SELECT *, layer_index IN (SELECT layer_index FROM x) AS excluded FROM z)
         WHERE $from_step IS NULL OR step >= $from_step
     ),
@@ -342,7 +358,8 @@ def _summary_sql(with_dtype: bool) -> str:
         FROM s GROUP BY layer_index
     ),
     f AS (
-        SELECT step, bool_or(vanishing OR exploding OR nonfinite > 0) AS issue,
+        SELECT step,
+               bool_or(vanishing OR exploding OR (nonfinite > 0 AND NOT $reference)) AS issue,
                bool_or(nonfinite > 0) AS nonfinite
         FROM s GROUP BY step
     ),
@@ -459,6 +476,7 @@ def build_report(
     ignore_layers: tuple[str, ...] = (),
     exclude_rounding: bool = False,
     order: str = "model",
+    nonfinite_rule: str = "critical",
 ) -> GradientFlowSummary:
     """Summarise one run from the store: flagged layers, health, recommendations.
 
@@ -474,6 +492,8 @@ def build_report(
         order: ``"model"`` (``layers.layer_index``) or ``"name"`` (code-point order, the
             reference implementation's) for the vanishing, exploding and non-finite layer
             lists and the names quoted in the recommendations.
+        nonfinite_rule: ``"critical"`` (default) or ``"reference"``: how NaN/Inf
+            gradients count in the verdict (``GradientFlowSummary.nonfinite_rule``).
 
     Returns:
         The :class:`GradientFlowSummary` of the frames in the range; field formulas are in
@@ -484,21 +504,27 @@ def build_report(
         step (a store without ``local_layer_stats``, written before schema 1.3, has none).
 
     Raises:
-        StoreError: unknown run or invalid step range.
-        ValueError: unknown ``order``.
+        StoreError: unknown run or invalid step range; with ``nonfinite_rule="reference"``,
+            a range holding NaN/Inf rows whose NaN count is unknown.
+        ValueError: unknown ``order`` or ``nonfinite_rule``.
     """
     if order not in ("model", "name"):
         raise ValueError(f"order must be 'model' or 'name', got {order!r}")
+    reference = check_nonfinite_rule(nonfinite_rule) == "reference"
     params = stats_params(run_id, from_step, to_step)
     require_run(con, run_id)
+    with_nan = has_nan_column(con)
+    if reference:
+        require_nan_split(con, params, "report --nonfinite-rule reference")
     vanishing: list[str] = []
     exploding: list[str] = []
     nonfinite: list[str] = []
     no_gradient: list[str] = []
     since: list[int] = []
     patterns, excluded_index, excluded_names = run_exclusion(con, run_id, ignore_layers)
-    rows = con.execute(_summary_sql(_has_layer_dtype(con)), {
+    rows = con.execute(_summary_sql(_has_layer_dtype(con), with_nan), {
         **params, "excluded": excluded_index, "exclude_rounding": exclude_rounding,
+        "reference": reference,
     }).fetchall()
     for *_counts, index, name, is_van, is_exp, is_nf, is_zero, first_step in rows:
         if index is None:
@@ -519,7 +545,8 @@ def build_report(
     live = _live_health(con, run_id, *stored)
     origin = _local_origin(con, params)
     health = classify_health(
-        bool(vanishing), bool(exploding), issue_frames, frames, bool(nonfinite)
+        bool(vanishing), bool(exploding), issue_frames, frames,
+        bool(nonfinite) and not reference,
     )
     return GradientFlowSummary(
         run_id=run_id,
@@ -551,6 +578,7 @@ def build_report(
         ignore_layers=patterns,
         layers_excluded=excluded_names,
         excluded_rounding_level=exclude_rounding,
+        nonfinite_rule=nonfinite_rule,
         findings=build_findings(no_gradient, min(since) if since else None,
                                 exclude_rounding, excluded_names),
         first_step=first_step,

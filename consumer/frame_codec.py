@@ -31,11 +31,11 @@ def _all_known(values: np.ndarray | None) -> bool:
 def frame_to_message(frame: GradientFrame) -> MergedFrame:
     """The merged sums of ``frame`` as a MergedFrame.
 
-    An optional statistic (sum_abs/max_abs, histogram, weight norms, weight distribution)
-    is included only when it is known for every layer of the frame; otherwise it is left
-    out for the whole frame (a layer-mixed frame only arises when ranks of one run use
-    different producer settings). The frame's per-rank local view rows travel along
-    (``local_ranks``).
+    An optional statistic (sum_abs/max_abs, the NaN count, histogram, weight norms, weight
+    distribution) is included only when it is known for every layer of the frame; otherwise
+    it is left out for the whole frame (a layer-mixed frame only arises when ranks of one
+    run use different producer settings). The frame's per-rank local view rows travel
+    along (``local_ranks``).
 
     Raises:
         pydantic.ValidationError: the frame violates the wire contract (a bug upstream).
@@ -43,6 +43,8 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
     optional: dict[str, object] = {}
     if _all_known(frame.sum_abs) and _all_known(frame.max_abs_grad):
         optional.update(sum_abs=frame.sum_abs.tolist(), max_abs=frame.max_abs_grad.tolist())
+    if frame.nan is not None and (frame.nan >= 0).all():  # schema 1.7, known everywhere
+        optional["nan"] = frame.nan.tolist()
     if frame.exp_hist is not None and (frame.exp_hist[:, 0] >= 0).all():
         off, cols, counts = _csr(frame.exp_hist)
         optional.update(exp_hist_offsets=off, exp_hist_columns=cols, exp_hist_counts=counts)

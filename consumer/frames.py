@@ -27,7 +27,9 @@ every flag raised is one the full statistics would raise; a layer with a few ele
 above the exploding threshold but a smaller RMS is not flagged.
 
 Non-finite elements are left out of the sums by the producer and counted in
-``nonfinite``; ``numel`` counts every element, finite or not.
+``nonfinite`` (the NaN among them in ``nan``, wire schema 1.7, so that the reference
+implementation's values can be rebuilt: ``analysis.nonfinite``); ``numel`` counts every
+element, finite or not.
 
 The merged sums are the statistic objects of :mod:`schemas.stats` (one per statistic,
 vectorised over layers), held together by :class:`MergedShards`; :func:`compute_frame` only
@@ -294,6 +296,9 @@ class GradientFrame:
         refused_ranks: rank -> why its data for this frame was refused (its RunStarted was
             refused, or its summary of this step was dead-lettered): a missing rank listed
             here sent data, one not listed sent nothing.
+        nan: int64[n], how many of the ``nonfinite`` elements are NaN (the others +-Inf;
+            wire schema 1.7), -1 where some shard of the layer did not send the count;
+            None for a frame built without it.
 
     In norms mode ``sum_abs``, ``max_abs_grad`` and ``mean_abs_grad`` are NaN for the
     layers where some shard lacked them (module docstring).
@@ -334,6 +339,7 @@ class GradientFrame:
         default_factory=lambda: np.empty((0, 5), np.int64)
     )
     refused_ranks: dict[int, str] = field(default_factory=dict)
+    nan: np.ndarray | None = None
 
     @property
     def all_ranks_seen(self) -> bool:
@@ -431,6 +437,7 @@ def compute_frame(
         update_sum_sq=update,
         update_to_weight=ratio,
         exp_hist=hist,
+        nan=grad["nan"],
         **_weight_fields(part.weight_moments, numel),
     )
 

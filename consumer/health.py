@@ -11,6 +11,19 @@ rolling window is set, as the reference implementation's ``max_frames``):
   ``issue_ratio > 0.5``; ProblemsDetected if any exploding layer or ``issue_ratio > 0.3``;
   MinorIssues if any vanishing layer or ``issue_ratio > 0.1``; else Healthy.
 
+The non-finite rule is an option (``nonfinite_rule``, ``--nonfinite-rule``,
+:data:`NONFINITE_RULES`):
+
+- ``"critical"`` (default, gradstream's addition): a layer with NaN/Inf elements makes its
+  frame an issue frame and the run Critical.
+- ``"reference"``: the reference implementation's own rule, which has none: there a NaN
+  makes mean |g| NaN (never below the vanishing threshold) and is ignored by max |g|, so a
+  NaN-only layer is no issue at all; an Inf makes max |g| inf, so the layer is exploding.
+  The tracker then counts a layer with ``nonfinite - nan > 0`` (an Inf element, wire
+  schema 1.7) as exploding and a layer with NaN only as nothing. Where the NaN/Inf split
+  is unknown (a producer before schema 1.7 sends no ``nan`` count) the reference's verdict
+  cannot be known: such a layer keeps gradstream's rule (Critical), never a guess.
+
 By default every layer counts, as in the reference implementation: no layer is left out
 because of its magnitude. Layers leave the counts only by an explicit, visible choice:
 
@@ -41,22 +54,59 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.health import classify_health
+from schemas.health import NONFINITE_RULES, NonfiniteRule, check_nonfinite_rule, classify_health
 from schemas.rounding import at_rounding_level, unit_roundoff
 from schemas.wire import GradientHealth
 
+__all__ = ["NONFINITE_RULES", "NonfiniteRule", "RunHealthTracker", "critical_rows",
+           "reference_exploding", "restore_tracker"]
+
 _EMPTY = np.empty(0, dtype=np.int32)
+
+
+def reference_exploding(is_exploding: np.ndarray, nonfinite: np.ndarray,
+                        nan: np.ndarray | None) -> np.ndarray:
+    """bool[n]: the reference implementation's ``is_exploding`` of n rows: gradstream's
+    flag (finite max |g| above the threshold) or an Inf element (``nonfinite - nan > 0``:
+    the reference's max |g| is then inf). Rows whose ``nan`` is unknown (< 0, or ``nan``
+    None) keep gradstream's flag.
+
+    Args:
+        is_exploding: bool[n]. nonfinite: int[n]. nan: int[n] (-1 where unknown) or None.
+    """
+    if nan is None or not nonfinite.any():
+        return is_exploding
+    nan = np.asarray(nan)
+    return is_exploding | ((nan >= 0) & (nonfinite > nan))
+
+
+def critical_rows(nonfinite: np.ndarray, nan: np.ndarray | None,
+                  rule: NonfiniteRule) -> np.ndarray:
+    """bool[n]: the rows the non-finite rule makes Critical (module doc): every row with
+    ``nonfinite > 0`` under ``"critical"``; under ``"reference"`` only those whose NaN/Inf
+    split is unknown (``nan`` < 0 or None).
+
+    Args:
+        nonfinite: int[n]. nan: int[n] (-1 where unknown) or None. rule: the option.
+    """
+    bad = nonfinite > 0
+    if rule == "critical" or not bad.any():
+        return bad
+    if nan is None:
+        return bad
+    return bad & (np.asarray(nan) < 0)
 
 
 @dataclass(frozen=True, slots=True)
 class _Contribution:
     vanishing: np.ndarray  # int32 layer indices
     exploding: np.ndarray
-    nonfinite: np.ndarray
+    nonfinite: np.ndarray  # layers with NaN/Inf elements
+    critical: np.ndarray  # those of them the non-finite rule counts (module doc)
 
     @property
     def is_issue(self) -> bool:
-        return bool(self.vanishing.size or self.exploding.size or self.nonfinite.size)
+        return bool(self.vanishing.size or self.exploding.size or self.critical.size)
 
 
 class RunHealthTracker:
@@ -71,21 +121,30 @@ class RunHealthTracker:
         excluded: bool[L], layers excluded by the run setting (module doc); None = none.
         exclude_rounding: leave out the vanishing flag of the layers of
             :attr:`no_gradient` (module doc; off by default, as in the reference).
+        nonfinite_rule: ``"critical"`` (default: a NaN/Inf gradient makes the run
+            Critical) or ``"reference"`` (the reference implementation's rule: an Inf
+            counts as exploding, a NaN as nothing; module doc).
 
     Attributes:
         seen: bool[L], the layer was in some frame. ordinary: bool[L], some frame showed
             it above rounding level (or could not judge it: no magnitude given).
         vanishing_frames, exploding_frames, nonfinite_frames: int64[L] considered frames
             per flag (without the layers left out, :attr:`left_out`).
+        critical_frames: int64[L] considered frames in which the non-finite rule counted
+            the layer (every non-finite frame under ``"critical"``; under
+            ``"reference"`` only those whose NaN/Inf split is unknown).
 
     Raises:
-        ValueError: ``excluded`` or ``roundoff`` does not have L entries.
+        ValueError: ``excluded`` or ``roundoff`` does not have L entries, or an unknown
+            ``nonfinite_rule``.
     """
 
     def __init__(
         self, num_layers: int, max_frames: int = 0, roundoff: np.ndarray | None = None,
         *, excluded: np.ndarray | None = None, exclude_rounding: bool = False,
+        nonfinite_rule: NonfiniteRule = "critical",
     ) -> None:
+        self.nonfinite_rule: NonfiniteRule = check_nonfinite_rule(nonfinite_rule)
         self.num_layers = num_layers
         self.max_frames = max_frames
         self.roundoff = (unit_roundoff(None, num_layers) if roundoff is None
@@ -101,6 +160,7 @@ class RunHealthTracker:
         self.vanishing_frames = np.zeros(num_layers, np.int64)
         self.exploding_frames = np.zeros(num_layers, np.int64)
         self.nonfinite_frames = np.zeros(num_layers, np.int64)
+        self.critical_frames = np.zeros(num_layers, np.int64)
         self.frames = 0
         self.issue_frames = 0
         self.last_step: int | None = None
@@ -132,6 +192,7 @@ class RunHealthTracker:
         self.vanishing_frames[c.vanishing] += sign
         self.exploding_frames[c.exploding] += sign
         self.nonfinite_frames[c.nonfinite] += sign
+        self.critical_frames[c.critical] += sign
         self.frames += sign
         self.issue_frames += sign * int(c.is_issue)
 
@@ -143,6 +204,7 @@ class RunHealthTracker:
         is_exploding: np.ndarray,
         nonfinite: np.ndarray,
         magnitude: np.ndarray | None = None,
+        nan: np.ndarray | None = None,
     ) -> GradientHealth:
         """Add (or replace) the frame of ``step`` and return the run health after it.
 
@@ -155,8 +217,12 @@ class RunHealthTracker:
                 (:func:`schemas.rounding.gradient_magnitude`: mean |g|, or the RMS in
                 norms mode). None: the rows cannot be judged and count as ordinary layers
                 (never in :attr:`no_gradient`).
+            nan: int[n] NaN elements among ``nonfinite`` (-1 where unknown), or None
+                (unknown for every row); read by the ``"reference"`` non-finite rule.
         """
         idx = layer_index.astype(np.int64)
+        if self.nonfinite_rule == "reference":
+            is_exploding = reference_exploding(is_exploding, nonfinite, nan)
         pending = ~self.ordinary[idx]
         if magnitude is None:
             self.ordinary[idx] = True
@@ -169,10 +235,15 @@ class RunHealthTracker:
             is_vanishing = is_vanishing & ~self.left_out[idx]
         if is_exploding.any() and self.excluded.any():
             is_exploding = is_exploding & ~self.excluded[idx]
+        bad = layer_index[nonfinite > 0].astype(np.int32) if nonfinite.any() else _EMPTY
+        if self.nonfinite_rule == "critical" or not bad.size:
+            critical = bad
+        else:
+            critical = layer_index[critical_rows(nonfinite, nan, "reference")].astype(np.int32)
         c = _Contribution(
             layer_index[is_vanishing].astype(np.int32) if is_vanishing.any() else _EMPTY,
             layer_index[is_exploding].astype(np.int32) if is_exploding.any() else _EMPTY,
-            layer_index[nonfinite > 0].astype(np.int32) if nonfinite.any() else _EMPTY,
+            bad, critical,
         )
         old = self._by_step.get(step)
         if old is not None:
@@ -201,7 +272,7 @@ class RunHealthTracker:
             any_exploding=bool(self.exploding_frames.any()),
             issue_frames=self.issue_frames,
             frames=self.frames,
-            any_nonfinite=bool(self.nonfinite_frames.any()),
+            any_nonfinite=bool(self.critical_frames.any()),
         )
 
     @property
@@ -225,6 +296,8 @@ def restore_tracker(
     ordinary: np.ndarray | None = None,
     excluded: np.ndarray | None = None,
     exclude_rounding: bool = False,
+    flag_critical: np.ndarray | None = None,
+    nonfinite_rule: NonfiniteRule = "critical",
 ) -> RunHealthTracker:
     """Rebuild a tracker from stored frames (worker restart), without replaying frames.
 
@@ -241,12 +314,20 @@ def restore_tracker(
             (``DuckDBSink.load_gradient_state``). None: every layer counts as ordinary.
         excluded, exclude_rounding: as in :class:`RunHealthTracker`; the vanishing and
             exploding flags of ``excluded`` layers are left out here.
+        flag_critical: bool[R], the rows the non-finite rule counts
+            (:func:`critical_rows`); None = ``flag_nonfinite`` (the ``"critical"`` rule).
+            With ``nonfinite_rule="reference"`` the caller also passes the reference's
+            ``flag_exploding`` (:func:`reference_exploding`;
+            ``DuckDBSink.load_flags(..., nonfinite_rule="reference")`` gives both).
+        nonfinite_rule: as in :class:`RunHealthTracker`.
 
     Returns:
         A tracker equal to one that saw those frames one by one (in step order).
     """
     tracker = RunHealthTracker(num_layers, max_frames, roundoff, excluded=excluded,
-                               exclude_rounding=exclude_rounding)
+                               exclude_rounding=exclude_rounding, nonfinite_rule=nonfinite_rule)
+    if flag_critical is None:
+        flag_critical = flag_nonfinite
     if flag_layers.size and tracker.excluded.any():
         kept = ~tracker.excluded[flag_layers]
         flag_vanishing = flag_vanishing & kept
@@ -254,7 +335,7 @@ def restore_tracker(
     tracker.ordinary = (np.ones(num_layers, bool) if ordinary is None
                         else np.asarray(ordinary, bool).copy())
     tracker.seen = tracker.ordinary.copy() if seen is None else np.asarray(seen, bool).copy()
-    empty = _Contribution(_EMPTY, _EMPTY, _EMPTY)
+    empty = _Contribution(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
     by_step: dict[int, _Contribution] = dict.fromkeys(frame_steps.tolist(), empty)
     if flag_steps.size:
         order = np.argsort(flag_steps, kind="stable")
@@ -263,14 +344,17 @@ def restore_tracker(
         bounds = [*starts.tolist()[1:], len(order)]
         layers = flag_layers[order].astype(np.int32)
         van, exp, nonf = flag_vanishing[order], flag_exploding[order], flag_nonfinite[order]
+        crit = flag_critical[order]
         for step, lo, hi in zip(uniq.tolist(), starts.tolist(), bounds, strict=True):
             sl = slice(lo, hi)
             by_step[step] = _Contribution(
-                layers[sl][van[sl]], layers[sl][exp[sl]], layers[sl][nonf[sl]]
+                layers[sl][van[sl]], layers[sl][exp[sl]], layers[sl][nonf[sl]],
+                layers[sl][crit[sl]],
             )
         np.add.at(tracker.vanishing_frames, flag_layers[flag_vanishing], 1)
         np.add.at(tracker.exploding_frames, flag_layers[flag_exploding], 1)
         np.add.at(tracker.nonfinite_frames, flag_layers[flag_nonfinite], 1)
+        np.add.at(tracker.critical_frames, flag_layers[flag_critical], 1)
         tracker._nonfinite_steps = set(np.unique(flag_steps[flag_nonfinite]).tolist())
     tracker._by_step = by_step
     tracker._heap = sorted(by_step)

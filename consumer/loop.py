@@ -138,7 +138,7 @@ class ConsumerLoop(ABC):
         settings: the process's settings: ``kafka_kwargs()``, ``group_id``, ``dlq_topic``,
             ``poll_timeout_ms``, ``max_poll_records``, ``max_partition_fetch_bytes``,
             ``flush_interval_s``, ``max_batch_rows``, ``max_frames``, ``ignore_layers``,
-            ``exclude_rounding_level``, ``metrics_port``.
+            ``exclude_rounding_level``, ``nonfinite_rule``, ``metrics_port``.
         on_open: called on the loop's thread with the DuckDBSink right after a DuckDB
             output is opened, before consuming (``gradstream serve`` takes a read cursor).
 
@@ -160,7 +160,7 @@ class ConsumerLoop(ABC):
         self.settings = settings
         self._on_open = on_open
         self.book = RunBook(settings.max_frames, tuple(settings.ignore_layers),
-                            settings.exclude_rounding_level)
+                            settings.exclude_rounding_level, settings.nonfinite_rule)
         self.counters = self.Counters()
         self.metrics = WorkerMetrics(self.pending_count)
         self.watchdog = StallWatchdog(settings.stall_timeout_s)

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from consumer.health import RunHealthTracker, restore_tracker
+from consumer.health import RunHealthTracker, critical_rows, restore_tracker
 from consumer.runs import RunInfo
 from consumer.sink import RunState, SinkBatch
+from schemas.health import NonfiniteRule, check_nonfinite_rule
 from schemas.rounding import gradient_magnitude
 from schemas.wire import GradientHealth, RunFinished, RunStarted
 
@@ -37,6 +38,8 @@ class RunBook:
             run besides the run's own ``ignore_layers`` (``schemas.health.match_layers``).
         exclude_rounding: the tracker's ``exclude_rounding`` (``--exclude-rounding-level``;
             off by default: every layer counts, as in the reference implementation).
+        nonfinite_rule: the tracker's ``nonfinite_rule`` (``--nonfinite-rule``;
+            ``"critical"`` by default, ``schemas.health.NONFINITE_RULES``).
 
     Attributes:
         runs: run id -> RunInfo. trackers: run id -> RunHealthTracker.
@@ -44,8 +47,10 @@ class RunBook:
     """
 
     def __init__(self, max_frames: int, ignore_layers: tuple[str, ...] = (),
-                 exclude_rounding: bool = False) -> None:
+                 exclude_rounding: bool = False,
+                 nonfinite_rule: NonfiniteRule = "critical") -> None:
         self.max_frames = max_frames
+        self.nonfinite_rule: NonfiniteRule = check_nonfinite_rule(nonfinite_rule)
         self.ignore_layers = tuple(ignore_layers)
         self.exclude_rounding = exclude_rounding
         self.runs: dict[str, RunInfo] = {}
@@ -58,7 +63,8 @@ class RunBook:
         self.runs[run.run_id] = run
         self.trackers[run.run_id] = RunHealthTracker(
             run.num_layers, self.max_frames, run.roundoff,
-            excluded=run.excluded(self.ignore_layers), exclude_rounding=self.exclude_rounding)
+            excluded=run.excluded(self.ignore_layers), exclude_rounding=self.exclude_rounding,
+            nonfinite_rule=self.nonfinite_rule)
         return run
 
     def finish(self, msg: RunFinished) -> bool:
@@ -87,7 +93,7 @@ class RunBook:
             self.runs[run.run_id] = run
             steps, complete, ranks = sink.load_frames(run.run_id)
             stored[run.run_id] = (steps, complete, ranks)
-            flags = sink.load_flags(run.run_id, self.exclude_rounding)
+            flags = sink.load_flags(run.run_id, self.exclude_rounding, self.nonfinite_rule)
             seen, ordinary = sink.load_gradient_state(run.run_id, run.num_layers)
             self.trackers[run.run_id] = restore_tracker(
                 run.num_layers, self.max_frames, steps, flags["step"],
@@ -96,6 +102,8 @@ class RunBook:
                 roundoff=run.roundoff, seen=seen, ordinary=ordinary,
                 excluded=run.excluded(self.ignore_layers),
                 exclude_rounding=self.exclude_rounding,
+                flag_critical=flags["critical"].astype(bool),
+                nonfinite_rule=self.nonfinite_rule,
             )
         for run_id, rank in sink.con.execute("SELECT run_id, rank FROM run_ranks").fetchall():
             self.finished.setdefault(run_id, set()).add(rank)
@@ -114,8 +122,11 @@ class RunBook:
             frame.step, frame.layer_index, frame.is_vanishing, frame.is_exploding,
             frame.nonfinite,
             gradient_magnitude(frame.mean_abs_grad, frame.sum_sq, frame.numel),
+            frame.nan,
         )
-        frame_health = GradientHealth.CRITICAL if frame.has_nonfinite else health
+        critical = frame.has_nonfinite and bool(
+            critical_rows(frame.nonfinite, frame.nan, self.nonfinite_rule).any())
+        frame_health = GradientHealth.CRITICAL if critical else health
         batch.frames[(frame.run_id, frame.step)] = (frame, frame_health.value)
         batch.run_states[frame.run_id] = RunState(
             health.value, tracker.frames, tracker.issue_frames, tracker.last_step,

@@ -10,6 +10,7 @@ from pydantic_settings import NoDecode
 
 from consumer.defaults import DEFAULT_DB
 from schemas.config import TopicCreationSettings
+from schemas.health import NonfiniteRule
 from schemas.topics import (
     DEFAULT_ALERTS_TOPIC,
     DEFAULT_CONSUMER_GROUP,
@@ -51,6 +52,12 @@ class LoopSettings(TopicCreationSettings):
         exclude_rounding_level: also leave out the vanishing flag of layers with no
             gradient by construction (``schemas.rounding``; ``consumer.health``). Off by
             default: every layer counts, as in the reference implementation.
+        nonfinite_rule: how a NaN/Inf gradient counts in the live health
+            (``GRADSTREAM_NONFINITE_RULE``; ``schemas.health.NONFINITE_RULES``):
+            ``"critical"`` (default, gradstream's rule: the run is Critical) or
+            ``"reference"`` (the reference implementation's: an Inf element makes the layer
+            exploding, a NaN-only layer is no issue; a layer whose NaN/Inf split is
+            unknown, from a producer before wire schema 1.7, keeps the Critical rule).
     """
 
     dlq_topic: str = DEFAULT_DLQ_TOPIC
@@ -66,6 +73,7 @@ class LoopSettings(TopicCreationSettings):
     stall_timeout_s: float = Field(default=30.0, ge=0)
     ignore_layers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     exclude_rounding_level: bool = False
+    nonfinite_rule: NonfiniteRule = "critical"
 
     @field_validator("ignore_layers", mode="before")
     @classmethod

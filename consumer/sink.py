@@ -200,7 +200,8 @@ def stored_sums(tbl: pa.Table) -> MergedShards:
     nonfinite = _stored_ints(tbl, "nonfinite")
     merged = MergedShards(GradientSums.from_columns(
         numel, _stored_floats(tbl, "sum_abs"), _stored_floats(tbl, "sum_sq"),
-        _stored_floats(tbl, "max_abs_grad"), nonfinite))
+        _stored_floats(tbl, "max_abs_grad"), nonfinite,
+        _stored_floats(tbl, "nan") if "nan" in tbl.column_names else None))
     has_hist = _has(tbl, "exp_hist_columns")
     if has_hist.any():
         merged.histogram = ExponentHistogram.from_columns(
@@ -350,9 +351,16 @@ class DuckDBSink:
             tbl["ranks_seen"].to_pylist(),
         )
 
-    def load_flags(self, run_id: str, exclude_rounding: bool = False) -> dict[str, np.ndarray]:
+    def load_flags(self, run_id: str, exclude_rounding: bool = False,
+                   nonfinite_rule: str = "critical") -> dict[str, np.ndarray]:
         """A run's stored layer rows with a flag: step, layer_index, is_vanishing,
-        is_exploding, nonfinite (arrays of equal length), as stored.
+        is_exploding, nonfinite (arrays of equal length), as stored, and ``critical``: the
+        rows the non-finite rule counts (``consumer.health.critical_rows``).
+
+        With ``nonfinite_rule="reference"`` ``is_exploding`` is the reference
+        implementation's (an Inf element, ``nonfinite > nan``, makes the row exploding)
+        and ``critical`` holds only the non-finite rows whose NaN count is NULL (unknown
+        split); with ``"critical"`` it is ``nonfinite > 0``.
 
         With ``exclude_rounding`` (:class:`consumer.health.RunHealthTracker`'s option, off
         by default), ``is_vanishing`` is False on the rows of a layer with no gradient by
@@ -366,11 +374,20 @@ class DuckDBSink:
             "(SELECT * FROM layer_stats WHERE run_id = $run_id)")
         params = {"run_id": run_id, "to_step": None} if exclude_rounding else {
             "run_id": run_id}
+        reference = nonfinite_rule == "reference"
+        exploding = ("(is_exploding OR coalesce(nonfinite > nan, false))" if reference
+                     else "is_exploding")
+        critical = "(nonfinite > 0 AND nan IS NULL)" if reference else "nonfinite > 0"
+        if exclude_rounding:  # the judged rows carry no NaN count: join it back
+            source = (f"(SELECT z0.*, ls.nan FROM ({rounding_rows_sql()}) AS z0 "
+                      "JOIN layer_stats AS ls ON ls.run_id = $run_id AND ls.step = z0.step "
+                      "AND ls.layer_index = z0.layer_index)")
         tbl = self.con.sql(
             f"WITH z AS {source} "
             f"SELECT step, layer_index, {vanishing} AS is_vanishing, "
-            "is_exploding, nonfinite > 0 AS nonfinite FROM z "
-            f"WHERE ({vanishing}) OR is_exploding OR nonfinite > 0",
+            f"{exploding} AS is_exploding, nonfinite > 0 AS nonfinite, "
+            f"{critical} AS critical FROM z "
+            f"WHERE ({vanishing}) OR {exploding} OR nonfinite > 0",
             params=params,
         ).to_arrow_table()
         return {
@@ -405,7 +422,7 @@ class DuckDBSink:
         """The stored merged sums of frame (run, step) over the run's layers
         (:func:`stored_sums`), or None if it is not stored."""
         tbl = self.con.sql(
-            "SELECT layer_index, numel, sum_abs, sum_sq, max_abs_grad, nonfinite, "
+            "SELECT layer_index, numel, sum_abs, sum_sq, max_abs_grad, nonfinite, nan, "
             "weight_sum_sq, update_sum_sq, exp_hist_columns, exp_hist_counts, weight_sum, "
             "weight_sum_cube, weight_sum_quad, weight_min, weight_max, weight_nonfinite, "
             "weight_exp_hist_columns, weight_exp_hist_counts "
@@ -558,6 +575,7 @@ class DuckDBSink:
         w_columns, w_counts = _histogram_columns(fs, "weight_exp_hist")
         stats = stats.append_column("weight_exp_hist_columns", w_columns)
         stats = stats.append_column("weight_exp_hist_counts", w_counts)
+        stats = stats.append_column("nan", _optional_ints(fs, "nan"))
         now = time.time()
         frame_rows = pa.table({
             "run_id": pa.array(run_ids, pa.string()),

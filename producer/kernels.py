@@ -24,7 +24,8 @@ per-block passes run and make a NaN cheap):
 3. only in a block whose sums came out non-finite (a NaN/Inf element, or a float64 square
    that overflows) the block is redone with masking while it is still in L1 (no second
    read of the layer, and BLOCK elements of masked work per NaN): elements whose exponent
-   field is all ones (IEEE 754 NaN/Inf) are counted and excluded; a sum that still
+   field is all ones (IEEE 754 NaN/Inf) are counted and excluded, the NaN among them (a
+   non-zero mantissa) counted apart; a sum that still
    overflows (float64 squares above ~1.8e308) is +inf, as in the reference implementation's
    f64 arithmetic (never a capped number).
 
@@ -149,6 +150,7 @@ def _block_masked(x, u, absmask, expmask):  # pragma: no cover - compiled
     zero = _cast_like(0, absmask)
     top = zero
     bad = 0
+    nan = 0
     for i in range(x.size):
         b = _cast_like(u[i] & absmask, absmask)
         ok = (b & expmask) != expmask
@@ -156,9 +158,10 @@ def _block_masked(x, u, absmask, expmask):  # pragma: no cover - compiled
         sum_abs += abs(v)
         sum_sq += v * v
         bad += 0 if ok else 1
+        nan += 1 if b > expmask else 0  # exponent all ones and a non-zero mantissa
         b = b if ok else zero
         top = b if b > top else top
-    return sum_abs, sum_sq, top, bad
+    return sum_abs, sum_sq, top, bad, nan
 
 
 @njit(cache=True, nogil=True)
@@ -330,14 +333,16 @@ def _summarize_into(
     tiny_bits = _tiny_bits(mant_bits, bias)
     layer_low = absmask
     bad = 0
+    nan = 0
     for lo in range(0, n, BLOCK):
         hi = min(lo + BLOCK, n)
         a, q, t, low = _block_fast(x[lo:hi], u[lo:hi], absmask)
         if not (math.isfinite(a) and math.isfinite(q)):
             # A NaN/Inf element (or, float64 only, a square that overflowed): redo this
             # block, still in L1, with masking; the other blocks keep their fast sums.
-            a, q, t, nb = _block_masked(x[lo:hi], u[lo:hi], absmask, expmask)
+            a, q, t, nb, nn = _block_masked(x[lo:hi], u[lo:hi], absmask, expmask)
             bad += nb
+            nan += nn
         sum_abs, comp_abs = _add(sum_abs, comp_abs, a)
         sum_sq, comp_sq = _add(sum_sq, comp_sq, q)
         top = t if t > top else top
@@ -354,6 +359,7 @@ def _summarize_into(
     out[2, i] = sum_sq
     out[3, i] = _bits_to_float(top, mant_bits, bias)
     out[4, i] = bad
+    out[5, i] = nan
     if hist:
         _fold_hist(tables, lut, counts[i], layer_low, top, absmask)
 
@@ -611,10 +617,12 @@ weights_f64.__doc__ += _WEIGHTS_DOC.format(dtype="float64") + "{hist}"
 _ARGS_DOC = """
     Args:
         x: {dtype}[n], C-contiguous, n >= 1 (the caller flattens any shape).
-        out: float64[5, L]; column i receives numel, sum |g|, sum g^2 (both over the
+        out: float64[6, L]; column i receives numel, sum |g|, sum g^2 (both over the
             finite elements, float64 accumulation, +inf on overflow),
-            max |g| over the finite elements (0 when none) and the number of NaN/+-Inf
-            elements. The counts are exact as float64 up to 2^53.
+            max |g| over the finite elements (0 when none), the number of NaN/+-Inf
+            elements and the number of NaN among them (counted in the masked pass of the
+            blocks that hold a non-finite element; the fast pass is unchanged). The counts
+            are exact as float64 up to 2^53.
         i: layer index, 0 <= i < L (not checked: the caller guarantees it).
 """
 

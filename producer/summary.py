@@ -248,6 +248,8 @@ class LayerSummaries:
             each rank's statistics are a disjoint shard of their own.
         local: the summaries of this rank's own gradient before the cross-rank reduction
             (the per-rank local view; its own ``names``), or None.
+        nan: int64[L], how many of the ``nonfinite`` elements are NaN (the others are
+            +-Inf; wire schema 1.7), or None when the backend did not count them.
     """
 
     names: tuple[str, ...]
@@ -260,6 +262,7 @@ class LayerSummaries:
     shard_index: np.ndarray | None = None
     shard_count: np.ndarray | None = None
     local: LayerSummaries | None = None
+    nan: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -284,13 +287,14 @@ class LayerSummaries:
         if not sums.has_abs().all():
             raise ValueError("sums without sum_abs/max_abs: use norms_only() instead")
         return cls(names, sums.numel, sums.sum_abs, sums.sum_sq, sums.max_abs, sums.nonfinite,
-                   None if histogram is None else histogram.counts)
+                   None if histogram is None else histogram.counts,
+                   nan=sums.nan if sums.has_nan().all() else None)
 
     def gradient_sums(self) -> GradientSums:
         """These statistics as a mergeable :class:`schemas.stats.GradientSums` (a copy;
         norms mode leaves ``sum_abs``/``max_abs`` unknown)."""
         return GradientSums.from_columns(self.numel, self.sum_abs, self.sum_sq, self.max_abs,
-                                         self.nonfinite)
+                                         self.nonfinite, self.nan)
 
     def exponent_histogram(self) -> ExponentHistogram | None:
         """The histogram as a mergeable :class:`schemas.stats.ExponentHistogram` (a copy),
@@ -338,6 +342,7 @@ class LayerSummaries:
             tuple(n for n, k in zip(self.names, keep, strict=True) if k), self.numel[keep],
             pick(self.sum_abs), self.sum_sq[keep], pick(self.max_abs), self.nonfinite[keep],
             pick(self.exp_hist), pick(self.shard_index), pick(self.shard_count), self.local,
+            pick(self.nan),
         )
 
 
@@ -519,8 +524,9 @@ def _summarize_numba(
 ) -> LayerSummaries:
     names = tuple(gradients)
     count = len(names)
-    # Columns of out: numel, sum_abs, sum_sq, max_abs, nonfinite (counts exact below 2^53).
-    out = np.empty((5, count), dtype=np.float64)
+    # Columns of out: numel, sum_abs, sum_sq, max_abs, nonfinite, nan (counts exact below
+    # 2^53).
+    out = np.empty((6, count), dtype=np.float64)
     counts = np.zeros((count, EXP_HIST_BINS), np.int64) if histogram else None
     if counts is None:
         f32, f64, extra32, extra64 = kernels.summarize_f32, kernels.summarize_f64, (), ()
@@ -557,6 +563,7 @@ def _summarize_numba(
         out[3],
         out[4].astype(np.int64),
         counts,
+        nan=out[5].astype(np.int64),
     )
 
 
@@ -587,13 +594,14 @@ def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> La
     count = len(flats)
     sums = np.zeros((3, count))  # sum |g|, sum g^2, max |g|
     nonfinite = np.zeros(count, np.int64)
+    nan = np.zeros(count, np.int64)
     buf = np.empty(_NP_CHUNK)
     squares = np.empty(_NP_CHUNK)
     with np.errstate(over="ignore", invalid="ignore"):
         i = 0
         while i < count:
             if flats[i].size > _NP_SMALL:
-                _numpy_layer(flats[i], buf, sums, nonfinite, i)
+                _numpy_layer(flats[i], buf, sums, nonfinite, nan, i)
                 i += 1
                 continue
             j, total = i, 0
@@ -610,27 +618,30 @@ def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> La
             sums[2, i:j] = np.maximum.reduceat(x, starts)
             for k in np.flatnonzero(~np.isfinite(q)):
                 sums[:, i + k] = 0.0
-                _numpy_layer(flats[i + k], buf, sums, nonfinite, i + k)
+                _numpy_layer(flats[i + k], buf, sums, nonfinite, nan, i + k)
             i = j
     counts = ExponentHistogram.from_layers(flats).counts if histogram else None
     return LayerSummaries(names, np.array([f.size for f in flats], np.int64), sums[0],
-                          sums[1], sums[2], nonfinite, counts)
+                          sums[1], sums[2], nonfinite, counts, nan=nan)
 
 
 def _numpy_layer(
-    flat: np.ndarray, buf: np.ndarray, sums: np.ndarray, nonfinite: np.ndarray, i: int
+    flat: np.ndarray, buf: np.ndarray, sums: np.ndarray, nonfinite: np.ndarray,
+    nan: np.ndarray, i: int,
 ) -> None:
-    """Add the statistics of one 1-D layer into ``sums[:, i]`` / ``nonfinite[i]``, chunk
-    by chunk (float64 accumulation; sums not saturated). Call under
+    """Add the statistics of one 1-D layer into ``sums[:, i]`` / ``nonfinite[i]`` /
+    ``nan[i]`` (the NaN among the non-finite elements), chunk by chunk (float64
+    accumulation; sums not saturated). Call under
     ``np.errstate(over="ignore", invalid="ignore")``."""
     sum_abs = sum_sq = max_abs = 0.0
-    bad = 0
+    bad = nans = 0
     for lo in range(0, flat.size, _NP_CHUNK):
         part = flat[lo:lo + _NP_CHUNK]
         x = buf[:part.size]
         np.abs(part, out=x)  # widen to float64 and take |g| in one pass
         q = float(np.dot(x, x))
         if not math.isfinite(q):  # NaN/Inf element (or an overflowing square): mask
+            nans += int(np.count_nonzero(np.isnan(x)))
             x = x[np.isfinite(x)]
             bad += part.size - x.size
             if x.size == 0:
@@ -643,3 +654,4 @@ def _numpy_layer(
     sums[1, i] += sum_sq
     sums[2, i] = max(sums[2, i], max_abs)
     nonfinite[i] += bad
+    nan[i] += nans

@@ -172,12 +172,15 @@ def _roundoff_case(dtype_column: str) -> str:
             f"ELSE {DTYPE_EPS[DEFAULT_DTYPE] / 2.0!r}::DOUBLE END")
 
 
-def rounding_rows_sql(with_dtype: bool = True) -> str:
+def rounding_rows_sql(with_dtype: bool = True, with_nan: bool | None = None) -> str:
     """SQL relation: one run's ``layer_stats`` rows up to a step, judged (module doc).
 
     Args:
         with_dtype: read ``layers.dtype``; False for a store written before schema 1.3,
             whose ``layers`` table has no such column (every layer counts as float32).
+        with_nan: also give the row's NaN count, ``nan`` (wire schema 1.7): True reads
+            ``layer_stats.nan``; False gives NULL (a store without the column); None
+            (default) leaves the column out.
 
     Parameters ``$run_id`` and ``$to_step`` (inclusive; NULL = the whole run). Columns:
     ``step``, ``layer_index``, ``is_vanishing``, ``is_exploding``, ``nonfinite``
@@ -188,9 +191,11 @@ def rounding_rows_sql(with_dtype: bool = True) -> str:
     frame of a row is the run's stored rows of that step. Cost: two window passes
     partitioned by step (a sort within each step) and one by layer, O(rows log L).
     """
+    nan = "" if with_nan is None else (" s.nan," if with_nan else " NULL::BIGINT AS nan,")
+    nan_out = "" if with_nan is None else " nan,"
     return f"""
     WITH gs_base AS (
-        SELECT s.step, s.layer_index, s.is_vanishing, s.is_exploding, s.nonfinite,
+        SELECT s.step, s.layer_index, s.is_vanishing, s.is_exploding, s.nonfinite,{nan}
                coalesce(s.mean_abs_grad, sqrt(s.sum_sq / s.numel)) AS magnitude,
                {_roundoff_case("l.dtype" if with_dtype else "NULL")} AS roundoff
         FROM layer_stats AS s
@@ -215,7 +220,7 @@ def rounding_rows_sql(with_dtype: bool = True) -> str:
                         false) AS at_rounding
         FROM gs_gaps
     )
-    SELECT step, layer_index, is_vanishing, is_exploding, nonfinite, magnitude,
+    SELECT step, layer_index, is_vanishing, is_exploding, nonfinite,{nan_out} magnitude,
            at_rounding,
            min(step) OVER (PARTITION BY layer_index) AS first_step,
            coalesce(step < min(step) FILTER (WHERE NOT at_rounding)

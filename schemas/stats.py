@@ -285,6 +285,8 @@ class SummaryMessage(Protocol):
     @property
     def nonfinite(self) -> Sequence[int]: ...
     @property
+    def nan(self) -> Sequence[int] | None: ...
+    @property
     def exp_hist_offsets(self) -> Sequence[int] | None: ...
     @property
     def exp_hist_columns(self) -> Sequence[int] | None: ...
@@ -616,12 +618,12 @@ class LayerStatistic:
 # -- gradient sums --------------------------------------------------------------------------
 
 
-def _gradient_sums(flat: np.ndarray) -> tuple[float, float, float, int]:
-    """(sum |x|, sum x^2, max |x|, non-finite count) of a 1-D array over its finite
-    elements, float64 accumulation chunk by chunk; sums are not saturated (inf on
+def _gradient_sums(flat: np.ndarray) -> tuple[float, float, float, int, int]:
+    """(sum |x|, sum x^2, max |x|, non-finite count, NaN count) of a 1-D array over its
+    finite elements, float64 accumulation chunk by chunk; sums are not saturated (inf on
     overflow)."""
     sum_abs = sum_sq = max_abs = 0.0
-    nonfinite = 0
+    nonfinite = nan = 0
     with np.errstate(over="ignore", invalid="ignore"):
         for x in _float64_chunks(flat):
             q = float(np.dot(x, x))
@@ -635,11 +637,12 @@ def _gradient_sums(flat: np.ndarray) -> tuple[float, float, float, int]:
                 continue
             good = np.abs(x[np.isfinite(x)])
             nonfinite += x.size - good.size
+            nan += int(np.count_nonzero(np.isnan(x)))
             if good.size:
                 sum_abs += float(np.add.reduce(good))
                 sum_sq += float(np.dot(good, good))
                 max_abs = max(max_abs, float(good.max()))
-    return sum_abs, sum_sq, max_abs, nonfinite
+    return sum_abs, sum_sq, max_abs, nonfinite, nan
 
 
 @dataclass(slots=True, eq=False)
@@ -655,9 +658,16 @@ class GradientSums(LayerStatistic):
         sum_sq: float64 sum g^2 over the finite elements.
         max_abs: float64 max |g| over the finite elements (0 when none).
         nonfinite: int64 NaN/+-Inf elements (left out of the float statistics).
+        nan: int64 NaN elements among ``nonfinite`` (the others are +-Inf), where known.
+        nan_numel: int64 elements whose NaN/Inf split is known (wire schema 1.7): equal to
+            ``numel`` when every shard sent its ``nan`` count; a shard from an older
+            producer adds its elements to ``numel`` only, leaving the split unknown.
 
     Frame fields (:meth:`get`; ``consumer.frames``):
     ``mean_abs = sum_abs / numel``, ``norm = sqrt(sum_sq)``, ``rms = sqrt(sum_sq / numel)``.
+    The NaN and Inf counts are what the reference implementation's values need besides the
+    finite sums (its mean and norm are NaN with a NaN element, else inf with an Inf one;
+    its max ignores NaN and is inf with an Inf element; ``analysis.nonfinite``).
 
     >>> g = GradientSums.empty(2)
     >>> g.update(np.array([3.0, -4.0]), 0) is g
@@ -666,6 +676,8 @@ class GradientSums(LayerStatistic):
     >>> out = g.get()
     >>> out["norm"].tolist(), out["mean_abs"].tolist(), out["nonfinite"].tolist()
     ([5.0, 1.0], [3.5, 0.5], [0, 1])
+    >>> out["nan"].tolist()
+    [0, 1]
     >>> norms = GradientSums.from_columns([2], None, [25.0], None, [0])  # norms mode
     >>> (g.take(np.array([0])) + norms).get()["sum_abs"].tolist()
     [nan]
@@ -677,12 +689,15 @@ class GradientSums(LayerStatistic):
     sum_sq: np.ndarray = field(metadata=_SUM)
     max_abs: np.ndarray = field(metadata=_MAXIMUM)
     nonfinite: np.ndarray = field(metadata=_COUNT)
+    nan: np.ndarray = field(metadata=_COUNT)
+    nan_numel: np.ndarray = field(metadata=_COUNT)
 
     @classmethod
     def empty(cls, num_layers: int) -> GradientSums:
         """Zero sums for ``num_layers`` layers."""
         counts, sums = np.zeros(num_layers, np.int64), np.zeros(num_layers)
-        return cls(counts, counts.copy(), sums, sums.copy(), sums.copy(), counts.copy())
+        return cls(counts, counts.copy(), sums, sums.copy(), sums.copy(), counts.copy(),
+                   counts.copy(), counts.copy())
 
     @classmethod
     def from_columns(
@@ -692,6 +707,7 @@ class GradientSums(LayerStatistic):
         sum_sq: Sequence[float] | np.ndarray,
         max_abs: Sequence[float] | np.ndarray | None,
         nonfinite: Sequence[int] | np.ndarray,
+        nan: Sequence[float] | np.ndarray | None = None,
     ) -> GradientSums:
         """From aligned per-layer arrays: a message's lists, ``LayerSummaries`` fields or
         stored ``layer_stats`` columns (``max_abs`` is the stored ``max_abs_grad``).
@@ -700,6 +716,9 @@ class GradientSums(LayerStatistic):
             numel, nonfinite: int[k]. sum_sq: float[k].
             sum_abs, max_abs: float[k] (NaN where unknown, a stored NULL), or both None
                 for a norms-mode shard.
+            nan: int[k] NaN counts (a negative value, or NaN in a float array, where
+                unknown: a stored NULL), or None when unknown for every layer (a message
+                from a producer before schema 1.7).
 
         Raises:
             ValueError: only one of ``sum_abs`` / ``max_abs`` given.
@@ -707,24 +726,33 @@ class GradientSums(LayerStatistic):
         if (sum_abs is None) != (max_abs is None):
             raise ValueError("sum_abs and max_abs go together (or neither, in norms mode)")
         n = _ints(numel)
+        if nan is None:
+            nan_count, nan_numel = np.zeros(len(n), np.int64), np.zeros(len(n), np.int64)
+        else:
+            given = np.asarray(nan, np.float64)
+            split = given >= 0  # NaN (a NULL) and negatives: unknown
+            nan_count = np.where(split, given, 0).astype(np.int64)
+            nan_numel = np.where(split, n, 0)
         if sum_abs is None or max_abs is None:
             zeros = np.zeros(len(n))
             return cls(n, np.zeros(len(n), np.int64), zeros, _floats(sum_sq), zeros.copy(),
-                       _ints(nonfinite))
+                       _ints(nonfinite), nan_count, nan_numel)
         a, m = _floats(sum_abs), _floats(max_abs)
         known = ~(np.isnan(a) | np.isnan(m))
         return cls(n, np.where(known, n, 0), np.where(known, a, 0.0), _floats(sum_sq),
-                   np.where(known, m, 0.0), _ints(nonfinite))
+                   np.where(known, m, 0.0), _ints(nonfinite), nan_count, nan_numel)
 
     def to_columns(self) -> dict[str, np.ndarray]:
         """The stored form, inverse of :meth:`from_columns`: ``numel``, ``sum_abs``,
-        ``sum_sq``, ``max_abs``, ``nonfinite``, with NaN in ``sum_abs``/``max_abs`` where
-        they are unknown."""
+        ``sum_sq``, ``max_abs``, ``nonfinite``, ``nan``, with NaN in
+        ``sum_abs``/``max_abs`` where they are unknown and -1 in ``nan`` where the NaN/Inf
+        split is unknown."""
         known = self.has_abs()
         return {
             "numel": self.numel.copy(), "sum_abs": np.where(known, self.sum_abs, np.nan),
             "sum_sq": self.sum_sq.copy(), "max_abs": np.where(known, self.max_abs, np.nan),
             "nonfinite": self.nonfinite.copy(),
+            "nan": np.where(self.has_nan(), self.nan, -1),
         }
 
     @classmethod
@@ -732,15 +760,19 @@ class GradientSums(LayerStatistic):
         """The gradient sums of a StepSummary / MergedFrame (k layers, aligned with its
         ``layer_indices``)."""
         return cls.from_columns(message.numel, message.sum_abs, message.sum_sq,
-                                message.max_abs, message.nonfinite)
+                                message.max_abs, message.nonfinite,
+                                getattr(message, "nan", None))
 
     def _update_layer(self, flat: np.ndarray, layer: int) -> None:
         """:meth:`LayerStatistic.update` of raw gradient values: every element counts in
         ``numel``; NaN/Inf in ``nonfinite`` only; the finite ones in the sums and the
-        maximum (float64 accumulation, whatever the input dtype)."""
-        a, q, m, bad = _gradient_sums(flat)
+        maximum (float64 accumulation, whatever the input dtype); the NaN among them in
+        ``nan``."""
+        a, q, m, bad, nan = _gradient_sums(flat)
         self.numel[layer] += flat.size
         self.abs_numel[layer] += flat.size
+        self.nan[layer] += nan
+        self.nan_numel[layer] += flat.size
         with np.errstate(over="ignore"):
             self.sum_abs[layer] += a
             self.sum_sq[layer] += q
@@ -756,6 +788,8 @@ class GradientSums(LayerStatistic):
         self.numel += counts
         self.abs_numel += counts
         self.nonfinite += np.bincount(where[~finite], minlength=size)
+        self.nan += np.bincount(where[np.isnan(v)], minlength=size)
+        self.nan_numel += counts
         good, at = np.abs(v[finite]), where[finite]
         with np.errstate(over="ignore"):
             self.sum_abs += np.bincount(at, weights=good, minlength=size)
@@ -767,15 +801,15 @@ class GradientSums(LayerStatistic):
         """The gradient sums of k layers given as one array each (see
         :meth:`LayerStatistic.from_layers`; what the producer's NumPy backend sends)."""
         k = len(layers)
-        counts, sums = np.empty((k, 2), np.int64), np.empty((k, 3))
+        counts, sums = np.empty((k, 3), np.int64), np.empty((k, 3))
         for i, values in enumerate(layers):
             flat = np.asarray(values).reshape(-1)
-            sum_abs, sum_sq, max_abs, bad = _gradient_sums(flat)
-            counts[i] = flat.size, bad
+            sum_abs, sum_sq, max_abs, bad, nan = _gradient_sums(flat)
+            counts[i] = flat.size, bad, nan
             sums[i] = sum_abs, sum_sq, max_abs
         numel = counts[:, 0].copy()
         return cls(numel, numel.copy(), sums[:, 0].copy(), sums[:, 1].copy(),
-                   sums[:, 2].copy(), counts[:, 1].copy())
+                   sums[:, 2].copy(), counts[:, 1].copy(), counts[:, 2].copy(), numel.copy())
 
     def saturate(self) -> GradientSums:
         """Clip ``sum_abs`` and ``sum_sq`` at the largest finite double, in place, for a
@@ -789,6 +823,11 @@ class GradientSums(LayerStatistic):
     def has_abs(self) -> np.ndarray:
         """bool[L]: ``sum_abs`` and ``max_abs`` cover every element of the layer."""
         return self.abs_numel == self.numel
+
+    def has_nan(self) -> np.ndarray:
+        """bool[L]: ``nan`` covers every element of the layer (the NaN/Inf split is known:
+        ``nonfinite - nan`` elements are +-Inf)."""
+        return self.nan_numel == self.numel
 
     def mean_abs(self) -> np.ndarray:
         """float64[L] mean |g| = sum |g| / numel (non-finite elements counting 0); NaN
@@ -808,8 +847,8 @@ class GradientSums(LayerStatistic):
 
     def get(self) -> dict[str, np.ndarray]:
         """The frame's gradient fields, float64/int64[L] each: ``numel``, ``sum_abs``,
-        ``sum_sq``, ``max_abs``, ``nonfinite`` (the stored form of :meth:`to_columns`,
-        NaN where unknown) and ``mean_abs``, ``norm``, ``rms``."""
+        ``sum_sq``, ``max_abs``, ``nonfinite``, ``nan`` (the stored form of
+        :meth:`to_columns`, NaN / -1 where unknown) and ``mean_abs``, ``norm``, ``rms``."""
         out = self.to_columns()
         out.update(mean_abs=self.mean_abs(), norm=self.norm(), rms=self.rms())
         return out
@@ -1060,7 +1099,7 @@ class SumOfSquares(LayerStatistic):
     def _update_layer(self, flat: np.ndarray, layer: int) -> None:
         """:meth:`LayerStatistic.update` of raw values: every element counts in
         ``numel``, the finite ones add their square (float64)."""
-        _, q, _, _ = _gradient_sums(flat)
+        _, q, _, _, _ = _gradient_sums(flat)
         self.numel[layer] += flat.size
         with np.errstate(over="ignore"):
             self.sum_sq[layer] += q

@@ -41,6 +41,10 @@ layer_stats
     producer sends a shard layout (schema 1.3), so ``layer_stats.numel = layers.numel``.
     Runs stored by a 1.2 producer under DDP hold ``R = layer_stats.numel / layers.numel``
     identical copies; dividing the sums by ``R`` gives one copy in both cases.
+    ``nan`` (wire schema 1.7): how many of the ``nonfinite`` elements are NaN, the others
+    being +-Inf; NULL where some shard of the layer did not send the count (a producer
+    before 1.7) and in rows stored before (``analysis.nonfinite`` then cannot rebuild the
+    reference implementation's values of a row with ``nonfinite > 0``).
 local_layer_stats
     One row per (run, step, rank, layer) of the per-rank *local* view: the statistics of
     that rank's own gradient before the cross-rank reduction (``numel``, ``sum_abs``,
@@ -143,6 +147,9 @@ SCHEMA_DDL: tuple[str, ...] = (
     "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_nonfinite BIGINT",
     "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_columns SMALLINT[]",
     "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_counts BIGINT[]",
+    # Wire schema 1.7: how many of the non-finite elements are NaN (the others +-Inf); NULL
+    # where some shard did not send the count, and in every row stored before.
+    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS nan BIGINT",
     """
     CREATE TABLE IF NOT EXISTS local_layer_stats (
         run_id        VARCHAR NOT NULL,
@@ -211,7 +218,7 @@ LAYER_STATS_COLUMNS: tuple[str, ...] = (
     "is_exploding", "weight_sum_sq", "update_sum_sq", "update_to_weight",
     "exp_hist_columns", "exp_hist_counts", "weight_sum", "weight_sum_cube", "weight_sum_quad",
     "weight_min", "weight_max", "weight_zeros", "weight_nonfinite", "weight_exp_hist_columns",
-    "weight_exp_hist_counts",
+    "weight_exp_hist_counts", "nan",
 )
 """Column order of ``layer_stats`` (the sink's bulk inserts follow it)."""
 

@@ -46,7 +46,7 @@ from schemas.stats import EXP_HIST_MAX as EXP_HIST_MAX
 from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 6
+SCHEMA_MINOR = 7
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """1.0: per-layer numel, sum_abs, sum_sq, max_abs, nonfinite. 1.1 adds the optional richer
 statistics (exponent histogram, weight and update norms); 1.0 messages still parse (the new
@@ -67,7 +67,11 @@ after the first for a duplicate. 1.5 adds the optional ``ignore_layers`` of RunS
 it and counts every layer. 1.6 lets ``sum_abs`` / ``sum_sq`` (and their local views) be
 +inf, a float64 sum that overflowed, instead of the largest double (JSON: ``Infinity``); a
 1.5 consumer dead-letters such a message, which only a float64 gradient with elements
-above ~1.34e154 (or sums above ~1.8e308) produces."""
+above ~1.34e154 (or sums above ~1.8e308) produces. 1.7 adds the optional ``nan`` of a
+StepSummary / MergedFrame: how many of a layer's ``nonfinite`` elements are NaN (the others
+are +-Inf), so that the reference implementation's values, in which a NaN and an Inf act
+differently, can be rebuilt (``analysis.nonfinite``); a 1.6 consumer ignores it, and a
+message without it (an older producer) leaves the split unknown."""
 
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -200,7 +204,9 @@ class StepSummary(_Wire):
     ``sum_sq`` = sum g^2 over the finite elements (float64, >= 0; +inf when the float64
     sum overflowed, as the reference implementation's f64 sums do: squares of elements
     above ~1.34e154; schema 1.6), ``max_abs`` = max |g|
-    over the finite elements (0 when none), ``nonfinite`` = count of NaN/+-Inf elements.
+    over the finite elements (0 when none), ``nonfinite`` = count of NaN/+-Inf elements,
+    ``nan`` (optional, schema 1.7) = how many of those are NaN (``nonfinite - nan`` are
+    +-Inf; None: the split is unknown, as from a producer before 1.7).
     ``wall_time`` is the producer's unix time (s) when the step was recorded.
     ``sum_abs`` and ``max_abs`` are both present (full mode) or both None (norms mode,
     schema 1.2): the consumer then bounds mean |g| and max |g| by the RMS
@@ -263,6 +269,7 @@ class StepSummary(_Wire):
     sum_sq: list[SumFloat]
     max_abs: list[NonNegFloat] | None = None
     nonfinite: list[NonNegInt]
+    nan: list[NonNegInt] | None = None
     exp_hist_offsets: list[NonNegInt] | None = None
     exp_hist_columns: list[Annotated[int, Field(ge=0, lt=EXP_HIST_BINS)]] | None = None
     exp_hist_counts: list[PosInt] | None = None
@@ -334,7 +341,7 @@ class StepSummary(_Wire):
             raise ValueError("sum_abs and max_abs go together: send both (full mode) or "
                              "neither (norms mode)")
         n = len(self.layer_indices)
-        for name in ("numel", "sum_abs", "sum_sq", "max_abs", "nonfinite"):
+        for name in ("numel", "sum_abs", "sum_sq", "max_abs", "nonfinite", "nan"):
             values = getattr(self, name)
             if values is None:
                 continue
@@ -352,6 +359,14 @@ class StepSummary(_Wire):
             raise ValueError(
                 f"nonfinite[{i}]={self.nonfinite[i]} exceeds numel[{i}]={self.numel[i]}"
             )
+        if self.nan is not None:
+            over = np.flatnonzero(self._np("nan") > nonfinite)
+            if over.size:
+                i = int(over[0])
+                raise ValueError(
+                    f"nan[{i}]={self.nan[i]} exceeds nonfinite[{i}]={self.nonfinite[i]} "
+                    "(the NaN elements are some of the non-finite ones)"
+                )
         for name in ("weight_sum_sq", "update_sum_sq", *_WEIGHT_DISTRIBUTION):
             values = getattr(self, name)
             if values is not None and len(values) != n:
@@ -578,6 +593,7 @@ _FLOAT_KINDS = (_NONNEG_FLOAT, _FINITE_FLOAT, _SUM_FLOAT)
 _ARRAY_FIELDS: dict[str, int] = {
     "layer_indices": _NONNEG_INT, "numel": _POS_INT, "sum_abs": _SUM_FLOAT,
     "sum_sq": _SUM_FLOAT, "max_abs": _NONNEG_FLOAT, "nonfinite": _NONNEG_INT,
+    "nan": _NONNEG_INT,
     "exp_hist_offsets": _NONNEG_INT, "exp_hist_columns": _HIST_COL, "exp_hist_counts": _POS_INT,
     "weight_sum_sq": _NONNEG_FLOAT, "update_sum_sq": _NONNEG_FLOAT,
     "weight_sum": _FINITE_FLOAT, "weight_sum_cube": _FINITE_FLOAT,
@@ -901,7 +917,7 @@ def to_display(raw: bytes | str | None) -> dict[str, Any] | str | None:
 
 
 _PER_LAYER = (
-    "layer_indices", "numel", "sum_abs", "sum_sq", "max_abs", "nonfinite", "weight_sum_sq",
+    "layer_indices", "numel", "sum_abs", "sum_sq", "max_abs", "nonfinite", "nan", "weight_sum_sq",
     "update_sum_sq", *_WEIGHT_DISTRIBUTION, "shard_index", "shard_count",
 )
 

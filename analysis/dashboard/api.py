@@ -167,19 +167,23 @@ def analyses() -> dict[str, object]:
 def report(
     cur: duckdb.DuckDBPyConnection, run_id: str, from_step: int | None, to_step: int | None,
     ignore_layers: tuple[str, ...] = (), exclude_rounding: bool = False, order: str = "model",
+    nonfinite_rule: str = "critical",
 ) -> GradientFlowSummary:
     """The run summary (:func:`analysis.report.build_report`) over an inclusive step range,
-    with the report's own ``ignore_layers`` patterns, ``exclude_rounding`` option and layer
-    ``order`` (``model`` or ``name``).
+    with the report's own ``ignore_layers`` patterns, ``exclude_rounding`` option, layer
+    ``order`` (``model`` or ``name``) and ``nonfinite_rule`` (``critical`` or
+    ``reference``).
 
     Raises:
-        StoreError: unknown run, invalid range or unknown order.
+        StoreError: unknown run, invalid range, unknown order or rule, or the reference
+            rule over NaN/Inf rows stored without their NaN count.
     """
     from analysis.report import build_report
 
     try:
         return build_report(cur, run_id, from_step, to_step, ignore_layers=ignore_layers,
-                            exclude_rounding=exclude_rounding, order=order)
+                            exclude_rounding=exclude_rounding, order=order,
+                            nonfinite_rule=nonfinite_rule)
     except ValueError as exc:
         raise StoreError(str(exc)) from None
 

@@ -14,7 +14,8 @@ a fresh read-only cursor per request). Every route requires the token (see *Acce
                               Arrow (:func:`analysis.dashboard.wire.grid_to_arrow`)
 ``GET /api/report``           ``run``, ``from_step``, ``to_step``, ``ignore_layers`` (a JSON
                               list of patterns), ``exclude_rounding=true``, ``order``
-                              (``model`` or ``name``): the run summary
+                              (``model`` or ``name``), ``nonfinite_rule`` (``critical`` or
+                              ``reference``): the run summary
                               (:func:`analysis.report.build_report`), the JSON of ``gradstream
                               report --format json``
 ``GET /api/heatmap``          ``run``, ``max_columns``, ``from_step``, ``to_step``: the ASCII
@@ -686,7 +687,8 @@ class _Handler(BaseHTTPRequestHandler):
                                  self._int(params, "to_step", None),
                                  _patterns(params.get("ignore_layers")),
                                  params.get("exclude_rounding", "false") == "true",
-                                 params.get("order", "model"))
+                                 params.get("order", "model"),
+                                 params.get("nonfinite_rule", "critical"))
             self._model(summary)
 
     def _heatmap(self, params: dict[str, str], _name: str) -> None:

@@ -38,6 +38,7 @@ from deploy.cli.options import (
     MaxFramesOption,
     MaxReadersOption,
     MetricsPortOption,
+    NonfiniteRuleOption,
     OptionGroup,
     PartitionsOption,
     ReadEndpointOption,
@@ -116,6 +117,7 @@ class WorkerOptions(OptionGroup):
     max_frames: MaxFramesOption = None
     ignore_layers: IgnoreLayersOption = None
     exclude_rounding_level: ExcludeRoundingOption = None
+    nonfinite_rule: NonfiniteRuleOption = None
     partitions: PartitionsOption = None
     alerts_topic: AlertsTopicOption = None
     alert_rules: AlertRulesOption = None
@@ -137,6 +139,7 @@ class WorkerOptions(OptionGroup):
             group_instance_id=self.group_instance_id, shard_timeout_s=self.shard_timeout,
             max_frames=self.max_frames, ignore_layers=self.ignore_layers or None,
             exclude_rounding_level=self.exclude_rounding_level,
+            nonfinite_rule=None if self.nonfinite_rule is None else self.nonfinite_rule.value,
             partitions=self.partitions, alerts_topic=self.alerts_topic,
             alert_rules=self.alert_rules, alert_set=self.alert_set or None,
             webhook_url=self.webhook, metrics_port=self.metrics_port,
@@ -213,6 +216,7 @@ def store(
     max_frames: MaxFramesOption = None,
     ignore_layers: IgnoreLayersOption = None,
     exclude_rounding_level: ExcludeRoundingOption = None,
+    nonfinite_rule: NonfiniteRuleOption = None,
     metrics_port: MetricsPortOption = None,
     stall_timeout: StallTimeoutOption = None,
     read: ReadOptions,
@@ -233,6 +237,7 @@ def store(
         bootstrap_servers=bootstrap_servers, db=db, frames_topic=frames_topic,
         group_id=group_id, alerts_topic=alerts_topic, max_frames=max_frames,
         ignore_layers=ignore_layers or None, exclude_rounding_level=exclude_rounding_level,
+        nonfinite_rule=None if nonfinite_rule is None else nonfinite_rule.value,
         metrics_port=metrics_port, stall_timeout_s=stall_timeout,
     ))
     served = ServedLoop(functools.partial(Store, settings), settings.db, read.options(),

@@ -26,6 +26,7 @@ import inspect
 import os
 import typing
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -52,6 +53,8 @@ __all__ = [
     "MaxFramesOption",
     "MaxReadersOption",
     "MetricsPortOption",
+    "NonfiniteRule",
+    "NonfiniteRuleOption",
     "OptionGroup",
     "PartitionsOption",
     "ReadEndpointOption",
@@ -66,6 +69,7 @@ __all__ = [
     "WebhookOption",
     "WriteDbOption",
     "given",
+    "nonfinite_rule",
     "with_option_groups",
 ]
 
@@ -184,6 +188,41 @@ ExcludeRoundingOption = Annotated[
                  "implementation, and such layers are a finding of the report. Default: "
                  "$GRADSTREAM_EXCLUDE_ROUNDING_LEVEL, else off."),
 ]
+class NonfiniteRule(StrEnum):
+    """How NaN/Inf gradients count in the health verdict (``schemas.health.NONFINITE_RULES``,
+    where each is defined; the values are the same)."""
+
+    CRITICAL = "critical"
+    REFERENCE = "reference"
+
+
+NonfiniteRuleOption = Annotated[
+    NonfiniteRule | None,
+    typer.Option("--nonfinite-rule", show_default=False, case_sensitive=False,
+                 help="How NaN/Inf gradients count in the health: critical (gradstream's "
+                 "rule: a layer with NaN/Inf elements makes the run Critical) or reference "
+                 "(the reference implementation's verdict exactly: an Inf element makes the "
+                 "layer exploding, a NaN-only layer is no issue; needs the NaN count of "
+                 "wire schema 1.7). Default: $GRADSTREAM_NONFINITE_RULE, else critical."),
+]
+
+
+def nonfinite_rule(value: NonfiniteRule | None) -> str:
+    """``--nonfinite-rule`` as given, else ``$GRADSTREAM_NONFINITE_RULE`` (any case), else
+    ``critical``; for the commands that read no settings model (the report).
+
+    Raises:
+        typer.BadParameter: the environment variable holds another value.
+    """
+    if value is not None:
+        return value.value
+    env = os.environ.get("GRADSTREAM_NONFINITE_RULE", "").strip().lower() or "critical"
+    if env not in {r.value for r in NonfiniteRule}:
+        raise typer.BadParameter(
+            f"GRADSTREAM_NONFINITE_RULE={env!r}: expected critical or reference")
+    return env
+
+
 MetricsPortOption = Annotated[
     int | None,
     typer.Option("--metrics-port", min=0, max=65535, metavar="PORT",

@@ -29,9 +29,11 @@ from deploy.cli.options import (
     ExcludeRoundingOption,
     FromStepOption,
     IgnoreLayersOption,
+    NonfiniteRuleOption,
     RunOption,
     ToStepOption,
 )
+from deploy.cli.options import nonfinite_rule as resolve_nonfinite_rule
 
 if TYPE_CHECKING:
     from analysis.reader import StoreReader
@@ -174,6 +176,7 @@ def report(
     ] = ReportFormat.TABLE,
     ignore_layers: IgnoreLayersOption = None,
     exclude_rounding_level: ExcludeRoundingOption = None,
+    nonfinite_rule: NonfiniteRuleOption = None,
     order: Annotated[
         LayerOrder,
         typer.Option("--order", help="Flagged-layer lists in model order, or by name (the "
@@ -188,6 +191,7 @@ def report(
     from analysis.store import StoreError
 
     documents: list[dict[str, object]] = []
+    rule = resolve_nonfinite_rule(nonfinite_rule)
     with reading(db, timeout) as reader:
         if all_runs:
             run_ids = reader.run_ids()
@@ -200,7 +204,7 @@ def report(
             summary = reader.report(
                 run_id, from_step, to_step,
                 exclusion_patterns(ignore_layers), exclude_rounding(exclude_rounding_level),
-                order.value)
+                order.value, rule)
             drawing = (reader.heatmap(run_id, max_columns, from_step, to_step,
                                       heatmap_style.value) if heatmap else None)
             if output_format is ReportFormat.JSON:

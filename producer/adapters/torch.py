@@ -364,8 +364,9 @@ def _chunk_plan(
 
 def _summarize_host(
     arrays: Sequence[np.ndarray], torch: Any
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(sum_abs, sum_sq, max_abs, nonfinite)`` of dense CPU NumPy arrays, one read pass.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(sum_abs, sum_sq, max_abs, nonfinite, nan)`` of dense CPU NumPy arrays, one read
+    pass (``nan``: the NaN among the non-finite elements).
 
     Runs :func:`producer.summary.summarize` (one fused, GIL-free pass per array, float64
     accumulation) on ``threads`` threads at once (torch's intra-op thread count): the
@@ -388,7 +389,7 @@ def _summarize_host(
         arrays: float16/32/64 arrays of any shape, each with at least one element.
 
     Returns:
-        float64[L], float64[L], float64[L], int64[L], aligned with ``arrays``.
+        float64[L], float64[L], float64[L], int64[L], int64[L], aligned with ``arrays``.
     """
     flat = [a.reshape(-1) for a in arrays]
     sizes = tuple(a.size for a in flat)
@@ -396,7 +397,7 @@ def _summarize_host(
     keys = _key_names(len(flat) + threads)
     if threads == 1 or sum(sizes) < _PARALLEL_MIN_ELEMENTS:
         one = summarize(dict(zip(keys, flat, strict=False)))
-        return one.sum_abs, one.sum_sq, one.max_abs, one.nonfinite  # type: ignore[return-value]
+        return one.sum_abs, one.sum_sq, one.max_abs, one.nonfinite, one.nan  # type: ignore[return-value]
     # timing: [calls, moving-average seconds with threads, with one thread]
     timing = _host_timing.setdefault(sizes, [0.0, math.inf, math.inf])
     calls = int(timing[0])
@@ -412,7 +413,7 @@ def _summarize_host(
         stats = _summarize_threads(flat, sizes, threads, keys)
     else:
         one = summarize(dict(zip(keys, flat, strict=False)))
-        stats = one.sum_abs, one.sum_sq, one.max_abs, one.nonfinite  # type: ignore[assignment]
+        stats = one.sum_abs, one.sum_sq, one.max_abs, one.nonfinite, one.nan  # type: ignore[assignment]
     spent = time.perf_counter() - t0
     if calls % _TRIAL_CALLS or calls >= 2 * _TRIAL_CALLS:  # a mode's first call: untimed
         slot = 1 if parallel else 2
@@ -422,7 +423,7 @@ def _summarize_host(
 
 def _summarize_threads(
     flat: list[np.ndarray], sizes: tuple[int, ...], threads: int, keys: list[str]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The threaded branch of :func:`_summarize_host`, with work sharing.
 
     The elements are cut into ``_CHUNKS_PER_THREAD * threads`` groups of equal size
@@ -470,7 +471,8 @@ def _summarize_threads(
     sum_sq = np.add.reduceat(np.concatenate([q.sum_sq for q in parts]), starts)
     max_abs = np.maximum.reduceat(np.concatenate([q.max_abs for q in parts]), starts)  # type: ignore[misc]
     nonfinite = np.add.reduceat(np.concatenate([q.nonfinite for q in parts]), starts)
-    return sum_abs, sum_sq, max_abs, nonfinite  # +inf where a float64 sum overflowed
+    nan = np.add.reduceat(np.concatenate([q.nan for q in parts]), starts)  # type: ignore[misc]
+    return sum_abs, sum_sq, max_abs, nonfinite, nan  # +inf where a float64 sum overflowed
 
 
 class PendingSummaries:
@@ -487,12 +489,13 @@ class PendingSummaries:
         inexact: after :meth:`result`, the number of layers whose fast statistics were
             non-finite but could not be recounted (launched without ``keep_gradients``):
             they are reported with ``nonfinite = numel`` and zero sums (see
-            :func:`launch_summaries`).
+            :func:`launch_summaries`), and the summaries then carry no NaN count (the
+            NaN/Inf split unknown, ``LayerSummaries.nan`` None).
     """
 
     def __init__(
         self, names: tuple[str, ...], numel: np.ndarray, norms_only: bool,
-        host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         batches: list[tuple[np.ndarray, torch.Tensor, Any, list[torch.Tensor] | None]],
         emulate: bool = False,
     ) -> None:
@@ -517,7 +520,7 @@ class PendingSummaries:
         if self._result is not None:
             return self._result
         torch = _import_torch()
-        sum_abs, sum_sq, max_abs, nonfinite = self._host
+        sum_abs, sum_sq, max_abs, nonfinite, nan = self._host
         for sel, host, event, values in self._batches:
             if event is not None:
                 event.synchronize()
@@ -538,6 +541,7 @@ class PendingSummaries:
                     again = again_host.numpy()
                     stats[redo] = again[:, :3]
                     nonfinite[sel[redo]] = again[:, 3].astype(np.int64)
+                    nan[sel[redo]] = again[:, 4].astype(np.int64)
                 else:
                     stats[redo] = 0.0
                     nonfinite[sel[redo]] = self._numel[sel[redo]]
@@ -547,7 +551,8 @@ class PendingSummaries:
                 sum_sq[sel] = stats[:, 1] * stats[:, 1]
             max_abs[sel] = stats[:, 2]
         self._batches = []
-        result = LayerSummaries(self.names, self._numel, sum_abs, sum_sq, max_abs, nonfinite)
+        result = LayerSummaries(self.names, self._numel, sum_abs, sum_sq, max_abs, nonfinite,
+                                nan=None if self.inexact else nan)
         self._result = result.norms_only() if self._norms_only else result
         return self._result
 
@@ -658,18 +663,19 @@ def launch_summaries(
     sum_sq = np.zeros(count, dtype=np.float64)
     max_abs = np.zeros(count, dtype=np.float64)
     nonfinite = np.zeros(count, dtype=np.int64)
+    nan = np.zeros(count, dtype=np.int64)
     if on_host:
         sel = np.asarray(on_host, dtype=np.int64)
         stats = _summarize_host([values[i].numpy() for i in on_host], torch)
-        sum_abs[sel], sum_sq[sel], max_abs[sel], nonfinite[sel] = stats
+        sum_abs[sel], sum_sq[sel], max_abs[sel], nonfinite[sel], nan[sel] = stats
     batches = (
         _launch_on_devices(values, by_device, torch, norms_only=norms_only,
                            accumulate=accumulate, keep_gradients=keep_gradients,
                            emulate=emulate_device)
         if by_device else []
     )
-    return PendingSummaries(names, numel, norms_only, (sum_abs, sum_sq, max_abs, nonfinite),
-                            batches, emulate_device)
+    return PendingSummaries(names, numel, norms_only,
+                            (sum_abs, sum_sq, max_abs, nonfinite, nan), batches, emulate_device)
 
 
 def summarize_tensors(

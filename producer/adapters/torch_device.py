@@ -157,15 +157,16 @@ def finite_stats(tensors: Sequence[torch.Tensor], torch: Any) -> torch.Tensor:
     Each tensor's NaN/Inf elements are replaced by 0 (one ``torch.where`` per tensor, run
     only for the tensors whose fast statistics were non-finite), then the three norms are
     taken in float64 by batched reductions (:func:`batched_norms`) and the non-finite
-    elements counted.
+    elements counted, the NaN among them apart (``torch.isnan``).
 
     Args:
         tensors: k >= 1 floating-point tensors on one device.
         torch: the torch module.
 
     Returns:
-        A float64 ``[k, 4]`` tensor on the device: ``(sum |g|, sqrt(sum g^2), max |g|,
-        nonfinite count)`` over the finite elements (0.0 sums and max when none is finite).
+        A float64 ``[k, 5]`` tensor on the device: ``(sum |g|, sqrt(sum g^2), max |g|,
+        nonfinite count, NaN count)`` over the finite elements (0.0 sums and max when none
+        is finite).
     """
     finite = [torch.isfinite(t) for t in tensors]
     clean = [
@@ -179,7 +180,8 @@ def finite_stats(tensors: Sequence[torch.Tensor], torch: Any) -> torch.Tensor:
     bad = torch.stack(
         [(t.numel() - ok.sum()).to(torch.float64) for ok, t in zip(finite, tensors, strict=True)]
     )
-    return torch.cat([cols, bad.view(-1, 1)], dim=1)
+    nan = torch.stack([torch.isnan(t).sum().to(torch.float64) for t in tensors])
+    return torch.cat([cols, bad.view(-1, 1), nan.view(-1, 1)], dim=1)
 
 
 def stage(stats: torch.Tensor, torch: Any, emulate: bool = False) -> tuple[torch.Tensor, Any]:

@@ -27,15 +27,16 @@ from tests.conformance.harness import TALLY, Pipeline
 
 @contextmanager
 def served_pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory,
-                    max_frames: int) -> Iterator[Pipeline]:
-    """A served worker (``--max-frames max_frames``) on a fresh topic and a reader of its
-    store."""
+                    max_frames: int, nonfinite_rule: str = "reference") -> Iterator[Pipeline]:
+    """A served worker (``--max-frames max_frames``, ``--nonfinite-rule nonfinite_rule``)
+    on a fresh topic and a reader of its store."""
     name = uuid.uuid4().hex[:10]
     out = tmp_path_factory.mktemp("conformance")
     settings = ConsumerSettings(
         bootstrap_servers=kafka_bootstrap, topic=f"conf-sum-{name}",
         dlq_topic=f"conf-dlq-{name}", group_id=f"conf-grp-{name}",
         db=str(out / "store.duckdb"), shard_timeout_s=120.0, max_frames=max_frames,
+        nonfinite_rule=nonfinite_rule,
     )
     served = ServedWorker(settings, port=0, refresh_s=1.0)
     served.start(timeout=120.0)
@@ -44,7 +45,7 @@ def served_pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFacto
         reader = open_reader(Path(settings.db))
         try:
             yield Pipeline(kafka_bootstrap, settings.topic, reader, served.worker, out,
-                           max_frames)
+                           max_frames, nonfinite_rule)
         finally:
             reader.close()
     finally:
@@ -56,6 +57,16 @@ def pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[Pipeline]:
     """A served worker keeping the whole run's health (module scope)."""
     with served_pipeline(kafka_bootstrap, tmp_path_factory, 0) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def gradstream_pipeline(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+                        ) -> Iterator[Pipeline]:
+    """A served worker with gradstream's own non-finite rule (the default, ``critical``),
+    read without the reference's options: gradstream's documented behaviour (module
+    scope)."""
+    with served_pipeline(kafka_bootstrap, tmp_path_factory, 0, "critical") as p:
         yield p
 
 

@@ -12,8 +12,13 @@ the CSV and JSON exports, the ASCII heatmap. :func:`compare` lists every differe
 
 Presentation options used so that gradstream's output is the reference's, byte for byte:
 ``export(..., style="reference")`` (CSV names raw; JSON pretty-printed as serde_json; name
-order), ``heatmap(..., style="reference")`` and ``report(..., order="name")`` (layer lists
-by name, as the reference sorts them). Compared by kind: recommendations
+order), ``heatmap(..., style="reference")``, ``report(..., order="name")`` (layer lists
+by name, as the reference sorts them) and the non-finite rule ``"reference"`` (the report's
+``nonfinite_rule``, the worker's ``--nonfinite-rule``: the reference's verdict on NaN/Inf
+gradients). The per-(step, layer) values are read through
+``analysis.nonfinite.reference_stats_sql``, the stored rows with the reference's values of
+the layers holding NaN/Inf (rebuilt from the finite sums and the NaN and Inf counts, wire
+schema 1.7), which the reference styles present too. Compared by kind: recommendations
 (gradstream writes its own sentences; an extra gradstream line, e.g. the NaN/Inf advice, is
 counted as an extra, not a difference). CSV and JSON are compared byte for byte where the
 case's sums are exact, else field by field to 1e-12.
@@ -34,8 +39,10 @@ from typing import Literal
 
 import numpy as np
 
+from analysis.nonfinite import reference_stats_sql
 from analysis.reader import StoreReader
 from analysis.report import _HEALTH_LINE, NAMES_IN_TEXT  # gradstream's sentence per class
+from analysis.store import STATS_SQL
 from producer import GradientProducer
 from producer.summary import summarize
 from tests.conformance.reference import (
@@ -148,13 +155,16 @@ class Pipeline:
         worker: the :class:`consumer.worker.Worker`.
         out: a directory for exports.
         max_frames: the worker's ``max_frames`` (window of its live health; 0 = whole run).
+        nonfinite_rule: the worker's ``nonfinite_rule``, also asked of the report
+            (``"reference"``: the reference's verdict on NaN/Inf gradients).
     """
 
     def __init__(self, bootstrap: str, topic: str, reader: StoreReader, worker: object,
-                 out: Path, max_frames: int = 0) -> None:
+                 out: Path, max_frames: int = 0, nonfinite_rule: str = "reference") -> None:
         self.bootstrap, self.topic, self.reader, self.worker, self.out = (
             bootstrap, topic, reader, worker, out)
         self.max_frames = max_frames
+        self.nonfinite_rule = nonfinite_rule
 
     def send(self, case: Case, run_id: str) -> None:
         """Send the case's summaries: every rank's producer, in the case's order."""
@@ -208,14 +218,15 @@ class Pipeline:
                 break
             assert time.monotonic() < deadline, f"run {run_id}: {n} of {expected} rows"
             time.sleep(0.05)
+        values = reference_stats_sql() if self.nonfinite_rule == "reference" else STATS_SQL
         table = self.reader.sql(
-            "SELECT s.step, l.name, s.mean_abs_grad, s.max_abs_grad, s.grad_norm, "
-            "s.is_vanishing, s.is_exploding, s.flow_intensity, s.nonfinite "
-            "FROM layer_stats s JOIN layers l USING (run_id, layer_index) "
-            "WHERE s.run_id = $run", {"run": run_id}).to_pylist()
+            f"SELECT step, name, mean_abs_grad, max_abs_grad, grad_norm, is_vanishing, "
+            f"is_exploding, flow_intensity, nonfinite, nan FROM ({values})",
+            {"run_id": run_id, "from_step": None, "to_step": None}).to_pylist()
         rows = {(r["step"], r["name"]): r for r in table}
         from_step = case.steps[-case.window] if case.window else None
-        report = self.reader.report(run_id, from_step=from_step, order="name")
+        report = self.reader.report(run_id, from_step=from_step, order="name",
+                                    nonfinite_rule=self.nonfinite_rule)
         live = report.live_health.health.value if report.live_health else None
         csv_path = self.out / f"{run_id}.csv"
         json_path = self.out / f"{run_id}.json"

@@ -11,26 +11,31 @@ layouts, dtypes, windows, magnitudes across both thresholds, send orders).
 
 Values are dyadic (integer mantissas times a power of two) wherever the case allows, so every
 sum is exact in any order and values, flags and CSV bytes must be identical; the float64
-case with 2e-9 and the NaN/Inf case compare values to 1e-12.
+case with 2e-9 compares values to 1e-12.
 
-Documented departure: NaN/Inf. gradstream leaves non-finite elements out of the sums and
-counts them (``nonfinite``), and classifies such a run Critical; the reference lets a NaN
-poison the mean and the norm (its ``f64::max`` ignores NaN), counts an Inf as exploding and
-rates a NaN-only run Healthy. The wire carries one count of non-finite elements, not NaN and
-Inf apart, so the reference's values cannot be rebuilt; that case checks the finite layers
-exactly and counts the non-finite layers' fields as departures.
+NaN/Inf: gradstream's own presentation leaves non-finite elements out of the sums and the
+maximum, counts them (``nonfinite``, and the NaN among them, ``nan``: wire schema 1.7) and
+rates such a run Critical; the reference lets a NaN poison the mean and the norm (its
+``f64::max`` ignores NaN), counts an Inf as exploding and can rate a NaN-only run Healthy.
+The suite runs with the documented options that give the reference's semantics (the worker's
+and the report's non-finite rule ``reference``; the reference styles, which rebuild the
+reference's values from the finite sums and the NaN and Inf counts,
+``analysis.nonfinite``), and compares the NaN/Inf cases like every other: no departure.
+:func:`test_nonfinite_gradstream_default` pins gradstream's own default behaviour on the
+same gradients.
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.conformance.harness import Case, Pipeline
+from tests.conformance.harness import Case, Pipeline, reference_of
 
 RNG_MANTISSA = 1 << 15
 """Integer mantissas are drawn in [-2^15, 2^15]: sums of a few thousand stay exact."""
@@ -150,19 +155,78 @@ def test_float64_near_overflow(pipeline: Pipeline) -> None:
     assert_conforms(pipeline, case)
 
 
-def test_nonfinite_gradients(pipeline: Pipeline) -> None:
-    """NaN and Inf elements: a documented departure (module docstring)."""
-    nan, inf = math.nan, math.inf
-    case = constant_case("nan-inf", {
+NAN, INF = math.nan, math.inf
+
+
+def _nan_inf_case() -> Case:
+    """A NaN in one layer at step 0, a +Inf in another at step 2 (and a -Inf with a NaN in
+    a third at step 3), finite elsewhere."""
+    return constant_case("nan-inf", {
         "ok": [[1.0, 2.0]] * 4,
-        "has_nan": [[nan, 2.0], [1.0, 0.5], [1.0, 0.5], [1.0, 0.5]],
-        "has_inf": [[1.0, 0.5], [1.0, 0.5], [inf, 1.0], [1.0, 0.5]],
-    }, exact=False, departures=frozenset({
-        "mean_abs_grad", "max_abs_grad", "grad_norm", "flow_intensity", "is_exploding",
-        "exploding_layers", "issue_frames", "health", "live_health", "recommendations",
-        "csv", "json", "heatmap",
-    }))
+        "has_nan": [[NAN, 2.0], [1.0, 0.5], [1.0, 0.5], [1.0, 0.5]],
+        "has_inf": [[1.0, 0.5], [1.0, 0.5], [INF, 1.0], [1.0, 0.5]],
+        "both": [[0.25, 0.5], [0.25, 0.5], [0.25, 0.5], [-INF, NAN]],
+    })
+
+
+def test_nonfinite_gradients(pipeline: Pipeline) -> None:
+    """NaN and Inf elements under the reference's options (module docstring): a NaN makes
+    mean and norm NaN (max ignores it), an Inf makes mean, max and norm inf and the layer
+    exploding, NaN and Inf together NaN; the step's intensities follow (NaN for a NaN
+    norm, inf / inf = NaN, finite / inf = 0)."""
+    assert_conforms(pipeline, _nan_inf_case())
+
+
+def test_nan_only_run_is_healthy_as_in_the_reference(pipeline: Pipeline) -> None:
+    """A layer of NaN only in every step: the reference's mean and norm are NaN (never
+    below the threshold), its max 0 (NaN ignored): no flag, no issue frame, Healthy."""
+    case = constant_case("nan-only", {
+        "ok": [[1.0, 0.5]] * 3, "all_nan": [[NAN, NAN]] * 3, "w": [[0.25, 0.125]] * 3,
+    })
     assert_conforms(pipeline, case)
+
+
+@pytest.mark.parametrize(("layout", "ranks"), [("shards", 2), ("replicas", 2), ("hsdp", 4)])
+def test_nonfinite_pieces_merge_their_nan_and_inf_counts(pipeline: Pipeline, layout: str,
+                                                        ranks: int) -> None:
+    """The NaN and Inf of a layer held in different pieces (ranks) add up, a replica's
+    counts once; sent out of order."""
+    case = constant_case(f"nan-inf-{layout}-{ranks}", {
+        "a": [[NAN, 1.0, 2.0, INF], [1.0, 1.0, 2.0, 2.0], [0.5, NAN, NAN, 0.5]],
+        "b": [[0.5, 0.25, 0.5, 0.25], [-INF, 0.5, 0.5, 1.0], [0.5, 0.5, 0.5, 0.5]],
+    }, ranks=ranks, layout=layout, send_seed=7)
+    assert_conforms(pipeline, case)
+
+
+def test_nonfinite_gradstream_default(gradstream_pipeline: Pipeline) -> None:
+    """gradstream's own documented behaviour on the NaN/Inf gradients (the default
+    non-finite rule ``critical`` and the default presentation): non-finite elements are
+    left out of the sums and the maximum and counted (NaN apart), the run is Critical, live
+    and in the report; the reference's options on the same store give the reference's
+    verdict."""
+    case = _nan_inf_case()
+    run_id = f"conf-default-{uuid.uuid4().hex[:8]}"
+    gradstream_pipeline.send(case, run_id)
+    got = gradstream_pipeline.observe(case, run_id)
+    row = got.rows[(0, "has_nan")]
+    assert (row["nonfinite"], row["nan"]) == (1, 1)
+    assert row["mean_abs_grad"] == 1.0 and row["grad_norm"] == 2.0  # (0 + 2) / 2, sqrt(4)
+    assert row["max_abs_grad"] == 2.0 and not row["is_exploding"]
+    row = got.rows[(2, "has_inf")]
+    assert (row["nonfinite"], row["nan"]) == (1, 0)
+    assert row["max_abs_grad"] == 1.0 and not row["is_exploding"]
+    assert (got.rows[(3, "both")]["nonfinite"], got.rows[(3, "both")]["nan"]) == (2, 1)
+    rep = got.report
+    assert rep.overall_health.value == "Critical" and got.live_health == "Critical"
+    assert rep.layers_with_nonfinite_grads == ["both", "has_inf", "has_nan"]
+    assert rep.layers_with_exploding_grads == [] and rep.issue_frames == 3
+    assert rep.nonfinite_rule == "critical"
+    reference = gradstream_pipeline.reader.report(run_id, order="name",
+                                                  nonfinite_rule="reference")
+    want = reference_of(case).summary_report()
+    assert reference.overall_health.value == want.overall_health.value == "ProblemsDetected"
+    assert reference.layers_with_exploding_grads == want.layers_with_exploding_grads
+    assert (reference.issue_frames, reference.frames) == (want.issue_frames, want.frames)
 
 
 def test_5000_layers(pipeline: Pipeline) -> None:

@@ -42,7 +42,9 @@ def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     set_backend(None)
 
 
-def _reference(g: np.ndarray) -> tuple[int, float, float, float, int]:
+def _reference(g: np.ndarray) -> tuple[int, float, float, float, int, int]:
+    """(numel, sum |g|, sum g^2, max |g| over the finite elements, non-finite count, NaN
+    count), element by element in Python."""
     x = np.asarray(g, dtype=np.float64).ravel()
     finite = x[np.isfinite(x)]
     return (
@@ -51,10 +53,11 @@ def _reference(g: np.ndarray) -> tuple[int, float, float, float, int]:
         float(sum(v * v for v in finite.tolist())),
         float(max((abs(v) for v in finite.tolist()), default=0.0)),
         int(x.size - finite.size),
+        sum(1 for v in x.tolist() if v != v),
     )
 
 
-def _exact_reference(g: np.ndarray) -> tuple[int, float, float, float, int]:
+def _exact_reference(g: np.ndarray) -> tuple[int, float, float, float, int, int]:
     """Like _reference, with correctly rounded sums (math.fsum); inf when a sum exceeds the
     double range, like summarize."""
     x = np.asarray(g, dtype=np.float64).ravel()
@@ -67,6 +70,7 @@ def _exact_reference(g: np.ndarray) -> tuple[int, float, float, float, int]:
         _fsum(squares),
         float(finite.max()) if finite.size else 0.0,
         int(x.size - finite.size),
+        int(np.isnan(x).sum()),
     )
 
 
@@ -80,9 +84,11 @@ def _fsum(values: np.ndarray) -> float:
         return math.inf
 
 
-def _check_row(s: LayerSummaries, i: int, expected: tuple[int, float, float, float, int]) -> None:
-    n, sabs, ssq, mabs, bad = expected
+def _check_row(s: LayerSummaries, i: int,
+               expected: tuple[int, float, float, float, int, int]) -> None:
+    n, sabs, ssq, mabs, bad, nan = expected
     assert s.numel[i] == n and s.nonfinite[i] == bad
+    assert s.nan is not None and s.nan[i] == nan
     assert s.sum_abs[i] == pytest.approx(sabs, rel=1e-12, abs=1e-300)
     assert s.sum_sq[i] == pytest.approx(ssq, rel=1e-12, abs=1e-300)
     assert s.max_abs[i] == mabs
@@ -96,13 +102,14 @@ def _check(g: np.ndarray) -> None:
 def test_nan_and_inf_counted_and_left_out():
     g = np.array([[1.0, -2.0], [np.nan, np.inf], [-np.inf, 0.5]], dtype=np.float32)
     s = summarize({"w": g})
-    assert s.numel[0] == 6 and s.nonfinite[0] == 3
+    assert s.numel[0] == 6 and s.nonfinite[0] == 3 and s.nan is not None and s.nan[0] == 1
     assert s.sum_abs[0] == 3.5 and s.sum_sq[0] == 5.25 and s.max_abs[0] == 2.0
 
 
 def test_all_nonfinite_layer():
     s = summarize({"w": np.full(5, np.nan, np.float16)})
     assert (s.sum_abs[0], s.sum_sq[0], s.max_abs[0], s.nonfinite[0]) == (0, 0, 0, 5)
+    assert s.nan is not None and s.nan[0] == 5
 
 
 def test_float16_accumulates_in_float64():
@@ -233,6 +240,7 @@ def test_backends_agree():
         for i in range(12)
     }
     grads["l3"][::7] = np.nan
+    grads["l3"][1] = -np.inf
     results = {}
     for name in BACKENDS:
         if name == "numba" and not _numba_installed():
@@ -244,6 +252,8 @@ def test_backends_agree():
     a, b = results["numba"], results["numpy"]
     np.testing.assert_array_equal(a.numel, b.numel)
     np.testing.assert_array_equal(a.nonfinite, b.nonfinite)
+    np.testing.assert_array_equal(a.nan, b.nan)
+    assert a.nan is not None and a.nan[3] == a.nonfinite[3] - 1  # the one Inf of l3
     np.testing.assert_array_equal(a.max_abs, b.max_abs)
     np.testing.assert_array_equal(a.exp_hist, b.exp_hist)
     np.testing.assert_allclose(a.sum_abs, b.sum_abs, rtol=1e-13)
@@ -408,4 +418,4 @@ def test_nonfinite_at_block_edges_with_histogram():
             s = summarize({"w": g}, histogram=True)
             _check_row(s, 0, _exact_reference(g))
             np.testing.assert_array_equal(s.exp_hist, ExponentHistogram.from_layers([g]).counts)
-            assert s.nonfinite[0] == 2
+            assert s.nonfinite[0] == 2 and s.nan is not None and s.nan[0] == 1

@@ -231,7 +231,7 @@ def _message(layers: list[int], grads: list[np.ndarray], weights: list[np.ndarra
     msg = wire.StepSummary(
         run_id="r", step=1, rank=0, world_size=1, wall_time=0.0, layer_indices=layers,
         numel=g["numel"].tolist(), sum_sq=g["sum_sq"].tolist(),
-        nonfinite=g["nonfinite"].tolist(),
+        nonfinite=g["nonfinite"].tolist(), nan=g["nan"].tolist(),
         sum_abs=g["sum_abs"].tolist() if full else None,
         max_abs=g["max_abs"].tolist() if full else None,
         exp_hist_offsets=h["offsets"].tolist(), exp_hist_columns=h["columns"].tolist(),
@@ -278,6 +278,27 @@ def test_from_message_reads_back_what_was_sent() -> None:
         SumOfSquares.from_message(msg, "sum_sq")
     norms, _ = _message([0], grads[:1], weights[:1], previous[:1], full=False)
     assert not GradientSums.from_message(norms).has_abs().any()
+    # a producer before schema 1.7 sends no NaN count: the NaN/Inf split is unknown
+    older = GradientSums.from_message(msg.model_copy(update={"nan": None}))
+    assert not older.has_nan().any() and older.to_columns()["nan"].tolist() == [-1, -1]
+    merged = GradientSums.from_message(msg) + older
+    assert not merged.has_nan().any()
+    assert GradientSums.from_message(msg).to_columns()["nan"].tolist() == [1, 0]
+
+
+def test_nan_and_inf_are_counted_apart() -> None:
+    """``nan`` counts the NaN elements among ``nonfinite`` (the sign of an Inf does not
+    matter), by both update paths; the split is known only where every piece gave it."""
+    x = np.array([np.nan, np.inf, -np.inf, 1.0, -np.nan, 2.0])
+    one = GradientSums.empty(1).update(x, 0)
+    assert (one.nonfinite.tolist(), one.nan.tolist()) == ([4], [2])
+    per_element = GradientSums.empty(2).update(x, np.array([0, 0, 1, 1, 1, 0]))
+    assert per_element.nonfinite.tolist() == [2, 2]
+    assert per_element.nan.tolist() == [1, 1] and per_element.has_nan().all()
+    assert GradientSums.from_layers([x, x[:2]]).nan.tolist() == [2, 1]
+    unknown = GradientSums.from_columns([3], [1.0], [1.0], [1.0], [1], [np.nan])
+    assert not unknown.has_nan()[0]
+    assert not (one + GradientSums.from_columns([6], [1.0], [1.0], [1.0], [1])).has_nan()[0]
 
 
 def test_weight_moments_reject_parts_that_disagree() -> None:

@@ -39,6 +39,8 @@ def assert_same(got: LayerSummaries, want: LayerSummaries) -> None:
     np.testing.assert_allclose(got.sum_abs, want.sum_abs, rtol=REL, atol=0)
     np.testing.assert_allclose(got.sum_sq, want.sum_sq, rtol=REL, atol=0)
     np.testing.assert_array_equal(got.max_abs, want.max_abs)
+    if got.nan is not None and want.nan is not None:  # the NaN among the non-finite
+        np.testing.assert_array_equal(got.nan, want.nan)
     for arr in (got.sum_abs, got.sum_sq, got.max_abs):
         assert arr.dtype == np.float64
     for arr in (got.numel, got.nonfinite):
@@ -154,8 +156,15 @@ def test_one_host_transfer_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     calls.clear()
     grads["l7"][3] = math.nan
     s = summarize_tensors(grads, host_numpy=False)
-    assert calls == [(40, 3), (1, 4)]  # the rare NaN/Inf case: one more for that layer
+    assert calls == [(40, 3), (1, 5)]  # the rare NaN/Inf case: one more for that layer
     assert s.nonfinite.tolist() == [0] * 7 + [1] + [0] * 32
+    assert s.nan is not None and s.nan.tolist() == [0] * 7 + [1] + [0] * 32
+    grads["l9"][0] = -math.inf  # an Inf counts as non-finite, not as NaN
+    s = summarize_tensors(grads, host_numpy=False)
+    assert s.nonfinite[9] == 1 and s.nan is not None and s.nan[9] == 0
+    assert_same(summarize_tensors(grads), s)
+    grads["l9"][0] = 1.0
+    s = summarize_tensors(grads, host_numpy=False)
     calls.clear()
     assert_same(summarize_tensors(grads), s)  # CPU default: NumPy views, no copy at all
     assert calls == []
