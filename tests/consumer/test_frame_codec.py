@@ -12,13 +12,17 @@ from producer.summary import summarize
 from schemas.wire import MergedFrame, StepSummary, decode_frame_message, encode_message
 
 
-def _frame(norms_only: bool, histogram: bool):
+def _frame(norms_only: bool, histogram: bool, nan_from: tuple[int, ...] = (0, 1)):
+    """A frame of two ranks (a NaN in l2 on each, an Inf in l1 on rank 1); the ranks of
+    ``nan_from`` send their NaN counts (schema 1.7), the others do not."""
     rng = np.random.default_rng(1)
     merged = MergedShards.empty(3)
     for rank in range(2):
         g = {f"l{i}": rng.standard_normal(20 + i).astype(np.float32) * 10.0 ** (i - 1)
              for i in range(3)}
         g["l2"][3] = np.nan
+        if rank == 1:
+            g["l1"][0] = -np.inf
         s = summarize(g, histogram=histogram, norms_only=norms_only)
         rows, cols = np.nonzero(s.exp_hist) if histogram else (None, None)
         hist = {}
@@ -32,6 +36,7 @@ def _frame(norms_only: bool, histogram: bool):
             nonfinite=s.nonfinite.tolist(),
             sum_abs=None if norms_only else s.sum_abs.tolist(),
             max_abs=None if norms_only else s.max_abs.tolist(), **hist,
+            nan=s.nan.tolist() if rank in nan_from and s.nan is not None else None,
         ))
     return compute_frame("r", 2, merged, vanishing_threshold=1e-3, exploding_threshold=1.0,
                          ranks_seen=(0, 1), world_size=2, wall_time=3.0)
@@ -46,9 +51,11 @@ def test_round_trip_recomputes_the_same_frame(norms_only, histogram):
     again = compute_frame("r", 2, message_to_merged(message, 3), vanishing_threshold=1e-3,
                           exploding_threshold=1.0, ranks_seen=(0, 1), world_size=2,
                           wall_time=3.0)
-    for name in ("numel", "sum_sq", "grad_norm", "flow_intensity", "nonfinite",
+    for name in ("numel", "sum_sq", "grad_norm", "flow_intensity", "nonfinite", "nan",
                  "is_vanishing", "is_exploding"):
         assert np.array_equal(getattr(again, name), getattr(frame, name)), name
+    assert frame.nan is not None and frame.nan.tolist() == [0, 0, 2]  # l1: 1 Inf, no NaN
+    assert frame.nonfinite.tolist() == [0, 1, 2]
     np.testing.assert_array_equal(again.mean_abs_grad, frame.mean_abs_grad)
     if histogram:
         assert np.array_equal(again.exp_hist, frame.exp_hist)
@@ -94,3 +101,13 @@ def test_binary_frame_decodes_to_the_json_frame(norms_only, histogram):
     assert raw.startswith(BINARY_MAGIC)
     assert len(raw) < len(encode_frame(frame, "json")) + 1024
     assert decode_frame_message(raw) == decode_frame_message(encode_frame(frame, "json"))
+
+
+def test_nan_count_unknown_when_a_rank_did_not_send_it():
+    """A rank before schema 1.7 (no ``nan``): the merged count is unknown (-1) for every
+    layer it holds, and the MergedFrame leaves ``nan`` out (unknown downstream too)."""
+    frame = _frame(False, False, nan_from=(0,))
+    assert frame.nan is not None and frame.nan.tolist() == [-1, -1, -1]
+    message = decode_frame_message(encode_message(frame_to_message(frame)))
+    assert message.nan is None
+    assert not message_to_merged(message, 3).gradient.has_nan().any()

@@ -118,3 +118,57 @@ def test_nonfinite_frames_are_issue_frames():
     van = layers == 0
     r = restore_tracker(4, 0, steps, flag_steps, layers, van, np.zeros(41, bool), ~van)
     assert (r.frames, r.issue_frames, r.health) == (60, 41, H.CRITICAL)
+
+
+def _frame(t: RunHealthTracker, step: int, nonfinite: list[int], nan: list[int] | None,
+           exp: tuple[int, ...] = ()) -> H:
+    idx = np.arange(len(nonfinite))
+    return t.update(step, idx, np.zeros(len(idx), bool), np.isin(idx, exp),
+                    np.asarray(nonfinite, np.int64), None,
+                    None if nan is None else np.asarray(nan, np.int64))
+
+
+def test_nonfinite_rule_reference_counts_inf_as_exploding_and_nan_as_nothing():
+    """``nonfinite_rule="reference"``: a NaN-only layer is no issue (Healthy), an Inf makes
+    the layer exploding (ProblemsDetected, Critical only by the issue ratio); the default
+    rule makes either Critical at once."""
+    ref = RunHealthTracker(3, nonfinite_rule="reference")
+    default = RunHealthTracker(3)
+    for step in range(4):
+        assert _frame(ref, step, [2, 0, 0], [2, 0, 0]) is H.HEALTHY  # NaN only
+        assert _frame(default, step, [2, 0, 0], [2, 0, 0]) is H.CRITICAL
+    assert ref.issue_frames == 0 and ref.nonfinite_frames[0] == 4
+    assert ref.first_nonfinite_step == 0
+    assert _frame(ref, 4, [0, 1, 0], [0, 0, 0]) is H.PROBLEMS_DETECTED  # one Inf
+    assert ref.exploding_frames.tolist() == [0, 1, 0] and ref.issue_frames == 1
+    assert _frame(ref, 4, [0, 3, 0], [0, 1, 0]) is H.PROBLEMS_DETECTED  # rewritten: NaN+Inf
+    assert ref.issue_frames == 1 and ref.frames == 5
+    for step in range(5, 10):  # Inf in 6 of 10 frames: ratio 0.6 > 0.5 with an exploding layer
+        _frame(ref, step, [0, 1, 0], [0, 0, 0])
+    assert ref.health is H.CRITICAL and ref.critical_frames.sum() == 0
+    with pytest.raises(ValueError, match="nonfinite_rule must be one of critical, reference"):
+        RunHealthTracker(3, nonfinite_rule="strict")  # type: ignore[arg-type]
+
+
+def test_nonfinite_rule_reference_keeps_critical_where_the_split_is_unknown():
+    """A producer before wire schema 1.7 sends no NaN count: the reference's verdict cannot
+    be known, so such a layer keeps gradstream's rule (Critical), never a guess."""
+    ref = RunHealthTracker(2, nonfinite_rule="reference")
+    assert _frame(ref, 0, [1, 0], None) is H.CRITICAL
+    assert _frame(ref, 0, [1, 0], [-1, 0]) is H.CRITICAL  # merged with an unknown shard
+    assert _frame(ref, 0, [1, 0], [1, 0]) is H.HEALTHY  # the frame rewritten, split known
+
+
+def test_restore_with_the_reference_rule_equals_the_live_tracker():
+    live = RunHealthTracker(2, nonfinite_rule="reference")
+    _frame(live, 0, [1, 0], [1, 0])
+    _frame(live, 1, [0, 1], [0, 0])
+    _frame(live, 2, [1, 0], None)
+    restored = restore_tracker(
+        2, 0, np.array([0, 1, 2]), np.array([0, 1, 2]), np.array([0, 1, 0]),
+        np.zeros(3, bool), np.array([False, True, False]), np.ones(3, bool),
+        flag_critical=np.array([False, False, True]), nonfinite_rule="reference")
+    assert restored.health is live.health is H.CRITICAL
+    assert (restored.issue_frames, restored.frames) == (live.issue_frames, live.frames) == (2, 3)
+    np.testing.assert_array_equal(restored.critical_frames, live.critical_frames)
+    np.testing.assert_array_equal(restored.exploding_frames, live.exploding_frames)

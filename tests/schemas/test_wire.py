@@ -391,3 +391,30 @@ def test_binary_decoded_message_equals_its_json_twin_and_reencodes():
     other = StepSummary(**_summary(layer_indices=[3, 1], numel=[4, 8], sum_abs=[1.0, 2.0],
                                    sum_sq=[1.0, 3.5], max_abs=[0.5, 0.7], nonfinite=[0, 1]))
     assert binary != other
+
+
+@pytest.mark.parametrize("fmt", ["binary", "json"])
+def test_nan_count_travels_and_older_messages_leave_it_unknown(fmt: str) -> None:
+    """Schema 1.7: ``nan`` counts the NaN among the non-finite elements, in both forms; a
+    message without it (an older producer) parses with ``nan`` None (the split unknown);
+    a count above ``nonfinite`` or misaligned is refused, naming the field."""
+    msg = StepSummary(**_summary(nonfinite=[3, 1], nan=[2, 0]))
+    back = decode_message(encode_message(msg, fmt))
+    assert back == msg and list(np.asarray(back.nan)) == [2, 0]
+    older = decode_message(_raw(nonfinite=[3, 1]))  # a 1.0 JSON message: no nan
+    assert older.nan is None
+    plain = decode_message(encode_message(StepSummary(**_summary()), fmt))
+    assert plain.nan is None
+    with pytest.raises(ValidationError, match=r"nan\[1\]=2 exceeds nonfinite\[1\]=1"):
+        StepSummary(**_summary(nan=[0, 2]))
+    with pytest.raises(ValidationError, match="nan has 1 entries"):
+        StepSummary(**_summary(nan=[0]))
+    with pytest.raises(WireError, match="nan"):
+        decode_message(_raw(nan=[-1, 0]))
+
+
+def test_merged_frame_carries_the_nan_count() -> None:
+    frame = MergedFrame(**_summary(rank=0, ranks_seen=[0, 1], nonfinite=[2, 1], nan=[1, 1]))
+    for fmt in ("binary", "json"):
+        assert decode_frame_message(encode_message(frame, fmt)).nan is not None
+        assert decode_frame_message(encode_message(frame, fmt)) == frame
