@@ -711,7 +711,8 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     consumer's stored health covers another window (:func:`live_health_text`). Layers
     with no gradient by construction get their own row ("no gradient: at rounding level
     since step S: ...") and a "Findings" section, only when there are some; layers excluded
-    by ``ignore_layers`` get an "excluded" row naming the patterns and the layers.
+    by ``ignore_layers`` get an "excluded" row naming the patterns and the layers. Under
+    ``nonfinite_rule="reference"`` the non-finite row says how those layers counted.
 
     Args:
         summary: from :func:`build_report`.
@@ -749,6 +750,8 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     nonfinite = _names_cell(summary.layers_with_nonfinite_grads)
     if summary.first_nonfinite_step is not None:
         nonfinite.append(f" (first at step {summary.first_nonfinite_step})")
+    if summary.nonfinite_rule == "reference" and summary.layers_with_nonfinite_grads:
+        nonfinite.append(" (reference rule: an Inf counts as exploding, a NaN as no issue)")
     table.add_row("non-finite", nonfinite)
     if summary.layers_without_gradient:
         zero = Text(f"at rounding level since step {summary.no_gradient_since_step}: ")

@@ -60,8 +60,8 @@ After an all-reduce the replicas of a gradient are bitwise identical, so their f
 can differ only by the order in which a kernel added the terms. Recursive summation of n
 non-negative terms has a relative error of at most gamma_n = n u / (1 - n u), u = 2^-53
 (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 4.2), which is
-below 1e-6 for every n up to 9e9 elements. Element counts (``numel``, ``nonfinite``) must
-be equal exactly."""
+below 1e-6 for every n up to 9e9 elements. Element counts (``numel``, ``nonfinite``, and
+``nan`` where both replicas sent it, wire schema 1.7) must be equal exactly."""
 
 VIOLATION_NUMEL = 1
 """Layout violation: the counted pieces of a layer hold more elements than the parameter
@@ -100,7 +100,7 @@ class PieceLedger:
         num_layers: L. world_size: W.
     """
 
-    __slots__ = ("count", "divergence", "nonfinite", "numel", "owner", "seen", "sums",
+    __slots__ = ("count", "divergence", "nan", "nonfinite", "numel", "owner", "seen", "sums",
                  "violations", "world_size")
 
     def __init__(self, num_layers: int, world_size: int) -> None:
@@ -110,6 +110,7 @@ class PieceLedger:
         self.owner = np.full(size, -1, np.int32)
         self.numel = np.zeros(size, np.int64)
         self.nonfinite = np.zeros(size, np.int64)
+        self.nan = np.full(size, -1, np.int64)  # -1: the counted replica sent no NaN count
         self.sums = np.full((size, 3), np.nan)  # sum_abs, sum_sq, max_abs
         self.count = np.zeros(num_layers, np.int64)  # first shard_count seen (0: none)
         self.divergence: list[np.ndarray] = []
@@ -122,7 +123,7 @@ class PieceLedger:
         Returns:
             bool[k] aligned with ``shard.layer_indices``: True for a piece seen for the
             first time (count it), False for a replica of a counted piece (compared with it;
-            a disagreement of the sums or the non-finite count is appended to
+            a disagreement of the sums or the non-finite (or NaN) count is appended to
             :attr:`divergence` as rows (layer_index, rank, reference_rank), one of the
             element count to :attr:`violations`). An entry whose ``shard_count`` differs
             from the first one seen for its layer is recorded in :attr:`violations` and not
@@ -142,6 +143,8 @@ class PieceLedger:
                 first[other_cut]))
         new = ~self.seen[keys] & ~other_cut
         nonfinite = np.asarray(shard.nonfinite, np.int64)
+        nan = (np.full(len(keys), -1, np.int64) if shard.nan is None
+               else np.asarray(shard.nan, np.int64))
         sums = np.column_stack([
             np.asarray(shard.sum_abs, np.float64) if shard.sum_abs is not None
             else np.full(len(keys), np.nan),
@@ -154,6 +157,7 @@ class PieceLedger:
         self.owner[fresh] = shard.rank
         self.numel[fresh] = numel[new]
         self.nonfinite[fresh] = nonfinite[new]
+        self.nan[fresh] = nan[new]
         self.sums[fresh] = sums[new]
         old = ~new & ~other_cut
         if old.any():
@@ -166,7 +170,9 @@ class PieceLedger:
                     numel[old][other_size], self.numel[ref][other_size]))
             with np.errstate(invalid="ignore"):
                 far = np.abs(a - b) > REPLICA_RTOL * np.maximum(np.abs(a), np.abs(b))
-            differs = (far.any(axis=1) & ~other_size) | (self.nonfinite[ref] != nonfinite[old])
+            mine, theirs = self.nan[ref], nan[old]
+            differs = ((far.any(axis=1) & ~other_size) | (self.nonfinite[ref] != nonfinite[old])
+                       | ((mine >= 0) & (theirs >= 0) & (mine != theirs)))
             if differs.any():
                 rows = np.column_stack([
                     layers[old][differs], np.full(int(differs.sum()), shard.rank),

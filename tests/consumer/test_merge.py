@@ -152,6 +152,21 @@ def test_replica_that_disagrees_is_recorded_not_added():
     assert frame.replica_divergence.tolist() == [[0, 2, 0], [1, 2, 0]]
 
 
+def test_replicas_count_their_nan_once_and_must_agree_on_it():
+    """The NaN count of a replicated piece counts once; a replica whose NaN/Inf split
+    differs from the counted one's is a divergence; one without a count (an older
+    producer) is compared on the rest only."""
+    def bad(rank: int, nan: list[int] | None) -> StepSummary:
+        return replica(0, rank, 3.0).model_copy(update={"nonfinite": [1, 2], "nan": nan})
+
+    m = ShardMerger(10.0, StoreStub().load)
+    m.add(DDP, bad(0, [1, 1]), P, 0, 0.0)
+    m.add(DDP, bad(1, None), P, 1, 0.0)
+    frame = m.add(DDP, bad(2, [1, 2]), P, 2, 0.0)
+    assert frame.nonfinite.tolist() == [1, 2] and frame.nan.tolist() == [1, 1]
+    assert frame.replica_divergence.tolist() == [[1, 2, 0]]
+
+
 def test_hsdp_pieces_add_and_their_replicas_count_once():
     """4 ranks on a (replicate 2) x (shard 2) mesh: ranks 0, 2 hold piece 0, ranks 1, 3
     piece 1 (each half of a 4-element parameter)."""
