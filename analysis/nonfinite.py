@@ -75,7 +75,7 @@ def reference_stats_sql(with_nan: bool = True) -> str:
              ELSE grad_norm END AS grad_norm,
         is_exploding OR gs_inf AS is_exploding,
         CASE WHEN NOT gs_step_bad THEN flow_intensity
-             WHEN NOT gs_top > 0 THEN 0.0
+             WHEN NOT coalesce(gs_top > 0, false) THEN 0.0  -- no norm above 0 but NaN
              WHEN gs_nan THEN 'nan'::DOUBLE
              WHEN isnan(gs_norm_ref / gs_top) THEN 'nan'::DOUBLE
              ELSE least(greatest(gs_norm_ref / gs_top, 0.0), 1.0) END AS flow_intensity

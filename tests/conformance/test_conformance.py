@@ -186,6 +186,15 @@ def test_nan_only_run_is_healthy_as_in_the_reference(pipeline: Pipeline) -> None
     assert_conforms(pipeline, case)
 
 
+def test_step_whose_every_norm_is_nan_or_zero(pipeline: Pipeline) -> None:
+    """No norm above 0 once the NaN norms are ignored (the reference's ``f64::max`` fold
+    from 0): every intensity of that step is 0, the NaN layers' too."""
+    case = constant_case("all-nan-step", {
+        "a": [[NAN, 1.0], [1.0, 2.0]], "b": [[0.0, NAN], [0.5, 0.5]], "z": [[0.0, 0.0]] * 2,
+    })
+    assert_conforms(pipeline, case)
+
+
 @pytest.mark.parametrize(("layout", "ranks"), [("shards", 2), ("replicas", 2), ("hsdp", 4)])
 def test_nonfinite_pieces_merge_their_nan_and_inf_counts(pipeline: Pipeline, layout: str,
                                                         ranks: int) -> None:

@@ -354,7 +354,7 @@ def test_to_display_shows_binary_as_json_without_validating():
 def test_split_keeps_every_layer_once_with_histograms_and_local_rows():
     msg = StepSummary(**_summary(
         layer_indices=[5, 2, 7], numel=[4, 8, 2], sum_abs=[1.0, 2.0, 3.0],
-        sum_sq=[1.0, 1.0, 1.0], max_abs=[0.5, 0.7, 0.9], nonfinite=[0, 1, 0],
+        sum_sq=[1.0, 1.0, 1.0], max_abs=[0.5, 0.7, 0.9], nonfinite=[0, 1, 0], nan=[0, 1, 0],
         exp_hist_offsets=[0, 1, 3, 4], exp_hist_columns=[3, 1, 4, 0],
         exp_hist_counts=[4, 3, 4, 2],
         local_layer_indices=[7, 9, 5], local_numel=[1, 1, 1], local_sum_abs=[1.0] * 3,
@@ -370,6 +370,7 @@ def test_split_keeps_every_layer_once_with_histograms_and_local_rows():
     assert not decoded[1].layer_indices.flags.writeable
     assert decoded[0].layer_indices.tolist() == [5]
     assert decoded[1].layer_indices.tolist() == [2, 7]
+    assert decoded[0].nan.tolist() == [0] and decoded[1].nan.tolist() == [1, 0]
     assert decoded[1].exp_hist_offsets.tolist() == [0, 2, 3]
     assert decoded[1].exp_hist_columns.tolist() == [1, 4, 0]
     # layer 7 goes with part 1; 5 and the unknown layer 9 with part 0
