@@ -274,23 +274,27 @@ _KINDS = (
 )
 
 
-def recommendation_kinds(lines: list[str], health_line: str) -> tuple[list[str], list[str]]:
-    """gradstream's recommendations as reference kinds, and the lines of no reference kind.
+def recommendation_kinds(lines: list[str], health_line: str
+                         ) -> tuple[list[str], list[str], list[str]]:
+    """gradstream's recommendations as reference kinds, the lines of no reference kind, and
+    the line of each kind (aligned with the kinds).
 
     The last line is the health line when it equals ``health_line`` (gradstream's sentence
     for the report's class)."""
-    kinds, extras = [], []
+    kinds, extras, of_kind = [], [], []
     for i, line in enumerate(lines):
         if i == len(lines) - 1 and line == health_line:
             kinds.append("health")
+            of_kind.append(line)
             continue
         for kind, pattern in _KINDS:
             if pattern.search(line):
                 kinds.append(kind)
+                of_kind.append(line)
                 break
         else:
             extras.append(line)
-    return kinds, extras
+    return kinds, extras, of_kind
 
 
 def compare(case: Case, ref: GradientFlowAnimator, got: Observed) -> list[str]:
@@ -349,13 +353,14 @@ def compare(case: Case, ref: GradientFlowAnimator, got: Observed) -> list[str]:
     check("issue_frames", (rep.issue_frames, rep.frames) == (want.issue_frames, want.frames),
           f"gradstream {rep.issue_frames}/{rep.frames}, reference "
           f"{want.issue_frames}/{want.frames}")
-    kinds, extras = recommendation_kinds(rep.recommendations, _HEALTH_LINE[rep.overall_health])
+    kinds, extras, kind_lines = recommendation_kinds(rep.recommendations,
+                                                     _HEALTH_LINE[rep.overall_health])
     check("recommendations", kinds == want.recommendation_kinds,
           f"gradstream kinds {kinds}, reference {want.recommendation_kinds}")
     for kind, names in (("vanishing_layers", want.layers_with_vanishing_grads),
                         ("exploding_layers", want.layers_with_exploding_grads)):
         if kind in kinds:  # names quoted in name order, the first NAMES_IN_TEXT of them
-            line = rep.recommendations[kinds.index(kind)]
+            line = kind_lines[kinds.index(kind)]  # extra lines (NaN/Inf advice) skipped
             ordered = list(names)
             named = all(nm in line for nm in ordered[:NAMES_IN_TEXT]) and (
                 len(ordered) <= NAMES_IN_TEXT

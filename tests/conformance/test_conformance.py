@@ -7,7 +7,7 @@ scenarios where gradstream's own rules could part from the reference: layers van
 step 0, a float64 run without declared dtypes, a single layer, every threshold and ratio
 tie, heatmap level ties, values near float64 overflow, 5000 layers, shards and replicas sent
 out of order, the rolling window. A Hypothesis test draws random runs (layers, steps, ranks,
-layouts, dtypes, windows, magnitudes across both thresholds, send orders).
+layouts, dtypes, windows, magnitudes across both thresholds, NaN/Inf elements, send orders).
 
 Values are dyadic (integer mantissas times a power of two) wherever the case allows, so every
 sum is exact in any order and values, flags and CSV bytes must be identical; the float64
@@ -298,7 +298,8 @@ def cases(draw: st.DrawFn) -> Case:
     """A random run: 1-5 layers (names of letters, digits, punctuation, a space, a comma and
     a non-ASCII letter), 1-6 steps (not necessarily from 0), 1-3 ranks in any layout, float32
     or float64, dtypes declared or not, a window, thresholds (:data:`THRESHOLDS`), per-layer
-    magnitudes 2^-45..2^12 (both thresholds inside), zero layers, and a random send
+    magnitudes 2^-45..2^12 (both thresholds inside), zero layers, NaN / +-Inf elements
+    now and then (about one run in four, at a few random places), and a random send
     order."""
     names = draw(st.lists(st.text(NAME_ALPHABET, min_size=1, max_size=6), min_size=1,
                           max_size=5, unique=True))
@@ -315,6 +316,7 @@ def cases(draw: st.DrawFn) -> Case:
     exponents = {n: draw(st.integers(-45, 12)) for n in names}
     zero = {n: draw(st.booleans()) and draw(st.booleans()) for n in names}
     sizes = {n: draw(st.integers(max(ranks, 2), 10)) for n in names}
+    bad = draw(st.integers(0, 3)) if draw(st.booleans()) and draw(st.booleans()) else 0
     grads = []
     for _ in steps:
         frame = {}
@@ -322,6 +324,9 @@ def cases(draw: st.DrawFn) -> Case:
             g = dyadic(rng, sizes[n], exponents[n] + int(rng.integers(-2, 3)), dtype)
             frame[n] = np.zeros_like(g) if zero[n] else g
         grads.append(frame)
+    for _ in range(bad):  # a NaN, +Inf or -Inf at a random (step, layer, element)
+        g = grads[int(rng.integers(len(grads)))][names[int(rng.integers(len(names)))]]
+        g[int(rng.integers(g.size))] = (NAN, INF, -INF)[int(rng.integers(3))]
     return Case(
         label=f"random(seed={seed})", layers=names, grads=grads, steps=steps, ranks=ranks,
         layout=layout, send_seed=draw(st.none() | st.integers(0, 1000)),  # type: ignore[arg-type]
