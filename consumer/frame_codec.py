@@ -43,8 +43,8 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
     optional: dict[str, object] = {}
     if _all_known(frame.sum_abs) and _all_known(frame.max_abs_grad):
         optional.update(sum_abs=frame.sum_abs.tolist(), max_abs=frame.max_abs_grad.tolist())
-    if frame.nan is not None and (frame.nan >= 0).all():  # schema 1.7, known everywhere
-        optional["nan"] = frame.nan.tolist()
+    if frame.nan is not None and frame.nonfinite.any() and (frame.nan >= 0).all():
+        optional["nan"] = frame.nan.tolist()  # schema 1.7, known everywhere
     if frame.exp_hist is not None and (frame.exp_hist[:, 0] >= 0).all():
         off, cols, counts = _csr(frame.exp_hist)
         optional.update(exp_hist_offsets=off, exp_hist_columns=cols, exp_hist_counts=counts)

@@ -143,7 +143,7 @@ class PieceLedger:
                 first[other_cut]))
         new = ~self.seen[keys] & ~other_cut
         nonfinite = np.asarray(shard.nonfinite, np.int64)
-        nan = (np.full(len(keys), -1, np.int64) if shard.nan is None
+        nan = (np.where(nonfinite == 0, 0, -1) if shard.nan is None
                else np.asarray(shard.nan, np.int64))
         sums = np.column_stack([
             np.asarray(shard.sum_abs, np.float64) if shard.sum_abs is not None

@@ -698,7 +698,9 @@ class GradientProducer:
             if extra.update_sum_sq is not None:
                 optional["update_sum_sq"] = extra.update_sum_sq.tolist()
         nan = getattr(summaries, "nan", None)
-        if nan is not None:  # wire schema 1.7: the NaN among the non-finite elements
+        if nan is not None and summaries.nonfinite.any():
+            # wire schema 1.7: the NaN among the non-finite elements, sent only when there
+            # are some (without it a layer with nonfinite = 0 has no NaN either)
             optional["nan"] = nan.tolist()
         if summaries.shard_index is not None and summaries.shard_count is not None:
             optional.update(shard_index=summaries.shard_index.tolist(),

@@ -660,8 +660,10 @@ class GradientSums(LayerStatistic):
         nonfinite: int64 NaN/+-Inf elements (left out of the float statistics).
         nan: int64 NaN elements among ``nonfinite`` (the others are +-Inf), where known.
         nan_numel: int64 elements whose NaN/Inf split is known (wire schema 1.7): equal to
-            ``numel`` when every shard sent its ``nan`` count; a shard from an older
-            producer adds its elements to ``numel`` only, leaving the split unknown.
+            ``numel`` when every shard sent its ``nan`` count or had no non-finite element
+            (then it has no NaN either); a shard with non-finite elements and no count (an
+            older producer) adds its elements to ``numel`` only, leaving the split
+            unknown.
 
     Frame fields (:meth:`get`; ``consumer.frames``):
     ``mean_abs = sum_abs / numel``, ``norm = sqrt(sum_sq)``, ``rms = sqrt(sum_sq / numel)``.
@@ -717,8 +719,8 @@ class GradientSums(LayerStatistic):
             sum_abs, max_abs: float[k] (NaN where unknown, a stored NULL), or both None
                 for a norms-mode shard.
             nan: int[k] NaN counts (a negative value, or NaN in a float array, where
-                unknown: a stored NULL), or None when unknown for every layer (a message
-                from a producer before schema 1.7).
+                unknown: a stored NULL), or None when not given (a message without it).
+                Where ``nonfinite`` is 0 the count is 0 and known whatever is given.
 
         Raises:
             ValueError: only one of ``sum_abs`` / ``max_abs`` given.
@@ -726,12 +728,13 @@ class GradientSums(LayerStatistic):
         if (sum_abs is None) != (max_abs is None):
             raise ValueError("sum_abs and max_abs go together (or neither, in norms mode)")
         n = _ints(numel)
+        bad = _ints(nonfinite)
         if nan is None:
-            nan_count, nan_numel = np.zeros(len(n), np.int64), np.zeros(len(n), np.int64)
+            nan_count, nan_numel = np.zeros(len(n), np.int64), np.where(bad == 0, n, 0)
         else:
             given = np.asarray(nan, np.float64)
-            split = given >= 0  # NaN (a NULL) and negatives: unknown
-            nan_count = np.where(split, given, 0).astype(np.int64)
+            split = (given >= 0) | (bad == 0)  # NaN (a NULL) and negatives: unknown
+            nan_count = np.where(given >= 0, given, 0).astype(np.int64)
             nan_numel = np.where(split, n, 0)
         if sum_abs is None or max_abs is None:
             zeros = np.zeros(len(n))

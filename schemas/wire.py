@@ -71,7 +71,8 @@ above ~1.34e154 (or sums above ~1.8e308) produces. 1.7 adds the optional ``nan``
 StepSummary / MergedFrame: how many of a layer's ``nonfinite`` elements are NaN (the others
 are +-Inf), so that the reference implementation's values, in which a NaN and an Inf act
 differently, can be rebuilt (``analysis.nonfinite``); a 1.6 consumer ignores it, and a
-message without it (an older producer) leaves the split unknown."""
+message without it (an older producer, or a summary without any non-finite element, where
+the producer leaves it out) leaves the split of its non-finite layers unknown."""
 
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -206,7 +207,9 @@ class StepSummary(_Wire):
     above ~1.34e154; schema 1.6), ``max_abs`` = max |g|
     over the finite elements (0 when none), ``nonfinite`` = count of NaN/+-Inf elements,
     ``nan`` (optional, schema 1.7) = how many of those are NaN (``nonfinite - nan`` are
-    +-Inf; None: the split is unknown, as from a producer before 1.7).
+    +-Inf). Without it a layer with ``nonfinite = 0`` has no NaN either and the split of
+    the others is unknown (a producer before 1.7); the producer sends it only when some
+    layer has a non-finite element, so the all-finite common case costs no byte.
     ``wall_time`` is the producer's unix time (s) when the step was recorded.
     ``sum_abs`` and ``max_abs`` are both present (full mode) or both None (norms mode,
     schema 1.2): the consumer then bounds mean |g| and max |g| by the RMS

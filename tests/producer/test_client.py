@@ -210,3 +210,23 @@ def test_replicated_step_with_local_view_through_the_broker(kafka_bootstrap: str
     assert list(step.local_layer_indices) == [1] and list(step.local_numel) == [4]
     assert list(step.local_sum_abs) == [4.5] and list(step.local_max_abs) == [3.0]
     assert list(step.local_sum_sq) == [10.25] and list(step.local_nonfinite) == [1]
+
+
+def test_nan_count_sent_only_with_non_finite_elements(kafka_bootstrap: str, unique_name: str):
+    """Wire schema 1.7: the NaN count of each layer travels when some layer holds NaN/Inf
+    (here a NaN and a -Inf in layer 1, the NaN one of two non-finite elements) and is left
+    out of an all-finite summary (no byte added to the common case)."""
+    topic = f"nan-{unique_name}"
+    g = grads()
+    with GradientProducer("r", bootstrap_servers=kafka_bootstrap, topic=topic) as gp:
+        gp.start_run(numel(g))
+        gp.record_step(0, g)
+        bad = {k: v.copy() for k, v in g.items()}
+        bad["layer1.weight"][[2, 5]] = [np.nan, -np.inf]
+        gp.record_step(1, bad)
+        gp.finish_run()
+    steps = sorted((m for m in read_all(kafka_bootstrap, topic, 4)
+                    if isinstance(m, StepSummary)), key=lambda m: m.step)
+    assert [m.step for m in steps] == [0, 1]
+    assert steps[0].nan is None
+    assert list(steps[1].nonfinite) == [0, 2, 0] and list(steps[1].nan) == [0, 1, 0]
