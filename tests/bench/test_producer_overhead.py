@@ -112,8 +112,9 @@ def test_sizes_stated_by_readme_and_the_bench_are_what_the_producer_sends(
         # The bench's own encoding of the same step (same run id length, same values).
         bench_full, _ = producer_overhead.message_bytes(grads, wire_format, run_id=full_run)
         _, bench_norms = producer_overhead.message_bytes(grads, wire_format, run_id=norms_run)
-        # wall_time's repr may differ by a digit or two between the two encodings.
-        assert abs(bench_full - full) <= 4 and abs(bench_norms - norms) <= 4, (
+        # wall_time's repr may differ by a digit or two between the two encodings, and
+        # the binary header is padded to 8 bytes, so one digit can move it by 8.
+        assert abs(bench_full - full) <= 8 and abs(bench_norms - norms) <= 8, (
             wire_format, full, bench_full, norms, bench_norms)
         stated_norms, stated_full = _readme_figures()[wire_format]
         if wire_format == "binary":
