@@ -44,7 +44,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import PrivateAttr
 
 from analysis.reader import open_reader
-from analysis.report import NAMES_IN_TABLE, GradientFlowSummary, local_origin_text
+from analysis.report import (
+    NAMES_IN_TABLE,
+    GradientFlowSummary,
+    exclusion_rows,
+    local_origin_text,
+)
 from analysis.store import StoreError, check_step_range
 
 if TYPE_CHECKING:
@@ -703,10 +708,9 @@ def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,
         rows.append(("no gradient", html.escape(
             f"at rounding level since step {summary.no_gradient_since_step}: ")
             + _names(summary.layers_without_gradient)))
-    if summary.ignore_layers:
+    for label, (patterns, names) in exclusion_rows(summary).items():
         rows.append(("excluded", html.escape(
-            "by run setting " + ", ".join(map(repr, summary.ignore_layers)) + ": ")
-            + _names(summary.layers_excluded)))
+            label + " " + ", ".join(map(repr, patterns)) + ": ") + _names(names)))
     origin = local_origin_text(summary)
     if origin:
         rows.append(("started in", html.escape(origin)))

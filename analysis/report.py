@@ -41,8 +41,8 @@ from rich.table import Table
 from rich.text import Text
 
 from analysis.nonfinite import has_nan_column, require_nan_split
-from analysis.store import require_run, stats_params
-from schemas.health import check_nonfinite_rule, classify_health, match_layers
+from analysis.store import Exclusion, has_column, require_run, run_exclusion, stats_params
+from schemas.health import check_nonfinite_rule, classify_health
 from schemas.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
 
@@ -128,8 +128,14 @@ class GradientFlowSummary(BaseModel):
       unknown (stored before 1.7) is refused (``analysis.nonfinite.require_nan_split``).
     - ``ignore_layers``: the patterns applied (the run's, then the report's own);
       ``layers_excluded``: the layers they match (model order), whose vanishing and
-      exploding flags count nowhere here. ``excluded_rounding_level``: the report was
-      asked to leave out the vanishing flag of ``layers_without_gradient``.
+      exploding flags count nowhere here (:class:`analysis.store.Exclusion`). Apart:
+      ``run_ignore_layers`` (the run setting, ``runs.ignore_layers``) and
+      ``report_ignore_layers`` (this report's ``--ignore-layers`` /
+      ``GRADSTREAM_IGNORE_LAYERS``, those not already the run's);
+      ``layers_excluded_by_run`` (a run pattern matches them) and
+      ``layers_excluded_by_report`` (only a report pattern does).
+      ``excluded_rounding_level``: the report was asked to leave out the vanishing flag
+      of ``layers_without_gradient``.
     - ``findings``: sentences on what the data shows beyond the verdict, one per kind
       (:func:`build_findings`): today the layers of ``layers_without_gradient``.
     - ``layers_without_gradient``: layers with no gradient by construction (model order):
@@ -191,6 +197,10 @@ class GradientFlowSummary(BaseModel):
     live_window_differs: bool = False
     ignore_layers: list[str] = Field(default_factory=list)
     layers_excluded: list[str] = Field(default_factory=list)
+    run_ignore_layers: list[str] = Field(default_factory=list)
+    report_ignore_layers: list[str] = Field(default_factory=list)
+    layers_excluded_by_run: list[str] = Field(default_factory=list)
+    layers_excluded_by_report: list[str] = Field(default_factory=list)
     excluded_rounding_level: bool = False
     findings: list[str] = Field(default_factory=list)
     nonfinite_rule: str = "critical"
@@ -267,7 +277,7 @@ def build_recommendations(
 
 def build_findings(
     no_gradient: list[str], since_step: int | None, excluded_rounding_level: bool = False,
-    excluded: list[str] | None = None,
+    excluded: Exclusion | None = None,
 ) -> list[str]:
     """What the data shows beyond the verdict, as sentences.
 
@@ -280,17 +290,23 @@ def build_findings(
         no_gradient: layers with no gradient by construction (model order).
         since_step: the earliest first step of those layers.
         excluded_rounding_level: the report left their vanishing flag out.
-        excluded: layers excluded by ``ignore_layers`` (the sentence says whether those
-            of the finding are).
+        excluded: the layers excluded by ``ignore_layers`` (the sentence says whether
+            those of the finding are, and by which setting).
 
     Returns:
         The findings (empty when there is none).
     """
     if not no_gradient:
         return []
-    left = set(excluded or ())
-    if all(n in left for n in no_gradient):
+    by_run = set(excluded.names_by_run) if excluded else set()
+    by_report = set(excluded.names_by_given) if excluded else set()
+    if all(n in by_run for n in no_gradient):
         counted = "excluded by the run setting ignore_layers"
+    elif all(n in by_report for n in no_gradient):
+        counted = "excluded by this report's --ignore-layers"
+    elif all(n in by_run | by_report for n in no_gradient):
+        counted = ("excluded by the run setting ignore_layers and this report's "
+                   "--ignore-layers")
     elif excluded_rounding_level:
         counted = "left out of the verdict (exclude layers at rounding level)"
     else:
@@ -382,51 +398,10 @@ def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
     """
 
 
-def _has_column(con: duckdb.DuckDBPyConnection, table: str, column: str) -> bool:
-    """Whether the store's ``table`` has ``column`` (stores written by older versions may
-    lack ``layers.dtype``, schema 1.3, or ``runs.ignore_layers``, schema 1.5)."""
-    row = con.execute(
-        "SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
-        "AND table_name = $table AND column_name = $column",
-        {"table": table, "column": column},
-    ).fetchone()
-    return bool(row and row[0])
-
-
 def _has_layer_dtype(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether the store's ``layers`` table has the ``dtype`` column (schema 1.3)."""
-    return _has_column(con, "layers", "dtype")
+    return has_column(con, "layers", "dtype")
 
-
-def run_exclusion(
-    con: duckdb.DuckDBPyConnection, run_id: str, ignore_layers: tuple[str, ...] = ()
-) -> tuple[list[str], list[int], list[str]]:
-    """The layers a run's report leaves out of the verdict by explicit setting.
-
-    Args:
-        con: a store connection. run_id: an existing run.
-        ignore_layers: patterns added to the run's own ``runs.ignore_layers``.
-
-    Returns:
-        ``(patterns, layer indices, layer names)``: the patterns applied (the run's, then
-        ``ignore_layers``, without repeats) and the layers they match in model order
-        (:func:`schemas.health.match_layers`). No query of the layers without patterns.
-    """
-    stored: list[str] = []
-    if _has_column(con, "runs", "ignore_layers"):
-        row = con.execute("SELECT coalesce(ignore_layers, []) FROM runs WHERE run_id = $r",
-                          {"r": run_id}).fetchone()
-        stored = list(row[0]) if row else []
-    patterns = list(dict.fromkeys([*stored, *ignore_layers]))
-    if not patterns:
-        return [], [], []
-    rows = con.execute(
-        "SELECT layer_index, name FROM layers WHERE run_id = $r ORDER BY layer_index",
-        {"r": run_id},
-    ).fetchall()
-    hit = match_layers([name for _, name in rows], patterns)
-    chosen = [row for row, h in zip(rows, hit.tolist(), strict=True) if h]
-    return patterns, [i for i, _ in chosen], [n for _, n in chosen]
 
 _LOCAL_ORIGIN_SQL = """
     SELECT s.step, list(DISTINCT s.rank ORDER BY s.rank) AS ranks,
@@ -521,9 +496,9 @@ def build_report(
     nonfinite: list[str] = []
     no_gradient: list[str] = []
     since: list[int] = []
-    patterns, excluded_index, excluded_names = run_exclusion(con, run_id, ignore_layers)
+    exclusion = run_exclusion(con, run_id, ignore_layers)
     rows = con.execute(_summary_sql(_has_layer_dtype(con), with_nan), {
-        **params, "excluded": excluded_index, "exclude_rounding": exclude_rounding,
+        **params, "excluded": exclusion.layer_index, "exclude_rounding": exclude_rounding,
         "reference": reference,
     }).fetchall()
     for *_counts, index, name, is_van, is_exp, is_nf, is_zero, first_step in rows:
@@ -575,12 +550,16 @@ def build_report(
         first_bad_local_exploding=origin is not None and bool(origin[3]),
         layers_without_gradient=no_gradient,
         no_gradient_since_step=min(since) if since else None,
-        ignore_layers=patterns,
-        layers_excluded=excluded_names,
+        ignore_layers=exclusion.patterns,
+        layers_excluded=exclusion.names,
+        run_ignore_layers=exclusion.run_patterns,
+        report_ignore_layers=exclusion.given_patterns,
+        layers_excluded_by_run=exclusion.names_by_run,
+        layers_excluded_by_report=exclusion.names_by_given,
         excluded_rounding_level=exclude_rounding,
         nonfinite_rule=nonfinite_rule,
         findings=build_findings(no_gradient, min(since) if since else None,
-                                exclude_rounding, excluded_names),
+                                exclude_rounding, exclusion),
         first_step=first_step,
         last_step=last_step,
         live_health=live,
@@ -702,6 +681,32 @@ def _names_cell(names: list[str], limit: int = NAMES_IN_TABLE) -> Text:
     return text
 
 
+EXCLUDED_BY_RUN = "by run setting"
+"""Label of the layers a run's own ``ignore_layers`` excludes."""
+EXCLUDED_BY_REPORT = "by this report's --ignore-layers"
+"""Label of the layers only the report's own ``--ignore-layers`` excludes."""
+
+
+def exclusion_rows(summary: GradientFlowSummary) -> dict[str, tuple[list[str], list[str]]]:
+    """The "excluded" rows of a rendered report: label -> (patterns, layers), the run
+    setting's first, then the report's own; a setting without patterns has no row. A
+    layer both match is listed under the run setting only.
+
+    A summary from a version without the split fields (only ``ignore_layers``) is shown
+    under the run setting, as it was then.
+    """
+    run = summary.run_ignore_layers
+    own = summary.report_ignore_layers
+    if not run and not own and summary.ignore_layers:
+        return {EXCLUDED_BY_RUN: (summary.ignore_layers, summary.layers_excluded)}
+    rows: dict[str, tuple[list[str], list[str]]] = {}
+    if run:
+        rows[EXCLUDED_BY_RUN] = (run, summary.layers_excluded_by_run)
+    if own:
+        rows[EXCLUDED_BY_REPORT] = (own, summary.layers_excluded_by_report)
+    return rows
+
+
 def render_report(summary: GradientFlowSummary) -> RenderableType:
     """Terminal rendering of a summary: a key/value table and the recommendations.
 
@@ -711,7 +716,8 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     consumer's stored health covers another window (:func:`live_health_text`). Layers
     with no gradient by construction get their own row ("no gradient: at rounding level
     since step S: ...") and a "Findings" section, only when there are some; layers excluded
-    by ``ignore_layers`` get an "excluded" row naming the patterns and the layers. Under
+    by ``ignore_layers`` get an "excluded" row per setting (:func:`exclusion_rows`: "by run
+    setting" and "by this report's --ignore-layers") naming its patterns and layers. Under
     ``nonfinite_rule="reference"`` the non-finite row says how those layers counted.
 
     Args:
@@ -759,12 +765,12 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
         if summary.excluded_rounding_level:
             zero.append(" (excluded: exclude layers at rounding level)")
         table.add_row("no gradient", zero)
-    if summary.ignore_layers:
-        shown = summary.ignore_layers[:NAMES_IN_TABLE]
-        more = len(summary.ignore_layers) - len(shown)
-        excluded = Text("by run setting " + ", ".join(map(repr, shown))
+    for label, (patterns, names) in exclusion_rows(summary).items():
+        shown = patterns[:NAMES_IN_TABLE]
+        more = len(patterns) - len(shown)
+        excluded = Text(label + " " + ", ".join(map(repr, shown))
                         + (f" and {more} more patterns" if more else "") + ": ")
-        excluded.append_text(_names_cell(summary.layers_excluded))
+        excluded.append_text(_names_cell(names))
         table.add_row("excluded", excluded)
     origin = local_origin_text(summary)
     if origin is not None:

@@ -129,8 +129,33 @@ def test_ignore_layers_excludes_by_name_and_the_report_names_them(tmp_path, wher
     assert summary.layers_with_vanishing_grads == []
     assert (summary.issue_frames, summary.overall_health) == (0, H.HEALTHY)
     assert summary.layers_without_gradient == ["attn.key.bias"]
-    assert "(excluded by the run setting ignore_layers)" in summary.findings[0]
-    assert "excluded      by run setting '*.key.bias': attn.key.bias" in text_of(summary)
+    label = {"run": "by run setting", "report": "by this report's --ignore-layers"}[where]
+    other = {"run": "by this report's", "report": "by run setting"}[where]
+    assert summary.findings[0].endswith(
+        {"run": "(excluded by the run setting ignore_layers).",
+         "report": "(excluded by this report's --ignore-layers)."}[where])
+    assert (summary.run_ignore_layers, summary.report_ignore_layers) == (
+        (["*.key.bias"], []) if where == "run" else ([], ["*.key.bias"]))
+    text = text_of(summary)
+    assert f"excluded      {label} '*.key.bias': attn.key.bias" in text
+    assert other not in text
+
+
+def test_run_and_report_patterns_are_labelled_apart(tmp_path):
+    """Both settings at once: each "excluded" row names its own patterns and layers; a
+    report pattern the run already has is the run's."""
+    path = write(tmp_path, bert_like(20))
+    set_run_ignore_layers(path, ["*.key.bias"])
+    summary = report_of(path, ignore_layers=("*.key.bias", "attn.key.weight"))
+    assert summary.ignore_layers == ["*.key.bias", "attn.key.weight"]
+    assert (summary.run_ignore_layers, summary.report_ignore_layers) == (
+        ["*.key.bias"], ["attn.key.weight"])
+    assert summary.layers_excluded_by_run == ["attn.key.bias"]
+    assert summary.layers_excluded_by_report == ["attn.key.weight"]
+    text = text_of(summary)
+    assert "excluded      by run setting '*.key.bias': attn.key.bias" in text
+    assert "excluded      by this report's --ignore-layers 'attn.key.weight': " \
+        "attn.key.weight" in text
 
 
 def test_ignore_layers_never_hides_nonfinite_gradients(tmp_path):
@@ -274,10 +299,11 @@ def test_notebook_html_shows_the_finding_and_the_exclusion(tmp_path):
     path = write(tmp_path, bert_like(5))
     page = report_html(report_of(path, ignore_layers=("attn.key.*",)))
     assert "<strong>Findings</strong>" in page and "likely zero by construction" in page
-    assert "excluded" in page and "by run setting &#x27;attn.key.*&#x27;: " in page
+    assert "excluded" in page and \
+        "by this report&#x27;s --ignore-layers &#x27;attn.key.*&#x27;: " in page
     assert "<code>attn.key.weight</code>, <code>attn.key.bias</code>" in page
     plain = report_html(report_of(path))
-    assert "Findings" in plain and "by run setting" not in plain
+    assert "Findings" in plain and ">excluded<" not in plain
 
 
 def test_store_without_ignore_layers_column_still_reports(tmp_path):
