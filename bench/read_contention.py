@@ -1,4 +1,4 @@
-"""Ingest rate of a writing process while readers query it: long queries must not stall
+"""Ingest rate of a writing process while readers query it: long queries must not hold up
 ingestion.
 
 Every process that writes a store answers reads on its endpoint (:mod:`deploy.serve`).

@@ -40,12 +40,13 @@ On assignment (step 0 of the next cycle) each partition is sought to the offset 
 output stored, so rows are written exactly once whatever crashes; an output that stores
 none (the frames topic) leaves the consumer at the group's committed offsets.
 
-Stall watchdog (:mod:`consumer.stall`, ``stall_timeout_s``): at most every
-``stall_timeout_s / 4`` the loop reads the end offset of every assigned partition; a
-partition with records to read whose position has not moved for ``stall_timeout_s`` is
-logged, counted (``gradstream_consumer_stalls_total``) and recovered: first re-sought to
-its own position (the offset after the last record the loop handled) and resumed; if it
-still does not move within ``stall_timeout_s``, the Kafka consumer is re-created: the batch
+Stuck-partition watchdog (:mod:`consumer.stuck_partition`, ``stuck_partition_timeout_s``):
+at most every ``stuck_partition_timeout_s / 4`` the loop reads the end offset of every
+assigned partition; a partition with records to read whose position has not moved for
+``stuck_partition_timeout_s`` is stuck: logged, counted
+(``gradstream_consumer_stuck_partitions_total``) and recovered: first re-sought to its own
+position (the offset after the last record the loop handled) and resumed; if it still does
+not move within ``stuck_partition_timeout_s``, the Kafka consumer is re-created: the batch
 is written (steps 1-6, settled), the partitions are given up as in a rebalance, the
 consumer is closed and a new one assigned or subscribed, which seeks to the stored offsets
 as on any assignment. Either way no record is skipped or stored twice.
@@ -67,7 +68,7 @@ from consumer.dlq import DeadLetterQueue
 from consumer.metrics import WorkerMetrics
 from consumer.runbook import RunBook
 from consumer.sink import SinkBatch
-from consumer.stall import Stall, StallWatchdog
+from consumer.stuck_partition import StuckPartition, StuckPartitionWatchdog
 from consumer.topic_admin import ensure_topics, subscribe_with_metadata
 
 if TYPE_CHECKING:
@@ -148,8 +149,8 @@ class ConsumerLoop(ABC):
     for a group), and implement :meth:`open_output`,
     :meth:`topics` and :meth:`handle`; the other hooks are optional.
 
-    ``run()`` blocks until ``stop()``; ``error`` holds what ended it abnormally. The stall
-    watchdog (:attr:`watchdog`) reads ``settings.stall_timeout_s``.
+    ``run()`` blocks until ``stop()``; ``error`` holds what ended it abnormally. The
+    stuck-partition watchdog (:attr:`watchdog`) reads ``settings.stuck_partition_timeout_s``.
     """
 
     join_group = True
@@ -163,7 +164,7 @@ class ConsumerLoop(ABC):
                             settings.exclude_rounding_level, settings.nonfinite_rule)
         self.counters = self.Counters()
         self.metrics = WorkerMetrics(self.pending_count)
-        self.watchdog = StallWatchdog(settings.stall_timeout_s)
+        self.watchdog = StuckPartitionWatchdog(settings.stuck_partition_timeout_s)
         self.error: BaseException | None = None
         self.output: FrameOutput | None = None
         self.dlq = DeadLetterQueue(settings.dlq_topic, None)
@@ -456,7 +457,7 @@ class ConsumerLoop(ABC):
 
     def _log_resumed(self, now: bool, how: str) -> None:
         """Log, once, how long after start the loop first wrote frames or found nothing to
-        read on its partitions: how long a restarted process stalls its partitions."""
+        read on its partitions: how long a restarted process leaves its partitions unread."""
         if now and not self._resumed:
             self._resumed = True
             log.info("resumed %.2f s after start (%s)", time.monotonic() - self._started, how)
@@ -471,14 +472,14 @@ class ConsumerLoop(ABC):
         except Exception:  # e.g. a position not known yet: not caught up
             return False
 
-    # -- stalls --------------------------------------------------------------------------
+    # -- stuck partitions ----------------------------------------------------------------
 
     def _watch(self) -> None:
-        """One stall check (:mod:`consumer.stall`): read every assigned partition's position
-        and end offset, then act on the stalls found. Called on the loop's thread without
-        the lock (closing a group consumer runs the revocation callback on kafka-python's
-        network thread, which takes it). A check that cannot read the figures (broker
-        restarting) is skipped; the watchdog never stops the loop."""
+        """One stuck-partition check (:mod:`consumer.stuck_partition`): read every assigned
+        partition's position and end offset, then act on the stuck partitions found. Called
+        on the loop's thread without the lock (closing a group consumer runs the revocation
+        callback on kafka-python's network thread, which takes it). A check that cannot read
+        the figures (broker restarting) is skipped; the watchdog never stops the loop."""
         consumer = self._consumer
         timeout_ms = int(min(max(self.watchdog.interval_s, 0.1), 2.0) * 1000)
         try:
@@ -487,50 +488,50 @@ class ConsumerLoop(ABC):
             positions = {(tp.topic, tp.partition): consumer.position(tp, timeout_ms=timeout_ms)
                          for tp in assigned}
         except Exception as exc:
-            log.debug("stall check skipped: %s", exc)
+            log.debug("stuck-partition check skipped: %s", exc)
             return
-        stalls, recovered = self.watchdog.observe(
+        stuck, recovered = self.watchdog.observe(
             time.monotonic(), positions,
             {(tp.topic, tp.partition): end for tp, end in ends.items()})
         for r in recovered:
-            log.info("partition %s[%d] moves again, %.1f s after it stalled (recovered by %s)",
+            log.info("partition %s[%d] moves again, %.1f s after it got stuck (recovered by %s)",
                      r.topic, r.partition, r.seconds, r.action)
-        if not stalls:
+        if not stuck:
             return
-        for stall in stalls:
+        for part in stuck:
             log.warning(
-                "stalled partition %s[%d]: position %d, end offset %d (%d records waiting), "
-                "no progress for %.1f s; %s", stall.topic, stall.partition, stall.position,
-                stall.end_offset, stall.end_offset - stall.position, stall.seconds,
-                "re-seeking it to its position" if stall.action == "seek"
+                "stuck partition %s[%d]: position %d, end offset %d (%d records waiting), "
+                "no progress for %.1f s; %s", part.topic, part.partition, part.position,
+                part.end_offset, part.end_offset - part.position, part.seconds,
+                "re-seeking it to its position" if part.action == "seek"
                 else "a re-seek did not help: re-creating the Kafka consumer")
-            if stall.action == "seek":
-                self.metrics.stall(stall.topic, stall.partition)
-        if any(stall.action == "recreate" for stall in stalls):
+            if part.action == "seek":
+                self.metrics.stuck_partition(part.topic, part.partition)
+        if any(part.action == "recreate" for part in stuck):
             self._recreate_consumer()
         else:
-            self._reseek(stalls)
+            self._reseek(stuck)
 
-    def _reseek(self, stalls: list[Stall]) -> None:
-        """Seek each stalled partition to the offset after the last record the loop handled
+    def _reseek(self, stuck: list[StuckPartition]) -> None:
+        """Seek each stuck partition to the offset after the last record the loop handled
         (else where the consumer stands), and resume it if paused (the loop never pauses
         a partition)."""
         from kafka import TopicPartition
 
         with self._lock:
             paused = set(self._consumer.paused())
-            for stall in stalls:
-                tp = TopicPartition(stall.topic, stall.partition)
-                key = (stall.topic, stall.partition)
+            for part in stuck:
+                tp = TopicPartition(part.topic, part.partition)
+                key = (part.topic, part.partition)
                 try:
-                    self._consumer.seek(tp, self._positions.get(key, stall.position))
+                    self._consumer.seek(tp, self._positions.get(key, part.position))
                     if tp in paused:
                         self._consumer.resume(tp)
                 except ValueError as exc:  # revoked meanwhile
-                    log.info("stalled partition %s[%d] not re-sought: %s", stall.topic,
-                             stall.partition, exc)
+                    log.info("stuck partition %s[%d] not re-sought: %s", part.topic,
+                             part.partition, exc)
                     continue
-                self.metrics.stall_recovery("seek")
+                self.metrics.stuck_partition_recovery("seek")
 
     def _recreate_consumer(self) -> None:
         """Replace the Kafka consumer: write and settle the batch (the frames topic's
@@ -551,11 +552,11 @@ class ConsumerLoop(ABC):
         try:  # a group consumer calls on_revoked again (nothing left to write)
             old.close(autocommit=False)
         except Exception as exc:
-            log.warning("closing the stalled Kafka consumer failed: %s", exc)
+            log.warning("closing the stuck Kafka consumer failed: %s", exc)
         self._consumer = None
         self.watchdog.reset()
         self._open_consumer()
-        self.metrics.stall_recovery("recreate")
+        self.metrics.stuck_partition_recovery("recreate")
         log.warning("Kafka consumer re-created; %s",
                     f"re-joining group {self.settings.group_id}" if self.join_group
                     else "partitions re-assigned")

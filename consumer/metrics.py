@@ -16,12 +16,14 @@ Exposed series (Prometheus naming: ``_total`` counters, base units seconds):
   ``consumer.dlq``).
 - ``gradstream_consumer_lag{topic, partition}``: log end offset minus the consumer's
   position (records not read yet), refreshed at most once per ``lag_interval_s``.
-- ``gradstream_consumer_stalls_total{topic, partition}``: stalls found by the watchdog
-  (:mod:`consumer.stall`): the partition had records to read and its position did not
-  move for ``stall_timeout_s``; counted once per stall, when it is first acted on.
-- ``gradstream_consumer_stall_recoveries_total{action}``: what was done about stalls:
-  ``seek`` (one partition re-sought to its position) or ``recreate`` (the Kafka consumer
-  closed and opened again, when a seek did not help within ``stall_timeout_s``).
+- ``gradstream_consumer_stuck_partitions_total{topic, partition}``: stuck partitions found
+  by the watchdog (:mod:`consumer.stuck_partition`): the partition had records to read and
+  its position did not move for ``stuck_partition_timeout_s``; counted once per stuck
+  partition, when it is first acted on.
+- ``gradstream_consumer_stuck_partition_recoveries_total{action}``: what was done about
+  stuck partitions: ``seek`` (one partition re-sought to its position) or ``recreate``
+  (the Kafka consumer closed and opened again, when a seek did not help within
+  ``stuck_partition_timeout_s``).
 - ``gradstream_pending_frames``: frames waiting for ranks (read at scrape time).
 - ``gradstream_frame_latency_seconds``: histogram of ``now - frame.wall_time`` when a frame
   is finalised, ``wall_time`` being the latest producer wall clock among its shards
@@ -110,14 +112,14 @@ class WorkerMetrics:
             "Log end offset minus consumer position per assigned partition (records).",
             ["topic", "partition"], registry=reg,
         )
-        self.stalls = Counter(
-            "gradstream_consumer_stalls",
-            "Stalls: an assigned partition with records to read whose position did not "
-            "move for stall_timeout_s.", ["topic", "partition"], registry=reg,
+        self.stuck_partitions = Counter(
+            "gradstream_consumer_stuck_partitions",
+            "Stuck partitions: an assigned partition with records to read whose position did not "
+            "move for stuck_partition_timeout_s.", ["topic", "partition"], registry=reg,
         )
-        self.stall_recoveries = Counter(
-            "gradstream_consumer_stall_recoveries",
-            "Stall recoveries by action (seek: partition re-sought; recreate: Kafka "
+        self.stuck_partition_recoveries = Counter(
+            "gradstream_consumer_stuck_partition_recoveries",
+            "Stuck-partition recoveries by action (seek: partition re-sought; recreate: Kafka "
             "consumer re-created).", ["action"], registry=reg,
         )
         self.pending = Gauge(
@@ -132,7 +134,7 @@ class WorkerMetrics:
         for complete in ("true", "false"):  # both series exist from the start (rate() = 0)
             self.frames.labels(complete=complete)
         for action in ("seek", "recreate"):
-            self.stall_recoveries.labels(action=action)
+            self.stuck_partition_recoveries.labels(action=action)
 
     # -- HTTP endpoint -------------------------------------------------------------------
 
@@ -221,14 +223,14 @@ class WorkerMetrics:
         self.layer_rows.inc(len(frame.layer_index))
         self.frame_latency.observe(max(0.0, self._clock() - frame.wall_time))
 
-    def stall(self, topic: str, partition: int) -> None:
-        """Count one stall of partition ``partition`` of ``topic``."""
-        self.stalls.labels(topic, str(partition)).inc()
+    def stuck_partition(self, topic: str, partition: int) -> None:
+        """Count one stuck episode of partition ``partition`` of ``topic``."""
+        self.stuck_partitions.labels(topic, str(partition)).inc()
 
-    def stall_recovery(self, action: str) -> None:
+    def stuck_partition_recovery(self, action: str) -> None:
         """Count one recovery action: ``seek`` (per partition sought) or ``recreate`` (per
         consumer re-created)."""
-        self.stall_recoveries.labels(action).inc()
+        self.stuck_partition_recoveries.labels(action).inc()
 
     def dead_letter(self, error: str) -> None:
         """Count one dead letter of error class ``error`` (e.g. ``invalid``)."""

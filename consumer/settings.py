@@ -36,12 +36,13 @@ class LoopSettings(TopicCreationSettings):
             parameters.
         metrics_port: serve Prometheus metrics (``consumer.metrics``) on this TCP port
             (``GRADSTREAM_METRICS_PORT``); None or 0 = no endpoint.
-        stall_timeout_s: seconds an assigned partition with records to read may keep the
-            same position before the loop calls it stalled and recovers it
-            (:mod:`consumer.stall`; ``GRADSTREAM_STALL_TIMEOUT_S``); 0 = no watchdog. The
-            default, 30 s, is 300 poll timeouts and 150 flush intervals: no healthy loop
-            holds a partition's position that long while records wait, and a stall is
-            still acted on within 37.5 s (CI saw one last 120 s unnoticed).
+        stuck_partition_timeout_s: seconds an assigned partition with records to read may
+            keep the same position before the loop calls it stuck and recovers it
+            (:mod:`consumer.stuck_partition`; ``GRADSTREAM_STUCK_PARTITION_TIMEOUT_S``);
+            0 = no watchdog. The default, 30 s, is 300 poll timeouts and 150 flush
+            intervals: no healthy loop holds a partition's position that long while records
+            wait, and a stuck partition is still acted on within 37.5 s (CI saw one last
+            120 s unnoticed).
         ignore_layers: layer-name patterns (``schemas.health.match_layers``) excluded
             from every run's health, issue frames and vanishing / exploding alerts, besides
             each run's own ``ignore_layers`` (``GRADSTREAM_IGNORE_LAYERS``:
@@ -70,7 +71,7 @@ class LoopSettings(TopicCreationSettings):
     max_poll_records: int = Field(default=2000, gt=0)
     max_partition_fetch_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
-    stall_timeout_s: float = Field(default=30.0, ge=0)
+    stuck_partition_timeout_s: float = Field(default=30.0, ge=0)
     ignore_layers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     exclude_rounding_level: bool = False
     nonfinite_rule: NonfiniteRule = "critical"

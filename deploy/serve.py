@@ -18,7 +18,7 @@ loop (:class:`consumer.worker.Worker` for ``gradstream consume``, ``serve`` and 
 that helper for a worker; :class:`ServedStore` serves a store no process writes,
 read-only.
 
-Long queries never stall ingestion: read requests run on their own threads and cursors
+Long queries never hold up ingestion: read requests run on their own threads and cursors
 (MVCC snapshots, no lock shared with the writer's transactions), at the lowest CPU
 priority (so they use the CPU the writer leaves), and at most ``max_readers`` of them run
 at once (:class:`BoundedReadCursors`); the others wait for a slot.
@@ -76,7 +76,7 @@ ingestion at 1.02-1.14 of its rate without readers, two at a time at 0.82-0.92."
 READER_NICE = 19
 """Nice value of the threads that answer reads in a writing process (Linux): 19, the
 lowest CPU priority, so that readers use the CPU the writer leaves and a long query never
-stalls ingestion (``bench/read_contention.py``: the ingest rate under 4 readers that
+holds up ingestion (``bench/read_contention.py``: the ingest rate under 4 readers that
 query back to back, with this and at normal priority)."""
 
 

@@ -45,7 +45,7 @@ from deploy.cli.options import (
     ReadPortOption,
     RunsTopicOption,
     ShardTimeoutOption,
-    StallTimeoutOption,
+    StuckPartitionTimeoutOption,
     SummariesTopicOption,
     TokenOption,
     WebhookOption,
@@ -124,7 +124,7 @@ class WorkerOptions(OptionGroup):
     alert_set: AlertSetOption = None
     webhook: WebhookOption = None
     metrics_port: MetricsPortOption = None
-    stall_timeout: StallTimeoutOption = None
+    stuck_partition_timeout: StuckPartitionTimeoutOption = None
 
     def settings(self, **more: Any) -> ConsumerSettings:
         """The worker's settings: the options given here and in ``more`` (settings fields),
@@ -143,7 +143,7 @@ class WorkerOptions(OptionGroup):
             partitions=self.partitions, alerts_topic=self.alerts_topic,
             alert_rules=self.alert_rules, alert_set=self.alert_set or None,
             webhook_url=self.webhook, metrics_port=self.metrics_port,
-            stall_timeout_s=self.stall_timeout, **more,
+            stuck_partition_timeout_s=self.stuck_partition_timeout, **more,
         ))
         try:
             load_alert_rules(settings.alert_rules, settings.alert_set)
@@ -218,7 +218,7 @@ def store(
     exclude_rounding_level: ExcludeRoundingOption = None,
     nonfinite_rule: NonfiniteRuleOption = None,
     metrics_port: MetricsPortOption = None,
-    stall_timeout: StallTimeoutOption = None,
+    stuck_partition_timeout: StuckPartitionTimeoutOption = None,
     read: ReadOptions,
     logs: LoggingOptions,
 ) -> None:
@@ -238,7 +238,7 @@ def store(
         group_id=group_id, alerts_topic=alerts_topic, max_frames=max_frames,
         ignore_layers=ignore_layers or None, exclude_rounding_level=exclude_rounding_level,
         nonfinite_rule=None if nonfinite_rule is None else nonfinite_rule.value,
-        metrics_port=metrics_port, stall_timeout_s=stall_timeout,
+        metrics_port=metrics_port, stuck_partition_timeout_s=stuck_partition_timeout,
     ))
     served = ServedLoop(functools.partial(Store, settings), settings.db, read.options(),
                         "store")

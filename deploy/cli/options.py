@@ -62,7 +62,7 @@ __all__ = [
     "RunOption",
     "RunsTopicOption",
     "ShardTimeoutOption",
-    "StallTimeoutOption",
+    "StuckPartitionTimeoutOption",
     "SummariesTopicOption",
     "ToStepOption",
     "TokenOption",
@@ -230,13 +230,13 @@ MetricsPortOption = Annotated[
                  "Default: $GRADSTREAM_METRICS_PORT or off."),
 ]
 
-StallTimeoutOption = Annotated[
+StuckPartitionTimeoutOption = Annotated[
     float | None,
-    typer.Option("--stall-timeout", min=0, metavar="SECONDS",
+    typer.Option("--stuck-partition-timeout", min=0, metavar="SECONDS",
                  help="Seconds a partition with records to read may keep its position "
-                 "before it counts as stalled: logged, counted, re-sought, then (still "
-                 "stalled as long again) read by a new Kafka consumer; nothing lost or "
-                 "stored twice. 0 = off. Default: $GRADSTREAM_STALL_TIMEOUT_S or 30."),
+                 "before it counts as stuck: logged, counted, re-sought, then (still "
+                 "stuck as long again) read by a new Kafka consumer; nothing lost or "
+                 "stored twice. 0 = off. Default: $GRADSTREAM_STUCK_PARTITION_TIMEOUT_S or 30."),
 ]
 
 # --------------------------------------------------------------------------- reads while writing
@@ -285,7 +285,7 @@ MaxReadersOption = Annotated[
     typer.Option("--max-readers", envvar="GRADSTREAM_MAX_READERS", min=1, metavar="N",
                  help="Read requests answered at once (default: half the cores, at least 1); "
                  "the others wait. In a process that writes the store, each read also runs at "
-                 "the lowest CPU priority, so that long queries never stall ingestion."),
+                 "the lowest CPU priority, so that long queries never hold up ingestion."),
 ]
 
 # --------------------------------------------------------------------------- alerts

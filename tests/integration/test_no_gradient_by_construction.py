@@ -87,7 +87,7 @@ def test_bert_key_biases_are_a_finding_and_excluded_only_by_the_adapter_setting(
         bootstrap_servers=kafka_bootstrap, topic=f"sum-{unique_name}",
         dlq_topic=f"dlq-{unique_name}", alerts_topic=f"alerts-{unique_name}",
         group_id=f"grp-{unique_name}", db=str(tmp_path / "store.duckdb"), shard_timeout_s=60.0,
-        # Static membership: kafka-python 3.0.12 was seen to stall in a second join of a
+        # Static membership: kafka-python 3.0.12 was seen to hang in a second join of a
         # dynamic member with every partition assigned and nothing fetched (twice in CI).
         group_instance_id=f"grp-{unique_name}-0", session_timeout_ms=45000,
     )

@@ -1,5 +1,6 @@
-"""A stalled consumer is detected and recovers, with nothing lost or stored twice
-(consumer.stall, ConsumerLoop's watchdog), against the real broker and real DuckDB files.
+"""A stuck partition is detected and the consumer recovers, with nothing lost or stored
+twice (consumer.stuck_partition, ConsumerLoop's watchdog), against the real broker and real
+DuckDB files.
 
 The tests inject the fault; detection and recovery are the loop's own code:
 
@@ -50,7 +51,7 @@ from schemas.wire import (
 
 STEPS = 30
 LAYERS = 3
-STALL_TIMEOUT_S = 1.0
+STUCK_PARTITION_TIMEOUT_S = 1.0
 NUMEL = [4, 6, 8]
 
 
@@ -104,9 +105,9 @@ class Case:
 def worker_case(kafka: str, tmp_path: Path, name: str) -> Case:
     """A single-process worker (group member, DuckDB output)."""
     settings = ConsumerSettings(
-        bootstrap_servers=kafka, topic=f"stall-sum-{name}", dlq_topic=f"stall-dlq-{name}",
-        alerts_topic=f"stall-alerts-{name}", group_id=f"stall-{name}",
-        db=str(tmp_path / "worker.duckdb"), stall_timeout_s=STALL_TIMEOUT_S)
+        bootstrap_servers=kafka, topic=f"stuck-sum-{name}", dlq_topic=f"stuck-dlq-{name}",
+        alerts_topic=f"stuck-alerts-{name}", group_id=f"stuck-{name}",
+        db=str(tmp_path / "worker.duckdb"), stuck_partition_timeout_s=STUCK_PARTITION_TIMEOUT_S)
     run_id = f"run-{name}"
     return Case(Worker(settings), settings.topic, summaries(run_id), run_id,
                 lambda: assert_stored_once(settings.db, run_id))
@@ -115,22 +116,22 @@ def worker_case(kafka: str, tmp_path: Path, name: str) -> Case:
 def scale_out_case(kafka: str, tmp_path: Path, name: str) -> Case:
     """A scale-out worker (group member; frames published, offsets committed to Kafka)."""
     settings = ConsumerSettings(
-        bootstrap_servers=kafka, topic=f"stall-sum-{name}", dlq_topic=f"stall-dlq-{name}",
-        alerts_topic=f"stall-alerts-{name}", group_id=f"stall-{name}",
-        frames_topic=f"stall-frames-{name}", runs_topic=f"stall-runs-{name}",
-        stall_timeout_s=STALL_TIMEOUT_S)
+        bootstrap_servers=kafka, topic=f"stuck-sum-{name}", dlq_topic=f"stuck-dlq-{name}",
+        alerts_topic=f"stuck-alerts-{name}", group_id=f"stuck-{name}",
+        frames_topic=f"stuck-frames-{name}", runs_topic=f"stuck-runs-{name}",
+        stuck_partition_timeout_s=STUCK_PARTITION_TIMEOUT_S)
     run_id = f"run-{name}"
     return Case(Worker(settings), settings.topic, summaries(run_id), run_id,
-                lambda: assert_published_once(kafka, f"stall-frames-{name}", run_id))
+                lambda: assert_published_once(kafka, f"stuck-frames-{name}", run_id))
 
 
 def store_case(kafka: str, tmp_path: Path, name: str) -> Case:
     """The store (assigns itself every partition, DuckDB output)."""
     settings = StoreSettings(
-        bootstrap_servers=kafka, frames_topic=f"stall-frames-{name}",
-        alerts_topic=f"stall-alerts-{name}", dlq_topic=f"stall-dlq-{name}",
-        group_id=f"stall-store-{name}", db=str(tmp_path / "store.duckdb"),
-        stall_timeout_s=STALL_TIMEOUT_S)
+        bootstrap_servers=kafka, frames_topic=f"stuck-frames-{name}",
+        alerts_topic=f"stuck-alerts-{name}", dlq_topic=f"stuck-dlq-{name}",
+        group_id=f"stuck-store-{name}", db=str(tmp_path / "store.duckdb"),
+        stuck_partition_timeout_s=STUCK_PARTITION_TIMEOUT_S)
     ensure_topics(settings, [settings.frames_topic, settings.alerts_topic])
     run_id = f"run-{name}"
     return Case(Store(settings), settings.frames_topic, frames_messages(run_id), run_id,
@@ -247,7 +248,7 @@ def test_paused_partition_is_detected_and_re_sought(
         kafka_bootstrap: str, tmp_path: Path, unique_name: str,
         caplog: pytest.LogCaptureFixture, make_case: Any) -> None:
     """Every partition paused behind the loop's back: the waiting one is reported after
-    the stall timeout, re-sought and resumed; every record is then read once and every
+    the stuck-partition timeout, re-sought and resumed; every record is then read once and every
     frame stored once, without re-creating the consumer."""
     caplog.set_level(logging.INFO, logger="gradstream.consumer")
     case = make_case(kafka_bootstrap, tmp_path, unique_name)
@@ -259,25 +260,25 @@ def test_paused_partition_is_detected_and_re_sought(
         took = wait_for(read_all(case), 30, "every record read and written", loop)
         wait_for(lambda: any("moves again" in r.getMessage() for r in caplog.records), 10,
                  "the recovery logged at the next check", loop)
-        stalls = metric(loop, "gradstream_consumer_stalls_total", topic=case.topic)
-        seeks = metric(loop, "gradstream_consumer_stall_recoveries_total", action="seek")
-        recreates = metric(loop, "gradstream_consumer_stall_recoveries_total",
+        stuck = metric(loop, "gradstream_consumer_stuck_partitions_total", topic=case.topic)
+        seeks = metric(loop, "gradstream_consumer_stuck_partition_recoveries_total", action="seek")
+        recreates = metric(loop, "gradstream_consumer_stuck_partition_recoveries_total",
                            action="recreate")
         read = metric(loop, "gradstream_messages_total", topic=case.topic)
         same_consumer = loop._consumer is consumer
     print(f"{type(loop).__name__.lower()}, partitions paused: read and written {took:.2f} s "
-          f"after producing (stall timeout {STALL_TIMEOUT_S:g} s); stalls={stalls:g} "
-          f"seeks={seeks:g} recreates={recreates:g}")
+          f"after producing (stuck-partition timeout {STUCK_PARTITION_TIMEOUT_S:g} s); "
+          f"stuck={stuck:g} seeks={seeks:g} recreates={recreates:g}")
     assert loop.error is None
     warnings = [r.getMessage() for r in caplog.records
-                if r.levelno == logging.WARNING and "stalled partition" in r.getMessage()]
-    assert warnings and f"stalled partition {case.topic}[" in warnings[0]
+                if r.levelno == logging.WARNING and "stuck partition" in r.getMessage()]
+    assert warnings and f"stuck partition {case.topic}[" in warnings[0]
     n = len(case.values)
     assert f"position 0, end offset {n} ({n} records waiting)" in warnings[0]
     assert "re-seeking" in warnings[0]
-    assert (stalls, seeks, recreates) == (1, 1, 0)
+    assert (stuck, seeks, recreates) == (1, 1, 0)
     assert same_consumer
-    assert took >= STALL_TIMEOUT_S  # nothing was read before the watchdog acted
+    assert took >= STUCK_PARTITION_TIMEOUT_S  # nothing was read before the watchdog acted
     assert read == n  # each record read once
     assert loop.counters.frames == STEPS
     case.assert_stored_once()
@@ -288,8 +289,8 @@ def test_paused_partition_is_detected_and_re_sought(
 def test_consumer_that_fetches_nothing_is_re_created(
         kafka_bootstrap: str, tmp_path: Path, unique_name: str,
         caplog: pytest.LogCaptureFixture, make_case: Any) -> None:
-    """A consumer whose fetcher returns nothing (a seek does not cure it): after the stall
-    timeout a re-seek, after another the consumer is re-created, re-joins the group
+    """A consumer whose fetcher returns nothing (a seek does not cure it): after the
+    stuck-partition timeout a re-seek, after another the consumer is re-created, re-joins the group
     (workers) or re-assigns itself (store) and reads on from the stored offsets (DuckDB,
     or the group's commits for the scale-out worker). Half of the run is read and written
     before the fault, so the new consumer must start where the old one stopped: every
@@ -306,27 +307,27 @@ def test_consumer_that_fetches_nothing_is_re_created(
         broken._fetcher.fetch_records = lambda *args, **kwargs: ({}, True)  # the fault
         produce(kafka_bootstrap, case.topic, case.run_id, case.values[half:])
         took = wait_for(read_all(case), 60, "every record read and written", loop)
-        stalls = metric(loop, "gradstream_consumer_stalls_total", topic=case.topic)
-        seeks = metric(loop, "gradstream_consumer_stall_recoveries_total", action="seek")
-        recreates = metric(loop, "gradstream_consumer_stall_recoveries_total",
+        stuck = metric(loop, "gradstream_consumer_stuck_partitions_total", topic=case.topic)
+        seeks = metric(loop, "gradstream_consumer_stuck_partition_recoveries_total", action="seek")
+        recreates = metric(loop, "gradstream_consumer_stuck_partition_recoveries_total",
                            action="recreate")
         read = metric(loop, "gradstream_messages_total", topic=case.topic)
         replaced = loop._consumer is not broken
-        time.sleep(2 * STALL_TIMEOUT_S)  # read to the end: no further action
-        later = metric(loop, "gradstream_consumer_stall_recoveries_total")
+        time.sleep(2 * STUCK_PARTITION_TIMEOUT_S)  # read to the end: no further action
+        later = metric(loop, "gradstream_consumer_stuck_partition_recoveries_total")
     print(f"{type(loop).__name__.lower()} writing {loop.describe_output()}, fetcher "
-          f"returning nothing: read "
-          f"and written {took:.2f} s after producing (stall timeout {STALL_TIMEOUT_S:g} s); "
-          f"stalls={stalls:g} seeks={seeks:g} recreates={recreates:g}")
+          f"returning nothing: read and written {took:.2f} s after producing "
+          f"(stuck-partition timeout {STUCK_PARTITION_TIMEOUT_S:g} s); "
+          f"stuck={stuck:g} seeks={seeks:g} recreates={recreates:g}")
     assert loop.error is None
     messages = [r.getMessage() for r in caplog.records]
     assert any("a re-seek did not help: re-creating the Kafka consumer" in m
                for m in messages)
     assert any("Kafka consumer re-created" in m for m in messages)
-    assert (stalls, seeks, recreates) == (1, 1, 1)
+    assert (stuck, seeks, recreates) == (1, 1, 1)
     assert later == seeks + recreates
     assert replaced
-    assert took >= 2 * STALL_TIMEOUT_S
+    assert took >= 2 * STUCK_PARTITION_TIMEOUT_S
     assert read == len(case.values)  # each record read once
     assert loop.counters.frames == STEPS  # each frame made once
     case.assert_stored_once()

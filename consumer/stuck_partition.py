@@ -1,18 +1,18 @@
-"""Stall detection for a consumer loop: a partition with records to read whose position
-does not move.
+"""Stuck-partition detection for a consumer loop: a partition with records to read whose
+position does not move.
 
 kafka-python 3.0.x has shipped fetcher bugs where an otherwise healthy consumer stops
 returning the records of some assigned partitions until the next rebalance
 (dpkp/kafka-python#3106, #3131); a CI worker assigned every partition once fetched nothing
 for 120 s. Nothing in the poll loop notices: ``poll`` just returns nothing. The
-:class:`StallWatchdog` here notices it, and says what to do about it; the loop
+:class:`StuckPartitionWatchdog` here notices it, and says what to do about it; the loop
 (:class:`consumer.loop.ConsumerLoop`) does it.
 
 Rule, for every assigned partition at each check: it is *waiting* when its log end offset
 (a ListOffsets request, not the highwater of the last fetch response, which a partition
-that is not fetched never updates) is above the consumer's position; it is *stalled* once
+that is not fetched never updates) is above the consumer's position; it is *stuck* once
 it has been waiting with the same position for ``timeout_s``. A position that moves, or a
-partition read to its end, clears the partition's state. Escalation of one stall:
+partition read to its end, clears the partition's state. Escalation for one stuck partition:
 
 1. ``seek``: after ``timeout_s`` without progress; the loop seeks the partition to its
    own position (the offset after the last record it handled, so nothing is skipped or
@@ -20,11 +20,11 @@ partition read to its end, clears the partition's state. Escalation of one stall
 2. ``recreate``: after ``timeout_s`` more without progress; the loop writes its batch,
    gives up its partitions as in a rebalance, closes the KafkaConsumer and opens a new
    one, which is sought to the stored offsets as on any assignment; the watchdog then
-   starts afresh (:meth:`StallWatchdog.reset`), so a stall that survives a new consumer
-   is reported and handled again.
+   starts afresh (:meth:`StuckPartitionWatchdog.reset`), so a partition still stuck with a new
+   consumer is reported and handled again.
 
-Checks run at most every ``timeout_s / 4`` (:attr:`StallWatchdog.interval_s`), so a stall
-is acted on between ``timeout_s`` and ``1.25 * timeout_s`` after the position last moved,
+Checks run at most every ``timeout_s / 4`` (:attr:`StuckPartitionWatchdog.interval_s`), so a stuck
+partition is acted on between ``timeout_s`` and ``1.25 * timeout_s`` after the position last moved,
 and each check costs one ListOffsets round trip per broker leading an assigned partition.
 """
 
@@ -36,13 +36,13 @@ from typing import Literal
 PartitionKey = tuple[str, int]
 """(topic, partition)."""
 
-StallAction = Literal["seek", "recreate"]
-"""What the loop does about a stall: re-seek the partition, or re-create the consumer."""
+StuckPartitionAction = Literal["seek", "recreate"]
+"""What the loop does about a stuck partition: re-seek the partition, or re-create the consumer."""
 
 
 @dataclass(frozen=True, slots=True)
-class Stall:
-    """One partition found stalled at a check.
+class StuckPartition:
+    """One partition found stuck at a check.
 
     Attributes:
         topic / partition: the partition.
@@ -50,7 +50,7 @@ class Stall:
         end_offset: the partition's log end offset (next offset to be written).
         seconds: time since the position last moved (s, as seen at checks, so late by at
             most one check interval).
-        action: what the loop should do now (:data:`StallAction`).
+        action: what the loop should do now (:data:`StuckPartitionAction`).
     """
 
     topic: str
@@ -58,23 +58,23 @@ class Stall:
     position: int
     end_offset: int
     seconds: float
-    action: StallAction
+    action: StuckPartitionAction
 
 
 @dataclass(frozen=True, slots=True)
 class Recovered:
-    """A partition that moved again after a stall was acted on.
+    """A partition that moved again after it was found stuck and acted on.
 
     Attributes:
         topic / partition: the partition.
-        seconds: time from the last move before the stall to this check (s).
+        seconds: time from the last move before it got stuck to this check (s).
         action: the last action taken before it moved.
     """
 
     topic: str
     partition: int
     seconds: float
-    action: StallAction
+    action: StuckPartitionAction
 
 
 @dataclass(slots=True)
@@ -84,16 +84,17 @@ class _Watch:
 
     position: int
     since: float
-    action: StallAction | None = None
+    action: StuckPartitionAction | None = None
     acted_at: float = 0.0
 
 
-class StallWatchdog:
-    """Tracks the assigned partitions' positions and end offsets and reports stalls.
+class StuckPartitionWatchdog:
+    """Tracks the assigned partitions' positions and end offsets and reports the stuck ones.
 
     Args:
-        timeout_s: seconds a waiting partition's position may stay put before it is a
-            stall (``stall_timeout_s``, ``--stall-timeout``); 0 turns the watchdog off.
+        timeout_s: seconds a waiting partition's position may stay put before it is
+            stuck (``stuck_partition_timeout_s``, ``--stuck-partition-timeout``); 0 turns
+            the watchdog off.
 
     Raises:
         ValueError: ``timeout_s`` is negative.
@@ -104,7 +105,7 @@ class StallWatchdog:
 
     def __init__(self, timeout_s: float) -> None:
         if timeout_s < 0:
-            raise ValueError(f"stall timeout must be >= 0 s (0 = off), got {timeout_s}")
+            raise ValueError(f"stuck-partition timeout must be >= 0 s (0 = off), got {timeout_s}")
         self.timeout_s = float(timeout_s)
         self._watch: dict[PartitionKey, _Watch] = {}
         self._last_check = float("-inf")
@@ -132,7 +133,7 @@ class StallWatchdog:
 
     def observe(self, now: float, positions: dict[PartitionKey, int | None],
                 ends: dict[PartitionKey, int | None]
-                ) -> tuple[list[Stall], list[Recovered]]:
+                ) -> tuple[list[StuckPartition], list[Recovered]]:
         """Update the state with one check's figures.
 
         Args:
@@ -145,7 +146,7 @@ class StallWatchdog:
             The partitions to act on now (with the action), and those that moved again
             after an action (for the log).
         """
-        stalls: list[Stall] = []
+        stuck: list[StuckPartition] = []
         recovered: list[Recovered] = []
         for key in self._watch.keys() - positions.keys():  # no longer assigned
             del self._watch[key]
@@ -165,7 +166,7 @@ class StallWatchdog:
                 self._watch[key] = _Watch(position, now)
                 continue
             waited = now - state.since
-            action: StallAction | None = None
+            action: StuckPartitionAction | None = None
             if state.action is None:
                 if waited >= self.timeout_s:
                     action = "seek"
@@ -173,5 +174,5 @@ class StallWatchdog:
                 action = "recreate"
             if action is not None:
                 state.action, state.acted_at = action, now
-                stalls.append(Stall(key[0], key[1], position, end, waited, action))
-        return stalls, recovered
+                stuck.append(StuckPartition(key[0], key[1], position, end, waited, action))
+        return stuck, recovered
