@@ -26,7 +26,7 @@ their stored values, which are the reference's already (``consumer.frames``).
 
 Used by the reference presentation styles (``export --style reference``,
 ``report --heatmap-style reference``) and by the report's ``nonfinite_rule="reference"``
-(``schemas.health.NONFINITE_RULES``). A row with ``nonfinite > 0`` whose NaN count is
+(``schemas.health.NONFINITE_VERDICTS``). A row with ``nonfinite > 0`` whose NaN count is
 unknown (stored before schema 1.7, or sent by an older producer: ``nan`` NULL, or a store
 without the column) cannot be rebuilt: :func:`require_nan_split` raises a
 :class:`analysis.store.StoreError` naming the first such row rather than guessing.

@@ -144,7 +144,7 @@ class StoreReader(ABC):
         range ``[from_step, to_step]`` (``None`` = open); ``ignore_layers`` (patterns added to
         the run's own), ``exclude_rounding``, ``order`` (of the layer lists: ``model`` or
         ``name``, the reference's) and ``nonfinite_rule`` (``critical`` or ``reference``,
-        ``schemas.health.NONFINITE_RULES``) as there."""
+        ``schemas.health.NONFINITE_VERDICTS``) as there."""
 
     @abstractmethod
     def heatmap(

@@ -42,7 +42,7 @@ from rich.text import Text
 
 from analysis.nonfinite import has_nan_column, require_nan_split
 from analysis.store import Exclusion, has_column, require_run, run_exclusion, stats_params
-from schemas.health import check_nonfinite_rule, classify_health
+from schemas.health import check_nonfinite_verdict, classify_health
 from schemas.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
 
@@ -118,7 +118,7 @@ class GradientFlowSummary(BaseModel):
       layer (a NaN/Inf gradient is an issue: its max |g| is inf, so the layer counts
       as exploding); ``issue_ratio = issue_frames / max(frames, 1)``.
     - ``nonfinite_rule``: how NaN/Inf gradients counted in the verdict
-      (``schemas.health.NONFINITE_RULES``). ``"critical"`` (default, gradstream's rule):
+      (``schemas.health.NONFINITE_VERDICTS``). ``"critical"`` (default, gradstream's rule):
       a layer with NaN/Inf elements makes its frame an issue frame and the run Critical.
       ``"reference"``: the reference implementation's verdict exactly: a layer with an Inf
       element (``nonfinite > nan``, wire schema 1.7) is exploding (listed in
@@ -347,7 +347,7 @@ def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
     Parameters besides the range: ``$excluded`` (INTEGER[], layer indices whose vanishing
     and exploding flags count nowhere) and ``$exclude_rounding`` (BOOLEAN: leave out the
     vanishing flag of rows with ``no_gradient``) and ``$reference`` (BOOLEAN: the
-    reference implementation's non-finite semantics, ``schemas.health.NONFINITE_RULES``:
+    reference implementation's non-finite semantics, ``schemas.health.NONFINITE_VERDICTS``:
     a row with an Inf element, ``nonfinite > nan``, is exploding, and a NaN/Inf row is no
     issue by itself).
 
@@ -485,7 +485,7 @@ def build_report(
     """
     if order not in ("model", "name"):
         raise ValueError(f"order must be 'model' or 'name', got {order!r}")
-    reference = check_nonfinite_rule(nonfinite_rule) == "reference"
+    reference = check_nonfinite_verdict(nonfinite_rule) == "reference"
     params = stats_params(run_id, from_step, to_step)
     require_run(con, run_id)
     with_nan = has_nan_column(con)

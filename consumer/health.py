@@ -11,8 +11,8 @@ rolling window is set, as the reference implementation's ``max_frames``):
   ``issue_ratio > 0.5``; ProblemsDetected if any exploding layer or ``issue_ratio > 0.3``;
   MinorIssues if any vanishing layer or ``issue_ratio > 0.1``; else Healthy.
 
-The non-finite rule is an option (``nonfinite_rule``, ``--nonfinite-rule``,
-:data:`NONFINITE_RULES`):
+The non-finite verdict is an option (``nonfinite_rule``, ``--nonfinite-rule``,
+:data:`NONFINITE_VERDICTS`):
 
 - ``"critical"`` (default, gradstream's addition): a layer with NaN/Inf elements makes its
   frame an issue frame and the run Critical.
@@ -54,11 +54,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.health import NONFINITE_RULES, NonfiniteRule, check_nonfinite_rule, classify_health
+from schemas.health import (
+    NONFINITE_VERDICTS,
+    NonfiniteVerdict,
+    check_nonfinite_verdict,
+    classify_health,
+)
 from schemas.rounding import at_rounding_level, unit_roundoff
 from schemas.wire import GradientHealth
 
-__all__ = ["NONFINITE_RULES", "NonfiniteRule", "RunHealthTracker", "critical_rows",
+__all__ = ["NONFINITE_VERDICTS", "NonfiniteVerdict", "RunHealthTracker", "critical_rows",
            "reference_exploding", "restore_tracker"]
 
 _EMPTY = np.empty(0, dtype=np.int32)
@@ -81,7 +86,7 @@ def reference_exploding(is_exploding: np.ndarray, nonfinite: np.ndarray,
 
 
 def critical_rows(nonfinite: np.ndarray, nan: np.ndarray | None,
-                  rule: NonfiniteRule) -> np.ndarray:
+                  rule: NonfiniteVerdict) -> np.ndarray:
     """bool[n]: the rows the non-finite rule makes Critical (module doc): every row with
     ``nonfinite > 0`` under ``"critical"``; under ``"reference"`` only those whose NaN/Inf
     split is unknown (``nan`` < 0 or None).
@@ -142,9 +147,9 @@ class RunHealthTracker:
     def __init__(
         self, num_layers: int, max_frames: int = 0, roundoff: np.ndarray | None = None,
         *, excluded: np.ndarray | None = None, exclude_rounding: bool = False,
-        nonfinite_rule: NonfiniteRule = "critical",
+        nonfinite_rule: NonfiniteVerdict = "critical",
     ) -> None:
-        self.nonfinite_rule: NonfiniteRule = check_nonfinite_rule(nonfinite_rule)
+        self.nonfinite_rule: NonfiniteVerdict = check_nonfinite_verdict(nonfinite_rule)
         self.num_layers = num_layers
         self.max_frames = max_frames
         self.roundoff = (unit_roundoff(None, num_layers) if roundoff is None
@@ -297,7 +302,7 @@ def restore_tracker(
     excluded: np.ndarray | None = None,
     exclude_rounding: bool = False,
     flag_critical: np.ndarray | None = None,
-    nonfinite_rule: NonfiniteRule = "critical",
+    nonfinite_rule: NonfiniteVerdict = "critical",
 ) -> RunHealthTracker:
     """Rebuild a tracker from stored frames (worker restart), without replaying frames.
 

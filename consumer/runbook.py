@@ -16,7 +16,7 @@ import numpy as np
 from consumer.health import RunHealthTracker, critical_rows, restore_tracker
 from consumer.runs import RunInfo
 from consumer.sink import RunState, SinkBatch
-from schemas.health import NonfiniteRule, check_nonfinite_rule
+from schemas.health import NonfiniteVerdict, check_nonfinite_verdict
 from schemas.rounding import gradient_magnitude
 from schemas.wire import GradientHealth, RunFinished, RunStarted
 
@@ -39,7 +39,7 @@ class RunBook:
         exclude_rounding: the tracker's ``exclude_rounding`` (``--exclude-rounding-level``;
             off by default: every layer counts, as in the reference implementation).
         nonfinite_rule: the tracker's ``nonfinite_rule`` (``--nonfinite-rule``;
-            ``"critical"`` by default, ``schemas.health.NONFINITE_RULES``).
+            ``"critical"`` by default, ``schemas.health.NONFINITE_VERDICTS``).
 
     Attributes:
         runs: run id -> RunInfo. trackers: run id -> RunHealthTracker.
@@ -48,9 +48,9 @@ class RunBook:
 
     def __init__(self, max_frames: int, ignore_layers: tuple[str, ...] = (),
                  exclude_rounding: bool = False,
-                 nonfinite_rule: NonfiniteRule = "critical") -> None:
+                 nonfinite_rule: NonfiniteVerdict = "critical") -> None:
         self.max_frames = max_frames
-        self.nonfinite_rule: NonfiniteRule = check_nonfinite_rule(nonfinite_rule)
+        self.nonfinite_rule: NonfiniteVerdict = check_nonfinite_verdict(nonfinite_rule)
         self.ignore_layers = tuple(ignore_layers)
         self.exclude_rounding = exclude_rounding
         self.runs: dict[str, RunInfo] = {}

@@ -10,7 +10,7 @@ from pydantic_settings import NoDecode
 
 from consumer.defaults import DEFAULT_DB
 from schemas.config import TopicCreationSettings
-from schemas.health import NonfiniteRule
+from schemas.health import NonfiniteVerdict
 from schemas.topics import (
     DEFAULT_ALERTS_TOPIC,
     DEFAULT_CONSUMER_GROUP,
@@ -54,7 +54,7 @@ class LoopSettings(TopicCreationSettings):
             gradient by construction (``schemas.rounding``; ``consumer.health``). Off by
             default: every layer counts, as in the reference implementation.
         nonfinite_rule: how a NaN/Inf gradient counts in the live health
-            (``GRADSTREAM_NONFINITE_RULE``; ``schemas.health.NONFINITE_RULES``):
+            (``GRADSTREAM_NONFINITE_RULE``; ``schemas.health.NONFINITE_VERDICTS``):
             ``"critical"`` (default, gradstream's rule: the run is Critical) or
             ``"reference"`` (the reference implementation's: an Inf element makes the layer
             exploding, a NaN-only layer is no issue; a layer whose NaN/Inf split is
@@ -74,7 +74,7 @@ class LoopSettings(TopicCreationSettings):
     stuck_partition_timeout_s: float = Field(default=30.0, ge=0)
     ignore_layers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     exclude_rounding_level: bool = False
-    nonfinite_rule: NonfiniteRule = "critical"
+    nonfinite_rule: NonfiniteVerdict = "critical"
 
     @field_validator("ignore_layers", mode="before")
     @classmethod

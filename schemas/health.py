@@ -5,7 +5,9 @@ incremental tracker (``consumer.health``) and by the report computed from the st
 
 Semantics follow trustformers-debug's ``gradient_flow`` module (``classify_health``): every
 layer's flags count. A layer leaves the counts only when the run says so explicitly
-(``ignore_layers`` patterns, :func:`match_layers`), and the report names it.
+(``ignore_layers`` patterns, :func:`match_layers`), and the report names it. How a NaN/Inf
+gradient counts is an option, :data:`NonfiniteVerdict` (defined in
+:mod:`schemas.nonfinite_verdict`, re-exported here).
 """
 
 from __future__ import annotations
@@ -13,41 +15,13 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable, Sequence
-from typing import Literal
 
 import numpy as np
 
+from schemas.nonfinite_verdict import NONFINITE_VERDICTS as NONFINITE_VERDICTS
+from schemas.nonfinite_verdict import NonfiniteVerdict as NonfiniteVerdict
+from schemas.nonfinite_verdict import check_nonfinite_verdict as check_nonfinite_verdict
 from schemas.wire import GradientHealth
-
-NonfiniteRule = Literal["critical", "reference"]
-"""How a NaN/Inf gradient counts in the run's health (``--nonfinite-rule``)."""
-
-NONFINITE_RULES: tuple[str, ...] = ("critical", "reference")
-"""The non-finite rules:
-
-- ``"critical"`` (default; gradstream's addition to the reference implementation's rule):
-  a layer with NaN/Inf gradient elements makes its frame an issue frame and the run
-  Critical, whatever else the frame shows.
-- ``"reference"``: the reference implementation's verdicts exactly. It has no non-finite
-  rule; its values decide: a NaN element makes mean |g| and the norm NaN (NaN is never
-  below the vanishing threshold) and is ignored by max |g|, so a layer with NaN only is
-  neither vanishing nor exploding; an Inf element makes max |g| inf, so the layer is
-  exploding. Needs the NaN/Inf split of each non-finite layer (the wire's ``nan`` count,
-  schema 1.7): the live consumer keeps the ``"critical"`` rule for a layer whose split is
-  unknown, and the stored-run report refuses such a range with an error.
-"""
-
-
-def check_nonfinite_rule(rule: str) -> NonfiniteRule:
-    """``rule`` if it is one of :data:`NONFINITE_RULES`.
-
-    Raises:
-        ValueError: any other value (the message lists the valid ones).
-    """
-    if rule not in NONFINITE_RULES:
-        raise ValueError(
-            f"nonfinite_rule must be one of {', '.join(NONFINITE_RULES)}, got {rule!r}")
-    return rule  # type: ignore[return-value]
 
 
 def match_layers(names: Sequence[str], patterns: Iterable[str]) -> np.ndarray:
@@ -88,7 +62,7 @@ def classify_health(
     With ``issue_ratio = issue_frames / max(frames, 1)`` (frames == 0 counts as 1, as in
     the reference implementation), the first rule that holds wins:
 
-    1. any non-finite gradient (gradstream's rule, :data:`NONFINITE_RULES`; pass
+    1. any non-finite gradient (gradstream's rule, :data:`NONFINITE_VERDICTS`; pass
        ``any_nonfinite=False`` for the reference implementation's rule) -> Critical
     2. an exploding layer and ``issue_ratio > 0.5`` -> Critical
     3. an exploding layer or ``issue_ratio > 0.3`` -> ProblemsDetected

@@ -38,7 +38,7 @@ from deploy.cli.options import (
     MaxFramesOption,
     MaxReadersOption,
     MetricsPortOption,
-    NonfiniteRuleOption,
+    NonfiniteVerdictOption,
     OptionGroup,
     PartitionsOption,
     ReadEndpointOption,
@@ -117,7 +117,7 @@ class WorkerOptions(OptionGroup):
     max_frames: MaxFramesOption = None
     ignore_layers: IgnoreLayersOption = None
     exclude_rounding_level: ExcludeRoundingOption = None
-    nonfinite_rule: NonfiniteRuleOption = None
+    nonfinite_rule: NonfiniteVerdictOption = None
     partitions: PartitionsOption = None
     alerts_topic: AlertsTopicOption = None
     alert_rules: AlertRulesOption = None
@@ -216,7 +216,7 @@ def store(
     max_frames: MaxFramesOption = None,
     ignore_layers: IgnoreLayersOption = None,
     exclude_rounding_level: ExcludeRoundingOption = None,
-    nonfinite_rule: NonfiniteRuleOption = None,
+    nonfinite_rule: NonfiniteVerdictOption = None,
     metrics_port: MetricsPortOption = None,
     stuck_partition_timeout: StuckPartitionTimeoutOption = None,
     read: ReadOptions,

@@ -13,9 +13,10 @@ one command takes are declared next to that command.
 commands: e.g. every option of the consumer worker, taken by ``consume`` and by ``serve``,
 which runs the same worker.
 
-This module imports typer and :mod:`consumer.defaults` (a constant) only, so a package's
-command module can use these types without loading DuckDB, Kafka clients or pydantic, and
-without importing the command modules of :mod:`deploy.cli`.
+This module imports typer, :mod:`consumer.defaults` (a constant) and
+:mod:`schemas.nonfinite_verdict` (standard library only) only, so a package's command module
+can use these types without loading DuckDB, Kafka clients or pydantic, and without
+importing the command modules of :mod:`deploy.cli`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from consumer.defaults import DEFAULT_DB
+from schemas.nonfinite_verdict import NONFINITE_VERDICTS
 
 __all__ = [
     "DEFAULT_DB",
@@ -53,8 +55,8 @@ __all__ = [
     "MaxFramesOption",
     "MaxReadersOption",
     "MetricsPortOption",
-    "NonfiniteRule",
-    "NonfiniteRuleOption",
+    "NonfiniteVerdictChoice",
+    "NonfiniteVerdictOption",
     "OptionGroup",
     "PartitionsOption",
     "ReadEndpointOption",
@@ -188,16 +190,16 @@ ExcludeRoundingOption = Annotated[
                  "implementation, and such layers are a finding of the report. Default: "
                  "$GRADSTREAM_EXCLUDE_ROUNDING_LEVEL, else off."),
 ]
-class NonfiniteRule(StrEnum):
-    """How NaN/Inf gradients count in the health verdict (``schemas.health.NONFINITE_RULES``,
-    where each is defined; the values are the same)."""
+NonfiniteVerdictChoice = StrEnum(  # type: ignore[misc]
+    "NonfiniteVerdictChoice", [(v.upper(), v) for v in NONFINITE_VERDICTS],
+    module=__name__)
+NonfiniteVerdictChoice.__doc__ = (
+    """The choices of ``--nonfinite-rule``: one member per
+    :data:`schemas.nonfinite_verdict.NONFINITE_VERDICTS` (``CRITICAL = "critical"``,
+    ``REFERENCE = "reference"``), built from that tuple so the two cannot differ.""")
 
-    CRITICAL = "critical"
-    REFERENCE = "reference"
-
-
-NonfiniteRuleOption = Annotated[
-    NonfiniteRule | None,
+NonfiniteVerdictOption = Annotated[
+    NonfiniteVerdictChoice | None,
     typer.Option("--nonfinite-rule", show_default=False, case_sensitive=False,
                  help="How NaN/Inf gradients count in the health: critical (gradstream's "
                  "rule: a layer with NaN/Inf elements makes the run Critical) or reference "
@@ -207,7 +209,7 @@ NonfiniteRuleOption = Annotated[
 ]
 
 
-def nonfinite_rule(value: NonfiniteRule | None) -> str:
+def nonfinite_rule(value: NonfiniteVerdictChoice | None) -> str:
     """``--nonfinite-rule`` as given, else ``$GRADSTREAM_NONFINITE_RULE`` (any case), else
     ``critical``; for the commands that read no settings model (the report).
 
@@ -217,9 +219,9 @@ def nonfinite_rule(value: NonfiniteRule | None) -> str:
     if value is not None:
         return value.value
     env = os.environ.get("GRADSTREAM_NONFINITE_RULE", "").strip().lower() or "critical"
-    if env not in {r.value for r in NonfiniteRule}:
-        raise typer.BadParameter(
-            f"GRADSTREAM_NONFINITE_RULE={env!r}: expected critical or reference")
+    if env not in NONFINITE_VERDICTS:
+        raise typer.BadParameter(f"GRADSTREAM_NONFINITE_RULE={env!r}: expected "
+                                 f"{' or '.join(NONFINITE_VERDICTS)}")
     return env
 
 

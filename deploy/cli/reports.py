@@ -29,7 +29,7 @@ from deploy.cli.options import (
     ExcludeRoundingOption,
     FromStepOption,
     IgnoreLayersOption,
-    NonfiniteRuleOption,
+    NonfiniteVerdictOption,
     RunOption,
     ToStepOption,
 )
@@ -176,7 +176,7 @@ def report(
     ] = ReportFormat.TABLE,
     ignore_layers: IgnoreLayersOption = None,
     exclude_rounding_level: ExcludeRoundingOption = None,
-    nonfinite_rule: NonfiniteRuleOption = None,
+    nonfinite_rule: NonfiniteVerdictOption = None,
     order: Annotated[
         LayerOrder,
         typer.Option("--order", help="Flagged-layer lists in model order, or by name (the "

@@ -191,10 +191,10 @@ def test_worker_and_store_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     from consumer.settings import ConsumerSettings
     from consumer.store_settings import StoreSettings
     from deploy.cli.consume import WorkerOptions
-    from deploy.cli.options import NonfiniteRule
+    from deploy.cli.options import NonfiniteVerdictChoice
 
     assert WorkerOptions().settings().nonfinite_rule == "critical"
-    given = WorkerOptions(nonfinite_rule=NonfiniteRule.REFERENCE).settings()
+    given = WorkerOptions(nonfinite_rule=NonfiniteVerdictChoice.REFERENCE).settings()
     assert given.nonfinite_rule == "reference"
     monkeypatch.setenv("GRADSTREAM_NONFINITE_RULE", "reference")
     assert WorkerOptions().settings().nonfinite_rule == "reference"
