@@ -145,7 +145,14 @@ class GradientFlowSummary(BaseModel):
       gradient by a gap of at least ``(eps(dtype) / 2) ** -0.5``); judged from the run's
       first frame whatever ``from_step``. ``no_gradient_since_step``: the earliest first
       step of those layers, or ``None``.
-    - ``partial_frames``: ``frames`` rows in the range finalised without every rank.
+    - ``partial_frames``: ``frames`` rows in the range stored as partial: a rank missing,
+      or pieces that do not fit their parameter. Why, counted per frame (a frame may have
+      several reasons): ``partial_missing_ranks`` (some rank's data is missing),
+      ``partial_refused_ranks`` (some missing rank sent data that was refused: its
+      RunStarted was refused or its summary dead-lettered; ``frames.refused_ranks``),
+      ``partial_misfit_pieces`` (some layer's pieces do not fit its parameter's size or
+      shard layout; ``frames.layout_violations``). The last two are 0 for stores written
+      before those columns.
     - ``ranks_finished``: ranks that sent RunFinished; ``dropped_summaries``: step
       summaries those ranks dropped because Kafka was unreachable and their queue was full
       (whole run: ``sum(run_ranks.dropped)``). Every recorded step of a finished rank is
@@ -177,6 +184,9 @@ class GradientFlowSummary(BaseModel):
     issue_frames: int = Field(ge=0)
     issue_ratio: float = Field(ge=0.0, le=1.0)
     partial_frames: int = Field(ge=0)
+    partial_missing_ranks: int = Field(default=0, ge=0)
+    partial_refused_ranks: int = Field(default=0, ge=0)
+    partial_misfit_pieces: int = Field(default=0, ge=0)
     ranks_finished: int = Field(default=0, ge=0)
     dropped_summaries: int = Field(default=0, ge=0)
     layers_with_nonfinite_grads: list[str]
@@ -518,6 +528,7 @@ def build_report(
     frames, issue_frames, last_step, first_nonfinite_step, first_step = rows[0][:5]
     world_size, num_layers, *stored, partial_frames, ranks_finished, dropped = run_row
     live = _live_health(con, run_id, *stored)
+    missing_ranks, refused_ranks, misfit_pieces = _partial_reasons(con, params)
     origin = _local_origin(con, params)
     health = classify_health(
         bool(vanishing), bool(exploding), issue_frames, frames,
@@ -536,6 +547,9 @@ def build_report(
         issue_frames=issue_frames,
         issue_ratio=issue_frames / max(frames, 1),
         partial_frames=partial_frames,
+        partial_missing_ranks=missing_ranks,
+        partial_refused_ranks=refused_ranks,
+        partial_misfit_pieces=misfit_pieces,
         ranks_finished=ranks_finished,
         dropped_summaries=int(dropped),
         layers_with_nonfinite_grads=nonfinite,
@@ -635,6 +649,25 @@ def live_health_text(summary: GradientFlowSummary) -> str | None:
     )
 
 
+def _partial_reasons(con: duckdb.DuckDBPyConnection,
+                     params: dict[str, object]) -> tuple[int, int, int]:
+    """(frames with a missing rank, with a refused rank, with misfit pieces) in the range;
+    the last two 0 for a store without ``frames.refused_ranks`` / ``layout_violations``."""
+    known = has_column(con, "frames", "layout_violations")
+    refused = "len(coalesce(f.refused_ranks, [])) > 0" if known else "false"
+    misfit = "coalesce(f.layout_violations, 0) > 0" if known else "false"
+    row = con.execute(
+        f"""SELECT count(*) FILTER (WHERE len(f.missing_ranks) > 0),
+                   count(*) FILTER (WHERE {refused}), count(*) FILTER (WHERE {misfit})
+            FROM frames AS f WHERE f.run_id = $run_id AND NOT f.complete
+              AND ($from_step IS NULL OR f.step >= $from_step)
+              AND ($to_step IS NULL OR f.step <= $to_step)""",
+        {k: params[k] for k in ("run_id", "from_step", "to_step")},
+    ).fetchone()
+    assert row is not None  # an aggregate
+    return int(row[0]), int(row[1]), int(row[2])
+
+
 def _local_origin(
     con: duckdb.DuckDBPyConnection, params: dict[str, object]
 ) -> tuple[int, list[int], bool, bool] | None:
@@ -670,6 +703,17 @@ def local_origin_text(summary: GradientFlowSummary) -> str | None:
     where = (f"rank {ranks[0]}'s local gradient" if len(ranks) == 1
              else f"the local gradients of ranks {', '.join(map(str, ranks))}")
     return f"{what} first in {where} at step {summary.first_bad_local_step}"
+
+
+def _partial_why(summary: GradientFlowSummary) -> str:
+    """Why the partial frames are partial, for the "frames" row, e.g. ": 3 missing a rank, 1
+    with a rank's data refused" (only the reasons that occur; a frame may count twice)."""
+    why = [f"{n} {text}" for n, text in (
+        (summary.partial_missing_ranks, "missing a rank"),
+        (summary.partial_refused_ranks, "with a rank's data refused"),
+        (summary.partial_misfit_pieces, "with pieces that do not fit their parameter"),
+    ) if n]
+    return ": " + ", ".join(why) if why and summary.partial_frames else ""
 
 
 def _names_cell(names: list[str], limit: int = NAMES_IN_TABLE) -> Text:
@@ -745,7 +789,8 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     table.add_row("total steps", str(summary.total_steps))
     table.add_row(
         "frames",
-        f"{summary.frames} ({summary.partial_frames} partial, world size {summary.world_size}; "
+        f"{summary.frames} ({summary.partial_frames} partial{_partial_why(summary)}, "
+        f"world size {summary.world_size}; "
         f"{summary.ranks_finished} ranks finished, {summary.dropped_summaries} summaries "
         "dropped by producers)",
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from consumer.frames import GradientFrame, MergedShards
+from consumer.merge import VIOLATION_NUMEL
 from schemas.wire import MergedFrame, WireFormat, encode_message
 
 
@@ -35,7 +36,9 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
     distribution) is included only when it is known for every layer of the frame; otherwise
     it is left out for the whole frame (a layer-mixed frame only arises when ranks of one
     run use different producer settings). The frame's per-rank local view rows travel
-    along (``local_ranks``).
+    along (``local_ranks``). So do (schema 1.8) the frame's layout violations that its sums
+    cannot show (the worker's ledger rows: replicas of another numel, other shard counts;
+    the ``numel`` kind the store checks again from the sums) and its refused ranks.
 
     Raises:
         pydantic.ValidationError: the frame violates the wire contract (a bug upstream).
@@ -72,6 +75,11 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
             local_sum_sq=local.sum_sq.tolist(), local_max_abs=local.max_abs.tolist(),
             local_nonfinite=local.nonfinite.tolist(),
         )
+    ledger = frame.layout_violations[frame.layout_violations[:, 1] != VIOLATION_NUMEL]
+    if len(ledger):
+        optional["layout_violations"] = ledger.ravel().tolist()
+    if frame.refused_ranks:
+        optional["refused_ranks"] = sorted(frame.refused_ranks)
     ranks = sorted(frame.ranks_seen)
     return MergedFrame(
         run_id=frame.run_id, step=frame.step, rank=ranks[0], world_size=frame.world_size,
@@ -97,3 +105,11 @@ def message_to_merged(message: MergedFrame, num_layers: int) -> MergedShards:
     statistic it carries (:meth:`consumer.frames.MergedShards.from_message`), zero in the
     layers it does not report."""
     return MergedShards.from_message(message, num_layers)
+
+
+def message_violations(message: MergedFrame) -> np.ndarray:
+    """int64[v, 5] layout-violation rows (layer_index, kind, rank, got, expected) a
+    MergedFrame carries (schema 1.8; none for an older worker's frame)."""
+    if message.layout_violations is None:
+        return np.empty((0, 5), np.int64)
+    return np.asarray(message.layout_violations, np.int64).reshape(-1, 5)

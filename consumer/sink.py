@@ -434,6 +434,17 @@ class DuckDBSink:
         idx = tbl["layer_index"].to_numpy().astype(np.int64)
         return MergedShards.empty(run.num_layers).merge_at(idx, stored_sums(tbl))
 
+    def load_frame_verdict(self, run_id: str, step: int) -> tuple[list[int], int]:
+        """(refused ranks, number of layers whose pieces do not fit) of stored frame
+        (run, step); ([], 0) when it is not stored or was stored before these columns."""
+        row = self.con.execute(
+            "SELECT refused_ranks, layout_violations FROM frames WHERE run_id = ? AND step = ?",
+            [run_id, step],
+        ).fetchone()
+        if row is None:
+            return [], 0
+        return [int(r) for r in row[0] or ()], int(row[1] or 0)
+
     def load_offsets(self, group: str, topic: str) -> dict[int, int]:
         """partition -> next offset to consume, as stored for ``group`` and ``topic``."""
         rows = self.con.execute(
@@ -591,6 +602,10 @@ class DuckDBSink:
                                       pa.list_(pa.int32())),
             "wall_time": pa.array([f.wall_time for f in fs], pa.float64()),
             "finalized_at": pa.array(np.full(len(fs), now)),
+            "refused_ranks": pa.array([sorted(f.refused_ranks) for f in fs],
+                                      pa.list_(pa.int32())),
+            "layout_violations": pa.array(
+                [len(np.unique(f.layout_violations[:, 0])) for f in fs], pa.int32()),
         })
         # Optional columns no frame of the batch has are left to their default (NULL)
         # instead of being converted and appended value by value.
@@ -608,7 +623,7 @@ class DuckDBSink:
             f"INSERT INTO layer_stats ({', '.join(columns)}) "
             f"SELECT {', '.join(columns)} FROM gs_stats"
         )
-        con.execute("INSERT OR REPLACE INTO frames SELECT * FROM gs_frames")
+        con.execute("INSERT OR REPLACE INTO frames BY NAME SELECT * FROM gs_frames")
         con.unregister("gs_stats")
         con.unregister("gs_frames")
         self._write_local([f for f in fs if f.local is not None and len(f.local)])

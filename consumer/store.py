@@ -18,6 +18,14 @@ A frame for (run, step) that is already stored is reconciled by its rank set:
   rank finalised after the step was stored as partial);
 - overlapping otherwise: the frame with more ranks wins (logged; exact merging would need
   per-rank sums).
+
+A frame is stored as partial, never complete, when a rank is missing, when its merged
+element counts do not add up to the parameters (checked here again) or when the worker
+found pieces that do not fit (schema 1.8 ``MergedFrame.layout_violations``: a replica of
+another size or another shard count, left out of the sums, so the sums alone would look
+whole). A late rank merged into a partial frame keeps the violations of both; when the
+partial frame is no longer in memory (``partial_cache_size``) it is read back from DuckDB
+with its stored ``layout_violations`` count, and a non-zero count keeps it partial.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from consumer.frame_codec import message_to_merged
+from consumer.frame_codec import message_to_merged, message_violations
 from consumer.frames import LocalRows, MergedShards, compute_frame
 from consumer.loop import ConsumerLoop, FrameOutput, LoopCounters
 from consumer.merge import check_layout, merge_shard, not_yet_counted
@@ -71,7 +79,8 @@ class Store(ConsumerLoop):
     def __init__(self, settings: StoreSettings, on_open: Any = None) -> None:
         super().__init__(settings, on_open)
         self._ranks: dict[tuple[str, int], frozenset[int]] = {}
-        self._partial: OrderedDict[tuple[str, int], MergedShards] = OrderedDict()
+        # (run, step) -> merged sums, the worker's layout-violation rows and refused ranks
+        self._partial: OrderedDict[tuple[str, int], _PartialFrame] = OrderedDict()
 
     def topics(self) -> list[str]:
         """The frames topic, and the alerts topic when alerts are stored."""
@@ -132,14 +141,18 @@ class Store(ConsumerLoop):
         key = (msg.run_id, msg.step)
         new = frozenset(msg.ranks_seen)
         stored = self._ranks.get(key)
+        ledger = message_violations(msg)
+        refused = set(msg.refused_ranks or ())
         if stored is None or new == stored:
             merged, ranks = message_to_merged(msg, run.num_layers), new
         elif new < stored:
             self.counters.ignored_replays += 1
             return
         elif new.isdisjoint(stored) and (base := self._stored_sums(run, msg.step)) is not None:
-            merged, ranks = base, stored | new
+            merged, ranks = base.merged, stored | new
             merge_shard(merged, msg, not_yet_counted(merged, msg, run.numel))
+            ledger = np.concatenate([base.violations, ledger])
+            refused |= base.refused
             self.counters.merged_late += 1
         elif len(new) > len(stored):
             log.warning("frame %s step %d: ranks %s overlap the stored %s; keeping the larger",
@@ -148,10 +161,11 @@ class Store(ConsumerLoop):
         else:
             self.counters.ignored_replays += 1
             return
+        refused -= ranks
         self._ranks[key] = ranks
         self._partial.pop(key, None)
         if len(ranks) < run.world_size:
-            self._partial[key] = merged
+            self._partial[key] = _PartialFrame(merged, ledger, refused)
             while len(self._partial) > self.partial_cache_size:
                 self._partial.popitem(last=False)
         frame = compute_frame(
@@ -159,10 +173,12 @@ class Store(ConsumerLoop):
             exploding_threshold=run.exploding_threshold, ranks_seen=tuple(sorted(ranks)),
             world_size=run.world_size, wall_time=msg.wall_time,
         )
-        # the worker's size check again (its ledger's rows do not travel): a frame whose
-        # pieces do not add up to the parameters is stored as partial here too
-        frame.layout_violations = check_layout(merged.numel, run.numel,
-                                               len(ranks) >= run.world_size)
+        # the worker's size check again, with the ledger rows it sent (pieces left out of
+        # the sums): a frame whose pieces do not fit is stored as partial here too
+        frame.layout_violations = np.concatenate([
+            check_layout(merged.numel, run.numel, len(ranks) >= run.world_size), ledger])
+        frame.refused_ranks = {r: "the worker refused its data (see the dead-letter topic)"
+                               for r in sorted(refused)}
         if msg.has_local:
             frame.local = LocalRows.from_shard(msg)
         self.book.record(frame, self._batch)
@@ -170,12 +186,37 @@ class Store(ConsumerLoop):
         self.counters.layer_rows += len(frame.layer_index)
         self.metrics.observe_frame(frame)
 
-    def _stored_sums(self, run: RunInfo, step: int) -> MergedShards | None:
-        """Merged sums of a stored (or batched) partial frame, or None if unavailable."""
+    def _stored_sums(self, run: RunInfo, step: int) -> _PartialFrame | None:
+        """Merged sums (with the known violations and refused ranks) of a stored (or
+        batched) partial frame, or None if unavailable."""
         cached = self._partial.get((run.run_id, step))
         if cached is not None:
             return cached
         if (run.run_id, step) in self._batch.frames:
             self.flush()
         assert self.output is not None and self.output.sink is not None
-        return self.output.sink.load_sums(run, step)
+        sums = self.output.sink.load_sums(run, step)
+        if sums is None:
+            return None
+        refused, misfit_layers = self.output.sink.load_frame_verdict(run.run_id, step)
+        # the rows themselves are not stored: one row per misfit layer keeps the verdict
+        rows = np.zeros((misfit_layers, 5), np.int64)
+        rows[:, 0] = -1 - np.arange(misfit_layers)
+        rows[:, 1] = VIOLATION_STORED
+        return _PartialFrame(sums, rows, set(refused))
+
+
+VIOLATION_STORED = 0
+"""Layout-violation kind of a row rebuilt from a stored frame's ``layout_violations`` count
+(the stored frame had that many misfit layers; which ones is not stored, so the rows'
+layer_index are -1, -2, ...: distinct, and no real layer)."""
+
+
+@dataclass(slots=True)
+class _PartialFrame:
+    """A partial frame kept for a late rank: its merged sums, the layout-violation rows the
+    worker sent (int64[v, 5]) and the ranks whose data was refused."""
+
+    merged: MergedShards
+    violations: np.ndarray
+    refused: set[int]

@@ -181,6 +181,12 @@ SCHEMA_DDL: tuple[str, ...] = (
         PRIMARY KEY (run_id, step)
     )
     """,
+    # Why a frame is partial, besides ``missing_ranks``: the missing ranks whose data was
+    # refused (a refused RunStarted, a dead-lettered summary; the others sent nothing) and
+    # how many layers hold pieces that do not fit their parameter (numel that does not add
+    # up, a replica of another size, another shard count). NULL in frames stored before.
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS refused_ranks INTEGER[]",
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS layout_violations INTEGER",
     """
     CREATE TABLE IF NOT EXISTS alerts (
         alert_id   VARCHAR PRIMARY KEY,
@@ -232,4 +238,9 @@ FRAMES_COLUMNS: tuple[str, ...] = (
     "run_id", "step", "health", "num_layers", "vanishing_layers", "exploding_layers",
     "nonfinite_layers", "complete", "ranks_seen", "missing_ranks", "wall_time", "finalized_at",
 )
-"""Column order of ``frames``."""
+"""Column order of ``frames`` (its required columns; the optional ``refused_ranks`` and
+``layout_violations`` follow, see :data:`FRAMES_OPTIONAL_COLUMNS`)."""
+
+FRAMES_OPTIONAL_COLUMNS: tuple[str, ...] = ("refused_ranks", "layout_violations")
+"""Columns of ``frames`` added later (NULL in frames stored before): the missing ranks whose
+data was refused, and the number of layers whose pieces do not fit their parameter."""

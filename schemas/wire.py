@@ -46,7 +46,7 @@ from schemas.stats import EXP_HIST_MAX as EXP_HIST_MAX
 from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 7
+SCHEMA_MINOR = 8
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """1.0: per-layer numel, sum_abs, sum_sq, max_abs, nonfinite. 1.1 adds the optional richer
 statistics (exponent histogram, weight and update norms); 1.0 messages still parse (the new
@@ -72,7 +72,12 @@ StepSummary / MergedFrame: how many of a layer's ``nonfinite`` elements are NaN 
 are +-Inf), so that the reference implementation's values, in which a NaN and an Inf act
 differently, can be rebuilt (``analysis.nonfinite``); a 1.6 consumer ignores it, and a
 message without it (an older producer, or a summary without any non-finite element, where
-the producer leaves it out) leaves the split of its non-finite layers unknown."""
+the producer leaves it out) leaves the split of its non-finite layers unknown. 1.8 adds the
+optional ``layout_violations`` and ``refused_ranks`` of a MergedFrame (scale-out mode): the
+pieces the worker found not to fit their parameter (a replica of another size, another
+shard count), which the frame's sums do not show, and the missing ranks whose data was
+refused; the store stores such a frame as partial. A 1.7 store ignores them (and could store
+such a frame as complete); a 1.7 MergedFrame still parses (no violation known)."""
 
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -532,6 +537,17 @@ class MergedFrame(StepSummary):
     type: Literal["merged_frame"] = "merged_frame"  # type: ignore[assignment]
     ranks_seen: list[NonNegInt] = Field(min_length=1)
     local_ranks: list[NonNegInt] | None = None
+    layout_violations: list[NonNegInt] | None = None
+    """Schema 1.8: the worker's layout-violation rows of pieces it did not count (a replica
+    of another numel, a rank cutting a layer into another number of pieces), flattened
+    row-major, 5 integers a row: (layer_index, kind, rank, got, expected); kinds
+    ``consumer.merge.VIOLATION_REPLICA_NUMEL`` / ``VIOLATION_SHARD_COUNT``. The merged sums
+    cannot show them (the misfit piece was left out), so the store stores a frame carrying
+    any as partial. None (older workers) or empty: none known."""
+    refused_ranks: list[NonNegInt] | None = None
+    """Schema 1.8: missing ranks (ascending, not in ``ranks_seen``) whose data for this
+    step the worker refused (their RunStarted was refused, or their summary of the step was
+    dead-lettered), as opposed to ranks that sent nothing."""
 
     def _local_unique(self) -> bool:
         ranks, layers = self._np("local_ranks"), self._np("local_layer_indices")
@@ -554,6 +570,14 @@ class MergedFrame(StepSummary):
             raise ValueError(f"ranks_seen reach {self.ranks_seen[-1]} >= world_size")
         if self.rank != self.ranks_seen[0]:
             raise ValueError("rank must be the smallest of ranks_seen")
+        if self.layout_violations is not None and len(self.layout_violations) % 5:
+            raise ValueError("layout_violations must hold 5 integers a row")
+        if self.refused_ranks is not None and len(self.refused_ranks):
+            refused = self._np("refused_ranks")
+            if (np.diff(refused) <= 0).any() or refused[-1] >= self.world_size:
+                raise ValueError("refused_ranks must be strictly ascending and < world_size")
+            if np.isin(refused, self._np("ranks_seen")).any():
+                raise ValueError("refused_ranks must not be in ranks_seen")
         return self
 
 
@@ -608,6 +632,7 @@ _ARRAY_FIELDS: dict[str, int] = {
     "local_sum_abs": _SUM_FLOAT, "local_sum_sq": _SUM_FLOAT,
     "local_max_abs": _NONNEG_FLOAT, "local_nonfinite": _NONNEG_INT,
     "ranks_seen": _NONNEG_INT, "local_ranks": _NONNEG_INT,
+    "layout_violations": _NONNEG_INT, "refused_ranks": _NONNEG_INT,
 }
 """Every list field of StepSummary / MergedFrame and the element rule its pydantic type
 states (finite and >= 0, finite, int >= 0, int > 0, histogram column in [0, BINS))."""

@@ -162,7 +162,7 @@ class StoreBuilder:
                     con.unregister("stats_in")
                     frames = pa.Table.from_pylist(run.frames).select(list(FRAMES_COLUMNS))
                     con.register("frames_in", frames)
-                    con.execute("INSERT INTO frames SELECT * FROM frames_in")
+                    con.execute("INSERT INTO frames BY NAME SELECT * FROM frames_in")
                     con.unregister("frames_in")
         finally:
             con.close()

@@ -129,3 +129,70 @@ def test_a_frame_whose_pieces_overflow_the_parameters_is_stored_as_partial(store
     rows = s.output.sink.con.execute(
         "SELECT step, ranks_seen, complete, missing_ranks FROM frames ORDER BY step").fetchall()
     assert rows == [(5, [0, 1, 2], True, []), (6, [0, 1, 2], False, [])]
+
+
+@pytest.mark.parametrize("wire_format", ["json", "binary"])
+def test_worker_layout_violations_travel_and_keep_the_frame_partial(store, wire_format):
+    """Scale-out: a replica of another size is left out of the worker's sums, so the merged
+    numel adds up; the violation rows it sends (schema 1.8) make the store's frame partial,
+    with the misfit layer counted in ``layout_violations``, also after a late merge and
+    after a restart (read back from DuckDB)."""
+    from consumer.merge import VIOLATION_REPLICA_NUMEL
+    from schemas.wire import decode_frame_message
+
+    s, _feed = store
+    offset = iter(range(1000, 10**6))
+
+    def feed(message) -> None:
+        raw = encode_message(message, wire_format)
+        assert decode_frame_message(raw) == message
+        s.consume(Record("frames", 0, next(offset), raw, b"r"))
+        s.flush()
+
+    frame = frame_of([0, 1, 2])
+    frame.numel = np.array([12, 18])  # the counted pieces fit the parameters
+    frame.layout_violations = np.array([[1, VIOLATION_REPLICA_NUMEL, 2, 9, 6]], np.int64)
+    message = frame_to_message(frame)
+    assert message.layout_violations == [1, VIOLATION_REPLICA_NUMEL, 2, 9, 6]
+    feed(message)
+    verdict = ("SELECT step, complete, missing_ranks, refused_ranks, layout_violations "
+               "FROM frames ORDER BY step")
+
+    def rows():
+        return s.output.sink.con.execute(verdict).fetchall()
+
+    assert rows() == [(5, False, [], [], 1)]
+
+    # a partial frame with a refused rank and a misfit replica, then its late rank
+    part = frame_of([0])
+    part.step = 7
+    part.layout_violations = np.array([[0, VIOLATION_REPLICA_NUMEL, 0, 3, 4]], np.int64)
+    part.refused_ranks = {2: "its RunStarted was refused: another layer list"}
+    feed(frame_to_message(part))
+    assert rows()[1] == (7, False, [1, 2], [2], 1)
+    s._partial.clear()  # the late rank's base is read back from DuckDB
+    late = frame_of([1])
+    late.step = 7
+    feed(frame_to_message(late))
+    assert rows()[1] == (7, False, [2], [2], 1)
+
+
+def test_a_17_merged_frame_still_parses_without_violations(store):
+    """A MergedFrame from a 1.7 worker (no layout_violations / refused_ranks) still parses
+    and is stored by its sums alone; a malformed 1.8 field is refused."""
+    from pydantic import ValidationError
+
+    from schemas.wire import MergedFrame
+
+    s, feed = store
+    old = frame_to_message(frame_of([0, 1, 2])).model_copy(update={"schema_version": "1.7"})
+    assert old.layout_violations is None and old.refused_ranks is None
+    feed(old)
+    assert s.output.sink.con.execute(
+        "SELECT complete, refused_ranks, layout_violations FROM frames").fetchall() == [
+        (True, [], 0)]
+    base = frame_to_message(frame_of([0])).model_dump()
+    with pytest.raises(ValidationError, match="5 integers"):
+        MergedFrame(**{**base, "layout_violations": [1, 2, 3]})
+    with pytest.raises(ValidationError, match="ranks_seen"):
+        MergedFrame(**{**base, "refused_ranks": [0]})

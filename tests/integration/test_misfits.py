@@ -9,13 +9,16 @@ reason headers, the ``frames`` table and the alerts stored with the run.
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 
 import duckdb
 import numpy as np
 from kafka import KafkaConsumer, KafkaProducer
+from rich.console import Console
 
+from analysis.report import build_report, render_report
 from consumer.alerts.rows import read_alerts
 from consumer.dlq import decode_headers
 from consumer.settings import ConsumerSettings
@@ -119,9 +122,10 @@ def test_a_rank_announcing_another_layer_list_is_refused_never_merged(
                for h in letters[1:])
 
     con = duckdb.connect(settings.db, read_only=True)
-    frames = con.execute("SELECT step, complete, ranks_seen, missing_ranks FROM frames "
-                         "WHERE run_id = ? ORDER BY step", [run_id]).fetchall()
-    assert frames == [(s, False, [0], [1]) for s in range(STEPS)]
+    frames = con.execute("SELECT step, complete, ranks_seen, missing_ranks, refused_ranks, "
+                         "layout_violations FROM frames WHERE run_id = ? ORDER BY step",
+                         [run_id]).fetchall()
+    assert frames == [(s, False, [0], [1], [1], 0) for s in range(STEPS)]
     rows = con.execute("SELECT layer_index, numel, grad_norm FROM layer_stats "
                        "WHERE run_id = ? AND step = 0 ORDER BY layer_index", [run_id]).fetchall()
     assert [(i, n) for i, n, _ in rows] == [(0, 4096), (1, 16)]
@@ -160,9 +164,11 @@ def test_pieces_that_do_not_fit_their_parameter_never_make_a_complete_frame(
                                        "piece, which exceeds the parameter's 4096")
 
     con = duckdb.connect(settings.db, read_only=True)
-    frames = con.execute("SELECT step, complete, ranks_seen, missing_ranks FROM frames "
-                         "WHERE run_id = ? ORDER BY step", [run_id]).fetchall()
-    assert frames == [(0, True, [0, 1], []), (1, False, [0], [1]), (2, False, [0, 1], [])]
+    frames = con.execute("SELECT step, complete, ranks_seen, missing_ranks, refused_ranks, "
+                         "layout_violations FROM frames WHERE run_id = ? ORDER BY step",
+                         [run_id]).fetchall()
+    assert frames == [(0, True, [0, 1], [], [], 0), (1, False, [0], [1], [1], 0),
+                      (2, False, [0, 1], [], [], 1)]
     numel = con.execute("SELECT step, numel FROM layer_stats WHERE run_id = ? AND "
                         "layer_index = 0 ORDER BY step", [run_id]).fetchall()
     assert numel == [(0, 4096), (1, 2048), (2, 8192)]  # stored as counted, marked partial
@@ -172,8 +178,65 @@ def test_pieces_that_do_not_fit_their_parameter_never_make_a_complete_frame(
     assert layout.step == 2 and layout.layers == ["w"] and layout.severity.value == "critical"
     assert "w's pieces hold 8192 elements, the parameter 4096 (RunStarted)" in layout.message
     assert "stored as partial" in layout.message
+    report = build_report(con, run_id)
+    assert (report.partial_frames, report.partial_missing_ranks, report.partial_refused_ranks,
+            report.partial_misfit_pieces) == (2, 1, 1, 1)
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(render_report(report))
+    assert ("2 partial: 1 missing a rank, 1 with a rank's data refused, 1 with pieces that "
+            "do not fit their parameter" in out.getvalue())
     (missing,) = [a for a in alerts if a.rule == AlertRule.MISSING_RANKS
                   and a.state.value == "firing"]
     assert missing.step == 1 and "rank 1's data was refused: its summary was " \
         "dead-lettered: rank 1 step 1: layer 0 holds 8192 elements" in missing.message
+    con.close()
+
+
+def test_scale_out_stores_a_replica_of_the_wrong_size_as_a_partial_frame(
+    kafka_bootstrap: str, tmp_path, unique_name: str
+) -> None:
+    """Scale-out mode (worker -> frames topic -> store): three ranks hold w (4096) in two
+    pieces of 2048; rank 2's replica of piece 0 claims 1024 elements. The worker leaves it
+    out, so the counted pieces still add up to 4096, yet the store's DuckDB holds the frame
+    as partial, every rank seen, with the misfit layer counted in ``layout_violations``."""
+    from consumer.store import Store
+    from consumer.store_settings import StoreSettings
+
+    settings = settings_for(kafka_bootstrap, unique_name, str(tmp_path / "w.duckdb"))
+    settings = settings.model_copy(update={"frames_topic": f"misfit-frames-{unique_name}",
+                                           "runs_topic": f"misfit-runs-{unique_name}",
+                                           })
+    run_id = f"replica-{unique_name}"
+    messages: list = [RunStarted(run_id=run_id, rank=r, world_size=3, layer_names=["w"],
+                                 numel=[4096], start_time=1.7e9) for r in range(3)]
+    for rank, (piece, numel) in enumerate([(0, 2048), (1, 2048), (0, 1024)]):
+        messages.append(StepSummary(
+            run_id=run_id, step=0, rank=rank, world_size=3, wall_time=1.7e9,
+            layer_indices=[0], numel=[numel], sum_abs=[numel * 0.5],
+            sum_sq=[numel * 0.25], max_abs=[0.5], nonfinite=[0],
+            shard_index=[piece], shard_count=[2]))
+    messages += [RunFinished(run_id=run_id, rank=r, world_size=3, last_step=0,
+                             steps_recorded=1, end_time=1.7e9 + 1) for r in range(3)]
+    store = Store(StoreSettings(bootstrap_servers=kafka_bootstrap,
+                                frames_topic=settings.frames_topic,
+                                alerts_topic=settings.alerts_topic,
+                                group_id=f"misfit-store-{unique_name}",
+                                db=str(tmp_path / "store.duckdb")))
+    thread = threading.Thread(target=store.run, daemon=True)
+    thread.start()
+    try:
+        assert store.wait_ready(60)
+        worker = run_through_worker(settings, run_id, messages)
+        assert worker.counters.dead_letters == 0
+        assert store.wait_for_runs([run_id], 60), store.error
+    finally:
+        store.stop()
+        thread.join(60)
+    assert store.error is None
+    con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
+    frames = con.execute("SELECT step, complete, ranks_seen, missing_ranks, refused_ranks, "
+                         "layout_violations FROM frames WHERE run_id = ?", [run_id]).fetchall()
+    assert frames == [(0, False, [0, 1, 2], [], [], 1)]
+    numel = con.execute("SELECT numel FROM layer_stats WHERE run_id = ?", [run_id]).fetchall()
+    assert numel == [(4096,)]  # the counted pieces add up: only the ledger row tells
     con.close()
