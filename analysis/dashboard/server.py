@@ -235,6 +235,17 @@ def _same_secret(supplied: str, token: str) -> bool:
                                token.encode("utf-8", "surrogatepass"))
 
 
+def _same_origin_path(path: str) -> str:
+    """``path`` made a path on this server, for a ``Location`` header: every leading ``/``
+    and ``\\`` (and any whitespace among them) collapsed into one ``/``.
+
+    A redirect to ``//host/...`` (or ``/\\host/...``, which browsers read the same way) is
+    a protocol-relative URL: it leaves the server (an open redirect). Collapsing keeps the
+    target on this origin: ``////evil.example/x`` -> ``/evil.example/x``, a path here.
+    """
+    return "/" + path.lstrip("/\\ \t\r\n")
+
+
 def _cookies(header: str) -> Iterator[tuple[str, str]]:
     """(name, value) of each cookie of a ``Cookie:`` header. Split by hand: other
     applications on the same host (any port) may have set cookies that
@@ -545,7 +556,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _login(self, split: Any) -> bool:
         """A page URL carrying ``?token=``: when right, set the cookie and redirect (303)
-        to the same URL without it, and return True; when wrong, False (refused next)."""
+        to the same URL without it, and return True; when wrong, False (refused next).
+        The redirect stays on this server whatever the path (:func:`_same_origin_path`)."""
         pairs = parse_qsl(split.query, keep_blank_values=True)
         supplied = [value for key, value in pairs if key == TOKEN_PARAM]
         if not supplied or not _same_secret(supplied[-1], self.app.token):
@@ -554,7 +566,7 @@ class _Handler(BaseHTTPRequestHandler):
         cookie = (f"{cookie_name(self._port())}={self.app.token}; Path=/; HttpOnly; "
                   "SameSite=Strict")
         self._send(HTTPStatus.SEE_OTHER, b"", "text/plain; charset=utf-8",
-                   {"Location": split.path + (f"?{rest}" if rest else ""),
+                   {"Location": _same_origin_path(split.path) + (f"?{rest}" if rest else ""),
                     "Set-Cookie": cookie, "Referrer-Policy": "no-referrer"})
         return True
 

@@ -190,6 +190,24 @@ def test_a_page_url_with_the_token_sets_the_cookie(served) -> None:
         assert status == 401 and "Set-Cookie" not in got and b"gradstream serve" in page
 
 
+def test_the_login_redirect_never_leaves_the_server(served) -> None:
+    """A page URL whose path starts with several slashes or a backslash (``//host``,
+    ``/\\host``: protocol-relative to a browser) still redirects to a path of this server,
+    never to another host (no open redirect), keeping the other parameters."""
+    for target, location in (
+            (f"//evil.example/?token={TOKEN}", "/evil.example/"),
+            (f"////evil.example/x?token={TOKEN}&run=r", "/evil.example/x?run=r"),
+            (f"/\\evil.example/?token={TOKEN}", "/evil.example/"),
+            (f"/\\/\\//evil.example?token={TOKEN}", "/evil.example"),
+            (f"/%2F%2Fevil.example?token={TOKEN}", "/%2F%2Fevil.example")):
+        status, _body, got = send(served, "GET", target)
+        assert status == 303, (target, status)
+        assert got["Location"] == location, (target, got["Location"])
+        assert urlsplit(got["Location"]).netloc == ""
+    assert server_module._same_origin_path("/\t//\\evil.example") == "/evil.example"
+    assert server_module._same_origin_path("") == "/"
+
+
 def test_api_routes_do_not_take_the_token_in_the_url(served) -> None:
     """``?token=`` logs a browser in on a page only; a script sends the header."""
     status, body, got = send(served, "GET", f"/api/runs?token={TOKEN}")
