@@ -131,9 +131,11 @@ from analysis.analyses.render import (
 )
 from analysis.analyses.stats import DEFAULT_ALPHA, z_critical
 from analysis.registry import Analysis
-from analysis.store import StoreError
+from analysis.store import StoreError, split_patterns
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import duckdb
 
 __all__ = [
@@ -170,6 +172,7 @@ def build_enhanced_analysis(
     rules: Rules = DEFAULT_RULES,
     depth: AnalysisDepth = AnalysisDepth.STANDARD,
     stability_threshold: float = DEFAULT_STABILITY_THRESHOLD,
+    ignore_layers: Sequence[str] = (),
 ) -> EnhancedLayerGradientAnalysis:
     """The enhanced analysis (``generate_enhanced_analysis``) over one run's stored history.
 
@@ -186,6 +189,10 @@ def build_enhanced_analysis(
         depth: :class:`~analysis.analyses.enhanced_models.AnalysisDepth`, the sections
             computed.
         stability_threshold: the analyzer's stability threshold, in [0, 1].
+        ignore_layers: patterns excluded besides the run's own ``ignore_layers``: the
+            layers of the report's exclusion have no vanishing, exploding or dead flag here
+            (:func:`analysis.analyses.history.load_history`), so they count in no risk and
+            in no network health.
 
     Returns:
         The :class:`EnhancedLayerGradientAnalysis`.
@@ -194,7 +201,7 @@ def build_enhanced_analysis(
         StoreError: unknown run, invalid step range, or no gradient rows in the range.
         ValueError: a parameter out of range.
     """
-    history = load_history(con, run_id, from_step, to_step)
+    history = load_history(con, run_id, from_step, to_step, ignore_layers)
     return enhanced_from_history(
         history,
         convergence_window=convergence_window,
@@ -278,6 +285,9 @@ def enhanced_from_history(
         rules=rules,
         analysis_depth=depth,
         stability_threshold=stability_threshold,
+        ignore_layers=history.exclusion.patterns,
+        layers_excluded=[n for n, x in zip(history.names, history.excluded.tolist(),
+                                           strict=True) if x],
     )
     if rules != "reference":
         return report
@@ -729,6 +739,10 @@ class EnhancedOptions(BaseModel):
       Standard (default), Comprehensive, Expert).
     - ``stability_threshold``: the analyzer's threshold on the overall stability, in
       [0, 1] (default 0.8, the reference's).
+    - ``ignore_layers``: comma-separated layer-name patterns excluded besides the run's
+      own ``ignore_layers`` (as ``gradstream report --ignore-layers``: the matched layers'
+      vanishing, exploding and dead flags count nowhere, NaN/Inf still does;
+      :func:`analysis.store.run_exclusion`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -739,6 +753,7 @@ class EnhancedOptions(BaseModel):
     rules: Rules = DEFAULT_RULES
     depth: AnalysisDepth = AnalysisDepth.STANDARD
     stability_threshold: float = Field(default=DEFAULT_STABILITY_THRESHOLD, ge=0.0, le=1.0)
+    ignore_layers: str = ""
 
 
 def _build(
@@ -754,6 +769,7 @@ def _build(
         interaction_window=options.interaction_window, alpha=options.alpha,
         rules=options.rules, depth=options.depth,
         stability_threshold=options.stability_threshold,
+        ignore_layers=split_patterns(options.ignore_layers),
     )
 
 

@@ -27,7 +27,11 @@ Differences from the reference (all listed, with reasons, in
 - ``mean_gradient_norm`` / ``std_gradient_norm``: over every (layer, step) row of the
   range, not over one snapshot's layers.
 - Added fields: ``step``, ``exploding_steps``, ``nonfinite_steps``, ``first_step``,
-  ``first_explosion_step``, ``clip_norm_suggestion``.
+  ``first_explosion_step``, ``clip_norm_suggestion``, ``ignore_layers``,
+  ``layers_excluded``.
+- Explicit exclusions (kept under both rules): the layers the run's ``ignore_layers`` or
+  the ``ignore_layers`` option match count as in ``gradstream report``: their norms above
+  the threshold count nowhere, their NaN/Inf rows still do.
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ from rich.text import Text
 from analysis.analyses.reference import DEFAULT_RULES, Rules
 from analysis.analyses.render import ROWS_IN_TABLE, add_more_row, num, show_name, table
 from analysis.registry import Analysis
-from analysis.store import StoreError, require_run, stats_params
+from analysis.store import StoreError, require_run, run_exclusion, split_patterns, stats_params
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import duckdb
 
 __all__ = [
@@ -178,6 +184,13 @@ class GradientExplosionAnalysis(BaseModel):
     - ``mitigation_recommendations``: advice derived from the figures above
       (``rules="reference"``: the reference's list, by ratio > 0.3 and max norm > 100).
     - ``rules``: which rules classified the layers (:mod:`analysis.analyses.reference`).
+    - ``ignore_layers``: the patterns applied (the run's own ``ignore_layers``, then the
+      reader's); ``layers_excluded``: the layers they match (model order). As in
+      ``gradstream report``, their norms above the threshold count nowhere (not in
+      ``exploding_layers``, ``first_explosion_step``, the severity or the
+      recommendations, which use the largest norm of the other layers);
+      their NaN/Inf rows still do. ``max_gradient_norm``, ``mean_gradient_norm`` and
+      ``std_gradient_norm`` describe every row.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -198,11 +211,14 @@ class GradientExplosionAnalysis(BaseModel):
     clip_norm_suggestion: float | None
     mitigation_recommendations: list[str]
     rules: Rules = DEFAULT_RULES
+    ignore_layers: list[str] = Field(default_factory=list)
+    layers_excluded: list[str] = Field(default_factory=list)
 
 
 _LAYERS_SQL = """
     WITH s AS (
-        SELECT * FROM layer_stats
+        SELECT *, list_contains($excluded::INTEGER[], layer_index) AS excluded
+        FROM layer_stats
         WHERE run_id = $run_id
           AND ($from_step IS NULL OR step >= $from_step)
           AND ($to_step IS NULL OR step <= $to_step)
@@ -211,9 +227,11 @@ _LAYERS_SQL = """
            coalesce(any_value(l.name), 'layer[' || CAST(s.layer_index AS VARCHAR) || ']'),
            max(s.grad_norm) AS peak,
            min(s.step) FILTER (WHERE s.grad_norm = peak_norm) AS peak_step,
-           count(*) FILTER (WHERE s.grad_norm > $threshold) AS exploding_steps,
+           count(*) FILTER (WHERE s.grad_norm > $threshold AND NOT s.excluded)
+               AS exploding_steps,
            count(*) FILTER (WHERE s.nonfinite > 0) AS nonfinite_steps,
-           min(s.step) FILTER (WHERE s.grad_norm > $threshold OR s.nonfinite > 0) AS first_step
+           min(s.step) FILTER (WHERE (s.grad_norm > $threshold AND NOT s.excluded)
+                               OR s.nonfinite > 0) AS first_step
     FROM s
     JOIN (SELECT layer_index, max(grad_norm) AS peak_norm FROM s GROUP BY layer_index) AS p
       USING (layer_index)
@@ -224,14 +242,15 @@ _LAYERS_SQL = """
 
 _TOTALS_SQL = """
     WITH s AS (
-        SELECT * FROM layer_stats
+        SELECT *, list_contains($excluded::INTEGER[], layer_index) AS excluded
+        FROM layer_stats
         WHERE run_id = $run_id
           AND ($from_step IS NULL OR step >= $from_step)
           AND ($to_step IS NULL OR step <= $to_step)
     ),
     per_step AS (
         SELECT step, sqrt(sum(sum_sq)) AS global_norm,
-               bool_or(grad_norm > $threshold OR nonfinite > 0) AS bad
+               bool_or((grad_norm > $threshold AND NOT excluded) OR nonfinite > 0) AS bad
         FROM s GROUP BY step
     ),
     first_bad AS (SELECT min(step) AS step FROM per_step WHERE bad)
@@ -240,7 +259,8 @@ _TOTALS_SQL = """
            (SELECT stddev_pop(grad_norm) FROM s),
            (SELECT count(*) FROM per_step),
            (SELECT step FROM first_bad),
-           (SELECT max(global_norm) FROM per_step WHERE step < (SELECT step FROM first_bad))
+           (SELECT max(global_norm) FROM per_step WHERE step < (SELECT step FROM first_bad)),
+           (SELECT coalesce(max(grad_norm), 0.0) FROM s WHERE NOT excluded)
 """
 
 
@@ -264,6 +284,7 @@ def build_explosion_analysis(
     to_step: int | None = None,
     threshold: float | None = None,
     rules: Rules = DEFAULT_RULES,
+    ignore_layers: Sequence[str] = (),
 ) -> GradientExplosionAnalysis:
     """Explosion analysis (``detect_gradient_explosion``) over a step range of a stored run.
 
@@ -274,6 +295,10 @@ def build_explosion_analysis(
         threshold: L2-norm threshold (> 0); ``None`` = the run's exploding threshold.
         rules: ``"gradstream"`` or ``"reference"`` (per-layer severity, actions and
             recommendations; see :class:`ExplodingLayer`).
+        ignore_layers: patterns excluded besides the run's own ``ignore_layers``
+            (:func:`analysis.store.run_exclusion`, as ``gradstream report``): the matched
+            layers' norms above the threshold count nowhere (no exploding step, no
+            explosion step, not in the overall severity); their NaN/Inf rows still do.
 
     Returns:
         The :class:`GradientExplosionAnalysis`.
@@ -291,11 +316,13 @@ def build_explosion_analysis(
         threshold = float(rows[0][0])
     if not threshold > 0:
         raise ValueError(f"threshold must be > 0, got {threshold}")
-    params = {**params, "threshold": threshold}
+    exclusion = run_exclusion(con, run_id, ignore_layers)
+    params = {**params, "threshold": threshold, "excluded": exclusion.layer_index}
     layers = con.execute(_LAYERS_SQL, params).fetchall()
     if not layers:
         raise StoreError(f"run {run_id!r} has no gradient rows in the step range")
-    top, mean, std, steps, first_bad, clip = con.execute(_TOTALS_SQL, params).fetchall()[0]
+    top, mean, std, steps, first_bad, clip, counted_top = (
+        con.execute(_TOTALS_SQL, params).fetchall()[0])
     exploding = []
     any_nonfinite = False
     running = 0.0
@@ -320,11 +347,11 @@ def build_explosion_analysis(
             )
         )
     ratio = len(exploding) / len(layers)
-    if any_nonfinite or ratio > 0.5 or top > 10 * threshold:
+    if any_nonfinite or ratio > 0.5 or counted_top > 10 * threshold:
         overall = ExplosionSeverity.CRITICAL
-    elif ratio > 0.3 or top > 5 * threshold:
+    elif ratio > 0.3 or counted_top > 5 * threshold:
         overall = ExplosionSeverity.HIGH
-    elif ratio > 0.1 or top > 2 * threshold:
+    elif ratio > 0.1 or counted_top > 2 * threshold:
         overall = ExplosionSeverity.MEDIUM
     else:
         overall = ExplosionSeverity.LOW
@@ -344,12 +371,15 @@ def build_explosion_analysis(
         first_explosion_step=first_bad,
         clip_norm_suggestion=clip,
         mitigation_recommendations=(
-            _reference_recommendations(ratio, top) if rules == "reference"
+            _reference_recommendations(ratio, counted_top) if rules == "reference"
             else _recommendations(
-                ratio, top, threshold, any_nonfinite, first_bad, clip, len(exploding)
+                ratio, counted_top, threshold, any_nonfinite, first_bad, clip,
+                len(exploding)
             )
         ),
         rules=rules,
+        ignore_layers=exclusion.patterns,
+        layers_excluded=exclusion.names,
     )
 
 
@@ -462,12 +492,16 @@ class ExplosionOptions(BaseModel):
     - ``threshold``: L2-norm threshold (> 0); ``None`` = the run's exploding threshold.
     - ``rules``: ``"gradstream"`` (default) or ``"reference"``: the reference's per-layer
       severity, actions and recommendations (:mod:`analysis.analyses.reference`).
+    - ``ignore_layers``: comma-separated layer-name patterns excluded besides the run's
+      own ``ignore_layers`` (as ``gradstream report --ignore-layers``;
+      :func:`build_explosion_analysis`).
     """
 
     model_config = ConfigDict(frozen=True)
 
     threshold: float | None = Field(default=None, gt=0.0)
     rules: Rules = DEFAULT_RULES
+    ignore_layers: str = ""
 
 
 def _build(
@@ -479,7 +513,8 @@ def _build(
 ) -> GradientExplosionAnalysis:
     """:func:`build_explosion_analysis` with ``options``; raises what it raises."""
     return build_explosion_analysis(
-        con, run_id, from_step, to_step, options.threshold, options.rules
+        con, run_id, from_step, to_step, options.threshold, options.rules,
+        split_patterns(options.ignore_layers),
     )
 
 

@@ -95,9 +95,11 @@ from analysis.analyses.render import (
 )
 from analysis.analyses.stats import DEFAULT_ALPHA, family_alpha, tukey_fences
 from analysis.registry import Analysis
-from analysis.store import StoreError
+from analysis.store import StoreError, split_patterns
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import duckdb
 
 __all__ = [
@@ -120,6 +122,7 @@ def build_flow_visualization(
     from_step: int | None = None,
     to_step: int | None = None,
     config: GradientVisualizationConfig | None = None,
+    ignore_layers: Sequence[str] = (),
 ) -> GradientFlowVisualization:
     """The gradient-flow network analysis (``generate_visualization``) over one run's stored
     history.
@@ -129,6 +132,9 @@ def build_flow_visualization(
         run_id: the run.
         from_step, to_step: inclusive step range (``None`` = open).
         config: window, significance level, colour scheme, sections; the reference defaults.
+        ignore_layers: patterns excluded besides the run's own ``ignore_layers``: the
+            layers of the report's exclusion have no vanishing, exploding or dead flag here
+            (:func:`analysis.analyses.history.load_history`).
 
     Returns:
         The :class:`GradientFlowVisualization`.
@@ -136,7 +142,7 @@ def build_flow_visualization(
     Raises:
         StoreError: unknown run, invalid step range, or no gradient rows in the range.
     """
-    history = load_history(con, run_id, from_step, to_step)
+    history = load_history(con, run_id, from_step, to_step, ignore_layers)
     return flow_from_history(history, config)
 
 
@@ -206,6 +212,9 @@ def flow_from_history(
         exploding_regions=exploding,
         dead_zones=dead,
         visualization_config=cfg,
+        ignore_layers=history.exclusion.patterns,
+        layers_excluded=[n for n, x in zip(history.names, history.excluded.tolist(),
+                                           strict=True) if x],
     )
 
 
@@ -807,6 +816,10 @@ class FlowOptions(BaseModel):
     - ``rules``: ``"gradstream"`` (default) or ``"reference"``: the reference's flow
       directions, stability scores, node and edge types, connectivity, regions and dead
       zones (see the module docstring).
+    - ``ignore_layers``: comma-separated layer-name patterns excluded besides the run's
+      own ``ignore_layers`` (as ``gradstream report --ignore-layers``: the matched layers'
+      vanishing, exploding and dead flags count nowhere, NaN/Inf still does;
+      :func:`analysis.store.run_exclusion`).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -815,6 +828,7 @@ class FlowOptions(BaseModel):
     alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, lt=1.0)
     color_scheme: ColorScheme = ColorScheme.DEFAULT
     rules: Rules = DEFAULT_RULES
+    ignore_layers: str = ""
 
 
 def _build(
@@ -830,7 +844,8 @@ def _build(
         temporal_window=options.window, alpha=options.alpha, color_scheme=options.color_scheme,
         rules=options.rules,
     )
-    return build_flow_visualization(con, run_id, from_step, to_step, config)
+    return build_flow_visualization(con, run_id, from_step, to_step, config,
+                                    split_patterns(options.ignore_layers))
 
 
 ANALYSIS = Analysis(

@@ -20,8 +20,9 @@ How to add an analysis
 
 Nothing else changes: ``gradstream analyze --kind <name>`` accepts it, its options are set
 with the existing flags whose names match its fields (``--window``, ``--alpha``,
-``--threshold``, ``--interaction-window``, ``--color-scheme``) or with ``--option
-field=value``, and the dashboard serves it at ``GET /api/analysis/<name>?run=...&field=...``.
+``--threshold``, ``--interaction-window``, ``--color-scheme``, ``--ignore-layers``: the
+``ignore_layers`` field, patterns joined by commas) or with ``--option field=value``,
+and the dashboard serves it at ``GET /api/analysis/<name>?run=...&field=...``.
 
 Option values arrive as one flat mapping (every flag of the command line, or every query
 parameter of the request); :meth:`Analysis.options_from` keeps the fields its own model

@@ -298,3 +298,11 @@ def run_exclusion(
     chosen = [(i, n, r) for (i, n), h, r in zip(rows, hit, by_run, strict=True) if h]
     return Exclusion(stored, given, [i for i, _, _ in chosen], [n for _, n, _ in chosen],
                      [r for _, _, r in chosen])
+
+
+def split_patterns(text: str) -> tuple[str, ...]:
+    """Comma-separated layer-name patterns as a tuple, surrounding blanks and empty items
+    dropped: the ``ignore_layers`` option of the analyses (one string, so that it travels
+    as one query parameter of ``/api/analysis/<name>``), written as
+    ``GRADSTREAM_IGNORE_LAYERS`` is."""
+    return tuple(p.strip() for p in text.split(",") if p.strip())

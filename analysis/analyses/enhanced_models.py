@@ -705,7 +705,10 @@ class EnhancedLayerGradientAnalysis(_Model):
     ``alpha`` are the parameters used (``interaction_window`` as applied: all pairs at
     Comprehensive and Expert depth); ``rules``, ``analysis_depth`` and
     ``stability_threshold`` the options (:mod:`analysis.analyses.reference`,
-    :class:`AnalysisDepth`)."""
+    :class:`AnalysisDepth`). ``ignore_layers``: the patterns applied (the run's own,
+    then the reader's); ``layers_excluded``: the layers of the range they match, whose
+    vanishing, exploding and dead flags count nowhere here (as in ``gradstream
+    report``)."""
 
     run_id: str
     from_step: int | None
@@ -722,3 +725,5 @@ class EnhancedLayerGradientAnalysis(_Model):
     rules: Literal["gradstream", "reference"] = "gradstream"
     analysis_depth: AnalysisDepth = AnalysisDepth.STANDARD
     stability_threshold: float = 0.8
+    ignore_layers: list[str] = []
+    layers_excluded: list[str] = []

@@ -450,6 +450,9 @@ class GradientFlowVisualization(_Model):
     ``temporal_flows`` too; ``flow_network.edges`` in backpropagation order; regions and
     zones in model order of their first layer; critical paths by decreasing criticality.
     ``steps``: steps with data; ``layers``: layers with data in the range.
+    ``ignore_layers``: the patterns applied (the run's own, then the reader's);
+    ``layers_excluded``: the layers of the range they match, whose vanishing, exploding
+    and dead flags count nowhere here (as in ``gradstream report``).
     """
 
     run_id: str
@@ -465,3 +468,5 @@ class GradientFlowVisualization(_Model):
     exploding_regions: list[ExplodingRegion]
     dead_zones: list[GradientDeadZone]
     visualization_config: GradientVisualizationConfig
+    ignore_layers: list[str] = []
+    layers_excluded: list[str] = []

@@ -11,7 +11,10 @@ through the one definition of each bit and predicate (:mod:`schemas.flags`): the
 consumer computed for the frame with the run's thresholds (in norms mode from the RMS, in
 the direction that never raises a false flag), so that the analyses agree with the frames,
 the alerts and ``gradstream report`` of the run on which layers vanish, explode or hold
-NaN/Inf.
+NaN/Inf. The report's explicit exclusion applies here too, by the same definition
+(:func:`analysis.store.run_exclusion`): the layers the run's ``ignore_layers`` (and the
+reader's own patterns) match keep their rows, norms and NaN/Inf flag, but their vanishing,
+exploding and dead bits are cleared, so that no analysis counts what the report leaves out.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from analysis.store import StoreError, require_run, stats_params
+from analysis.store import Exclusion, StoreError, require_run, run_exclusion, stats_params
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import duckdb
 
 # The flag bits, defined once (schemas.flags); re-exported for the analyses.
@@ -180,6 +185,11 @@ class GradientHistory:
         world_size: ranks of the run.
         run_first_step: the first step of the whole run (``None`` without rows).
         from_step, to_step: the inclusive range requested (``None`` = open).
+        exclusion: the layers left out of the verdict by explicit setting
+            (:class:`analysis.store.Exclusion`: the run's ``ignore_layers`` and the
+            reader's own patterns); ``excluded``: bool ``[L]``, the layers of the history
+            it names. Their ``flags`` hold no :data:`FLAG_VANISHING`,
+            :data:`FLAG_EXPLODING` or :data:`FLAG_DEAD` bit (:data:`FLAG_NONFINITE` stays).
     """
 
     run_id: str
@@ -204,6 +214,8 @@ class GradientHistory:
     run_first_step: int | None = None
     from_step: int | None = None
     to_step: int | None = None
+    exclusion: Exclusion = field(default_factory=Exclusion)
+    excluded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     _cache: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -268,6 +280,7 @@ def load_history(
     run_id: str,
     from_step: int | None = None,
     to_step: int | None = None,
+    ignore_layers: Sequence[str] = (),
 ) -> GradientHistory:
     """Read one run's gradient history in an inclusive step range.
 
@@ -276,6 +289,8 @@ def load_history(
         run_id: the run.
         from_step: first step (inclusive), ``None`` = from the start.
         to_step: last step (inclusive), ``None`` = to the end.
+        ignore_layers: patterns excluded besides the run's own ``ignore_layers``
+            (``analyze --ignore-layers``; module doc).
 
     Returns:
         The :class:`GradientHistory` (possibly with ``L = T = 0``).
@@ -313,6 +328,9 @@ def load_history(
         raise StoreError(f"run {run_id!r} has NULL or NaN grad_norm values in layer_stats")
     norms[(flags & FLAG_NONFINITE) != 0] = np.nan
     valid = ~np.isnan(norms)
+    exclusion = run_exclusion(con, run_id, ignore_layers)
+    excluded = np.isin(layer_index, np.asarray(exclusion.layer_index, dtype=np.int64))
+    flags[excluded] &= np.uint8(~(FLAG_VANISHING | FLAG_EXPLODING | FLAG_DEAD) & 0xFF)
 
     names = [
         name if name is not None else f"layer[{index}]"
@@ -346,6 +364,8 @@ def load_history(
         run_first_step=None if run_first_step is None else int(run_first_step),
         from_step=from_step,
         to_step=to_step,
+        exclusion=exclusion,
+        excluded=excluded,
     )
 
 

@@ -23,8 +23,15 @@ from typer.core import TyperCommand
 
 from analysis.registry import ANALYSES
 from deploy.cli.errors import fail
-from deploy.cli.options import DEFAULT_DB, DbOption, FromStepOption, RunOption, ToStepOption
-from deploy.cli.reports import TimeoutOption, reading
+from deploy.cli.options import (
+    DEFAULT_DB,
+    DbOption,
+    FromStepOption,
+    IgnoreLayersOption,
+    RunOption,
+    ToStepOption,
+)
+from deploy.cli.reports import TimeoutOption, exclusion_patterns, reading
 
 if TYPE_CHECKING:
     from analysis.registry import Analysis
@@ -105,6 +112,7 @@ def analyze(
     color_scheme: Annotated[
         Scheme, typer.Option("--color-scheme", help="flow: colours of the tables."),
     ] = Scheme.DEFAULT,
+    ignore_layers: IgnoreLayersOption = None,
     option: Annotated[
         list[str] | None,
         typer.Option("--option", metavar="NAME=VALUE", show_default=False,
@@ -114,12 +122,16 @@ def analyze(
     timeout: TimeoutOption = None,
 ) -> None:
     """Analyse a stored run: gradient flow, enhanced statistics, explosions, weights, or any
-    other registered analysis."""
+    other registered analysis. The layers the run's ignore_layers or --ignore-layers
+    exclude count as in `gradstream report`: their vanishing and exploding flags nowhere,
+    NaN/Inf still; the analysis names them."""
     from analysis.registry import get
 
     entry = get(kind.value)
+    patterns = exclusion_patterns(ignore_layers)
     flags = {"window": window, "alpha": alpha, "threshold": threshold,
-             "interaction_window": interaction_window, "color_scheme": color_scheme.value}
+             "interaction_window": interaction_window, "color_scheme": color_scheme.value,
+             "ignore_layers": ",".join(patterns) if patterns else None}
     values: dict[str, object] = {
         name: value for name, value in flags.items() if value is not None}
     values.update(_named_options(entry, option or []))

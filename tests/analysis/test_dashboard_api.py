@@ -160,7 +160,8 @@ def test_analyses_are_listed_with_their_options(live) -> None:  # type: ignore[n
     assert by_name["flow"]["help"] == registry.get("flow").help
     window = by_name["flow"]["options"]["properties"]["window"]
     assert (window["default"], window["minimum"]) == (50, 1)
-    assert set(by_name["explosion"]["options"]["properties"]) == {"threshold", "rules"}
+    assert set(by_name["explosion"]["options"]["properties"]) == {
+        "threshold", "rules", "ignore_layers"}
 
 
 def test_analysis_reports_equal_the_direct_build(live) -> None:  # type: ignore[no-untyped-def]

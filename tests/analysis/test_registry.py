@@ -113,10 +113,12 @@ def test_every_entry_loads_with_default_options() -> None:
     for entry in entries:
         assert entry.help.endswith(".") and callable(entry.build) and callable(entry.render)
         assert entry.options() == entry.options_from({})  # every option has a default
-    assert registry.get("flow").option_names == ("window", "alpha", "color_scheme", "rules")
+    assert registry.get("flow").option_names == (
+        "window", "alpha", "color_scheme", "rules", "ignore_layers")
     assert registry.get("enhanced").option_names == (
-        "window", "interaction_window", "alpha", "rules", "depth", "stability_threshold")
-    assert registry.get("explosion").option_names == ("threshold", "rules")
+        "window", "interaction_window", "alpha", "rules", "depth", "stability_threshold",
+        "ignore_layers")
+    assert registry.get("explosion").option_names == ("threshold", "rules", "ignore_layers")
     assert registry.get("weights").option_names == ("alpha", "rules")
     for entry in entries:  # gradstream's rules by default, the reference's on request
         assert entry.options().rules == "gradstream"

@@ -114,6 +114,94 @@ def test_cli_analyze_and_report_agree(app: typer.Typer, tmp_path: Path, seed: in
     assert report["layers_with_vanishing_grads"] and report["layers_with_exploding_grads"]
 
 
+def _cli_json(app: typer.Typer, *args: str) -> dict[str, object]:
+    result = CliRunner().invoke(app, [*args, "--format", "json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize(("seed", "given"), [(7, ()), (8, ()), (9, ("block.1",))])
+def test_analyze_and_report_agree_with_ignore_layers(
+    app: typer.Typer, tmp_path: Path, seed: int, given: tuple[str, ...]
+) -> None:
+    """A run recorded with ignore_layers (the HF adapter's key-bias exclusion), with and
+    without a pattern of the reader's own (``--ignore-layers``, given to both commands):
+    report and analyze (flow, enhanced, explosion) leave out the same layers' vanishing and
+    exploding flags, still count their NaN/Inf, and name what they excluded."""
+    from deploy.cli.analyze import register as register_analyze
+
+    register_analyze(app)
+    means, nonfinite = run_like_bert(seed)
+    nonfinite[3, 1] = 1  # NaN/Inf in the excluded key bias: still counts everywhere
+    path = write_store(tmp_path / "s.duckdb", means, nonfinite,
+                       ignore_layers=["*.key.bias"])
+    extra = [a for p in given for a in ("--ignore-layers", p)]
+    db = ["--db", str(path)]
+    report = _cli_json(app, "report", *db, *extra)
+    excluded = ["attn.self.key.bias", *given]
+    assert report["layers_excluded"] == sorted(excluded, key=NAMES.index)
+    assert report["run_ignore_layers"] == ["*.key.bias"]
+    assert report["report_ignore_layers"] == list(given)
+    assert not set(excluded) & set(report["layers_with_vanishing_grads"])
+    assert not set(excluded) & set(report["layers_with_exploding_grads"])
+    assert "attn.self.key.bias" in report["layers_with_nonfinite_grads"]
+    order = {name: i for i, name in enumerate(NAMES)}
+
+    def in_order(names: set[str]) -> list[str]:
+        return sorted(names, key=order.__getitem__)
+
+    enhanced = _cli_json(app, "analyze", "--kind", "enhanced", *db, *extra)
+    details = enhanced["layer_details"]
+
+    def layers(metric: str) -> list[str]:
+        return in_order({d["layer_name"] for d in details if d["health_metrics"][metric] > 0})
+
+    assert layers("vanishing_fraction") == report["layers_with_vanishing_grads"]
+    assert layers("exploding_steps") == report["layers_with_exploding_grads"]
+    assert layers("nonfinite_steps") == report["layers_with_nonfinite_grads"]
+    assert enhanced["layers_excluded"] == report["layers_excluded"]
+
+    flow = _cli_json(app, "analyze", "--kind", "flow", *db, *extra)
+    exploding_regions = {n for r in flow["exploding_regions"] for n in r["affected_layers"]}
+    assert in_order(exploding_regions) == in_order(
+        {*report["layers_with_exploding_grads"], *report["layers_with_nonfinite_grads"]})
+    vanishing_regions = {n for r in flow["vanishing_regions"] for n in r["affected_layers"]}
+    assert vanishing_regions <= set(report["layers_with_vanishing_grads"])
+    assert flow["layers_excluded"] == report["layers_excluded"]
+
+    explosion = _cli_json(app, "analyze", "--kind", "explosion", *db, *extra)
+    rows = explosion["exploding_layers"]
+    assert [r["layer_name"] for r in rows if r["exploding_steps"]] == \
+        report["layers_with_exploding_grads"]
+    assert [r["layer_name"] for r in rows if r["nonfinite_steps"]] == \
+        report["layers_with_nonfinite_grads"]
+    assert explosion["layers_excluded"] == report["layers_excluded"]
+
+
+def test_enhanced_network_health_ignores_an_excluded_vanishing_layer(
+    app: typer.Typer, tmp_path: Path
+) -> None:
+    """The BERT case: the only vanishing layer is a key bias at rounding level. Counted
+    (no exclusion), report and enhanced network health both flag it; excluded by the run
+    setting, the report is Healthy and the enhanced network health is not Warning."""
+    from deploy.cli.analyze import register as register_analyze
+
+    register_analyze(app)
+    rng = np.random.default_rng(3)
+    means = 10.0 ** rng.uniform(-3, -2, (12, len(NAMES)))
+    means[:, 1] = 10.0 ** rng.uniform(-14, -12, 12)
+    health = {}
+    for name, ignore in (("counted", None), ("excluded", ["*.key.bias"])):
+        path = write_store(tmp_path / f"{name}.duckdb", means,
+                           np.zeros(means.shape, np.int64), ignore_layers=ignore)
+        report = _cli_json(app, "report", "--db", str(path))
+        enhanced = _cli_json(app, "analyze", "--kind", "enhanced", "--db", str(path))
+        health[name] = (report["overall_health"],
+                        enhanced["network_level_analysis"]["overall_gradient_health"])
+    assert health["counted"] == ("ProblemsDetected", "Warning")
+    assert health["excluded"] == ("Healthy", "Healthy")
+
+
 def test_report_ignore_layers_flag_env_and_run_setting(
     app: typer.Typer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
