@@ -42,7 +42,8 @@ FLAG_BITS: dict[str, int] = {
     "VANISHING": FLAG_VANISHING, "EXPLODING": FLAG_EXPLODING, "NONFINITE": FLAG_NONFINITE,
     "NO_DATA": FLAG_NO_DATA, "ZERO": FLAG_ZERO, "DEAD": FLAG_DEAD,
 }
-"""Every bit by name (the dashboard's ``FLAG`` table)."""
+"""Every bit by name: sent as ``flag_bits`` with the dashboard's config and the animation's
+data, where ``heatmap.js`` takes it (``GradHeatmap.useFlagBits``) as its ``FLAG`` table."""
 
 _PREDICATES: dict[str, str] = {
     "vanishing": "{row}is_vanishing",

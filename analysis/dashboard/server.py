@@ -108,6 +108,7 @@ from analysis.query import (
 )
 from analysis.registry import UnknownAnalysisError
 from analysis.store import StoreError
+from schemas.flags import FLAG_BITS
 
 log = logging.getLogger("gradstream.dashboard")
 
@@ -366,7 +367,9 @@ class Dashboard:
         return body
 
     def index_html(self) -> bytes:
-        """The page with its configuration (colours, refresh interval) embedded as JSON."""
+        """The page with its configuration (colours, the flag bits of
+        ``schemas.flags.FLAG_BITS`` that ``heatmap.js`` reads, refresh interval) embedded as
+        JSON."""
         from analysis.plots.animation import script_safe_json
 
         template = resources.files("analysis.dashboard.static").joinpath(
@@ -374,6 +377,7 @@ class Dashboard:
         config = {
             "palette": list(norm_palette()),
             "flag_colors": FLAG_COLORS,
+            "flag_bits": FLAG_BITS,
             "health_colors": HEALTH_COLORS,
             "refresh_ms": round(self.refresh_s * 1000),
             "db": str(self.cursors.db),

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from analysis.plots.colors import FLAG_COLORS, norm_palette
 from analysis.plots.grid import GradientGrid
+from schemas.flags import FLAG_BITS
 
 _JS_MARK = "/*__HEATMAP_JS__*/"
 _DATA_MARK = "__DATA_JSON__"
@@ -60,6 +61,7 @@ def render_animation(grid: GradientGrid, title: str | None = None) -> str:
         "grid": grid.to_json(),
         "palette": list(norm_palette()),
         "flag_colors": FLAG_COLORS,
+        "flag_bits": FLAG_BITS,
     }
     head, rest = template.split(_JS_MARK, 1)
     middle, tail = rest.split(_DATA_MARK, 1)

@@ -2,20 +2,40 @@
  *
  * A grid is the JSON of analysis.plots.grid.GradientGrid.to_json(): rows = layers in model
  * order, columns = recorded steps (or bins of them); log_norm[r][c] = log10 of the maximum
- * gradient L2 norm in the cell (null: no data or norm 0), flags[r][c] = bit set
- * 1 vanishing, 2 exploding, 4 non-finite, 8 no data, 16 norm 0.
+ * gradient L2 norm in the cell (null: no data or norm 0), flags[r][c] = bit set of
+ * schemas.flags.FLAG_BITS (vanishing, exploding, non-finite, no data, norm 0), which the
+ * page sends with its data and hands to useFlagBits before drawing: the bits have one
+ * definition, in Python, and none here.
  * Colours: palette = hex colours of matplotlib's viridis, low to high; flag colours from
  * analysis.plots.colors.FLAG_COLORS. No external resources: works offline.
  */
 (function (global) {
   "use strict";
 
-  const FLAG = { VANISHING: 1, EXPLODING: 2, NONFINITE: 4, NO_DATA: 8, ZERO: 16 };
-  // Later entries are drawn over earlier ones.
-  const MARKS = [
-    [FLAG.ZERO, "zero"], [FLAG.VANISHING, "vanishing"],
-    [FLAG.EXPLODING, "exploding"], [FLAG.NONFINITE, "nonfinite"],
-  ];
+  // The flag bits by name (schemas.flags.FLAG_BITS), filled by useFlagBits; one object,
+  // so that GradHeatmap.FLAG always shows the bits in use.
+  const FLAG = {};
+  const NEEDED = ["VANISHING", "EXPLODING", "NONFINITE", "NO_DATA", "ZERO"];
+  // Later entries are drawn over earlier ones (set by useFlagBits).
+  let MARKS = [];
+
+  /* Take the flag bits the page received (schemas.flags.FLAG_BITS: name -> bit); call it
+   * once before drawing. Throws when a bit the renderer draws is missing. */
+  function useFlagBits(bits) {
+    for (const name of NEEDED) {
+      if (!bits || !Number.isInteger(bits[name])) {
+        throw new Error("flag bit " + name + " missing: the page must send " +
+                        "schemas.flags.FLAG_BITS as flag_bits");
+      }
+    }
+    for (const key of Object.keys(FLAG)) delete FLAG[key];
+    Object.assign(FLAG, bits);
+    MARKS = [
+      [FLAG.ZERO, "zero"], [FLAG.VANISHING, "vanishing"],
+      [FLAG.EXPLODING, "exploding"], [FLAG.NONFINITE, "nonfinite"],
+    ];
+    return FLAG;
+  }
   // Cells at least this many CSS pixels wide and tall get hollow marks (norm colour stays
   // visible inside); smaller cells are filled with the flag colour (same rule as the PNG).
   const MIN_MARK_PX = 6;
@@ -240,7 +260,7 @@
   }
 
   global.GradHeatmap = {
-    FLAG: FLAG, drawHeatmap: drawHeatmap, cellAt: cellAt, normRange: normRange,
+    FLAG: FLAG, useFlagBits: useFlagBits, drawHeatmap: drawHeatmap, cellAt: cellAt, normRange: normRange,
     paletteRgb: paletteRgb, hexToRgb: hexToRgb, flagWords: flagWords, stepsText: stepsText,
     fillLegend: fillLegend, fitCanvas: fitCanvas, normText: normText,
   };

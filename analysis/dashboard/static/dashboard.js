@@ -6,6 +6,7 @@
   "use strict";
   const config = JSON.parse(document.getElementById("config").textContent);
   const H = window.GradHeatmap;
+  H.useFlagBits(config.flag_bits);
   const opts = { palette: config.palette, flagColors: config.flag_colors };
   const paletteRgb = config.palette.map(H.hexToRgb);
   const $ = (id) => document.getElementById(id);

@@ -252,14 +252,42 @@ def test_run_setting_recorded_by_the_sink_is_applied(tmp_path: Path) -> None:
     assert report.layers_excluded == ["attn.self.key.bias"]
 
 
-def test_dashboard_script_uses_the_one_flag_definition() -> None:
-    """heatmap.js's FLAG table holds the bits of schemas.flags."""
-    js = (Path(__file__).parents[3] / "analysis" / "plots" / "heatmap.js").read_text()
-    table = re.search(r"const FLAG = \{([^}]*)\}", js)
-    assert table is not None
-    pairs = dict(re.findall(r"(\w+): (\d+)", table.group(1)))
-    assert pairs and {k: int(v) for k, v in pairs.items()} == {
-        k: FLAG_BITS[k] for k in pairs}
+def test_pages_receive_the_one_flag_definition(tmp_path: Path) -> None:
+    """heatmap.js holds no flag bit of its own: the dashboard's config and the animation's
+    data carry schemas.flags.FLAG_BITS (``flag_bits``), which both page scripts hand to
+    ``GradHeatmap.useFlagBits`` before drawing."""
+    from analysis.dashboard.cursors import ReadCursors
+    from analysis.dashboard.server import Dashboard
+    from analysis.plots.animation import render_animation
+    from analysis.plots.grid import load_grid
+
+    root = Path(__file__).parents[3]
+    js = (root / "analysis" / "plots" / "heatmap.js").read_text()
+    assert not re.search(r"\b(VANISHING|EXPLODING|NONFINITE|NO_DATA|ZERO|DEAD)\s*:\s*\d", js)
+    assert "H.useFlagBits(config.flag_bits)" in (
+        root / "analysis" / "dashboard" / "static" / "dashboard.js").read_text()
+    assert "H.useFlagBits(data.flag_bits)" in (
+        root / "analysis" / "plots" / "animation.html").read_text()
+
+    path = write_store(tmp_path / "s.duckdb", *run_like_bert(0))
+    cursors = ReadCursors.open_read_only(path)
+    try:
+        page = Dashboard(cursors, "t0ken").index_html().decode()
+    finally:
+        cursors.close()
+    config = json.loads(re.search(
+        r'<script type="application/json" id="config">(.*?)</script>', page, re.S).group(1))
+    assert config["flag_bits"] == FLAG_BITS
+    con = open_store(path)
+    try:
+        grid = load_grid(con, "r")
+    finally:
+        con.close()
+    html = render_animation(grid)
+    data = json.loads(re.search(
+        r'<script type="application/json" id="gradstream-data">(.*?)</script>', html,
+        re.S).group(1))
+    assert data["flag_bits"] == FLAG_BITS
 
 
 def test_worker_and_store_options_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
