@@ -17,10 +17,12 @@ says which: the run's ``ignore_layers`` (``start_run(..., ignore_layers=...)``, 
 (a NaN/Inf gradient still counts); ``exclude_rounding`` (``--exclude-rounding-level``, off
 by default) leaves out the vanishing flag of the layers of the finding. The consumer's
 incremental :mod:`consumer.health` applies the same rule. The row flags are those of
-:mod:`schemas.flags`, which the analyses read too: without exclusions ``gradstream report``
-and ``gradstream analyze`` list the same vanishing, exploding and non-finite layers. The
-analyses describe every layer's gradient whatever the exclusions (they give no verdict);
-the report lists the excluded layers apart (``layers_excluded``).
+:mod:`schemas.flags`, which the analyses read too, and the explicit exclusion has one
+definition (:func:`analysis.store.run_exclusion`), which the analyses apply too
+(:func:`analysis.analyses.history.load_history`, ``gradstream analyze --ignore-layers``):
+``gradstream report`` and ``gradstream analyze`` list the same vanishing, exploding and
+non-finite layers, with or without exclusions. Both name the excluded layers apart
+(``layers_excluded``); the report says which setting excluded each (:func:`exclusion_rows`).
 
 Two health figures, each with its window: the report classifies the frames of the step
 range it is asked for; the consumer keeps its own live health in ``runs`` (``health``,
