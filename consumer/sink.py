@@ -57,6 +57,8 @@ class SinkBatch:
         run_states: run id -> counters after this batch.
         offsets: (topic, partition) -> next offset to consume.
         alerts: alert events (``schemas.alert.Alert``) raised by the frames of the batch.
+        refusals: (run id, rank, reason) of ranks whose RunStarted was refused
+            (``refused_ranks`` table; the first reason of a (run, rank) is kept).
     """
 
     runs_started: list[RunStarted] = field(default_factory=list)
@@ -65,11 +67,12 @@ class SinkBatch:
     run_states: dict[str, RunState] = field(default_factory=dict)
     offsets: dict[tuple[str, int], int] = field(default_factory=dict)
     alerts: list[Alert] = field(default_factory=list)
+    refusals: list[tuple[str, int, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
             self.runs_started or self.runs_finished or self.frames or self.run_states
-            or self.offsets or self.alerts
+            or self.offsets or self.alerts or self.refusals
         )
 
     def layer_rows(self) -> int:
@@ -434,6 +437,12 @@ class DuckDBSink:
         idx = tbl["layer_index"].to_numpy().astype(np.int64)
         return MergedShards.empty(run.num_layers).merge_at(idx, stored_sums(tbl))
 
+    def load_refusals(self) -> list[tuple[str, int, str]]:
+        """(run id, rank, reason) of every stored refused rank (``refused_ranks``)."""
+        rows = self.con.execute(
+            "SELECT run_id, rank, reason FROM refused_ranks ORDER BY run_id, rank").fetchall()
+        return [(str(run), int(rank), str(why)) for run, rank, why in rows]
+
     def load_frame_verdict(self, run_id: str, step: int) -> tuple[list[int], int]:
         """(refused ranks, number of layers whose pieces do not fit) of stored frame
         (run, step); ([], 0) when it is not stored or was stored before these columns."""
@@ -490,6 +499,11 @@ class DuckDBSink:
                 self._write_finished(batch.runs_finished)
             if batch.alerts:
                 write_alerts(con, batch.alerts)
+            if batch.refusals:
+                con.executemany(  # a few rows per run at most, not per frame
+                    "INSERT INTO refused_ranks VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                    [list(r) for r in batch.refusals],
+                )
             if batch.offsets:
                 keys = list(batch.offsets)
                 offsets = pa.table({

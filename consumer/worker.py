@@ -18,8 +18,14 @@ and the run's frames stop waiting for it (partial, the ``missing_ranks`` alert s
 rank's data was refused). A summary whose pieces cannot belong to the run's parameters
 (:func:`consumer.merge.check_shard`) is dead-lettered; a frame whose merged pieces do not
 add up to the parameters' sizes is stored as partial with the ``shard_layout`` alert
-(:mod:`consumer.merge`). A refusal lives in the worker's memory: after a restart the
-refused rank's later summaries meet the size checks only.
+(:mod:`consumer.merge`). A refusal is stored with the rows of its batch, in the same
+transaction (DuckDB table ``refused_ranks``), and reloaded by :meth:`Worker.restore`: a
+worker restarted on the file keeps dead-lettering the refused rank's summaries.
+
+In scale-out mode the refusal goes to the compacted runs topic with the batch
+(:class:`consumer.frame_publisher.RankRefused`, acknowledged before the offsets are
+committed); a restarted worker or a partition's new owner reads it there with the runs
+(:meth:`Worker.assigned`) and keeps refusing the rank.
 """
 
 from __future__ import annotations
@@ -126,6 +132,8 @@ class Worker(ConsumerLoop):
         if sink is not None:
             for run_id, (steps, complete, ranks) in self.book.restore(sink).items():
                 self.merger.restore_finalised(run_id, steps, complete, ranks)
+            for run_id, rank, reason in sink.load_refusals():
+                self.merger.refuse(run_id, rank, reason)
             if self.runs:
                 log.info("restored %d runs from %s", len(self.runs), self.settings.db)
         self.alerts = AlertService.from_settings(
@@ -135,12 +143,17 @@ class Worker(ConsumerLoop):
         self.alerts.start()
 
     def assigned(self, partitions: list[Any]) -> None:
-        """Scale-out: learn the runs from the compacted runs topic and re-open the
-        incidents still firing on the alerts topic."""
+        """Scale-out: learn the runs and the refused ranks from the compacted runs topic
+        and re-open the incidents still firing on the alerts topic."""
         if self.scale_out:
-            for message in load_runs_topic(self.settings):
+            started, refused = load_runs_topic(self.settings)
+            for message in started:
                 if message.run_id not in self.runs:
                     self.book.start(message)
+            assert self.merger is not None
+            for refusal in refused:
+                if self.merger.refusal(refusal.run_id, refusal.rank) is None:
+                    self.merger.refuse(refusal.run_id, refusal.rank, refusal.reason)
             self._restore_incidents()
 
     def _restore_incidents(self) -> None:
@@ -207,6 +220,8 @@ class Worker(ConsumerLoop):
                     conflict += f" (the run was started by rank {origin})"
                 self.dead_letter(record, conflict, "conflicting_run")
                 assert self.merger is not None
+                if self.merger.refusal(msg.run_id, msg.rank) is None:
+                    self._batch.refusals.append((msg.run_id, msg.rank, conflict))
                 self.merger.refuse(msg.run_id, msg.rank, conflict)
                 log.warning("run %s: rank %d refused, its summaries will be dead-lettered: "
                             "%s", msg.run_id, msg.rank, conflict)

@@ -13,6 +13,10 @@ runs
 run_ranks
     One row per (run, rank) that sent RunFinished: its last step, steps it recorded and
     step summaries it dropped (queue full while Kafka was unreachable).
+refused_ranks
+    One row per (run, rank) whose RunStarted contradicted the run's and was refused, with
+    the reason: a worker restarted on the file keeps dead-lettering that rank's summaries
+    (``refused_rank``) instead of merging them.
 layers
     Layer names in model order (``layer_index``), their full-tensor element counts and,
     when the producer sent it (schema 1.3), the gradient ``dtype``.
@@ -92,6 +96,14 @@ SCHEMA_DDL: tuple[str, ...] = (
         steps_recorded BIGINT NOT NULL,
         dropped        BIGINT NOT NULL,
         end_time       DOUBLE NOT NULL,
+        PRIMARY KEY (run_id, rank)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS refused_ranks (
+        run_id VARCHAR NOT NULL,
+        rank   INTEGER NOT NULL,
+        reason VARCHAR NOT NULL,
         PRIMARY KEY (run_id, rank)
     )
     """,

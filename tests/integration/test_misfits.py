@@ -15,6 +15,7 @@ import time
 
 import duckdb
 import numpy as np
+import pytest
 from kafka import KafkaConsumer, KafkaProducer
 from rich.console import Console
 
@@ -239,4 +240,70 @@ def test_scale_out_stores_a_replica_of_the_wrong_size_as_a_partial_frame(
     assert frames == [(0, False, [0, 1, 2], [], [], 1)]
     numel = con.execute("SELECT numel FROM layer_stats WHERE run_id = ?", [run_id]).fetchall()
     assert numel == [(4096,)]  # the counted pieces add up: only the ledger row tells
+    con.close()
+
+
+@pytest.mark.parametrize("scale_out", [False, True], ids=["duckdb", "scale_out"])
+def test_a_refused_rank_stays_refused_after_a_worker_restart(
+    kafka_bootstrap: str, tmp_path, unique_name: str, scale_out: bool
+) -> None:
+    """Rank 1 announces another layer list and is refused; the worker stops after step 0.
+    A new worker (the refusal reloaded from the DuckDB table ``refused_ranks``, or in
+    scale-out mode from the compacted runs topic) still dead-letters rank 1's later
+    summaries with ``refused_rank``, never merging them."""
+    settings = settings_for(kafka_bootstrap, unique_name, str(tmp_path / "s.duckdb"))
+    if scale_out:
+        settings = settings.model_copy(update={
+            "frames_topic": f"misfit-frames-{unique_name}",
+            "runs_topic": f"misfit-runs-{unique_name}"})
+    run_id = f"restart-{unique_name}"
+    first: list = [RunStarted(run_id=run_id, rank=r, world_size=2, layer_names=names,
+                              numel=[4096, 16], start_time=1.7e9)
+                   for r, names in enumerate([["a", "b"], ["c", "d"]])]
+    first += [summary(run_id, 0, r, [4096, 16], 0.5 * (r + 1), layout=True) for r in (0, 1)]
+    ensure_topics(settings, [settings.topic])
+    producer = KafkaProducer(bootstrap_servers=settings.bootstrap_servers, acks="all")
+    for m in first:
+        producer.send(settings.topic, key=run_id.encode(), value=encode_message(m, "binary"))
+    producer.flush()
+    producer.close()
+    worker = Worker(settings)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while worker.counters.frames < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.counters.frames == 1 and worker.counters.dead_letters == 2
+    finally:
+        worker.stop()
+        thread.join(60)
+    assert worker.error is None
+    if not scale_out:
+        con = duckdb.connect(settings.db, read_only=True)
+        assert con.execute("SELECT run_id, rank FROM refused_ranks").fetchall() == [
+            (run_id, 1)]
+        con.close()
+
+    later: list = []
+    for step in (1, 2):
+        later += [summary(run_id, step, r, [4096, 16], 0.5 * (r + 1), layout=True)
+                  for r in (0, 1)]
+    later += [RunFinished(run_id=run_id, rank=r, world_size=2, last_step=2,
+                          steps_recorded=3, end_time=1.7e9 + 3) for r in (0, 1)]
+    again = run_through_worker(settings, run_id, later)  # a new Worker, same file
+    assert again.counters.dead_letters == 2
+    letters = dead_letters(settings, 4)
+    assert [h["error"] for h in letters] == ["conflicting_run"] + ["refused_rank"] * 3
+    assert all(h["reason"].startswith("rank 1's RunStarted was refused: RunStarted for run")
+               for h in letters[1:])
+    if scale_out:
+        return  # the frames went to the frames topic (the store's test is above)
+    con = duckdb.connect(settings.db, read_only=True)
+    frames = con.execute("SELECT step, complete, ranks_seen, refused_ranks FROM frames "
+                         "WHERE run_id = ? ORDER BY step", [run_id]).fetchall()
+    assert frames == [(s, False, [0], [1]) for s in range(3)]
+    norms = con.execute("SELECT grad_norm FROM layer_stats WHERE run_id = ? AND "
+                        "layer_index = 0", [run_id]).fetchall()
+    assert np.allclose([n for (n,) in norms], np.sqrt(4096 * 0.25))  # rank 0's only
     con.close()
