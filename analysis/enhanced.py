@@ -124,6 +124,7 @@ from analysis.analyses.reference import DEFAULT_RULES, Rules
 from analysis.analyses.render import (
     ROWS_IN_TABLE,
     add_more_row,
+    excluded_text,
     names_text,
     num,
     show_name,
@@ -625,6 +626,8 @@ def render_enhanced(report: EnhancedLayerGradientAnalysis) -> RenderableType:
     summary.add_column()
     health = net.overall_gradient_health
     summary.add_row("overall health", Text(health.value, style=_HEALTH_STYLE[health]))
+    if report.ignore_layers:
+        summary.add_row("excluded", excluded_text(report.ignore_layers, report.layers_excluded))
     dist = net.gradient_distribution
     summary.add_row("layer norms", f"mean {num(dist.mean_gradient_norm)}, distribution "
                     f"{dist.distribution_type.value}")

@@ -45,7 +45,14 @@ from rich.table import Table
 from rich.text import Text
 
 from analysis.analyses.reference import DEFAULT_RULES, Rules
-from analysis.analyses.render import ROWS_IN_TABLE, add_more_row, num, show_name, table
+from analysis.analyses.render import (
+    ROWS_IN_TABLE,
+    add_more_row,
+    excluded_text,
+    num,
+    show_name,
+    table,
+)
 from analysis.registry import Analysis
 from analysis.store import StoreError, require_run, run_exclusion, split_patterns, stats_params
 
@@ -462,6 +469,8 @@ def render_explosion(report: GradientExplosionAnalysis) -> RenderableType:
                  f"{num(report.mean_gradient_norm)}, std {num(report.std_gradient_norm)}")
     if report.first_explosion_step is not None:
         grid.add_row("first explosion", f"step {report.first_explosion_step}")
+    if report.ignore_layers:
+        grid.add_row("excluded", excluded_text(report.ignore_layers, report.layers_excluded))
     layers = table("exploding layers (model order)",
                    ["layer", "severity", "peak norm", "at step", "steps above", "NaN/Inf steps",
                     "first"],

@@ -89,6 +89,7 @@ from analysis.analyses.regions import adjacent_runs, steps_all, steps_any
 from analysis.analyses.render import (
     ROWS_IN_TABLE,
     add_more_row,
+    excluded_text,
     num,
     show_name,
     table,
@@ -704,6 +705,10 @@ def render_flow(report: GradientFlowVisualization) -> RenderableType:
     head.append(f"  ({report.layers} layers, {report.steps} steps, {cfg.rules} rules)",
                 style="dim")
     parts.append(head)
+    if report.ignore_layers:
+        excluded = Text("excluded ", style="bold")
+        excluded.append_text(excluded_text(report.ignore_layers, report.layers_excluded))
+        parts.append(excluded)
     m = report.flow_network.network_metrics
     metrics = table("network", ["metric", "value"], [False, True])
     for name, value in m.model_dump().items():

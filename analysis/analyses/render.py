@@ -28,6 +28,15 @@ def names_text(names: Sequence[str], limit: int = 6) -> Text:
     return text
 
 
+def excluded_text(patterns: Sequence[str], names: Sequence[str]) -> Text:
+    """The "excluded" cell of an analysis's summary: the ``ignore_layers`` patterns applied
+    (the run's and the reader's) and the layers they match, e.g. ``by ignore_layers
+    '*.key.bias': a.key.bias`` (plain text)."""
+    text = Text("by ignore_layers " + ", ".join(map(repr, patterns)) + ": ")
+    text.append_text(names_text(names))
+    return text
+
+
 def num(value: float | None, digits: int = 3) -> str:
     """A number for a table cell: ``-`` for None/NaN, general format otherwise."""
     if value is None or (isinstance(value, float) and math.isnan(value)):

@@ -176,6 +176,11 @@ def test_analyze_and_report_agree_with_ignore_layers(
     assert [r["layer_name"] for r in rows if r["nonfinite_steps"]] == \
         report["layers_with_nonfinite_grads"]
     assert explosion["layers_excluded"] == report["layers_excluded"]
+    for kind in ("flow", "enhanced", "explosion"):  # the tables name the exclusion too
+        shown = CliRunner().invoke(app, ["analyze", "--kind", kind, *db, *extra],
+                                   terminal_width=200, catch_exceptions=False)
+        assert shown.exit_code == 0, shown.output
+        assert "excluded" in shown.stdout and "by ignore_layers '*.key.bias'" in shown.stdout
 
 
 def test_enhanced_network_health_ignores_an_excluded_vanishing_layer(
