@@ -73,8 +73,10 @@ def add_frame(writer: duckdb.DuckDBPyConnection, step: int, norm: float, explodi
         "FROM range(3) t(i)", [step, 5e3 if exploding else 1.0, norm, exploding],
     )
     writer.execute(
-        "INSERT OR REPLACE INTO frames VALUES ('a/1', ?, 'Healthy', 3, 0, ?, 0, true, [0], [],"
-        " 0, ?)", [step, 3 if exploding else 0, finalized_at],
+        "INSERT OR REPLACE INTO frames (run_id, step, health, num_layers, vanishing_layers, "
+        "exploding_layers, nonfinite_layers, complete, ranks_seen, missing_ranks, wall_time, "
+        "finalized_at) VALUES ('a/1', ?, 'Healthy', 3, 0, ?, 0, true, [0], [], 0, ?)",
+        [step, 3 if exploding else 0, finalized_at],
     )
     writer.commit()
 
