@@ -29,10 +29,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumer.dlq import decode_headers
 from consumer.frames import MergedShards, compute_frame
 from consumer.settings import ConsumerSettings
 from consumer.topic_admin import ensure_topics
@@ -48,6 +47,7 @@ from schemas.wire import (
     decode_message,
     encode_message,
 )
+from tests.integration.dead_letters import read_dead_letters
 
 COLUMNS = ("numel", "sum_abs", "sum_sq", "max_abs_grad", "nonfinite", "mean_abs_grad",
            "grad_norm", "flow_intensity", "is_vanishing", "is_exploding")
@@ -205,24 +205,6 @@ def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]] | None:
 
 def total(samples: dict | None, name: str) -> float:
     return sum(v for _, v in (samples or {}).get(name, []))
-
-
-def read_dead_letters(bootstrap: str, topic: str, expected: int) -> list[dict[str, str]]:
-    """Headers of the dead-letter topic's records: reads until ``expected`` arrived (at
-    most 60 s), then 1 s more to catch any surplus."""
-    dlq = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                        fetch_max_bytes=64 * 1024 * 1024)
-    letters: list[dict[str, str]] = []
-    try:
-        deadline = time.monotonic() + 60
-        while len(letters) < expected and time.monotonic() < deadline:
-            for batch in dlq.poll(timeout_ms=500).values():
-                letters += [decode_headers(m.headers) for m in batch]
-        for batch in dlq.poll(timeout_ms=1000).values():
-            letters += [decode_headers(m.headers) for m in batch]
-    finally:
-        dlq.close()
-    return letters
 
 
 # -- crash ---------------------------------------------------------------------------------

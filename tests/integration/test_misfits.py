@@ -16,17 +16,17 @@ import time
 import duckdb
 import numpy as np
 import pytest
-from kafka import KafkaConsumer, KafkaProducer
+from kafka import KafkaProducer
 from rich.console import Console
 
 from analysis.report import build_report, render_report
 from consumer.alerts.rows import read_alerts
-from consumer.dlq import decode_headers
 from consumer.settings import ConsumerSettings
 from consumer.topic_admin import ensure_topics
 from consumer.worker import Worker
 from schemas.alert import AlertRule
 from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
+from tests.integration.dead_letters import read_dead_letters
 
 STEPS = 3
 
@@ -53,15 +53,21 @@ def summary(run_id: str, step: int, rank: int, numel: list[int], value: float,
     )
 
 
-def run_through_worker(settings: ConsumerSettings, run_id: str,
-                       messages: list[RunStarted | StepSummary | RunFinished]) -> Worker:
-    """Send ``messages`` in order, then consume them until the run is finished and stored."""
+def send(settings: ConsumerSettings, run_id: str,
+         messages: list[RunStarted | StepSummary | RunFinished]) -> None:
+    """Send ``messages`` in order (binary wire, key = run id) and wait for the acks."""
     ensure_topics(settings, [settings.topic])
     producer = KafkaProducer(bootstrap_servers=settings.bootstrap_servers, acks="all")
     for m in messages:
         producer.send(settings.topic, key=run_id.encode(), value=encode_message(m, "binary"))
     producer.flush()
     producer.close()
+
+
+def run_through_worker(settings: ConsumerSettings, run_id: str,
+                       messages: list[RunStarted | StepSummary | RunFinished]) -> Worker:
+    """Send ``messages`` in order, then consume them until the run is finished and stored."""
+    send(settings, run_id, messages)
     worker = Worker(settings)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -77,19 +83,7 @@ def run_through_worker(settings: ConsumerSettings, run_id: str,
 def dead_letters(settings: ConsumerSettings, expected: int) -> list[dict[str, str]]:
     """Headers of the dead-letter topic's records (until ``expected`` arrived, then 1 s
     more for any surplus)."""
-    dlq = KafkaConsumer(settings.dlq_topic, bootstrap_servers=settings.bootstrap_servers,
-                        auto_offset_reset="earliest")
-    letters: list[dict[str, str]] = []
-    try:
-        deadline = time.monotonic() + 60
-        while len(letters) < expected and time.monotonic() < deadline:
-            for batch in dlq.poll(timeout_ms=500).values():
-                letters += [decode_headers(m.headers) for m in batch]
-        for batch in dlq.poll(timeout_ms=1000).values():
-            letters += [decode_headers(m.headers) for m in batch]
-    finally:
-        dlq.close()
-    return letters
+    return read_dead_letters(settings.bootstrap_servers, settings.dlq_topic, expected)
 
 
 def test_a_rank_announcing_another_layer_list_is_refused_never_merged(
@@ -261,12 +255,7 @@ def test_a_refused_rank_stays_refused_after_a_worker_restart(
                               numel=[4096, 16], start_time=1.7e9)
                    for r, names in enumerate([["a", "b"], ["c", "d"]])]
     first += [summary(run_id, 0, r, [4096, 16], 0.5 * (r + 1), layout=True) for r in (0, 1)]
-    ensure_topics(settings, [settings.topic])
-    producer = KafkaProducer(bootstrap_servers=settings.bootstrap_servers, acks="all")
-    for m in first:
-        producer.send(settings.topic, key=run_id.encode(), value=encode_message(m, "binary"))
-    producer.flush()
-    producer.close()
+    send(settings, run_id, first)
     worker = Worker(settings)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
