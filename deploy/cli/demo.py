@@ -119,7 +119,7 @@ def demo(
         report_runs,
         train_and_consume,
     )
-    from deploy.demo.training import SCENARIOS
+    from deploy.demo.scenarios import SCENARIOS
 
     console = Console()
     chosen = scenario or list(SCENARIO_NAMES)

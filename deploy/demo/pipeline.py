@@ -77,7 +77,9 @@ def train_and_consume(
 
     from consumer.settings import ConsumerSettings
     from consumer.worker import Worker
-    from deploy.demo.training import SCENARIOS, kafka_telemetry, run_data_parallel
+    from deploy.demo.scenarios import SCENARIOS
+    from deploy.demo.telemetry import kafka_telemetry
+    from deploy.demo.training import run_data_parallel
     from deploy.serve import EndpointOptions, ServedLoop
 
     settings = ConsumerSettings(
@@ -133,7 +135,7 @@ def report_runs(console: Console, db: Path, run_ids: list[str], out: Path, heatm
     from analysis.export import export_csv, export_json
     from analysis.heatmap import ascii_heatmap
     from analysis.report import build_report, render_report
-    from analysis.store import open_store
+    from analysis.read.connect import open_store
 
     con = open_store(db, read_only=True)
     try:

@@ -28,15 +28,17 @@ from deploy.demo.mlp import (
     param_names,
     sgd_update,
 )
-from deploy.demo.training import (
-    SCENARIOS,
+from deploy.demo.scenarios import SCENARIOS
+from deploy.demo.telemetry import (
     FailingTelemetry,
     KafkaTelemetry,
     NullTelemetry,
-    RankError,
     RecordingTelemetry,
     Telemetry,
     load_recording,
+)
+from deploy.demo.training import (
+    RankError,
     params_checksum,
     run_data_parallel,
 )

@@ -23,7 +23,7 @@ DEMO_RANKS = 2
 DEMO_STEPS = 24
 """Optimiser steps per scenario of the session's demo store: ``exploding`` first has NaN
 gradients at step 21 and ``bad-rank`` at step 20 (the scenarios' own schedules,
-``deploy.demo.training.SCENARIOS``), so 24 steps hold both."""
+``deploy.demo.scenarios.SCENARIOS``), so 24 steps hold both."""
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,9 @@ from typer.testing import CliRunner
 from analysis.report import build_report
 from consumer.alerts.rows import read_alerts
 from deploy.cli import app
-from deploy.demo.training import SCENARIOS, RecordingTelemetry, load_recording, run_data_parallel
+from deploy.demo.scenarios import SCENARIOS
+from deploy.demo.telemetry import RecordingTelemetry, load_recording
+from deploy.demo.training import run_data_parallel
 from producer import GradientProducer
 from schemas.alert import AlertRule
 from schemas.wire import GradientHealth
