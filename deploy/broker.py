@@ -509,10 +509,6 @@ class LocalBroker:
             running=pid is not None, pid=pid, bootstrap=bootstrap, log=self.log_path
         )
 
-    def is_running(self) -> bool:
-        """Return whether the broker process is alive (shorthand for ``status().running``)."""
-        return self._live_pid() is not None
-
     def start(self, timeout: float = 60.0) -> str:
         """Start the broker (if not running) and wait until it serves requests.
 

@@ -67,27 +67,17 @@ def fetch(
     typer.echo(str(libs))
 
 
+def _port_option(flag: str, what: str) -> typer.models.OptionInfo:
+    """A TCP port option (1-65535) that defaults to the previous run's port, else a free one."""
+    return typer.Option(flag, help=f"{what}. Default: the previous run's port, else a free one.",
+                        min=1, max=65535, show_default=False)
+
+
 def start(
     state_dir: StateDirOption = None,
-    port: Annotated[
-        int | None,
-        typer.Option(
-            "--port",
-            help="Client port on 127.0.0.1. Default: the previous run's port, else a free one.",
-            min=1,
-            max=65535,
-            show_default=False,
-        ),
-    ] = None,
+    port: Annotated[int | None, _port_option("--port", "Client port on 127.0.0.1")] = None,
     controller_port: Annotated[
-        int | None,
-        typer.Option(
-            "--controller-port",
-            help="KRaft controller port. Default: the previous run's port, else a free one.",
-            min=1,
-            max=65535,
-            show_default=False,
-        ),
+        int | None, _port_option("--controller-port", "KRaft controller port")
     ] = None,
     heap: Annotated[
         str, typer.Option("--heap", help="Maximum JVM heap of the broker (java -Xmx).")
