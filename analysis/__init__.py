@@ -15,7 +15,8 @@ Modules, one job each:
   alerts as pandas / Arrow / polars tables, reports, analyses and the heatmap figure.
 - :mod:`analysis.reader`: the one read path (the file read-only, or the writing process's
   endpoint).
-- :mod:`analysis.store`: open the store read-only, list runs, resolve a run argument.
+- :mod:`analysis.read`: the read path: open the store read-only, list runs, resolve a
+  run argument, the SQL fragments every query uses.
 - :mod:`analysis.report`: run summary (health, flagged layers, recommendations).
 - :mod:`analysis.heatmap`: ASCII heatmap of flow intensity (layers x steps).
 - :mod:`analysis.export`: CSV and JSON exports (plus Parquet and JSON Lines), streamed

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from analysis.nonfinite import has_nan_column, reference_stats_sql, require_nan_split
-from analysis.store import STATS_SQL, StoreError, require_run, stats_params
+from analysis.read.connect import StoreError, require_run
+from analysis.read.sql import STATS_SQL, stats_params
 from schemas.tables import LAYER_STATS_COLUMNS
 
 if TYPE_CHECKING:
@@ -387,7 +388,7 @@ def export_csv(
     The parent directory is created; an existing file is replaced.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
+        con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run to export.
         path: output file.
         from_step: first step exported (inclusive), ``None`` = from the start.
@@ -455,7 +456,7 @@ def export_json(
     The parent directory is created; an existing file is replaced.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
+        con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run to export.
         path: output file.
         from_step: first step exported (inclusive), ``None`` = from the start.
@@ -554,7 +555,7 @@ def export_parquet(
     parent directory is created; an existing file is replaced.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
+        con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run to export.
         path: output file.
         from_step / to_step: inclusive step range, ``None`` = unbounded.
@@ -590,7 +591,7 @@ def export_jsonl(
     an existing file is replaced.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
+        con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run to export.
         path: output file.
         from_step / to_step: inclusive step range, ``None`` = unbounded.

@@ -31,7 +31,8 @@ import numpy as np
 from rich.cells import cell_len
 
 from analysis.nonfinite import has_nan_column, reference_stats_sql, require_nan_split
-from analysis.store import STATS_SQL, require_run, stats_params
+from analysis.read.connect import require_run
+from analysis.read.sql import STATS_SQL, stats_params
 
 if TYPE_CHECKING:
     import duckdb
@@ -136,7 +137,7 @@ def ascii_heatmap(
     "each column = k steps (mean)".
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
+        con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run to draw.
         max_columns: most step columns drawn (>= 1).
         order: rows in model order (``layers.layer_index``) or by name (the reference order).

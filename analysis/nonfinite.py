@@ -29,14 +29,15 @@ Used by the reference presentation styles (``export --style reference``,
 (``schemas.health.NONFINITE_VERDICTS``). A row with ``nonfinite > 0`` whose NaN count is
 unknown (stored before schema 1.7, or sent by an older producer: ``nan`` NULL, or a store
 without the column) cannot be rebuilt: :func:`require_nan_split` raises a
-:class:`analysis.store.StoreError` naming the first such row rather than guessing.
+:class:`analysis.read.connect.StoreError` naming the first such row rather than guessing.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from analysis.store import STATS_SQL, StoreError
+from analysis.read.connect import StoreError
+from analysis.read.sql import STATS_SQL
 
 if TYPE_CHECKING:
     import duckdb
@@ -53,11 +54,11 @@ def has_nan_column(con: duckdb.DuckDBPyConnection) -> bool:
 
 
 def reference_stats_sql(with_nan: bool = True) -> str:
-    """:data:`analysis.store.STATS_SQL` with the reference implementation's values of the
+    """:data:`analysis.read.sql.STATS_SQL` with the reference implementation's values of the
     rows holding NaN/Inf elements (module doc): ``mean_abs_grad``, ``max_abs_grad``,
     ``grad_norm``, ``is_exploding`` replaced on those rows, ``flow_intensity`` on every
     row of a step holding one; every other row and column as stored. Same parameters as
-    ``STATS_SQL`` (:func:`analysis.store.stats_params`); use it as a CTE. Call
+    ``STATS_SQL`` (:func:`analysis.read.sql.stats_params`); use it as a CTE. Call
     :func:`require_nan_split` first: a row whose NaN count is unknown is taken here as
     holding only Inf elements.
 
@@ -105,7 +106,7 @@ def require_nan_split(con: duckdb.DuckDBPyConnection, params: dict[str, object],
     """Refuse a step range holding a row with NaN/Inf elements whose NaN count is unknown.
 
     Args:
-        con: a store connection. params: :func:`analysis.store.stats_params` of the range.
+        con: a store connection. params: :func:`analysis.read.sql.stats_params` of the range.
         what: the output asked for, quoted in the error (``"export --style reference"``).
 
     Raises:

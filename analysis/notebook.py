@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import PrivateAttr
 
+from analysis.read.connect import StoreError, check_step_range
 from analysis.reader import open_reader
 from analysis.report import (
     NAMES_IN_TABLE,
@@ -50,7 +51,6 @@ from analysis.report import (
     exclusion_rows,
     local_origin_text,
 )
-from analysis.store import StoreError, check_step_range
 
 if TYPE_CHECKING:
     import pyarrow as pa

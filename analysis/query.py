@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import duckdb
 
-from analysis.store import StoreError
+from analysis.read.connect import StoreError
 
 if TYPE_CHECKING:
     import pyarrow as pa

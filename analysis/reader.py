@@ -16,7 +16,7 @@ of two :class:`StoreReader` implementations with the same methods and the same r
   reports).
 
 With the file held and no live endpoint, :func:`open_reader` raises
-:class:`~analysis.query.StoreHeldError`, a :class:`~analysis.store.StoreError` that says
+:class:`~analysis.query.StoreHeldError`, a :class:`~analysis.read.connect.StoreError` that says
 what to do. Every read, on either path, is one statement or one builder call under one
 time limit (:func:`analysis.query.resolve_timeout`: ``timeout_s``, else
 ``GRADSTREAM_QUERY_TIMEOUT_S``, else 60 s).
@@ -56,7 +56,7 @@ from analysis.query import (
     resolve_timeout,
     time_limit,
 )
-from analysis.store import StoreError, StoreLockedError, open_store, pick_run
+from analysis.read.connect import StoreError, StoreLockedError, open_store, pick_run
 
 if TYPE_CHECKING:
     import duckdb
@@ -89,7 +89,7 @@ class StoreReader(ABC):
             N) at <url>"``.
         timeout_s: the time limit of each read, seconds.
 
-    Every method raises :class:`~analysis.store.StoreError` (or a subclass) with a one-line
+    Every method raises :class:`~analysis.read.connect.StoreError` (or a subclass) with a one-line
     message: unknown or ambiguous run, invalid range, refused statement
     (:class:`~analysis.query.ReadOnlyViolationError`,
     :class:`~analysis.query.ReadRefusedError`), time limit reached
@@ -126,7 +126,7 @@ class StoreReader(ABC):
 
     def resolve_run(self, run: str | None) -> str:
         """The run meant by ``run``: an exact id, a prefix of exactly one id, or ``None`` for
-        the store's only run (:func:`analysis.store.pick_run`).
+        the store's only run (:func:`analysis.read.connect.pick_run`).
 
         Raises:
             StoreError: unknown run, ambiguous prefix, or no/several runs with ``None``

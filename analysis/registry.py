@@ -72,7 +72,7 @@ class Analysis(Generic[OptionsT, ReportT]):
             ``options()`` is the default configuration.
         build: ``(con, run_id, from_step, to_step, options) -> report``; ``con`` is a
             DuckDB connection or cursor on the store, the step range is inclusive (``None``
-            = open). Raises ``analysis.store.StoreError`` (unknown run, empty range, missing
+            = open). Raises ``analysis.read.connect.StoreError`` (unknown run, empty range, missing
             data) or ``ValueError`` (a value out of range).
         render: ``report -> rich renderable`` for the terminal.
     """
@@ -128,7 +128,7 @@ class Analysis(Generic[OptionsT, ReportT]):
 
         Raises:
             ValueError: an invalid option (or what :attr:`build` raises).
-            analysis.store.StoreError: see :attr:`build`.
+            analysis.read.connect.StoreError: see :attr:`build`.
         """
         return self.build(con, run_id, from_step, to_step, self.options_from(values))
 

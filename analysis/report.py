@@ -18,7 +18,7 @@ says which: the run's ``ignore_layers`` (``start_run(..., ignore_layers=...)``, 
 by default) leaves out the vanishing flag of the layers of the finding. The consumer's
 incremental :mod:`consumer.health` applies the same rule. The row flags are those of
 :mod:`schemas.flags`, which the analyses read too, and the explicit exclusion has one
-definition (:func:`analysis.store.run_exclusion`), which the analyses apply too
+definition (:func:`analysis.read.exclusion.run_exclusion`), which the analyses apply too
 (:func:`analysis.analyses.history.load_history`, ``gradstream analyze --ignore-layers``):
 ``gradstream report`` and ``gradstream analyze`` list the same vanishing, exploding and
 non-finite layers, with or without exclusions. Both name the excluded layers apart
@@ -43,7 +43,9 @@ from rich.table import Table
 from rich.text import Text
 
 from analysis.nonfinite import has_nan_column, require_nan_split
-from analysis.store import Exclusion, has_column, require_run, run_exclusion, stats_params
+from analysis.read.connect import has_column, require_run
+from analysis.read.exclusion import Exclusion, run_exclusion
+from analysis.read.sql import stats_params
 from schemas.health import check_nonfinite_verdict, classify_health
 from schemas.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
@@ -130,7 +132,7 @@ class GradientFlowSummary(BaseModel):
       unknown (stored before 1.7) is refused (``analysis.nonfinite.require_nan_split``).
     - ``ignore_layers``: the patterns applied (the run's, then the report's own);
       ``layers_excluded``: the layers they match (model order), whose vanishing and
-      exploding flags count nowhere here (:class:`analysis.store.Exclusion`). Apart:
+      exploding flags count nowhere here (:class:`analysis.read.exclusion.Exclusion`). Apart:
       ``run_ignore_layers`` (the run setting, ``runs.ignore_layers``) and
       ``report_ignore_layers`` (this report's ``--ignore-layers`` /
       ``GRADSTREAM_IGNORE_LAYERS``, those not already the run's);
@@ -468,8 +470,8 @@ def build_report(
     """Summarise one run from the store: flagged layers, health, recommendations.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
-        run_id: the run (see :func:`analysis.store.resolve_run`).
+        con: a connection from :func:`analysis.read.connect.open_store`.
+        run_id: the run (see :func:`analysis.read.connect.resolve_run`).
         from_step: first optimiser step considered (inclusive), ``None`` = from the start.
         to_step: last optimiser step considered (inclusive), ``None`` = to the end.
         ignore_layers: patterns excluded besides the run's own ``ignore_layers``

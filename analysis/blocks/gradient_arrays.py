@@ -12,7 +12,7 @@ consumer computed for the frame with the run's thresholds (in norms mode from th
 the direction that never raises a false flag), so that the analyses agree with the frames,
 the alerts and ``gradstream report`` of the run on which layers vanish, explode or hold
 NaN/Inf. The report's explicit exclusion applies here too, by the same definition
-(:func:`analysis.store.run_exclusion`): the layers the run's ``ignore_layers`` (and the
+(:func:`analysis.read.exclusion.run_exclusion`): the layers the run's ``ignore_layers`` (and the
 reader's own patterns) match keep their rows, norms and NaN/Inf flag, but their vanishing,
 exploding and dead bits are cleared, so that no analysis counts what the report leaves out.
 """
@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from analysis.store import Exclusion, StoreError, require_run, run_exclusion, stats_params
+from analysis.read.connect import StoreError, require_run
+from analysis.read.exclusion import Exclusion, run_exclusion
+from analysis.read.sql import stats_params
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -186,7 +188,7 @@ class GradientHistory:
         run_first_step: the first step of the whole run (``None`` without rows).
         from_step, to_step: the inclusive range requested (``None`` = open).
         exclusion: the layers left out of the verdict by explicit setting
-            (:class:`analysis.store.Exclusion`: the run's ``ignore_layers`` and the
+            (:class:`analysis.read.exclusion.Exclusion`: the run's ``ignore_layers`` and the
             reader's own patterns); ``excluded``: bool ``[L]``, the layers of the history
             it names. Their ``flags`` hold no :data:`FLAG_VANISHING`,
             :data:`FLAG_EXPLODING` or :data:`FLAG_DEAD` bit (:data:`FLAG_NONFINITE` stays).
@@ -285,7 +287,7 @@ def load_history(
     """Read one run's gradient history in an inclusive step range.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
+        con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run.
         from_step: first step (inclusive), ``None`` = from the start.
         to_step: last step (inclusive), ``None`` = to the end.

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from analysis import registry
 from analysis.plots.grid import load_grid, load_layer_series
-from analysis.store import StoreError
+from analysis.read.connect import StoreError
 
 if TYPE_CHECKING:
     import duckdb

@@ -106,8 +106,8 @@ from analysis.query import (
     execute_read_only,
     time_limit,
 )
+from analysis.read.connect import StoreError
 from analysis.registry import UnknownAnalysisError
-from analysis.store import StoreError
 from schemas.flags import FLAG_BITS
 
 log = logging.getLogger("gradstream.dashboard")

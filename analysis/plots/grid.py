@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from analysis.store import StoreError, require_run, stats_params
+from analysis.read.connect import StoreError, require_run
+from analysis.read.sql import stats_params
 
 if TYPE_CHECKING:
     import duckdb

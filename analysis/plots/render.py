@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from analysis.plots.animation import write_animation
 from analysis.plots.png import plot_heatmap, plot_series
-from analysis.store import StoreError
+from analysis.read.connect import StoreError
 
 if TYPE_CHECKING:
     from analysis.reader import StoreReader

@@ -9,13 +9,9 @@ read-only. :func:`open_store` turns that and the other opening failures into a
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
-
-from schemas.health import match_layers
 
 REQUIRED_TABLES: tuple[str, ...] = ("runs", "layers", "layer_stats", "frames")
 """Tables of ``schemas.tables.SCHEMA_DDL`` that the analysis reads."""
@@ -189,120 +185,12 @@ def check_step_range(from_step: int | None, to_step: int | None) -> None:
         raise StoreError(f"from_step {from_step} is after to_step {to_step}")
 
 
-STATS_SQL = """
-    SELECT s.*,
-           coalesce(l.name, 'layer[' || CAST(s.layer_index AS VARCHAR) || ']') AS name
-    FROM layer_stats AS s
-    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
-    WHERE s.run_id = $run_id
-      AND ($from_step IS NULL OR s.step >= $from_step)
-      AND ($to_step IS NULL OR s.step <= $to_step)
-"""
-"""Relation of one run's ``layer_stats`` rows in an inclusive step range, with the layer
-``name`` joined from ``layers`` (``layer[i]`` if the name is missing). Bind it with
-:func:`stats_params`; use it as a CTE."""
-
-
-def stats_params(
-    run_id: str, from_step: int | None = None, to_step: int | None = None
-) -> dict[str, object]:
-    """Named parameters for :data:`STATS_SQL` (``$run_id``, ``$from_step``, ``$to_step``).
-
-    Raises:
-        StoreError: invalid step range (see :func:`check_step_range`).
-    """
-    check_step_range(from_step, to_step)
-    return {"run_id": run_id, "from_step": from_step, "to_step": to_step}
-
-
 def has_column(con: duckdb.DuckDBPyConnection, table: str, column: str) -> bool:
-    """Whether the store's ``table`` has ``column`` (stores written by older versions may
-    lack ``layers.dtype``, schema 1.3, or ``runs.ignore_layers``, schema 1.5)."""
+    """Whether the store's ``table`` has ``column`` (a store written by an earlier schema
+    version lacks the columns added since, e.g. ``layers.dtype`` or ``runs.ignore_layers``)."""
     row = con.execute(
         "SELECT count(*) FROM duckdb_columns() WHERE database_name = current_database() "
         "AND table_name = $table AND column_name = $column",
         {"table": table, "column": column},
     ).fetchone()
     return bool(row and row[0])
-
-
-@dataclass(frozen=True)
-class Exclusion:
-    """The layers a reader of one run leaves out of the verdict by explicit setting: their
-    vanishing and exploding flags count nowhere (a NaN/Inf gradient still counts). The one
-    definition used by ``gradstream report`` (:func:`analysis.report.build_report`) and
-    every analysis (:func:`analysis.analyses.history.load_history`, the explosion analysis).
-
-    Attributes:
-        run_patterns: the run's own patterns (``runs.ignore_layers``: ``start_run(...,
-            ignore_layers=...)`` and the consumer's ``--ignore-layers``), as stored.
-        given_patterns: the reader's own patterns (``report --ignore-layers``, ``analyze
-            --ignore-layers``, ``GRADSTREAM_IGNORE_LAYERS``) not already among the run's.
-        layer_index: ascending indices of the layers any pattern matches.
-        names: their names, model order.
-        by_run: for each of those layers, whether a run pattern matches it (else only a
-            given pattern does).
-    """
-
-    run_patterns: list[str] = field(default_factory=list)
-    given_patterns: list[str] = field(default_factory=list)
-    layer_index: list[int] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    by_run: list[bool] = field(default_factory=list)
-
-    @property
-    def patterns(self) -> list[str]:
-        """Every pattern applied: the run's, then the given ones."""
-        return [*self.run_patterns, *self.given_patterns]
-
-    @property
-    def names_by_run(self) -> list[str]:
-        """Excluded layers that a run pattern matches (model order)."""
-        return [n for n, r in zip(self.names, self.by_run, strict=True) if r]
-
-    @property
-    def names_by_given(self) -> list[str]:
-        """Excluded layers that only a given pattern matches (model order)."""
-        return [n for n, r in zip(self.names, self.by_run, strict=True) if not r]
-
-
-def run_exclusion(
-    con: duckdb.DuckDBPyConnection, run_id: str, ignore_layers: Sequence[str] = ()
-) -> Exclusion:
-    """The layers of a run excluded by its own ``runs.ignore_layers`` and by
-    ``ignore_layers`` (:class:`Exclusion`; patterns as in
-    :func:`schemas.health.match_layers`).
-
-    Args:
-        con: a store connection. run_id: an existing run.
-        ignore_layers: the reader's patterns, added to the run's own.
-
-    Returns:
-        The :class:`Exclusion`; empty without patterns (then no query of the layers).
-    """
-    stored: list[str] = []
-    if has_column(con, "runs", "ignore_layers"):
-        row = con.execute("SELECT coalesce(ignore_layers, []) FROM runs WHERE run_id = $r",
-                          {"r": run_id}).fetchone()
-        stored = list(dict.fromkeys(row[0])) if row else []
-    given = [p for p in dict.fromkeys(ignore_layers) if p not in stored]
-    if not stored and not given:
-        return Exclusion()
-    rows = con.execute(
-        "SELECT layer_index, name FROM layers WHERE run_id = $r ORDER BY layer_index",
-        {"r": run_id},
-    ).fetchall()
-    names = [name for _, name in rows]
-    hit = match_layers(names, [*stored, *given]).tolist()
-    by_run = match_layers(names, stored).tolist()
-    chosen = [(i, n, r) for (i, n), h, r in zip(rows, hit, by_run, strict=True) if h]
-    return Exclusion(stored, given, [i for i, _, _ in chosen], [n for _, n, _ in chosen],
-                     [r for _, _, r in chosen])
-
-
-def split_patterns(text: str) -> tuple[str, ...]:
-    """Comma-separated layer-name patterns as a tuple, surrounding blanks and empty items
-    dropped: the ``ignore_layers`` option of the analyses (one string, so that it travels
-    as one query parameter of ``/api/analysis/<name>``), written as
-    ``GRADSTREAM_IGNORE_LAYERS`` is."""
-    return tuple(p.strip() for p in text.split(",") if p.strip())

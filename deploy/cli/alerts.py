@@ -128,7 +128,7 @@ def alerts(
     from kafka.errors import KafkaError
     from rich.table import Table
 
-    from analysis.store import StoreError
+    from analysis.read.connect import StoreError
     from consumer.alerts.feed import AlertFeed, TopicMissingError
     from consumer.alerts.listing import alert_matches, alerts_from_topic
     from consumer.alerts.rules import rule_names

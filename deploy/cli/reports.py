@@ -72,8 +72,8 @@ shared by the commands that read the store (report, export, plot, query, analyze
 def reading(db: Path, timeout: float | None) -> Iterator[StoreReader]:
     """The store's reader (:func:`analysis.reader.open_reader`), closed on exit; a
     ``StoreError`` (opening or reading) ends the command with its one-line message."""
+    from analysis.read.connect import StoreError
     from analysis.reader import open_reader
-    from analysis.store import StoreError
 
     try:
         with open_reader(db, timeout) as reader:
@@ -187,8 +187,8 @@ def report(
     """Summarise a run's gradient health: flagged layers, health class, findings,
     recommendations. Every layer counts, as in the reference implementation, except those
     the run's ignore_layers or --ignore-layers exclude; the report names them."""
+    from analysis.read.connect import StoreError
     from analysis.report import render_report
-    from analysis.store import StoreError
 
     documents: list[dict[str, object]] = []
     rule = resolve_nonfinite_rule(nonfinite_rule)

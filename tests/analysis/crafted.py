@@ -220,7 +220,7 @@ def write_history(
 
 
 def open_read(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
-    """The store opened read-only through :func:`analysis.store.open_store`."""
-    from analysis.store import open_store
+    """The store opened read-only through :func:`analysis.read.connect.open_store`."""
+    from analysis.read.connect import open_store
 
     return open_store(path)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from analysis.analyses.enhanced_models import (
     ConvergenceTrend,
     DistributionType,
@@ -21,7 +20,8 @@ from analysis.analyses.enhanced_models import (
     UrgencyLevel,
 )
 from analysis.enhanced import EnhancedLayerGradientAnalysis, build_enhanced_analysis
-from analysis.store import StoreError
+
+from analysis.read.connect import StoreError
 from tests.analysis.crafted import open_read, write_history
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from analysis.explosion import (
     ExplosionSeverity,
     GradientExplosionAnalysis,
@@ -16,7 +15,8 @@ from analysis.explosion import (
     classify_severity_reference,
     reference_action,
 )
-from analysis.store import StoreError
+
+from analysis.read.connect import StoreError
 from tests.analysis.crafted import open_read, write_history
 
 S = ExplosionSeverity

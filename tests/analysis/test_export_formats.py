@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from analysis.export import TABLE_COLUMNS, export_jsonl, export_parquet, export_run
-from analysis.store import StoreError, open_store
+from analysis.read.connect import StoreError, open_store
 from deploy.cli.reports import register
 from tests.analysis import EXPLODING, NASTY_NAMES, VANISHING, Stat, StoreBuilder
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from analysis.analyses.flow_models import (
     EdgeType,
     ExplodingSeverity,
@@ -23,7 +22,8 @@ from analysis.flow import (
     GradientVisualizationConfig,
     build_flow_visualization,
 )
-from analysis.store import StoreError
+
+from analysis.read.connect import StoreError
 from tests.analysis.crafted import open_read, write_history
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from analysis.read.connect import open_store
 from analysis.report import GradientFlowSummary, build_report, render_report
-from analysis.store import open_store
 from consumer.health import RunHealthTracker
 from schemas.wire import GradientHealth as H
 from tests.analysis import Stat, StoreBuilder, healthy_stat

@@ -17,11 +17,11 @@ import pandas as pd
 import polars as pl
 import pyarrow as pa
 import pytest
-
 from analysis.history import Run, RunReport, Store
+
+from analysis.read.connect import StoreError
 from analysis.registry import get
 from analysis.report import GradientFlowSummary, build_report
-from analysis.store import StoreError
 from tests.analysis.crafted import write_history
 
 ROOT = Path(__file__).resolve().parents[2]

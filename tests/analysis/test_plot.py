@@ -24,8 +24,8 @@ from analysis.plots.grid import (
     load_layer_series,
 )
 from analysis.plots.render import render_run
+from analysis.read.connect import StoreError, open_store
 from analysis.reader import open_reader
-from analysis.store import StoreError, open_store
 from deploy.cli.reports import register
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
 from tests.chromium import chromium_page, image_stats

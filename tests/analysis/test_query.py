@@ -47,8 +47,8 @@ from analysis.query import (
     StoreHeldError,
     execute_read_only,
 )
+from analysis.read.connect import StoreError
 from analysis.reader import open_reader
-from analysis.store import StoreError
 from deploy.cli.reports import register
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
 

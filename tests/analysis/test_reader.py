@@ -27,9 +27,9 @@ from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
 from analysis.dashboard.sidecar import new_token, read_sidecar, remove_sidecar, write_sidecar
 from analysis.query import StoreHeldError
+from analysis.read.connect import StoreError
 from analysis.reader import EndpointReader, FileReader, StoreReader, open_reader
 from analysis.registry import ANALYSES
-from analysis.store import StoreError
 from tests.analysis.crafted import write_history
 
 NAMES = ["embed", "block.0", "block,1 \"q\"", "head"]

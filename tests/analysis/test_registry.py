@@ -27,8 +27,9 @@ from typer.testing import CliRunner
 
 from analysis import registry
 from analysis.dashboard import api
+from analysis.read.connect import require_run
+from analysis.read.sql import stats_params
 from analysis.registry import ANALYSES, Analysis, UnknownAnalysisError
-from analysis.store import require_run, stats_params
 from deploy.cli import analyze as analyze_cli
 from tests.analysis.crafted import open_read, write_history
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from analysis.read.connect import StoreError, open_store
 from analysis.report import (
     GradientFlowSummary,
     build_report,
@@ -16,7 +17,6 @@ from analysis.report import (
     local_origin_text,
     render_report,
 )
-from analysis.store import StoreError, open_store
 from schemas.wire import GradientHealth
 from tests.analysis import (
     EXPLODING,

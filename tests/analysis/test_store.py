@@ -1,4 +1,4 @@
-"""analysis.store: opening the store (missing, locked, foreign files) and naming runs."""
+"""analysis.read.connect: opening the store (missing, locked, foreign files) and naming runs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from analysis.store import (
+from analysis.read.connect import (
     StoreError,
     StoreLockedError,
     check_step_range,

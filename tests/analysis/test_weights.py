@@ -8,9 +8,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pytest
-
 from analysis.analyses.stats import max_normal_z
-from analysis.store import StoreError
 from analysis.weights import (
     DistributionHealthStatus,
     OutlierSeverity,
@@ -18,6 +16,8 @@ from analysis.weights import (
     WeightDriftSeverity,
     build_weight_analysis,
 )
+
+from analysis.read.connect import StoreError
 from schemas.stats import PowerSums
 from tests.analysis.crafted import open_read, write_history
 

@@ -40,9 +40,9 @@ from typing import Literal
 import numpy as np
 
 from analysis.nonfinite import reference_stats_sql
+from analysis.read.sql import STATS_SQL
 from analysis.reader import StoreReader
 from analysis.report import _HEALTH_LINE, NAMES_IN_TEXT  # gradstream's sentence per class
-from analysis.store import STATS_SQL
 from producer import GradientProducer
 from producer.summary import summarize
 from tests.conformance.reference import (

@@ -22,8 +22,8 @@ import pytest
 from nbclient import NotebookClient
 
 from analysis import Store
+from analysis.read.connect import StoreError
 from analysis.report import GradientFlowSummary
-from analysis.store import StoreError
 from producer import GradientProducer
 from schemas.wire import GradientHealth
 from tests.integration.conftest import DEMO_RANKS, DEMO_STEPS

@@ -66,12 +66,6 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
-
-from analysis.analyses import enhanced_reference
 from analysis.analyses.enhanced_models import (
     ActionType,
     AnalysisDepth,
@@ -131,8 +125,15 @@ from analysis.analyses.render import (
     table,
 )
 from analysis.analyses.stats import DEFAULT_ALPHA, z_critical
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from analysis.analyses import enhanced_reference
+from analysis.read.connect import StoreError
+from analysis.read.exclusion import split_patterns
 from analysis.registry import Analysis
-from analysis.store import StoreError, split_patterns
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -178,7 +179,7 @@ def build_enhanced_analysis(
     """The enhanced analysis (``generate_enhanced_analysis``) over one run's stored history.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
+        con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run.
         from_step, to_step: inclusive step range (``None`` = open).
         convergence_window: W, samples used by the convergence and trend fits (>= 3).
@@ -745,7 +746,7 @@ class EnhancedOptions(BaseModel):
     - ``ignore_layers``: comma-separated layer-name patterns excluded besides the run's
       own ``ignore_layers`` (as ``gradstream report --ignore-layers``: the matched layers'
       vanishing, exploding and dead flags count nowhere, NaN/Inf still does;
-      :func:`analysis.store.run_exclusion`).
+      :func:`analysis.read.exclusion.run_exclusion`).
     """
 
     model_config = ConfigDict(frozen=True)

@@ -39,11 +39,6 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
-from rich.console import Group, RenderableType
-from rich.table import Table
-from rich.text import Text
-
 from analysis.analyses.reference import DEFAULT_RULES, Rules
 from analysis.analyses.render import (
     ROWS_IN_TABLE,
@@ -53,8 +48,15 @@ from analysis.analyses.render import (
     show_name,
     table,
 )
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from analysis.read.connect import StoreError, require_run
+from analysis.read.exclusion import run_exclusion, split_patterns
+from analysis.read.sql import stats_params
 from analysis.registry import Analysis
-from analysis.store import StoreError, require_run, run_exclusion, split_patterns, stats_params
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -296,14 +298,14 @@ def build_explosion_analysis(
     """Explosion analysis (``detect_gradient_explosion``) over a step range of a stored run.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
+        con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run.
         from_step, to_step: inclusive step range (``None`` = open).
         threshold: L2-norm threshold (> 0); ``None`` = the run's exploding threshold.
         rules: ``"gradstream"`` or ``"reference"`` (per-layer severity, actions and
             recommendations; see :class:`ExplodingLayer`).
         ignore_layers: patterns excluded besides the run's own ``ignore_layers``
-            (:func:`analysis.store.run_exclusion`, as ``gradstream report``): the matched
+            (:func:`analysis.read.exclusion.run_exclusion`, as ``gradstream report``): the matched
             layers' norms above the threshold count nowhere (no exploding step, no
             explosion step, not in the overall severity); their NaN/Inf rows still do.
 

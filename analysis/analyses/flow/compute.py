@@ -46,11 +46,6 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
-from rich.console import Group, RenderableType
-from rich.text import Text
-
-from analysis.analyses import flow_reference, series
 from analysis.analyses.flow_models import (
     PALETTES,
     ColorScheme,
@@ -95,8 +90,14 @@ from analysis.analyses.render import (
     table,
 )
 from analysis.analyses.stats import DEFAULT_ALPHA, family_alpha, tukey_fences
+from pydantic import BaseModel, ConfigDict, Field
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from analysis.analyses import flow_reference, series
+from analysis.read.connect import StoreError
+from analysis.read.exclusion import split_patterns
 from analysis.registry import Analysis
-from analysis.store import StoreError, split_patterns
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -129,7 +130,7 @@ def build_flow_visualization(
     history.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store`.
+        con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run.
         from_step, to_step: inclusive step range (``None`` = open).
         config: window, significance level, colour scheme, sections; the reference defaults.
@@ -824,7 +825,7 @@ class FlowOptions(BaseModel):
     - ``ignore_layers``: comma-separated layer-name patterns excluded besides the run's
       own ``ignore_layers`` (as ``gradstream report --ignore-layers``: the matched layers'
       vanishing, exploding and dead flags count nowhere, NaN/Inf still does;
-      :func:`analysis.store.run_exclusion`).
+      :func:`analysis.read.exclusion.run_exclusion`).
     """
 
     model_config = ConfigDict(frozen=True)

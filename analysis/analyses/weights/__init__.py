@@ -33,8 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from analysis.analyses.reference import DEFAULT_RULES, Rules
 from analysis.analyses.stats import DEFAULT_ALPHA
+from analysis.read.connect import require_run
+from analysis.read.sql import stats_params
 from analysis.registry import Analysis
-from analysis.store import require_run, stats_params
 from analysis.weights import models
 from analysis.weights.compute import distribution_at, drift_between
 from analysis.weights.load import (
@@ -67,7 +68,7 @@ def build_weight_analysis(
     drift since the first such step.
 
     Args:
-        con: a connection from :func:`analysis.store.open_store` (or a read-only cursor).
+        con: a connection from :func:`analysis.read.connect.open_store` (or a read-only cursor).
         run_id: the run.
         from_step, to_step: inclusive step range (``None`` = open).
         alpha: significance level of the outlier bound, in (0, 1).

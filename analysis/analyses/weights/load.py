@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from analysis.store import StoreError
+from analysis.read.connect import StoreError
 from schemas.stats import WeightMoments, csr_from_lists
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def weight_step_range(con: duckdb.DuckDBPyConnection, params: dict[str, object])
     Args:
         con: connection or cursor on the store.
         params: ``{"run_id", "from_step", "to_step"}`` from
-            :func:`analysis.store.stats_params` (inclusive bounds, ``None`` = open).
+            :func:`analysis.read.sql.stats_params` (inclusive bounds, ``None`` = open).
 
     Returns:
         ``(first, last)`` optimiser steps, ``first <= last``.

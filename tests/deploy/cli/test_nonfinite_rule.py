@@ -16,8 +16,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from analysis.read.connect import StoreError, open_store
 from analysis.report import build_report
-from analysis.store import StoreError, open_store
 from consumer.frames import MergedShards, compute_frame
 from consumer.runbook import RunBook
 from consumer.sink import DuckDBSink, SinkBatch

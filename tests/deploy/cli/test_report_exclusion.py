@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import typer
+from analysis.analyses.history import load_history
 from typer.testing import CliRunner
 
-from analysis.analyses.history import load_history
+from analysis.read.connect import open_store
 from analysis.report import build_report
-from analysis.store import open_store
 from consumer.frames import compute_frame
 from consumer.merge import MergedShards
 from consumer.sink import DuckDBSink, SinkBatch
