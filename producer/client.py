@@ -1,22 +1,20 @@
-"""GradientProducer: sends a rank's RunStarted / StepSummary / RunFinished messages to Kafka.
+"""GradientProducer: the run API of one rank (start a run, record steps, finish, close).
 
-The training thread only summarises the gradients (NumPy) and appends the result to a
-bounded in-memory queue; a daemon sender thread builds the pydantic messages, encodes them
-and hands them to kafka-python's ``KafkaProducer``. The Kafka client itself is created on
-the sender thread, so an unreachable broker never blocks training: summaries wait in the
-queue, and when it is full the oldest pending *step* summary is dropped and counted
-(run start/finish messages are never dropped).
+The training thread only summarises the gradients (:mod:`producer.summary`,
+:mod:`producer.weights`) and queues the result; the transport
+(:mod:`producer.transport`) builds, encodes and sends the messages on a daemon thread, so
+an unreachable broker never blocks training: summaries wait in a bounded queue, and when
+it is full the oldest pending *step* summary is dropped and counted (run start/finish
+messages are never dropped).
 """
 
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import logging
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,15 +23,11 @@ import numpy as np
 
 from producer.settings import ProducerSettings
 from producer.summary import LayerSummaries, summarize, warmup
+from producer.transport.encoding import StepRecord, step_summary
+from producer.transport.sender import Pending, Sender
 from producer.weights import WeightSummaries, summarize_weights
 from schemas.health import match_layers
-from schemas.wire import (
-    RunFinished,
-    RunStarted,
-    StepSummary,
-    encode_message,
-    split_step_summary,
-)
+from schemas.wire import RunFinished, RunStarted, StepSummary
 
 log = logging.getLogger("gradstream.producer")
 
@@ -64,12 +58,6 @@ class ProducerStats:
     queued: int
     in_flight: int
     training_thread_s: float
-
-
-@dataclass(slots=True)
-class _Pending:
-    kind: str  # "start" | "step" | "finish"
-    payload: Any
 
 
 class GradientProducer:
@@ -120,27 +108,22 @@ class GradientProducer:
         self._last_step = -1
         self._steps_recorded = 0
 
-        self._queue: deque[_Pending] = deque()
-        self._cond = threading.Condition()
-        self._closing = False
-        self._busy = False
+        self._lock = threading.Lock()
         self._recorded = 0
         self._skipped = 0
-        self._sent = 0
-        self._dropped = 0
-        self._failed = 0
-        self._in_flight = 0
         self._training_s = 0.0
-        self._kafka: Any = None
-        self._last_error: str | None = None
-        self.value_limit: int | None = None
+        self._sender = Sender(self.settings, run_id.encode(), self._step_message,
+                              name=f"gradstream-sender-{rank}")
+
+    @property
+    def value_limit(self) -> int | None:
         """Largest record value this producer sends (bytes), set when it connects."""
-        self.oversized_dropped = 0
+        return self._sender.value_limit
+
+    @property
+    def oversized_dropped(self) -> int:
         """Layer ranges of step summaries dropped because one layer alone is too large."""
-        self._thread = threading.Thread(
-            target=self._sender_loop, name=f"gradstream-sender-{rank}", daemon=True
-        )
-        self._thread.start()
+        return self._sender.oversized_dropped
 
     # -- training-thread API -------------------------------------------------------------
 
@@ -223,7 +206,7 @@ class GradientProducer:
                                pattern, len(selected))
         self._layer_index = {name: i for i, name in enumerate(message.layer_names)}
         self._known = set(layer_numel)
-        self._enqueue(_Pending("start", message))
+        self._sender.put(Pending("start", message))
         # Compile (or load from cache) the summary kernels now, not on the first step.
         warmup(histogram=self.settings.exp_histogram)
 
@@ -374,7 +357,7 @@ class GradientProducer:
                 f"unknown layer(s) {unknown[:5]!r}: not in the layer list given to start_run()"
             )
         if int(step) % self.settings.every_n_steps:
-            with self._cond:
+            with self._lock:
                 self._skipped += 1
             return False
         return True
@@ -386,10 +369,10 @@ class GradientProducer:
         indices = np.fromiter(
             (self._layer_index[n] for n in summaries.names), dtype=np.int64, count=len(summaries)
         )
-        self._enqueue(_Pending("step", (step, time.time(), indices, summaries, extra)))
+        self._sender.put(Pending("step", StepRecord(step, time.time(), indices, summaries, extra)))
         self._last_step = max(self._last_step, step)
         self._steps_recorded += 1
-        with self._cond:
+        with self._lock:
             self._recorded += 1
             self._training_s += time.perf_counter() - t0
 
@@ -402,10 +385,9 @@ class GradientProducer:
         Returns:
             True when everything queued was delivered or accounted as dropped/failed.
         """
-        with self._cond:
-            dropped = self._dropped
-        self._enqueue(
-            _Pending(
+        dropped = self._sender.counts().dropped
+        self._sender.put(
+            Pending(
                 "finish",
                 RunFinished(
                     run_id=self.run_id,
@@ -426,24 +408,7 @@ class GradientProducer:
         Returns:
             True if everything was delivered (or failed/dropped and counted) in time.
         """
-        limit = self.settings.close_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        with self._cond:
-            while self._queue or self._busy:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._thread.is_alive():
-                    return False
-                self._cond.wait(min(remaining, 0.1))
-        kafka = self._kafka
-        if kafka is not None:
-            remaining = max(deadline - time.monotonic(), 0.0)
-            try:
-                kafka.flush(timeout=remaining)
-            except Exception as exc:  # kafka-python raises KafkaTimeoutError on timeout
-                log.warning("flush did not complete: %s", exc)
-                return False
-        with self._cond:
-            return self._in_flight == 0
+        return self._sender.flush(self.settings.close_timeout_s if timeout is None else timeout)
 
     def close(self, timeout: float | None = None) -> ProducerStats:
         """Flush, stop the sender thread, close the Kafka client and log a summary.
@@ -451,17 +416,9 @@ class GradientProducer:
         Returns:
             The final :class:`ProducerStats`.
         """
-        if not self._closing:
+        if not self._sender.closed:
             self.flush(timeout)
-            with self._cond:
-                self._closing = True
-                self._cond.notify_all()
-            self._thread.join(timeout=5.0)
-            if self._kafka is not None:
-                try:
-                    self._kafka.close(timeout=timeout or self.settings.close_timeout_s)
-                except Exception as exc:  # closing must never raise into training code
-                    log.warning("error closing the Kafka producer: %s", exc)
+            self._sender.close(timeout or self.settings.close_timeout_s)
             stats = self.stats()
             log.info(
                 "gradstream producer run=%s rank=%d: recorded=%d sent=%d dropped=%d failed=%d "
@@ -485,20 +442,21 @@ class GradientProducer:
         seconds = float(seconds)
         if not 0.0 <= seconds < float("inf"):
             raise ValueError(f"seconds must be finite and >= 0, got {seconds!r}")
-        with self._cond:
+        with self._lock:
             self._training_s += seconds
 
     def stats(self) -> ProducerStats:
         """Current counters (thread-safe snapshot)."""
-        with self._cond:
+        delivery = self._sender.counts()
+        with self._lock:
             return ProducerStats(
                 recorded=self._recorded,
                 skipped=self._skipped,
-                sent=self._sent,
-                dropped=self._dropped,
-                failed=self._failed,
-                queued=len(self._queue),
-                in_flight=self._in_flight,
+                sent=delivery.sent,
+                dropped=delivery.dropped,
+                failed=delivery.failed,
+                queued=delivery.queued,
+                in_flight=delivery.in_flight,
                 training_thread_s=self._training_s,
             )
 
@@ -508,277 +466,7 @@ class GradientProducer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- queue ---------------------------------------------------------------------------
-
-    def _enqueue(self, item: _Pending) -> None:
-        with self._cond:
-            if self._closing:
-                raise RuntimeError("producer is closed")
-            if item.kind == "step" and len(self._queue) >= self.settings.queue_size:
-                wait = self.settings.enqueue_timeout_s
-                if wait > 0:
-                    self._cond.wait_for(
-                        lambda: len(self._queue) < self.settings.queue_size, timeout=wait
-                    )
-                if len(self._queue) >= self.settings.queue_size:
-                    self._drop_oldest_step()
-            self._queue.append(item)
-            self._cond.notify_all()
-
-    def _drop_oldest_step(self) -> None:
-        for i, pending in enumerate(self._queue):
-            if pending.kind == "step":
-                del self._queue[i]
-                self._dropped += 1
-                return
-
-    # -- sender thread -------------------------------------------------------------------
-
-    def _sender_loop(self) -> None:
-        backoff = 0.1
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if self._closing and not self._queue:
-                    return
-                if self._kafka is None:
-                    self._busy = False
-            if self._kafka is None and not self._connect():
-                # Back off for the full period: new summaries notify the condition, and
-                # waking on each would retry the connection (and take the GIL) every step.
-                retry_at = time.monotonic() + backoff
-                with self._cond:
-                    while not self._closing and time.monotonic() < retry_at:
-                        self._cond.wait(retry_at - time.monotonic())
-                    if self._closing:
-                        return
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.1
-            with self._cond:
-                if not self._queue:
-                    continue
-                item = self._queue.popleft()
-                self._busy = True
-                self._cond.notify_all()  # room in the queue for a waiting record_step
-            try:
-                self._send(item)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-    def _connect(self) -> bool:
-        from kafka import KafkaProducer
-
-        s = self.settings
-
-        def producer(batch_size: int) -> Any:
-            return KafkaProducer(
-                **s.kafka_kwargs(),
-                acks=-1 if s.acks == "all" else int(s.acks),
-                enable_idempotence=s.enable_idempotence,
-                compression_type=None if s.compression_type == "none" else s.compression_type,
-                linger_ms=s.linger_ms,
-                batch_size=batch_size,
-                max_request_size=s.max_request_size,
-                delivery_timeout_ms=s.delivery_timeout_ms,
-                request_timeout_ms=s.request_timeout_ms,
-                max_block_ms=s.max_block_ms,
-            )
-
-        try:
-            # Connect first (an unreachable broker fails here, once), then read the limit.
-            batch_size = min(s.batch_size, s.message_max_bytes, s.max_request_size)
-            kafka = producer(batch_size)
-            limit = min(self._cluster_limit(), s.max_request_size)
-            if limit < batch_size:
-                # A batch larger than the limit is refused as a whole: keep batches below it.
-                kafka.close(timeout=0)
-                kafka = producer(limit)
-            self._kafka = kafka
-            self.value_limit = limit - _RECORD_OVERHEAD - len(self.run_id.encode())
-            return True
-        except Exception as exc:  # broker unreachable: keep queueing, retry with backoff
-            if str(exc) != self._last_error:
-                log.warning("cannot connect to Kafka at %s yet: %s", s.bootstrap_servers, exc)
-                self._last_error = str(exc)
-            return False
-
-    def _cluster_limit(self) -> int:
-        """The topic's ``max.message.bytes`` (its own or the broker's default), read with
-        the admin client; ``settings.message_max_bytes`` when it cannot be read (no
-        DescribeConfigs permission, topic not created yet)."""
-        s = self.settings
-        try:
-            from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
-
-            admin = KafkaAdminClient(**s.kafka_kwargs(),
-                                     request_timeout_ms=min(s.request_timeout_ms, 10_000))
-            try:
-                found = admin.describe_configs(
-                    [ConfigResource(ConfigResourceType.TOPIC, s.topic, ["max.message.bytes"])],
-                    config_filter="all",
-                )
-            finally:
-                admin.close()
-            entry = found["topic"][s.topic]["max.message.bytes"]
-            value = int(entry["value"] if isinstance(entry, dict) else entry)
-            log.debug("topic %s: max.message.bytes = %d", s.topic, value)
-            return value
-        except Exception as exc:  # any failure: the documented fallback
-            log.info("cannot read max.message.bytes of %s (%s); assuming %d bytes", s.topic,
-                     exc, s.message_max_bytes)
-            return s.message_max_bytes
-
-    def _encode(self, item: _Pending) -> list[bytes]:
-        """The record values of one queued item: one, or the parts of a StepSummary too
-        large for ``value_limit`` (layer ranges halved until each part fits; a single
-        layer that alone does not fit is dropped, counted in ``oversized_dropped`` and in
-        ``failed``, and logged)."""
-        message = self._build(item)
-        value = encode_message(message, self.settings.wire_format)
-        limit = self.value_limit
-        if limit is None or len(value) <= limit or not isinstance(message, StepSummary):
-            return [value]
-        n = len(message.layer_indices)
-        k = min(n, -(-len(value) // max(int(limit * 0.9), 1)))
-        edges = np.linspace(0, n, k + 1).astype(int).tolist()
-        bounds = [(a, b) for a, b in itertools.pairwise(edges) if b > a]
-        dropped: list[tuple[int, int]] = []
-        while True:
-            values = [encode_message(part, self.settings.wire_format)
-                      for part in split_step_summary(message, bounds)] if bounds else []
-            over = {i for i, v in enumerate(values) if len(v) > limit}
-            if not over:
-                break
-            refined: list[tuple[int, int]] = []
-            for i, (a, b) in enumerate(bounds):
-                if i not in over:
-                    refined.append((a, b))
-                elif b - a > 1:
-                    mid = (a + b) // 2
-                    refined.extend([(a, mid), (mid, b)])
-                else:
-                    dropped.append((a, b))
-            bounds = refined
-        if dropped:
-            layers = [message.layer_indices[a] for a, _b in dropped]
-            log.error("gradstream: step %d rank %d: %d layer(s) (layer_index %s) each alone "
-                      "exceed the %d-byte message limit; their statistics for this step are "
-                      "dropped", message.step, self.rank, len(layers),
-                      ", ".join(map(str, layers[:10])) + (", ..." if len(layers) > 10 else ""),
-                      limit)
-            with self._cond:
-                self.oversized_dropped += len(dropped)
-                self._failed += len(dropped)
-        if len(values) > 1:
-            log.debug("step %d rank %d: %d bytes sent as %d parts", message.step, self.rank,
-                      len(value), len(values))
-        return values
-
-    def _build(self, item: _Pending) -> StepSummary | RunStarted | RunFinished:
-        if item.kind != "step":
-            return item.payload
-        step, wall_time, indices, summaries, extra = item.payload
-        assert isinstance(summaries, LayerSummaries)
-        optional: dict[str, Any] = {}
-        hist = getattr(summaries, "exp_hist", None)
-        if hist is not None:
-            optional.update(_sparse_histogram("exp_hist", hist))
-        if extra is not None:
-            optional.update(
-                weight_sum_sq=extra.sum_sq.tolist(), weight_sum=extra.sum.tolist(),
-                weight_sum_cube=extra.sum_cube.tolist(), weight_sum_quad=extra.sum_quad.tolist(),
-                weight_min=extra.min.tolist(), weight_max=extra.max.tolist(),
-                weight_nonfinite=extra.nonfinite.tolist(),
-                **_sparse_histogram("weight_exp_hist", extra.exp_hist),
-            )
-            if extra.update_sum_sq is not None:
-                optional["update_sum_sq"] = extra.update_sum_sq.tolist()
-        nan = getattr(summaries, "nan", None)
-        if nan is not None and summaries.nonfinite.any():
-            # wire schema 1.7: the NaN among the non-finite elements, sent only when there
-            # are some (without it a layer with nonfinite = 0 has no NaN either)
-            optional["nan"] = nan.tolist()
-        if summaries.shard_index is not None and summaries.shard_count is not None:
-            optional.update(shard_index=summaries.shard_index.tolist(),
-                            shard_count=summaries.shard_count.tolist())
-        local = summaries.local
-        if local is not None:
-            keep = [i for i, n in enumerate(local.names) if n in self._layer_index]
-            if keep:
-                sel = np.asarray(keep, np.int64)
-                assert local.sum_abs is not None and local.max_abs is not None
-                optional.update(
-                    local_layer_indices=[self._layer_index[local.names[i]] for i in keep],
-                    local_numel=local.numel[sel].tolist(),
-                    local_sum_abs=local.sum_abs[sel].tolist(),
-                    local_sum_sq=local.sum_sq[sel].tolist(),
-                    local_max_abs=local.max_abs[sel].tolist(),
-                    local_nonfinite=local.nonfinite[sel].tolist(),
-                )
-        return StepSummary(
-            run_id=self.run_id,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            wall_time=wall_time,
-            layer_indices=indices.tolist(),
-            numel=summaries.numel.tolist(),
-            sum_abs=None if summaries.sum_abs is None else summaries.sum_abs.tolist(),
-            sum_sq=summaries.sum_sq.tolist(),
-            max_abs=None if summaries.max_abs is None else summaries.max_abs.tolist(),
-            nonfinite=summaries.nonfinite.tolist(),
-            **optional,
-        )
-
-    def _send(self, item: _Pending) -> None:
-        try:
-            values = self._encode(item)
-        except Exception as exc:
-            log.error("could not encode a %s message: %s", item.kind, exc)
-            with self._cond:
-                self._failed += 1
-            return
-        for value in values:
-            try:
-                future = self._kafka.send(self.settings.topic, key=self.run_id.encode(),
-                                          value=value)
-            except Exception as exc:
-                log.error("could not send a %s message: %s", item.kind, exc)
-                with self._cond:
-                    self._failed += 1
-                continue
-            with self._cond:
-                self._in_flight += 1
-            future.add_callback(self._on_sent)
-            future.add_errback(self._on_failed)
-
-    def _on_sent(self, _metadata: object) -> None:
-        with self._cond:
-            self._sent += 1
-            self._in_flight -= 1
-
-    def _on_failed(self, exc: BaseException) -> None:
-        log.error("Kafka did not accept a gradstream message: %s", exc)
-        with self._cond:
-            self._failed += 1
-            self._in_flight -= 1
-
-
-_RECORD_OVERHEAD = 512
-"""Bytes kept free below the message limit for the record batch and record headers
-(61 + about 30 bytes in Kafka's v2 format) besides the key."""
-
-
-def _sparse_histogram(prefix: str, hist: np.ndarray) -> dict[str, list[int]]:
-    """CSR wire form (``<prefix>_offsets/_columns/_counts``) of an int64[k, B] histogram."""
-    rows, cols = np.nonzero(hist)
-    offsets = np.zeros(hist.shape[0] + 1, np.int64)
-    np.cumsum(np.bincount(rows, minlength=hist.shape[0]), out=offsets[1:])
-    return {
-        f"{prefix}_offsets": offsets.tolist(), f"{prefix}_columns": cols.tolist(),
-        f"{prefix}_counts": hist[rows, cols].tolist(),
-    }
+    def _step_message(self, record: StepRecord) -> StepSummary:
+        """The StepSummary of a recorded step (called on the sender thread)."""
+        return step_summary(record, run_id=self.run_id, rank=self.rank,
+                            world_size=self.world_size, layer_index=self._layer_index)

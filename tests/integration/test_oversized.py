@@ -155,22 +155,24 @@ def test_dead_letter_of_an_oversized_value_is_cut_and_the_dlq_keeps_working(
 def test_split_parts_fit_and_a_layer_too_large_alone_is_dropped_and_counted() -> None:
     """The producer's splitting, without a broker: parts below the limit cover every layer
     once; with a limit below one layer's message every layer is dropped and counted."""
-    from producer.client import _Pending
     from producer.summary import summarize
+    from producer.transport.encoding import StepRecord
+    from producer.transport.sender import Pending
     from schemas.wire import decode_message
 
     gp = GradientProducer("r", bootstrap_servers="127.0.0.1:9")
     try:
         grads = gradients(0, 0, 300)
-        item = _Pending("step", (0, 1.0, np.arange(300), summarize(grads), None))
-        gp.value_limit = 4000
-        values = gp._encode(item)
+        item = Pending("step", StepRecord(0, 1.0, np.arange(300), summarize(grads), None))
+        sender = gp._sender
+        sender.value_limit = 4000
+        values = sender.encode(item)
         parts = [decode_message(v) for v in values]
         assert len(parts) > 3 and all(len(v) <= 4000 for v in values)
         assert {p.part_count for p in parts} == {len(parts)}
         assert sorted(i for p in parts for i in p.layer_indices) == list(range(300))
-        gp.value_limit = 200  # below the header of any one-layer message
-        assert gp._encode(item) == []
+        sender.value_limit = 200  # below the header of any one-layer message
+        assert sender.encode(item) == []
         assert gp.oversized_dropped == 300 and gp.stats().failed == 300
     finally:
         gp.close(timeout=0.1)
