@@ -13,7 +13,7 @@ Modules, one job each:
 - :mod:`analysis.history`: the notebook API (:class:`~analysis.history.Store`,
   :class:`~analysis.history.Run`): runs, per-layer and per-rank statistics, frames and
   alerts as pandas / Arrow / polars tables, reports, analyses and the heatmap figure.
-- :mod:`analysis.reader`: the one read path (the file read-only, or the writing process's
+- :mod:`analysis.read.reader`: the one read path (the file read-only, or the writing process's
   endpoint).
 - :mod:`analysis.read`: the read path: open the store read-only, list runs, resolve a
   run argument, the SQL fragments every query uses.

@@ -11,7 +11,7 @@ quoting, a JSON object with ``to_json``), so Python never loops over rows: the r
 streams as Arrow record batches of :data:`BATCH_ROWS` rows (``to_arrow_reader``), and
 this module writes them with pyarrow, a batch at a time, so a run of any length exports
 in bounded memory. No DuckDB ``COPY ... TO`` is used: read connections have file access
-turned off (:func:`analysis.query.harden`), and the file is written by this process. The
+turned off (:func:`analysis.read.query.harden`), and the file is written by this process. The
 bytes are those DuckDB's ``COPY`` writers produced (CSV quoted when a field is empty or
 holds a comma, quote, CR or LF; a JSON array ``[\n\t{...},\n\t{...}\n]\n``; one object
 per line; zstd Parquet). The file is written to ``<path>.part`` and renamed when complete.

@@ -13,7 +13,7 @@
     run.plot()                              # the heatmap figure (matplotlib)
     store.sql("SELECT ...")                 # one read-only statement
 
-Every read goes through :func:`analysis.reader.open_reader`: the store's file opened
+Every read goes through :func:`analysis.read.reader.open_reader`: the store's file opened
 read-only when no process writes it, otherwise the loopback endpoint of the process that
 does. A reader is opened for each call and closed after it, so a notebook never holds the
 file between cells: a ``gradstream consume`` started later can still take it, and the next
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import PrivateAttr
 
 from analysis.read.connect import StoreError, check_step_range
-from analysis.reader import open_reader
+from analysis.read.reader import open_reader
 from analysis.report import (
     NAMES_IN_TABLE,
     GradientFlowSummary,
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from analysis.plots.grid import GradientGrid
-    from analysis.reader import StoreReader
+    from analysis.read.reader import StoreReader
 
 TableFlavour = Literal["pandas", "arrow", "polars"]
 """Name of a table type returned by the table methods (``as_=``)."""
@@ -327,7 +327,7 @@ class Store:
         timeout_s: time limit of each read, seconds (``None``: ``GRADSTREAM_QUERY_TIMEOUT_S``,
             else the reader's default of 60 s).
 
-    A reader (:func:`analysis.reader.open_reader`) is opened for each call and closed after
+    A reader (:func:`analysis.read.reader.open_reader`) is opened for each call and closed after
     it: the store's file read-only when it is free, otherwise the endpoint of the process
     writing it. Nothing stays open between calls, so a writer can start at any time.
     Inside ``with store:`` one reader serves every call instead (opening one costs tens of
@@ -351,7 +351,7 @@ class Store:
         else a new one closed at the block's end.
 
         Yields:
-            :class:`analysis.reader.StoreReader` (``via`` says which path answers).
+            :class:`analysis.read.reader.StoreReader` (``via`` says which path answers).
 
         Raises:
             StoreError: see the class.
@@ -406,7 +406,7 @@ class Store:
         Raises:
             StoreError: several statements, a statement that would write or touch files
                 outside the store, invalid SQL, the time limit
-                (:mod:`analysis.query`'s subclasses).
+                (:mod:`analysis.read.query`'s subclasses).
             ValueError: unknown ``as_``.
         """
         with self.reader() as reader:

@@ -68,7 +68,7 @@ def _reader(db: str, stop: mp.synchronize.Event, results: mp.Queue) -> None:
     latencies (s) of the answered reads on ``results``."""
     import pyarrow as pa
 
-    from analysis.dashboard.sidecar import read_sidecar
+    from analysis.read.sidecar import read_sidecar
 
     info = None
     while info is None and not stop.is_set():

@@ -6,7 +6,7 @@ file, not even read-only. So the process that writes is the one that answers rea
 as the store is open (the ``on_open(sink)`` hook of :class:`consumer.loop.ConsumerLoop`,
 ``DuckDBSink.read_cursor()``), serves the dashboard, ``/api/query`` and the other read
 routes from it (:mod:`analysis.dashboard`), and advertises itself in ``<db>.serve.json``
-(:mod:`analysis.dashboard.sidecar`) so that ``gradstream query`` and the other readers
+(:mod:`analysis.read.sidecar`) so that ``gradstream query`` and the other readers
 find it; the file is removed on stop. Every route requires the endpoint's token
 (:attr:`EndpointOptions.token`, random unless chosen), which the sidecar holds and
 :attr:`ReadEndpoint.dashboard_url` carries for a browser.
@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 if TYPE_CHECKING:
     import duckdb
 
-    from analysis.dashboard.cursors import ReadCursors
     from analysis.dashboard.server import DashboardServer
+    from analysis.read.cursors import ReadCursors
     from consumer.loop import ConsumerLoop
     from consumer.settings import ConsumerSettings
     from consumer.sink import DuckDBSink
@@ -107,11 +107,11 @@ class EndpointOptions:
             priority. Applied on Linux only (elsewhere a thread id is not a priority target).
         token: the secret every route requires (header, or the cookie set by the URL
             :attr:`ReadEndpoint.dashboard_url`); ``None``: a random one
-            (:func:`~analysis.dashboard.sidecar.new_token`). Either way it is written in
+            (:func:`~analysis.read.sidecar.new_token`). Either way it is written in
             the sidecar.
 
     Raises:
-        ValueError: ``token`` fails :func:`~analysis.dashboard.sidecar.check_token`.
+        ValueError: ``token`` fails :func:`~analysis.read.sidecar.check_token`.
     """
 
     host: str = "127.0.0.1"
@@ -123,14 +123,14 @@ class EndpointOptions:
     token: str | None = None
 
     def __post_init__(self) -> None:
-        from analysis.dashboard.sidecar import check_token
+        from analysis.read.sidecar import check_token
 
         if self.token is not None:
             check_token(self.token)
 
 
 class BoundedReadCursors:
-    """:class:`~analysis.dashboard.cursors.ReadCursors` of which at most ``max_readers``
+    """:class:`~analysis.read.cursors.ReadCursors` of which at most ``max_readers``
     cursors are open at once, each used at a lower CPU priority: :meth:`cursor` lowers the
     calling thread's priority to ``nice`` and waits for a free slot.
 
@@ -162,7 +162,7 @@ class BoundedReadCursors:
         back without privileges: call this from threads that only read).
 
         Raises:
-            analysis.dashboard.cursors.StoreClosedError: the store was closed.
+            analysis.read.cursors.StoreClosedError: the store was closed.
         """
         if self.nice:
             tid = threading.get_native_id()
@@ -213,7 +213,7 @@ class ReadEndpoint:
         Raises:
             ServeError: the address cannot be bound.
         """
-        from analysis.dashboard.cursors import ReadCursors
+        from analysis.read.cursors import ReadCursors
 
         self.serve(ReadCursors.from_connection(sink.read_cursor(), self.db), writer=True)
 
@@ -225,7 +225,7 @@ class ReadEndpoint:
         """
         import duckdb
 
-        from analysis.dashboard.cursors import ReadCursors
+        from analysis.read.cursors import ReadCursors
 
         if not self.db.exists():
             raise ServeError(f"no gradstream store at {str(self.db)!r} (pass --db)")
@@ -243,7 +243,7 @@ class ReadEndpoint:
             ServeError: the address cannot be bound (``cursors`` are then closed).
         """
         from analysis.dashboard.server import Dashboard, DashboardServer
-        from analysis.dashboard.sidecar import new_token, write_sidecar
+        from analysis.read.sidecar import new_token, write_sidecar
 
         o = self.options
         self.cursors = BoundedReadCursors(cursors, o.max_readers, o.reader_nice)
@@ -268,14 +268,14 @@ class ReadEndpoint:
     def dashboard_url(self) -> str:
         """``<url>/?token=<token>``: opens the dashboard and lets the browser in ("" before
         serving)."""
-        from analysis.dashboard.sidecar import dashboard_url
+        from analysis.read.sidecar import dashboard_url
 
         return dashboard_url(self.url, self.token) if self.url else ""
 
     def close(self) -> None:
         """Remove the sidecar, stop serving, close the cursors (interrupting the queries
         still running), so that the writer can checkpoint and close the file. Idempotent."""
-        from analysis.dashboard.sidecar import remove_sidecar
+        from analysis.read.sidecar import remove_sidecar
 
         with self._closing:
             remove_sidecar(self.db)
@@ -487,7 +487,7 @@ class ServedStore:
 
 def _held_hint(db: Path, exc: Exception) -> str:
     """Where to read a store another process holds (``exc``: the error opening it)."""
-    from analysis.dashboard.sidecar import read_sidecar
+    from analysis.read.sidecar import read_sidecar
 
     if "lock" not in str(exc).lower():
         return ""

@@ -1,9 +1,9 @@
 """The live dashboard, served by the process that owns the DuckDB store.
 
-- :mod:`analysis.dashboard.cursors`: read-only cursors on the store (one per request).
+- :mod:`analysis.read.cursors`: read-only cursors on the store (one per request).
 - :mod:`analysis.dashboard.api`: the JSON data of the endpoints.
 - :mod:`analysis.dashboard.server`: the HTTP server (stdlib ``ThreadingHTTPServer``).
-- :mod:`analysis.dashboard.sidecar`: ``<db>.serve.json``, by which ``gradstream query``
+- :mod:`analysis.read.sidecar`: ``<db>.serve.json``, by which ``gradstream query``
   finds the server of a store that another process holds.
 - ``static/``: the page, its script and style sheet (no external resources).
 

@@ -1,6 +1,6 @@
 """Data of the dashboard's JSON endpoints, read with a read-only cursor.
 
-Each function takes a cursor (from :class:`analysis.dashboard.cursors.ReadCursors`) and
+Each function takes a cursor (from :class:`analysis.read.cursors.ReadCursors`) and
 returns a JSON-ready dict; non-finite floats become ``None`` (JSON has no NaN). The
 heatmap and the layer series come from :mod:`analysis.plots.grid`, so the live page and
 ``gradstream plot`` downsample the same way and print the same caption. The analyses come

@@ -1,6 +1,6 @@
 """The dashboard's HTTP server (stdlib ``ThreadingHTTPServer``, one thread per request).
 
-Routes (:data:`ROUTES`; all reads go through :class:`~analysis.dashboard.cursors.ReadCursors`,
+Routes (:data:`ROUTES`; all reads go through :class:`~analysis.read.cursors.ReadCursors`,
 a fresh read-only cursor per request). Every route requires the token (see *Access* below):
 
 ============================  ======================================================================
@@ -11,7 +11,7 @@ a fresh read-only cursor per request). Every route requires the token (see *Acce
 ``GET /api/grid``             ``run``, ``max_steps``, ``max_layers``, ``from_step``, ``to_step``:
                               the downsampled heatmap grid (:mod:`analysis.plots.grid`); with
                               ``Accept: application/vnd.apache.arrow.stream`` the exact grid as
-                              Arrow (:func:`analysis.dashboard.wire.grid_to_arrow`)
+                              Arrow (:func:`analysis.read.wire.grid_to_arrow`)
 ``GET /api/report``           ``run``, ``from_step``, ``to_step``, ``ignore_layers`` (a JSON
                               list of patterns), ``exclude_rounding=true``, ``order``
                               (``model`` or ``name``), ``nonfinite_rule`` (``critical`` or
@@ -40,7 +40,7 @@ Access (the convention of Jupyter): the server holds one secret token (``gradstr
 and ``demo`` print ``http://HOST:PORT/?token=...``; ``<db>.serve.json`` holds it). A
 request is answered when it carries the token as
 
-- ``Authorization: Bearer <token>`` (scripts, :class:`analysis.reader.EndpointReader`), or
+- ``Authorization: Bearer <token>`` (scripts, :class:`analysis.read.reader.EndpointReader`), or
 - the cookie :func:`cookie_name` (``gradstream-token-<port>``: cookies are shared by every
   port of a host, so each server names its own), which a page URL carrying
   ``?token=<token>`` sets (``HttpOnly; SameSite=Strict; Path=/``) before redirecting
@@ -54,8 +54,8 @@ not on ``/api/`` (a script sends the header).
 
 Every ``/api/`` read runs under one time limit: the server's ``query_timeout_s``, or the
 request's ``timeout_s`` (query parameter or JSON field) when smaller. ``/api/report`` and
-``/api/analysis/<name>`` answer ``Accept:`` :data:`~analysis.dashboard.wire.MODEL_JSON`
-with the exact report (NaN kept), which :class:`analysis.reader.EndpointReader` rebuilds.
+``/api/analysis/<name>`` answer ``Accept:`` :data:`~analysis.read.wire.MODEL_JSON`
+with the exact report (NaN kept), which :class:`analysis.read.reader.EndpointReader` rebuilds.
 
 Errors are JSON ``{"error": message, "kind": ...}`` with 400 (bad argument), 401
 (``unauthorized``: no or wrong token), 403 (``read_only``: a write refused; ``refused``: a
@@ -92,12 +92,11 @@ from typing import Any
 from urllib.parse import parse_qs, parse_qsl, quote, urlencode, urlsplit
 
 from analysis.dashboard import api
-from analysis.dashboard.cursors import ReadCursors, StoreClosedError
-from analysis.dashboard.sidecar import TOKEN_CHARS, sidecar_path
-from analysis.dashboard.wire import MODEL_JSON, grid_to_arrow, model_to_json, table_to_ipc
 from analysis.export import EXPORT_FORMATS, export_run
 from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, norm_palette
-from analysis.query import (
+from analysis.read.connect import StoreError
+from analysis.read.cursors import ReadCursors, StoreClosedError
+from analysis.read.query import (
     ARROW_STREAM,
     QueryError,
     QueryTimeoutError,
@@ -106,7 +105,8 @@ from analysis.query import (
     execute_read_only,
     time_limit,
 )
-from analysis.read.connect import StoreError
+from analysis.read.sidecar import TOKEN_CHARS, sidecar_path
+from analysis.read.wire import MODEL_JSON, grid_to_arrow, model_to_json, table_to_ipc
 from analysis.registry import UnknownAnalysisError
 from schemas.flags import FLAG_BITS
 
@@ -317,7 +317,7 @@ class Dashboard:
 
     Raises:
         ValueError: ``token`` is empty (it would let every request in) or has a character
-            other than those of :data:`~analysis.dashboard.sidecar.TOKEN_CHARS` (it could not
+            other than those of :data:`~analysis.read.sidecar.TOKEN_CHARS` (it could not
             sit in a URL and a cookie unquoted).
     """
 

@@ -12,7 +12,7 @@ from analysis.plots.png import plot_heatmap, plot_series
 from analysis.read.connect import StoreError
 
 if TYPE_CHECKING:
-    from analysis.reader import StoreReader
+    from analysis.read.reader import StoreReader
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def render_run(
     """Write ``<stem>-heatmap.png``, ``<stem>-norms.png`` and ``<stem>-animation.html``.
 
     Args:
-        reader: the store's reader (:func:`analysis.reader.open_reader`: the file, or the
+        reader: the store's reader (:func:`analysis.read.reader.open_reader`: the file, or the
             endpoint of the process writing it).
         run_id: the run.
         out_dir: directory for the files (created).

@@ -26,7 +26,7 @@ class StoreError(Exception):
 class StoreLockedError(StoreError):
     """Another process (or this one, in the other mode) holds the store's file, so it cannot
     be opened read-only; a reader then looks for that process's endpoint
-    (:func:`analysis.reader.open_reader`)."""
+    (:func:`analysis.read.reader.open_reader`)."""
 
 
 def open_store(path: str | os.PathLike[str], read_only: bool = True) -> duckdb.DuckDBPyConnection:

@@ -15,7 +15,7 @@ function only parses its options, builds the settings of what it runs (``consume
 ``consumer.store_settings``) and calls the logic, which stays in its package
 (:mod:`consumer.worker`, :mod:`consumer.store`, :mod:`consumer.supervisor`,
 :mod:`consumer.dlq_reader`, :mod:`analysis.report`, :mod:`analysis.export`,
-:mod:`analysis.query`, :mod:`deploy.broker`, :mod:`deploy.serve`, :mod:`deploy.demo`).
+:mod:`analysis.read.query`, :mod:`deploy.broker`, :mod:`deploy.serve`, :mod:`deploy.demo`).
 Those packages never import this one, but a package's own command module may use
 :mod:`deploy.cli.options`.
 

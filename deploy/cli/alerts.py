@@ -1,7 +1,7 @@
 """``gradstream alerts``, ``gradstream watch`` and ``gradstream alert-rules``.
 
 ``alerts`` lists stored alert events from the DuckDB store, or tails the alerts topic with
-``--follow``. The store is read through :func:`analysis.reader.open_reader` (the file, or
+``--follow``. The store is read through :func:`analysis.read.reader.open_reader` (the file, or
 the endpoint of the process writing it); while a process that serves no reads holds the
 store (DuckDB allows one writing process), the list is read from the alerts topic instead
 (:mod:`consumer.alerts.listing`). ``watch`` is a live
@@ -44,8 +44,8 @@ def _stored_alerts(db: Path, timeout: float | None, run: str | None, rule: str |
     Raises:
         StoreError: missing file, not a gradstream store, a failed read.
     """
-    from analysis.query import StoreHeldError
-    from analysis.reader import open_reader
+    from analysis.read.query import StoreHeldError
+    from analysis.read.reader import open_reader
     from consumer.alerts.rows import alerts_from_rows, alerts_query
 
     try:

@@ -5,7 +5,7 @@ The command is generic over the registry: ``--kind`` takes a registered name; th
 of the option flags are collected into one mapping, and the analysis's options model keeps
 and validates the fields it declares (a flag that the chosen analysis does not declare is
 ignored, as ``--threshold`` is by ``--kind flow``). ``--option NAME=VALUE`` sets an option
-that has no flag of its own. The store is read through :func:`analysis.reader.open_reader`
+that has no flag of its own. The store is read through :func:`analysis.read.reader.open_reader`
 (the file, or the endpoint of the process writing it), under one time limit
 (``--timeout``). The analysis modules and DuckDB are imported only when the command runs
 or its help is shown, so ``gradstream --help`` stays fast.

@@ -276,7 +276,7 @@ def run_served(served: ServedLoop | ServedStore, command: str, logger: str, doin
 
 def _log_endpoint(logger: str, db: str) -> Callable[[str], None]:
     """Log the read endpoint's URL (the token is only in the sidecar)."""
-    from analysis.dashboard.sidecar import sidecar_path
+    from analysis.read.sidecar import sidecar_path
 
     def announce(url: str) -> None:
         logging.getLogger(logger).info("answering reads of %s at %s (token in %s)", db, url,

@@ -262,8 +262,8 @@ ReadPortOption = Annotated[
 
 
 def _token(value: str | None) -> str | None:
-    """Check a chosen token (:func:`analysis.dashboard.sidecar.check_token`)."""
-    from analysis.dashboard.sidecar import check_token
+    """Check a chosen token (:func:`analysis.read.sidecar.check_token`)."""
+    from analysis.read.sidecar import check_token
 
     if value is None:
         return None

@@ -1,8 +1,8 @@
 """``gradstream report``, ``export``, ``plot`` and ``query``: read the store
 (:mod:`analysis.report`, :mod:`analysis.export`, :mod:`analysis.plots`,
-:mod:`analysis.query`).
+:mod:`analysis.read.query`).
 
-Every command reads through :func:`analysis.reader.open_reader`: the file when it is free,
+Every command reads through :func:`analysis.read.reader.open_reader`: the file when it is free,
 else the endpoint of the process that writes it; each read runs under one time limit
 (``--timeout``, else ``GRADSTREAM_QUERY_TIMEOUT_S``, else 60 s). Errors are printed in red
 on stderr, without a traceback, and exit with status 1.
@@ -36,7 +36,7 @@ from deploy.cli.options import (
 from deploy.cli.options import nonfinite_rule as resolve_nonfinite_rule
 
 if TYPE_CHECKING:
-    from analysis.reader import StoreReader
+    from analysis.read.reader import StoreReader
 
 def exclusion_patterns(given: list[str] | None) -> list[str]:
     """``--ignore-layers`` as given, else ``$GRADSTREAM_IGNORE_LAYERS`` split on commas (as
@@ -64,16 +64,16 @@ TimeoutOption = Annotated[
         "GRADSTREAM_QUERY_TIMEOUT_S, else 60].",
     ),
 ]
-"""``--timeout``: the time limit of each read (:func:`analysis.query.resolve_timeout`);
+"""``--timeout``: the time limit of each read (:func:`analysis.read.query.resolve_timeout`);
 shared by the commands that read the store (report, export, plot, query, analyze, alerts)."""
 
 
 @contextmanager
 def reading(db: Path, timeout: float | None) -> Iterator[StoreReader]:
-    """The store's reader (:func:`analysis.reader.open_reader`), closed on exit; a
+    """The store's reader (:func:`analysis.read.reader.open_reader`), closed on exit; a
     ``StoreError`` (opening or reading) ends the command with its one-line message."""
     from analysis.read.connect import StoreError
-    from analysis.reader import open_reader
+    from analysis.read.reader import open_reader
 
     try:
         with open_reader(db, timeout) as reader:
@@ -334,7 +334,7 @@ def query(
     that process's endpoint). A statement that would write, or touch files outside the
     store, is refused. Tables: runs, layers, layer_stats, frames, alerts, run_ranks,
     kafka_offsets."""
-    from analysis.query_output import to_csv, to_json, to_rich_table
+    from analysis.read.query_output import to_csv, to_json, to_rich_table
 
     with reading(db, timeout) as reader:
         table = reader.sql(sql)

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from analysis import registry
-from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
-from analysis.dashboard.sidecar import dashboard_url, new_token
+from analysis.read.cursors import ReadCursors
+from analysis.read.sidecar import dashboard_url, new_token
 from tests.analysis.crafted import write_history
 from tests.chromium import chromium_page
 

@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from analysis import registry
-from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
-from analysis.dashboard.sidecar import new_token
 from analysis.plots.grid import FLAG_EXPLODING
+from analysis.read.cursors import ReadCursors
+from analysis.read.sidecar import new_token
 from analysis.registry import ANALYSES
 from tests.analysis import Stat, StoreBuilder
 

@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from analysis.dashboard import server as server_module
-from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import (
     ROUTES,
     STATIC_FILES,
@@ -31,7 +30,8 @@ from analysis.dashboard.server import (
     Route,
     cookie_name,
 )
-from analysis.dashboard.sidecar import check_token, dashboard_url, new_token
+from analysis.read.cursors import ReadCursors
+from analysis.read.sidecar import check_token, dashboard_url, new_token
 from analysis.registry import ANALYSES
 from tests.analysis.crafted import write_history
 
@@ -267,12 +267,12 @@ def test_tokens_are_checked(tmp_path: Path) -> None:
 
 
 def test_the_endpoint_reader_sends_the_token(served, tmp_path: Path) -> None:
-    """:class:`analysis.reader.EndpointReader` sends the sidecar's token with every
+    """:class:`analysis.read.reader.EndpointReader` sends the sidecar's token with every
     request (the GET routes and ``POST /api/query``); with a stale token (a sidecar of a
     server since restarted) each read fails saying so."""
-    from analysis.dashboard.sidecar import ServeInfo
-    from analysis.query import QueryError
-    from analysis.reader import EndpointReader
+    from analysis.read.query import QueryError
+    from analysis.read.reader import EndpointReader
+    from analysis.read.sidecar import ServeInfo
 
     host, port = served
 

@@ -25,7 +25,7 @@ from analysis.plots.grid import (
 )
 from analysis.plots.render import render_run
 from analysis.read.connect import StoreError, open_store
-from analysis.reader import open_reader
+from analysis.read.reader import open_reader
 from deploy.cli.reports import register
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
 from tests.chromium import chromium_page, image_stats

@@ -1,5 +1,5 @@
 """gradstream query: read-only SQL with and without a running writer, through
-:func:`analysis.reader.open_reader`.
+:func:`analysis.read.reader.open_reader`.
 
 - no writer: a read-only DuckDB connection; writes refused by DuckDB;
 - a writer in this process serving the dashboard: the query goes over HTTP to it and runs
@@ -32,23 +32,23 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
-from analysis.dashboard.sidecar import (
+from analysis.read.connect import StoreError
+from analysis.read.cursors import ReadCursors
+from analysis.read.query import (
+    QueryError,
+    ReadOnlyViolationError,
+    StoreHeldError,
+    execute_read_only,
+)
+from analysis.read.reader import open_reader
+from analysis.read.sidecar import (
     new_token,
     read_sidecar,
     remove_sidecar,
     sidecar_path,
     write_sidecar,
 )
-from analysis.query import (
-    QueryError,
-    ReadOnlyViolationError,
-    StoreHeldError,
-    execute_read_only,
-)
-from analysis.read.connect import StoreError
-from analysis.reader import open_reader
 from deploy.cli.reports import register
 from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
 

@@ -3,9 +3,9 @@
 The attacks a new user tried with ``gradstream query`` (``COPY ... TO``, ``EXPORT
 DATABASE``, ``read_text('/etc/passwd')``, a cross join of 1e8 x 1e5 rows) are refused with
 one clear line, or stopped by the time limit, on both read paths: the file opened
-read-only (:class:`analysis.reader.FileReader`) and the endpoint of a process that writes
-the store (its hardened :class:`analysis.dashboard.cursors.ReadCursors`), called by
-:class:`analysis.reader.EndpointReader` and by raw HTTP with the token.
+read-only (:class:`analysis.read.reader.FileReader`) and the endpoint of a process that writes
+the store (its hardened :class:`analysis.read.cursors.ReadCursors`), called by
+:class:`analysis.read.reader.EndpointReader` and by raw HTTP with the token.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
-from analysis.dashboard.sidecar import new_token, remove_sidecar, write_sidecar
-from analysis.query import (
+from analysis.read.cursors import ReadCursors
+from analysis.read.query import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
     QueryError,
@@ -34,7 +33,8 @@ from analysis.query import (
     ReadRefusedError,
     resolve_timeout,
 )
-from analysis.reader import EndpointReader, FileReader, StoreReader, open_reader
+from analysis.read.reader import EndpointReader, FileReader, StoreReader, open_reader
+from analysis.read.sidecar import new_token, remove_sidecar, write_sidecar
 from deploy.cli.reports import register
 from tests.analysis import Stat, StoreBuilder
 

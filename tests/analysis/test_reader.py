@@ -1,4 +1,4 @@
-"""analysis.reader: the file reader and the endpoint reader give the same answers.
+"""analysis.read.reader: the file reader and the endpoint reader give the same answers.
 
 The same crafted store is read (1) directly, by :class:`FileReader`, and (2) through the
 endpoint of a process that holds it: this test process opens the file read-write (as a
@@ -23,12 +23,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
-from analysis.dashboard.sidecar import new_token, read_sidecar, remove_sidecar, write_sidecar
-from analysis.query import StoreHeldError
 from analysis.read.connect import StoreError
-from analysis.reader import EndpointReader, FileReader, StoreReader, open_reader
+from analysis.read.cursors import ReadCursors
+from analysis.read.query import StoreHeldError
+from analysis.read.reader import EndpointReader, FileReader, StoreReader, open_reader
+from analysis.read.sidecar import new_token, read_sidecar, remove_sidecar, write_sidecar
 from analysis.registry import ANALYSES
 from tests.analysis.crafted import write_history
 

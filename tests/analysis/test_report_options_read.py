@@ -3,7 +3,7 @@ read directly and a writer's endpoint (``GET /api/report``) give the same summar
 
 from __future__ import annotations
 
-from analysis.reader import StoreReader
+from analysis.read.reader import StoreReader
 from tests.analysis.test_read_hardening import reader, store, writer
 
 __all__ = ["reader", "store", "writer"]  # fixtures used below

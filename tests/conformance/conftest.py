@@ -3,7 +3,7 @@
 The worker (``deploy.serve.ServedWorker``: a ``consumer.worker.Worker`` writing a DuckDB file
 and answering reads on a loopback endpoint) consumes a topic of its own on the session's
 Kafka (:func:`tests.conftest.kafka_bootstrap`); cases read it back through
-``analysis.reader.open_reader``, which finds the endpoint. At the end of the session the
+``analysis.read.reader.open_reader``, which finds the endpoint. At the end of the session the
 figures (cases, comparisons, differences, documented departures) are printed, and written
 as JSON to ``$GRADSTREAM_CONFORMANCE_OUT`` when that is set.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.reader import open_reader
+from analysis.read.reader import open_reader
 from consumer.settings import ConsumerSettings
 from deploy.serve import ServedWorker
 from tests.conformance.harness import TALLY, Pipeline

@@ -6,7 +6,7 @@ ranks' step summaries are sent, whether dtypes are declared, and the window. :fu
 feeds the gradients to :mod:`tests.conformance.reference`; :class:`Pipeline` sends them through
 the real path (``producer.GradientProducer`` -> Kafka -> ``consumer.worker.Worker`` writing
 DuckDB, served by ``deploy.serve.ServedWorker``) and reads back through
-``analysis.reader.open_reader`` (the writer's endpoint): the stored frame values, the report,
+``analysis.read.reader.open_reader`` (the writer's endpoint): the stored frame values, the report,
 the CSV and JSON exports, the ASCII heatmap. :func:`compare` lists every difference;
 :class:`Tally` counts cases, comparisons and differences for the whole session.
 
@@ -40,8 +40,8 @@ from typing import Literal
 import numpy as np
 
 from analysis.nonfinite import reference_stats_sql
+from analysis.read.reader import StoreReader
 from analysis.read.sql import STATS_SQL
-from analysis.reader import StoreReader
 from analysis.report import _HEALTH_LINE, NAMES_IN_TEXT  # gradstream's sentence per class
 from producer import GradientProducer
 from producer.summary import summarize
@@ -151,7 +151,7 @@ class Pipeline:
     Args:
         bootstrap: Kafka bootstrap servers.
         topic: the summaries topic of this pipeline.
-        reader: :func:`analysis.reader.open_reader` of the worker's store.
+        reader: :func:`analysis.read.reader.open_reader` of the worker's store.
         worker: the :class:`consumer.worker.Worker`.
         out: a directory for exports.
         max_frames: the worker's ``max_frames`` (window of its live health; 0 = whole run).

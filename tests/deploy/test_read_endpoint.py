@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.dashboard.sidecar import ServeInfo, read_sidecar, sidecar_path
+from analysis.read.sidecar import ServeInfo, read_sidecar, sidecar_path
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = {"encoder.weight": 8, "head.weight": 4}

@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from analysis.dashboard.cursors import ReadCursors
-from analysis.dashboard.sidecar import read_sidecar, sidecar_path
+from analysis.read.cursors import ReadCursors
+from analysis.read.sidecar import read_sidecar, sidecar_path
 from consumer.sink import DuckDBSink
 from deploy.serve import (
     READER_NICE,

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.dashboard.sidecar import read_sidecar, sidecar_path
+from analysis.read.sidecar import read_sidecar, sidecar_path
 from consumer.settings import ConsumerSettings
 from deploy.serve import ServedWorker
 from producer import GradientProducer

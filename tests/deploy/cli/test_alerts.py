@@ -11,9 +11,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from analysis.dashboard.cursors import ReadCursors
 from analysis.dashboard.server import Dashboard, DashboardServer
-from analysis.dashboard.sidecar import new_token, remove_sidecar, write_sidecar
+from analysis.read.cursors import ReadCursors
+from analysis.read.sidecar import new_token, remove_sidecar, write_sidecar
 from consumer.alerts.rows import write_alerts
 from deploy.cli.alerts import register
 from schemas.alert import Alert

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import typer
-from analysis.analyses.history import load_history
 from typer.testing import CliRunner
 
+from analysis.analyses.history import load_history
 from analysis.read.connect import open_store
 from analysis.report import build_report
 from consumer.frames import compute_frame
@@ -261,10 +261,10 @@ def test_pages_receive_the_one_flag_definition(tmp_path: Path) -> None:
     """heatmap.js holds no flag bit of its own: the dashboard's config and the animation's
     data carry schemas.flags.FLAG_BITS (``flag_bits``), which both page scripts hand to
     ``GradHeatmap.useFlagBits`` before drawing."""
-    from analysis.dashboard.cursors import ReadCursors
     from analysis.dashboard.server import Dashboard
     from analysis.plots.animation import render_animation
     from analysis.plots.grid import load_grid
+    from analysis.read.cursors import ReadCursors
 
     root = Path(__file__).parents[3]
     js = (root / "analysis" / "plots" / "heatmap.js").read_text()

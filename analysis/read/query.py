@@ -1,8 +1,8 @@
 """One read-only SQL statement, hardened, with a time limit: the rules every read path obeys.
 
 Every connection or cursor that answers reads of the store (a ``read_only=True`` file
-connection in :class:`analysis.reader.FileReader`, the cursors of a serving process in
-:class:`analysis.dashboard.cursors.ReadCursors`) goes through this module:
+connection in :class:`analysis.read.reader.FileReader`, the cursors of a serving process in
+:class:`analysis.read.cursors.ReadCursors`) goes through this module:
 
 - :func:`harden` turns file access off on the database instance (``SET
   enable_external_access = false``) and then locks the configuration (``SET
@@ -220,7 +220,7 @@ def execute_read_only(
     """Run one statement on ``cur`` and return its rows as an Arrow table.
 
     ``cur`` must already be unable to write and hardened: a :func:`harden`-ed connection
-    opened with ``read_only=True``, or a cursor of :class:`~analysis.dashboard.cursors.
+    opened with ``read_only=True``, or a cursor of :class:`~analysis.read.cursors.
     ReadCursors` (inside ``BEGIN TRANSACTION READ ONLY``). The result is materialised while
     ``cur`` is open, so errors surface here.
 

@@ -1,8 +1,8 @@
-"""How results travel between a serving process and :class:`analysis.reader.EndpointReader`.
+"""How results travel between a serving process and :class:`analysis.read.reader.EndpointReader`.
 
 Three encodings, each written once and used by both ends:
 
-- tables (``/api/query``): the Arrow IPC streaming format (:data:`~analysis.query.
+- tables (``/api/query``): the Arrow IPC streaming format (:data:`~analysis.read.query.
   ARROW_STREAM`), :func:`table_to_ipc` / :func:`table_from_ipc`;
 - pydantic reports (``/api/report``, ``/api/analysis/<name>`` asked with ``Accept:``
   :data:`MODEL_JSON`): the model's JSON with non-finite floats kept as the literals

@@ -2,14 +2,14 @@
 
 :class:`ReadCursors` hands each request a fresh DuckDB cursor inside ``BEGIN TRANSACTION
 READ ONLY`` (why this is the read-only mechanism available inside the writing process:
-:mod:`analysis.query`). Built either
+:mod:`analysis.read.query`). Built either
 
 - :meth:`ReadCursors.from_connection` on a connection of the writer's own database
   instance (``gradstream serve`` running the consumer worker: ``DuckDBSink.read_cursor()``),
   where every cursor sees the frames committed so far (MVCC snapshot per request); or
 - :meth:`ReadCursors.open_read_only` on a file no one writes (``serve --no-consume``).
 
-Either way the instance is hardened on construction (:func:`analysis.query.harden`): file
+Either way the instance is hardened on construction (:func:`analysis.read.query.harden`): file
 access outside the store is off (``COPY ... TO``, ``EXPORT DATABASE``, ``read_text``,
 ``ATTACH`` are refused) and the configuration is locked, so a query can neither write
 files nor change settings the writer depends on. Every process that serves reads builds
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import duckdb
 
-from analysis.query import harden
+from analysis.read.query import harden
 
 
 class StoreClosedError(Exception):

@@ -5,20 +5,20 @@ process can open the file, not even read-only. :func:`open_reader` therefore ret
 of two :class:`StoreReader` implementations with the same methods and the same results:
 
 - :class:`FileReader` when the file is free: ``duckdb.connect(path, read_only=True)``,
-  hardened (:func:`analysis.query.harden`: no file access outside the store, locked
+  hardened (:func:`analysis.read.query.harden`: no file access outside the store, locked
   configuration), and the analysis builders (``build_report``, ``ascii_heatmap``, the
   registered analyses, ``load_grid``, ``export_run``) run on it in this process;
 - :class:`EndpointReader` when another process holds the file and advertises a live
-  endpoint in ``<db>.serve.json`` (:mod:`analysis.dashboard.sidecar`): the same builders
+  endpoint in ``<db>.serve.json`` (:mod:`analysis.read.sidecar`): the same builders
   run in that process, on its hardened read-only cursors
-  (:class:`analysis.dashboard.cursors.ReadCursors`), and the results come back over HTTP
-  (:mod:`analysis.dashboard.wire`: Arrow IPC for tables and grids, the pydantic JSON for
+  (:class:`analysis.read.cursors.ReadCursors`), and the results come back over HTTP
+  (:mod:`analysis.read.wire`: Arrow IPC for tables and grids, the pydantic JSON for
   reports).
 
 With the file held and no live endpoint, :func:`open_reader` raises
-:class:`~analysis.query.StoreHeldError`, a :class:`~analysis.read.connect.StoreError` that says
+:class:`~analysis.read.query.StoreHeldError`, a :class:`~analysis.read.connect.StoreError` that says
 what to do. Every read, on either path, is one statement or one builder call under one
-time limit (:func:`analysis.query.resolve_timeout`: ``timeout_s``, else
+time limit (:func:`analysis.read.query.resolve_timeout`: ``timeout_s``, else
 ``GRADSTREAM_QUERY_TIMEOUT_S``, else 60 s).
 
 Example::
@@ -41,9 +41,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from analysis.dashboard.sidecar import ServeInfo, read_sidecar
 from analysis.export import written_atomically
-from analysis.query import (
+from analysis.read.connect import StoreError, StoreLockedError, open_store, pick_run
+from analysis.read.query import (
     ARROW_STREAM,
     Params,
     QueryError,
@@ -56,7 +56,7 @@ from analysis.query import (
     resolve_timeout,
     time_limit,
 )
-from analysis.read.connect import StoreError, StoreLockedError, open_store, pick_run
+from analysis.read.sidecar import ServeInfo, read_sidecar
 
 if TYPE_CHECKING:
     import duckdb
@@ -91,9 +91,9 @@ class StoreReader(ABC):
 
     Every method raises :class:`~analysis.read.connect.StoreError` (or a subclass) with a one-line
     message: unknown or ambiguous run, invalid range, refused statement
-    (:class:`~analysis.query.ReadOnlyViolationError`,
-    :class:`~analysis.query.ReadRefusedError`), time limit reached
-    (:class:`~analysis.query.QueryTimeoutError`), endpoint gone. Use it as a context
+    (:class:`~analysis.read.query.ReadOnlyViolationError`,
+    :class:`~analysis.read.query.ReadRefusedError`), time limit reached
+    (:class:`~analysis.read.query.QueryTimeoutError`), endpoint gone. Use it as a context
     manager, or call :meth:`close`.
     """
 
@@ -233,7 +233,7 @@ class FileReader(StoreReader):
 
     Args:
         db: the store's file.
-        timeout_s: time limit of each read (``None``: :func:`~analysis.query.resolve_timeout`).
+        timeout_s: time limit of each read (``None``: :func:`~analysis.read.query.resolve_timeout`).
 
     Each read runs on a new cursor of the connection, interrupted at the limit, so one
     reader may serve several threads.
@@ -360,7 +360,7 @@ _ERROR_KINDS: dict[str, type[StoreError]] = {
     "timeout": QueryTimeoutError,
 }
 """Error ``kind`` of an endpoint's JSON error body -> the exception raised here (any other
-kind, e.g. ``invalid`` or ``not_found``: :class:`~analysis.query.QueryError`, a
+kind, e.g. ``invalid`` or ``not_found``: :class:`~analysis.read.query.QueryError`, a
 ``StoreError``)."""
 
 
@@ -370,7 +370,7 @@ class EndpointReader(StoreReader):
     Args:
         db: the store's file.
         info: the live sidecar of the process (URL, token, pid, command).
-        timeout_s: time limit of each read (``None``: :func:`~analysis.query.resolve_timeout`);
+        timeout_s: time limit of each read (``None``: :func:`~analysis.read.query.resolve_timeout`);
             sent to the server, which keeps the smaller of it and its own limit.
     """
 
@@ -431,7 +431,7 @@ class EndpointReader(StoreReader):
         self, sql: str, params: Params | None = None, timeout_s: float | None = None
     ) -> pa.Table:
         """See :meth:`StoreReader.sql` (``POST /api/query``, Arrow IPC back)."""
-        from analysis.dashboard.wire import table_from_ipc
+        from analysis.read.wire import table_from_ipc
 
         payload: dict[str, object] = {"sql": sql}
         if params:
@@ -446,7 +446,7 @@ class EndpointReader(StoreReader):
     ) -> GradientFlowSummary:
         """See :meth:`StoreReader.report` (``GET /api/report``; ``ignore_layers`` as a JSON
         list)."""
-        from analysis.dashboard.wire import MODEL_JSON
+        from analysis.read.wire import MODEL_JSON
         from analysis.report import GradientFlowSummary
 
         body = self._get("/api/report", {
@@ -474,7 +474,7 @@ class EndpointReader(StoreReader):
         options: Mapping[str, str] | None = None,
     ) -> BaseModel:
         """See :meth:`StoreReader.analysis` (``GET /api/analysis/<name>``)."""
-        from analysis.dashboard.wire import MODEL_JSON, model_from_json, report_model
+        from analysis.read.wire import MODEL_JSON, model_from_json, report_model
         from analysis.registry import get
 
         values = _check_options(name, options)
@@ -488,7 +488,7 @@ class EndpointReader(StoreReader):
         from_step: int | None = None, to_step: int | None = None,
     ) -> GradientGrid:
         """See :meth:`StoreReader.grid` (``GET /api/grid`` asked for Arrow)."""
-        from analysis.dashboard.wire import grid_from_arrow, table_from_ipc
+        from analysis.read.wire import grid_from_arrow, table_from_ipc
 
         if max_steps < 1 or max_layers < 1:
             raise StoreError(
