@@ -10,9 +10,10 @@ In a notebook::
 
 Modules, one job each:
 
-- :mod:`analysis.history`: the notebook API (:class:`~analysis.history.Store`,
-  :class:`~analysis.history.Run`): runs, per-layer and per-rank statistics, frames and
-  alerts as pandas / Arrow / polars tables, reports, analyses and the heatmap figure.
+- :mod:`analysis.notebook`: the notebook API (:class:`~analysis.notebook.Store`,
+  :class:`~analysis.notebook.Run`): runs, per-layer and per-rank statistics, frames and
+  alerts as pandas / Arrow / polars tables, reports, analyses and the heatmap figure; its
+  SQL in :mod:`analysis.notebook_sql`, its Jupyter HTML in :mod:`analysis.notebook_html`.
 - :mod:`analysis.read.reader`: the one read path (the file read-only, or the writing process's
   endpoint).
 - :mod:`analysis.read`: the read path: open the store read-only, list runs, resolve a
@@ -34,7 +35,7 @@ The commands that read the store are wired in :mod:`deploy.cli`.
 ``analysis`` imports ``schemas`` and never ``producer`` or ``consumer``: what runs a worker
 and the dashboard together is :mod:`deploy.serve`. This package module imports nothing, so
 that ``gradstream --help`` does not load DuckDB: ``Store``, ``Run`` and ``RunReport`` are
-imported from :mod:`analysis.history` on first access (module ``__getattr__``, PEP 562).
+imported from :mod:`analysis.notebook` on first access (module ``__getattr__``, PEP 562).
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from analysis.history import Run, RunReport, Store
+    from analysis.notebook import Run, RunReport, Store
 
 __all__ = ["Run", "RunReport", "Store"]
 
-_LAZY: dict[str, str] = {"Store": "analysis.history", "Run": "analysis.history",
-                         "RunReport": "analysis.history"}
+_LAZY: dict[str, str] = {"Store": "analysis.notebook", "Run": "analysis.notebook",
+                         "RunReport": "analysis.notebook"}
 """Name exported by this package -> the module that defines it (imported when used)."""
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypedDict, Unpack
 
 from analysis.nonfinite import has_nan_column, reference_stats_sql, require_nan_split
 from analysis.read.connect import StoreError, require_run
@@ -50,19 +50,19 @@ CSV_HEADER = "step,layer,mean_abs_grad,max_abs_grad,grad_norm,is_vanishing,is_ex
 
 Order = Literal["name", "model"]
 Style = Literal["gradstream", "reference"]
-"""Presentation of :func:`export_csv` and :func:`export_json`. ``"gradstream"``: the CSV
-quotes a name that needs it (RFC 4180: empty, or holding a comma, quote, CR or LF); the JSON
-is one compact frame per line, non-finite floats ``null``. ``"reference"``: byte for byte
-what the reference implementation's ``export_csv`` / ``export_json`` write for the same
-frames, layers in name order: CSV names raw (a name holding a comma or a line break then
-breaks the CSV's columns); JSON pretty-printed as ``serde_json::to_string_pretty`` does
-(two-space indent, floats as ryu's shortest round-trip text: ``0.1``, ``1.0``, ``1e-7``,
-``1.5e300``; non-finite floats ``null``; control characters escaped ``\\u00xx`` in lower
-case; no trailing newline). The reference style also shows the reference's values of the
-layers holding NaN/Inf elements (``analysis.nonfinite``: mean and norm NaN with a NaN,
-inf with an Inf; max inf with an Inf; an Inf layer exploding; the step's intensities
-rebuilt), and refuses (``StoreError``) a range holding such a row stored without its NaN
-count (before wire schema 1.7)."""
+"""Presentation of :func:`export_csv` and :func:`export_json`. ``"gradstream"``: the CSV quotes
+a name that needs it (RFC 4180: empty, or holding a comma, quote, CR or LF); the JSON is one
+compact frame per line, non-finite floats ``null``. ``"reference"``: byte for byte what the
+reference's (trustformers-debug, ``gradient_flow``) ``export_csv`` / ``export_json`` write
+for the same frames, layers in name order: CSV names raw (a name holding a comma or a line
+break then breaks the CSV's columns); JSON pretty-printed as
+``serde_json::to_string_pretty`` does (two-space indent, floats as ryu's shortest round-trip
+text: ``0.1``, ``1.0``, ``1e-7``, ``1.5e300``; non-finite floats ``null``; control
+characters escaped ``\\u00xx`` in lower case; no trailing newline). The reference style also
+shows the reference's values of the layers holding NaN/Inf elements (``analysis.nonfinite``:
+mean and norm NaN with a NaN, inf with an Inf; max inf with an Inf; an Inf layer exploding;
+the step's intensities rebuilt), and refuses (``StoreError``) a range holding such a row
+stored without its NaN count."""
 
 
 def rust_exp_sql(column: str) -> str:
@@ -71,8 +71,8 @@ def rust_exp_sql(column: str) -> str:
     ``printf('%.8e', x)`` gives C's ``1.00000000e-02``; Rust writes ``1.00000000e-2``
     (no ``+``, no zero padding of the exponent). The printf exponent always has a sign
     and at least two digits, so three plain ``replace`` calls (``e+0`` -> ``e``,
-    ``e+`` -> ``e``, ``e-0`` -> ``e-``) give Rust's text; this costs ~15% over bare printf,
-    a regular expression ~50%. Non-finite values follow Rust too: ``NaN``, ``inf``, ``-inf``.
+    ``e+`` -> ``e``, ``e-0`` -> ``e-``) give Rust's text, with no regular expression.
+    Non-finite values follow Rust too: ``NaN``, ``inf``, ``-inf``.
     NULL (a statistic the run does not send, e.g. ``mean_abs_grad`` in norms mode) stays
     NULL, an empty CSV field.
 
@@ -91,7 +91,7 @@ def rust_exp_sql(column: str) -> str:
 
 
 def _finite_or_null(column: str) -> str:
-    # serde_json (the reference implementation's writer) emits non-finite floats as null; so do we.
+    # serde_json (the reference's writer) emits non-finite floats as null; so do we.
     return f"CASE WHEN isfinite({column}) THEN {column} END"
 
 
@@ -334,7 +334,6 @@ def _export(
     return rows
 
 
-
 @contextmanager
 def written_atomically(target: Path, failure: str) -> Iterator[Path]:
     """Yield ``<target>.part`` to write; on success rename it to ``target`` (readers never
@@ -359,64 +358,23 @@ def written_atomically(target: Path, failure: str) -> Iterator[Path]:
         part.unlink(missing_ok=True)
         raise
 
-def _check_style(style: str) -> None:
-    if style not in ("gradstream", "reference"):
-        raise ValueError(f"style must be 'gradstream' or 'reference', got {style!r}")
 
-
-def _count_sql(distinct_steps: bool) -> str:
-    what = "count(DISTINCT step)" if distinct_steps else "count(*)"
+def _count_sql(frames: bool) -> str:
+    """SQL counting the rows an export writes: frames (distinct steps) or (step, layer)
+    rows of :data:`STATS_SQL`."""
+    what = "count(DISTINCT step)" if frames else "count(*)"
     return f"WITH s AS ({STATS_SQL}) SELECT {what} FROM s"
 
 
-def export_csv(
-    con: duckdb.DuckDBPyConnection,
-    run_id: str,
-    path: str | os.PathLike[str],
-    from_step: int | None = None,
-    to_step: int | None = None,
-    order: Order = "name",
-    progress: Progress | None = None,
-    style: Style = "gradstream",
-) -> int:
-    """Write one run's per-layer timeline as CSV (the reference ``export_csv`` format).
+STYLES: tuple[str, ...] = ("gradstream", "reference")
+"""Presentation styles (:data:`Style`); ``"reference"`` exists for ``csv`` and ``json``."""
 
-    Columns: ``step,layer,mean_abs_grad,max_abs_grad,grad_norm,is_vanishing,is_exploding``
-    (:data:`CSV_HEADER`). Floats as Rust ``{:.8e}`` (:func:`rust_exp_sql`), flags as 0/1.
-    One row per (step, layer) stored, ordered by step, then layer name (code-point order,
-    the reference order) or model order (``layer_index``). Fields are RFC 4180-quoted when needed.
-    The parent directory is created; an existing file is replaced.
 
-    Args:
-        con: a connection from :func:`analysis.read.connect.open_store`.
-        run_id: the run to export.
-        path: output file.
-        from_step: first step exported (inclusive), ``None`` = from the start.
-        to_step: last step exported (inclusive), ``None`` = to the end.
-        order: layer order within a step, ``"name"`` (reference order) or ``"model"``.
-        progress: optional callback of the fraction done (see :data:`Progress`).
-        style: ``"gradstream"`` (names quoted when needed) or ``"reference"`` (names raw,
-            name order: the reference's bytes exactly), see :data:`Style`.
-
-    Returns:
-        Number of data rows written (header excluded).
-
-    Raises:
-        StoreError: unknown run, invalid step range, or unusable output path.
-        ValueError: unknown ``order`` or ``style``.
-    """
-    _check_style(style)
-    params = stats_params(run_id, from_step, to_step)
-    stats_sql = STATS_SQL
-    if style == "reference":
-        order = "name"
-        require_run(con, run_id)
-        require_nan_split(con, params, "export --style reference")
-        stats_sql = reference_stats_sql(has_nan_column(con))
+def _csv_select(stats_sql: str, order: str, style: str) -> str:
+    """One CSV line per (step, layer) row (:data:`CSV_HEADER` columns)."""
     name_sql = "name" if style == "reference" else _csv_field("name")
-    order_by = _order_sql(order)
     # concat() skips NULLs, so a NULL statistic is an empty field, as in DuckDB's CSV writer.
-    select = f"""
+    return f"""
         WITH s AS ({stats_sql})
         SELECT concat(
                    step, ',', {name_sql}, ',',
@@ -427,62 +385,17 @@ def export_csv(
                    CAST(is_exploding AS INTEGER), chr(10)
                ) AS line
         FROM s
-        ORDER BY step, {order_by}
+        ORDER BY step, {_order_sql(order)}
     """
-    return _export(con, run_id, path, select, params, _CSV, _count_sql(False), progress)
 
 
-def export_json(
-    con: duckdb.DuckDBPyConnection,
-    run_id: str,
-    path: str | os.PathLike[str],
-    from_step: int | None = None,
-    to_step: int | None = None,
-    order: Order = "name",
-    progress: Progress | None = None,
-    style: Style = "gradstream",
-) -> int:
-    """Write one run's frames as a JSON array (the reference ``export_json`` format).
-
-    Shape: ``[{"step": s, "layers": [{"name", "mean_abs_grad", "max_abs_grad",
-    "grad_norm", "is_vanishing", "is_exploding", "flow_intensity"}, ...]}, ...]``; frames
-    in step order, layers within a frame by name (reference order) or model order; flags are JSON
-    booleans; non-finite floats are ``null`` (as serde_json writes them). Built with
-    ``GROUP BY step`` and ``list(struct_pack(...) ORDER BY ...)``, each frame rendered by
-    DuckDB's ``to_json``; one compact frame per line inside ``[`` and ``]`` (the layout of
-    DuckDB's ``FORMAT json, ARRAY true`` writer), not pretty-printed. ``style="reference"``
-    writes the reference's bytes instead (:data:`Style`: serde_json's pretty layout and
-    float text, name order).
-    The parent directory is created; an existing file is replaced.
-
-    Args:
-        con: a connection from :func:`analysis.read.connect.open_store`.
-        run_id: the run to export.
-        path: output file.
-        from_step: first step exported (inclusive), ``None`` = from the start.
-        to_step: last step exported (inclusive), ``None`` = to the end.
-        order: layer order within a frame, ``"name"`` (reference order) or ``"model"``.
-        progress: optional callback of the fraction done (see :data:`Progress`).
-        style: ``"gradstream"`` or ``"reference"`` (see :data:`Style`).
-
-    Returns:
-        Number of frames written.
-
-    Raises:
-        StoreError: unknown run, invalid step range, or unusable output path.
-        ValueError: unknown ``order`` or ``style``.
-    """
-    _check_style(style)
-    params = stats_params(run_id, from_step, to_step)
+def _json_select(stats_sql: str, order: str, style: str) -> str:
+    """One JSON frame per step: compact (``to_json``), or serde_json's pretty layout for the
+    reference style."""
     if style == "reference":
-        require_run(con, run_id)
-        require_nan_split(con, params, "export --style reference")
-        stats_sql = reference_stats_sql(has_nan_column(con))
-        return _export(con, run_id, path, _pretty_frame_sql(_order_sql("name"), stats_sql),
-                       params, _JSON_PRETTY, _count_sql(True), progress)
-    order_by = _order_sql(order)
-    select = f"""
-        WITH s AS ({STATS_SQL})
+        return _pretty_frame_sql(_order_sql(order), stats_sql)
+    return f"""
+        WITH s AS ({stats_sql})
         SELECT {_sql_text(_JSON_ARRAY.separator)} || to_json(struct_pack(
                step := step, layers := list(struct_pack(
                    name := name,
@@ -492,12 +405,11 @@ def export_json(
                    is_vanishing := is_vanishing,
                    is_exploding := is_exploding,
                    flow_intensity := {_finite_or_null("flow_intensity")}
-               ) ORDER BY {order_by}))) AS line
+               ) ORDER BY {_order_sql(order)}))) AS line
         FROM s
         GROUP BY step
         ORDER BY step
     """
-    return _export(con, run_id, path, select, params, _JSON_ARRAY, _count_sql(True), progress)
 
 
 _DOUBLE_COLUMNS = frozenset({
@@ -512,7 +424,7 @@ TABLE_COLUMNS: tuple[str, ...] = (
 (``layer``) after ``layer_index``."""
 
 
-def _table_select(order: str, as_json: bool) -> str:
+def _table_select(stats_sql: str, order: str, as_json: bool) -> str:
     """The rows of :data:`TABLE_COLUMNS`: typed columns, or (``as_json``) one JSON object
     per row (non-finite floats as null) with its line feed."""
     order_by = _order_sql(order)
@@ -531,91 +443,36 @@ def _table_select(order: str, as_json: bool) -> str:
         columns = ", ".join(expr if name == expr else f"{expr} AS {name}"
                             for name, expr in items)
     return f"""
-        WITH s AS ({STATS_SQL})
+        WITH s AS ({stats_sql})
         SELECT {columns}
         FROM s
         ORDER BY step, {order_by}
     """
 
 
-def export_parquet(
-    con: duckdb.DuckDBPyConnection,
-    run_id: str,
-    path: str | os.PathLike[str],
-    from_step: int | None = None,
-    to_step: int | None = None,
-    order: Order = "name",
-    progress: Progress | None = None,
-) -> int:
-    """Write one run's ``layer_stats`` rows, with layer names, as a Parquet file.
+@dataclass(frozen=True)
+class _Format:
+    """One export format: the SQL of its rows, how they are laid out, what is counted."""
 
-    Columns: :data:`TABLE_COLUMNS` with their store types (BIGINT step, DOUBLE statistics,
-    BOOLEAN flags, list columns for the exponent histogram; NaN/Inf kept as such). Rows in
-    step order, then layer name (``order="name"``) or model order. zstd-compressed. The
-    parent directory is created; an existing file is replaced.
-
-    Args:
-        con: a connection from :func:`analysis.read.connect.open_store`.
-        run_id: the run to export.
-        path: output file.
-        from_step / to_step: inclusive step range, ``None`` = unbounded.
-        order: layer order within a step, ``"name"`` or ``"model"``.
-        progress: optional callback of the fraction done (see :data:`Progress`).
-
-    Returns:
-        Number of rows written.
-
-    Raises:
-        StoreError: unknown run, invalid step range, or unusable output path.
-        ValueError: unknown ``order``.
-    """
-    select = _table_select(order, as_json=False)
-    params = stats_params(run_id, from_step, to_step)
-    return _export(con, run_id, path, select, params, None, _count_sql(False), progress)
+    select: Callable[[str, str, str], str]
+    """``(stats_sql, order, style)`` -> the SQL of the rows (one VARCHAR column for a text
+    format; ``stats_sql`` is the run's relation, bound with :func:`stats_params`)."""
+    text: _Text | None
+    """Layout of a text format; ``None``: the typed columns written as Parquet."""
+    frames: bool
+    """Whether a row is a frame (the count of distinct steps) rather than a (step, layer)."""
+    styles: tuple[str, ...] = ("gradstream",)
 
 
-def export_jsonl(
-    con: duckdb.DuckDBPyConnection,
-    run_id: str,
-    path: str | os.PathLike[str],
-    from_step: int | None = None,
-    to_step: int | None = None,
-    order: Order = "name",
-    progress: Progress | None = None,
-) -> int:
-    """Write one run's ``layer_stats`` rows, with layer names, as JSON Lines.
-
-    One compact JSON object per line with the keys of :data:`TABLE_COLUMNS`; non-finite
-    floats are ``null`` (JSON has no NaN/Infinity; DuckDB's writer would emit them bare).
-    Rows in step order, then layer name or model order. The parent directory is created;
-    an existing file is replaced.
-
-    Args:
-        con: a connection from :func:`analysis.read.connect.open_store`.
-        run_id: the run to export.
-        path: output file.
-        from_step / to_step: inclusive step range, ``None`` = unbounded.
-        order: layer order within a step, ``"name"`` or ``"model"``.
-        progress: optional callback of the fraction done (see :data:`Progress`).
-
-    Returns:
-        Number of lines (rows) written.
-
-    Raises:
-        StoreError: unknown run, invalid step range, or unusable output path.
-        ValueError: unknown ``order``.
-    """
-    select = _table_select(order, as_json=True)
-    params = stats_params(run_id, from_step, to_step)
-    return _export(con, run_id, path, select, params, _JSON_LINES, _count_sql(False), progress)
-
-
-_WRITERS = {
-    "csv": export_csv,
-    "json": export_json,
-    "parquet": export_parquet,
-    "jsonl": export_jsonl,
+_FORMATS: dict[str, _Format] = {
+    "csv": _Format(_csv_select, _CSV, frames=False, styles=STYLES),
+    "json": _Format(_json_select, _JSON_ARRAY, frames=True, styles=STYLES),
+    "parquet": _Format(lambda stats, order, _style: _table_select(stats, order, False),
+                       None, frames=False),
+    "jsonl": _Format(lambda stats, order, _style: _table_select(stats, order, True),
+                     _JSON_LINES, frames=False),
 }
+"""Format name (:data:`EXPORT_FORMATS`) -> its rows and layout."""
 
 
 def export_run(
@@ -629,24 +486,109 @@ def export_run(
     progress: Progress | None = None,
     style: Style = "gradstream",
 ) -> int:
-    """Export a run in ``fmt`` (one of :data:`EXPORT_FORMATS`); see the writer of each.
+    """Export a run in ``fmt`` (one of :data:`EXPORT_FORMATS`, see the function of each).
 
-    ``style="reference"`` (:data:`Style`) exists for ``csv`` and ``json``.
+    The parent directory is created; an existing file is replaced.
+
+    Args:
+        con: a connection from :func:`analysis.read.connect.open_store`.
+        run_id: the run to export.
+        path: output file.
+        fmt: ``"csv"``, ``"json"``, ``"parquet"`` or ``"jsonl"``.
+        from_step / to_step: inclusive step range, ``None`` = unbounded.
+        order: layer order within a step, ``"name"`` (reference order: code points) or
+            ``"model"`` (``layer_index``); the reference style is always in name order.
+        progress: optional callback of the fraction done (see :data:`Progress`).
+        style: ``"gradstream"`` or ``"reference"`` (:data:`Style`; ``csv`` and ``json``).
 
     Returns:
-        Rows written (frames for ``json``).
+        Rows written: data rows for ``csv`` (header excluded), ``parquet`` and ``jsonl``;
+        frames for ``json``.
 
     Raises:
         ValueError: unknown format, order or style, or the reference style with parquet or
             jsonl.
         StoreError: unknown run, invalid step range, or unusable output path.
     """
-    writer = _WRITERS.get(fmt)
-    if writer is None:
+    spec = _FORMATS.get(fmt)
+    if spec is None:
         raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
-    if fmt in ("csv", "json"):
-        return writer(con, run_id, path, from_step, to_step, order, progress,  # type: ignore[call-arg]
-                      style)
-    if style != "gradstream":
+    if style not in spec.styles:
+        if spec.styles == STYLES:
+            raise ValueError(f"style must be 'gradstream' or 'reference', got {style!r}")
         raise ValueError(f"style {style!r} exists for the csv and json formats only, not {fmt}")
-    return writer(con, run_id, path, from_step, to_step, order, progress)
+    params = stats_params(run_id, from_step, to_step)
+    stats_sql = STATS_SQL
+    if style == "reference":
+        order = "name"
+        require_run(con, run_id)
+        require_nan_split(con, params, "export --style reference")
+        stats_sql = reference_stats_sql(has_nan_column(con))
+    select = spec.select(stats_sql, order, style)
+    text = _JSON_PRETTY if fmt == "json" and style == "reference" else spec.text
+    return _export(con, run_id, path, select, params, text, _count_sql(spec.frames), progress)
+
+
+class ExportOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`export_run` after ``fmt``."""
+
+    from_step: int | None
+    to_step: int | None
+    order: Order
+    progress: Progress | None
+    style: Style
+
+
+def export_csv(con: duckdb.DuckDBPyConnection, run_id: str, path: str | os.PathLike[str],
+               **options: Unpack[ExportOptions]) -> int:
+    """Write one run's per-layer timeline as CSV (the reference ``export_csv`` format).
+
+    Columns: ``step,layer,mean_abs_grad,max_abs_grad,grad_norm,is_vanishing,is_exploding``
+    (:data:`CSV_HEADER`). Floats as Rust ``{:.8e}`` (:func:`rust_exp_sql`), flags as 0/1.
+    One row per (step, layer) stored, ordered by step, then layer name or model order.
+    Fields are RFC 4180-quoted when needed (style ``"gradstream"``); the reference style
+    writes names raw, in name order: the reference's bytes exactly (:data:`Style`).
+    Arguments, return value (data rows) and errors: :func:`export_run`.
+    """
+    return export_run(con, run_id, path, "csv", **options)
+
+
+def export_json(con: duckdb.DuckDBPyConnection, run_id: str, path: str | os.PathLike[str],
+                **options: Unpack[ExportOptions]) -> int:
+    """Write one run's frames as a JSON array (the reference ``export_json`` format).
+
+    Shape: ``[{"step": s, "layers": [{"name", "mean_abs_grad", "max_abs_grad",
+    "grad_norm", "is_vanishing", "is_exploding", "flow_intensity"}, ...]}, ...]``; frames
+    in step order, layers within a frame by name (reference order) or model order; flags
+    are JSON booleans; non-finite floats are ``null`` (as serde_json writes them). Built
+    with ``GROUP BY step`` and ``list(struct_pack(...) ORDER BY ...)``, each frame rendered
+    by DuckDB's ``to_json``; one compact frame per line inside ``[`` and ``]`` (the layout
+    of DuckDB's ``FORMAT json, ARRAY true`` writer). ``style="reference"`` writes the
+    reference's bytes instead (:data:`Style`: serde_json's pretty layout and float text,
+    name order). Arguments, return value (frames) and errors: :func:`export_run`.
+    """
+    return export_run(con, run_id, path, "json", **options)
+
+
+def export_parquet(con: duckdb.DuckDBPyConnection, run_id: str, path: str | os.PathLike[str],
+                   **options: Unpack[ExportOptions]) -> int:
+    """Write one run's ``layer_stats`` rows, with layer names, as a Parquet file.
+
+    Columns: :data:`TABLE_COLUMNS` with their store types (BIGINT step, DOUBLE statistics,
+    BOOLEAN flags, list columns for the exponent histogram; NaN/Inf kept as such). Rows in
+    step order, then layer name (``order="name"``) or model order. zstd-compressed.
+    Arguments, return value (rows) and errors: :func:`export_run`.
+    """
+    return export_run(con, run_id, path, "parquet", **options)
+
+
+def export_jsonl(con: duckdb.DuckDBPyConnection, run_id: str, path: str | os.PathLike[str],
+                 **options: Unpack[ExportOptions]) -> int:
+    """Write one run's ``layer_stats`` rows, with layer names, as JSON Lines.
+
+    One compact JSON object per line with the keys of :data:`TABLE_COLUMNS`; non-finite
+    floats are ``null`` (JSON has no NaN/Infinity; DuckDB's writer would emit them bare).
+    Rows in step order, then layer name or model order. Arguments, return value (lines)
+    and errors: :func:`export_run`.
+    """
+    return export_run(con, run_id, path, "jsonl", **options)

@@ -32,25 +32,29 @@ badge, the flagged layers, the recommendations and the heatmap as an inline PNG.
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import PrivateAttr
 
-from analysis.read.connect import StoreError, check_step_range
-from analysis.read.reader import open_reader
-from analysis.report import (
-    NAMES_IN_TABLE,
-    GradientFlowSummary,
-    exclusion_rows,
-    local_origin_text,
+from analysis.notebook_html import heatmap_png, report_html
+from analysis.notebook_sql import (
+    ALERTS_SQL,
+    FRAMES_SQL,
+    LAYER_STATS_SQL,
+    RANK_STATS_SQL,
+    RUNS_SQL,
+    Layers,
+    Steps,
+    layer_params,
+    step_params,
 )
+from analysis.read.connect import StoreError
+from analysis.read.reader import open_reader
+from analysis.report import GradientFlowSummary
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -62,13 +66,6 @@ if TYPE_CHECKING:
 
 TableFlavour = Literal["pandas", "arrow", "polars"]
 """Name of a table type returned by the table methods (``as_=``)."""
-
-Steps = tuple[int | None, int | None] | None
-"""An inclusive optimiser-step range ``(first, last)``; ``None`` (or a ``None`` bound) is
-open."""
-
-Layers = str | Sequence[str] | None
-"""Layers to keep: an ``fnmatch`` pattern, a list of exact names, or ``None`` (all)."""
 
 
 def _to_arrow(table: pa.Table) -> pa.Table:
@@ -116,206 +113,6 @@ def _convert(table: pa.Table, as_: str) -> Any:
             f"as_={as_!r} is not a table type; choose one of {', '.join(TABLE_FLAVOURS)}"
         ) from None
     return convert(table)
-
-
-def _step_params(steps: Steps) -> dict[str, object]:
-    """``$from_step`` / ``$to_step`` of an inclusive ``steps`` range.
-
-    Raises:
-        StoreError: ``steps`` is not a pair, a bound is negative or not an integer, or the
-            range is reversed.
-    """
-    if steps is None:
-        return {"from_step": None, "to_step": None}
-    if isinstance(steps, (str, bytes)) or len(steps) != 2:
-        raise StoreError(f"steps must be an inclusive (first, last) pair, got {steps!r}")
-    first, last = steps
-    for bound in (first, last):
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
-            raise StoreError(f"step bounds must be integers or None, got {steps!r}")
-    check_step_range(first, last)
-    return {"from_step": first, "to_step": last}
-
-
-def _glob(pattern: str) -> str:
-    """An ``fnmatch`` pattern as a DuckDB ``GLOB`` pattern with the same matches.
-
-    DuckDB's ``GLOB`` reads ``*``, ``?``, ``[seq]`` and ``[!seq]`` as
-    :func:`fnmatch.fnmatchcase` does, but ``\\`` escapes the next character, where fnmatch
-    reads it literally; doubling it restores the literal backslash."""
-    return pattern.replace("\\", "\\\\")
-
-
-def _layer_params(layers: Layers) -> dict[str, object]:
-    """``$layer_glob`` / ``$layer_names`` of a ``layers`` argument (see :data:`Layers`).
-
-    Raises:
-        StoreError: ``layers`` is neither a string, a sequence of strings nor ``None``.
-    """
-    if layers is None:
-        return {"layer_glob": None, "layer_names": None}
-    if isinstance(layers, str):
-        return {"layer_glob": _glob(layers), "layer_names": None}
-    names = list(layers)
-    if not all(isinstance(name, str) for name in names):
-        raise StoreError(f"layers must be a pattern, a list of layer names or None, "
-                         f"got {layers!r}")
-    return {"layer_glob": None, "layer_names": names}
-
-
-_STEP_FILTER = """($from_step IS NULL OR {t}.step >= $from_step)
-      AND ($to_step IS NULL OR {t}.step <= $to_step)"""
-"""Inclusive step range on table alias ``{t}``, bound by :func:`_step_params`."""
-
-_LAYER_NAME = "coalesce(l.name, 'layer[' || CAST({t}.layer_index AS VARCHAR) || ']')"
-"""Layer name of table alias ``{t}`` joined to ``layers`` as ``l`` (``layer[i]`` when the
-store lacks the name)."""
-
-_LAYER_FILTER = """($layer_glob IS NULL OR {name} GLOB $layer_glob)
-      AND ($layer_names IS NULL OR list_contains($layer_names, {name}))"""
-"""Layer selection on the name expression ``{name}``, bound by :func:`_layer_params`."""
-
-
-def _layer_table_sql(select: str, table: str, order: str) -> str:
-    """``SELECT {select}`` over one run's rows of ``table`` (alias ``s``, joined to its
-    ``layers`` row ``l``; ``{layer}`` in ``select`` is the layer name), filtered by step
-    range and layer selection, sorted by ``order``."""
-    name = _LAYER_NAME.format(t="s")
-    return f"""
-    SELECT {select.format(layer=name)}
-    FROM {table} AS s
-    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
-    WHERE s.run_id = $run_id
-      AND {_STEP_FILTER.format(t="s")}
-      AND {_LAYER_FILTER.format(name=name)}
-    ORDER BY {order}
-    """
-
-
-LAYER_STATS_SQL = _layer_table_sql("""
-        s.run_id,
-        CAST(s.step AS BIGINT) AS step,
-        CAST(s.layer_index AS BIGINT) AS layer_index,
-        {layer} AS layer,
-        CAST(s.numel AS BIGINT) AS numel,
-        CAST(s.grad_norm AS DOUBLE) AS grad_norm,
-        CAST(sqrt(s.sum_sq / nullif(s.numel, 0)) AS DOUBLE) AS rms_grad,
-        CAST(s.mean_abs_grad AS DOUBLE) AS mean_abs_grad,
-        CAST(s.max_abs_grad AS DOUBLE) AS max_abs_grad,
-        CAST(s.nonfinite AS BIGINT) AS nonfinite,
-        CAST(s.flow_intensity AS DOUBLE) AS flow_intensity,
-        s.is_vanishing,
-        s.is_exploding,
-        CAST(s.sum_abs AS DOUBLE) AS sum_abs,
-        CAST(s.sum_sq AS DOUBLE) AS sum_sq,
-        CAST(sqrt(s.weight_sum_sq) AS DOUBLE) AS weight_norm,
-        CAST(s.update_to_weight AS DOUBLE) AS update_to_weight""",
-    "layer_stats", "s.step, s.layer_index")
-"""One run's ``layer_stats`` rows as a long table (see :meth:`Run.layer_stats`)."""
-
-RANK_STATS_SQL = _layer_table_sql("""
-        s.run_id,
-        CAST(s.step AS BIGINT) AS step,
-        CAST(s.rank AS BIGINT) AS rank,
-        CAST(s.layer_index AS BIGINT) AS layer_index,
-        {layer} AS layer,
-        CAST(s.numel AS BIGINT) AS numel,
-        CAST(sqrt(s.sum_sq) AS DOUBLE) AS grad_norm,
-        CAST(sqrt(s.sum_sq / nullif(s.numel, 0)) AS DOUBLE) AS rms_grad,
-        CAST(s.sum_abs / nullif(s.numel, 0) AS DOUBLE) AS mean_abs_grad,
-        CAST(s.max_abs_grad AS DOUBLE) AS max_abs_grad,
-        CAST(s.nonfinite AS BIGINT) AS nonfinite,
-        CAST(s.sum_abs AS DOUBLE) AS sum_abs,
-        CAST(s.sum_sq AS DOUBLE) AS sum_sq""",
-    "local_layer_stats", "s.step, s.rank, s.layer_index")
-"""One run's per-rank local view (``local_layer_stats``) as a long table (see
-:meth:`Run.rank_stats`)."""
-
-FRAMES_SQL = f"""
-    SELECT run_id,
-           CAST(step AS BIGINT) AS step,
-           health,
-           CAST(num_layers AS BIGINT) AS num_layers,
-           CAST(vanishing_layers AS BIGINT) AS vanishing_layers,
-           CAST(exploding_layers AS BIGINT) AS exploding_layers,
-           CAST(nonfinite_layers AS BIGINT) AS nonfinite_layers,
-           complete,
-           ranks_seen,
-           missing_ranks,
-           wall_time,
-           finalized_at
-    FROM frames AS f
-    WHERE run_id = $run_id AND {_STEP_FILTER.format(t="f")}
-    ORDER BY step
-"""
-"""One run's ``frames`` rows in step order (see :meth:`Run.frames`)."""
-
-ALERTS_SQL = f"""
-    SELECT run_id,
-           CAST(step AS BIGINT) AS step,
-           CAST(first_step AS BIGINT) AS first_step,
-           rule,
-           severity,
-           state,
-           layers,
-           ranks,
-           message,
-           alert_id,
-           incident_id,
-           created_at,
-           wall_time,
-           CAST(frame_values AS VARCHAR) AS frame_values
-    FROM alerts AS a
-    WHERE run_id = $run_id AND {_STEP_FILTER.format(t="a")}
-    ORDER BY step, created_at, alert_id
-"""
-"""One run's alert events in step order (see :meth:`Run.alerts`)."""
-
-RUNS_SQL = """
-    WITH frame_counts AS (
-        SELECT run_id, count(*) FILTER (WHERE NOT complete) AS partial_frames
-        FROM frames GROUP BY run_id
-    ),
-    rank_counts AS (
-        SELECT run_id, count(*) AS ranks_finished, sum(dropped) AS dropped_summaries
-        FROM run_ranks GROUP BY run_id
-    ),
-    incidents AS (
-        SELECT run_id, coalesce(incident_id, alert_id) AS incident,
-               bool_or(state = 'firing') AS fired, bool_or(state = 'resolved') AS resolved
-        FROM alerts GROUP BY ALL
-    ),
-    alert_counts AS (
-        SELECT run_id, count(*) FILTER (WHERE fired) AS alerts,
-               count(*) FILTER (WHERE fired AND NOT resolved) AS open_alerts
-        FROM incidents GROUP BY run_id
-    )
-    SELECT r.run_id,
-           r.health,
-           CAST(r.frames AS BIGINT) AS frames,
-           CAST(r.issue_frames AS BIGINT) AS issue_frames,
-           CAST(coalesce(r.issue_frames / nullif(r.frames, 0), 0.0) AS DOUBLE) AS issue_ratio,
-           CAST(coalesce(f.partial_frames, 0) AS BIGINT) AS partial_frames,
-           CAST(r.last_step AS BIGINT) AS last_step,
-           CAST(r.first_nonfinite_step AS BIGINT) AS first_nonfinite_step,
-           CAST(r.world_size AS BIGINT) AS world_size,
-           CAST(r.num_layers AS BIGINT) AS num_layers,
-           CAST(coalesce(k.ranks_finished, 0) AS BIGINT) AS ranks_finished,
-           CAST(coalesce(k.dropped_summaries, 0) AS BIGINT) AS dropped_summaries,
-           CAST(coalesce(a.alerts, 0) AS BIGINT) AS alerts,
-           CAST(coalesce(a.open_alerts, 0) AS BIGINT) AS open_alerts,
-           r.vanishing_threshold,
-           r.exploding_threshold,
-           r.host,
-           r.start_time,
-           r.end_time
-    FROM runs AS r
-    LEFT JOIN frame_counts AS f USING (run_id)
-    LEFT JOIN rank_counts AS k USING (run_id)
-    LEFT JOIN alert_counts AS a USING (run_id)
-    ORDER BY r.run_id
-"""
-"""One row per run (see :meth:`Store.runs`)."""
 
 
 class Store:
@@ -486,7 +283,7 @@ class Run:
             StoreError: invalid ``steps`` or ``layers``; the store cannot be read.
             ValueError: unknown ``as_``.
         """
-        return self._table(LAYER_STATS_SQL, {**_step_params(steps), **_layer_params(layers)},
+        return self._table(LAYER_STATS_SQL, {**step_params(steps), **layer_params(layers)},
                            as_)
 
     def rank_stats(self, steps: Steps = None, layers: Layers = None,
@@ -503,7 +300,7 @@ class Run:
 
         Args and raises: as :meth:`layer_stats`.
         """
-        return self._table(RANK_STATS_SQL, {**_step_params(steps), **_layer_params(layers)},
+        return self._table(RANK_STATS_SQL, {**step_params(steps), **layer_params(layers)},
                            as_)
 
     def frames(self, steps: Steps = None, as_: TableFlavour = "pandas") -> Any:
@@ -518,7 +315,7 @@ class Run:
         Raises:
             StoreError: invalid ``steps``; the store cannot be read. ValueError: ``as_``.
         """
-        return self._table(FRAMES_SQL, _step_params(steps), as_)
+        return self._table(FRAMES_SQL, step_params(steps), as_)
 
     def alerts(self, steps: Steps = None, as_: TableFlavour = "pandas") -> Any:
         """The run's alert events (firing and resolved), in step order.
@@ -533,7 +330,7 @@ class Run:
         Raises:
             StoreError: invalid ``steps``; the store cannot be read. ValueError: ``as_``.
         """
-        return self._table(ALERTS_SQL, _step_params(steps), as_)
+        return self._table(ALERTS_SQL, step_params(steps), as_)
 
     def report(self, steps: Steps = None) -> RunReport:
         """The run's summary, as ``gradstream report`` prints it
@@ -546,7 +343,7 @@ class Run:
         Raises:
             StoreError: invalid ``steps``; the store cannot be read.
         """
-        bounds = _step_params(steps)
+        bounds = step_params(steps)
         with self.store.reader() as reader:
             summary = reader.report(self.run_id, bounds["from_step"], bounds["to_step"])
         report = RunReport.model_validate(summary.model_dump())
@@ -572,7 +369,7 @@ class Run:
             StoreError: unknown analysis or option, invalid value, empty range, the store
                 cannot be read.
         """
-        bounds = _step_params(steps)
+        bounds = step_params(steps)
         values = {key: (str(value).lower() if isinstance(value, bool) else str(value))
                   for key, value in options.items()}
         with self.store.reader() as reader:
@@ -587,7 +384,7 @@ class Run:
         Raises:
             StoreError: invalid ``steps`` or limits; the store cannot be read.
         """
-        bounds = _step_params(steps)
+        bounds = step_params(steps)
         with self.store.reader() as reader:
             return reader.grid(self.run_id, max_steps, max_layers, bounds["from_step"],
                                bounds["to_step"])
@@ -645,97 +442,3 @@ class RunReport(GradientFlowSummary):
             except StoreError as exc:
                 note = f"heatmap unavailable: {exc}"
         return report_html(self, image, note)
-
-
-def heatmap_png(grid: GradientGrid, width_px: int = 1600) -> bytes:
-    """The bytes of the PNG heatmap of ``grid`` (:func:`analysis.plots.png.heatmap_figure`,
-    drawn without pyplot, so a notebook's backend and figures are left alone).
-
-    Raises:
-        StoreError: the grid has no frame.
-    """
-    from analysis.plots.png import DPI, heatmap_figure
-
-    if grid.n_frames == 0:
-        raise StoreError(f"run {grid.run_id!r} has no gradient frame in the requested steps")
-    buffer = io.BytesIO()
-    heatmap_figure(grid, width_px).savefig(buffer, format="png", dpi=DPI)
-    return buffer.getvalue()
-
-
-def _names(names: list[str], limit: int = NAMES_IN_TABLE) -> str:
-    """HTML of a list of layer names, ``limit`` shown, then "... and N more"."""
-    if not names:
-        return "none"
-    shown = ", ".join(f"<code>{html.escape(name)}</code>" for name in names[:limit])
-    more = f", ... and {len(names) - limit} more" if len(names) > limit else ""
-    return shown + more
-
-
-def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,
-                note: str = "") -> str:
-    """HTML of a run summary for Jupyter: the health badge (``class="gradstream-health"``,
-    colour of :data:`analysis.plots.colors.HEALTH_COLORS`), the counts, the flagged layers,
-    where NaN/Inf or an explosion started, the recommendations, then ``heatmap`` (PNG
-    bytes) as an ``<img src="data:image/png;base64,...">``, or ``note`` when there is none.
-    Every text from the store is HTML-escaped."""
-    from analysis.plots.colors import HEALTH_COLORS
-
-    health = summary.overall_health.value
-    colour = HEALTH_COLORS.get(health, "#616161")
-    badge = (f'<span class="gradstream-health" style="background:{colour};color:#fff;'
-             f'padding:2px 8px;border-radius:10px;font-weight:600">{html.escape(health)}</span>')
-    span = ""
-    if summary.from_step is not None or summary.to_step is not None:
-        last = "last" if summary.to_step is None else summary.to_step
-        span = f" (steps {summary.from_step or 0} to {last})"
-    nonfinite_since = ("" if summary.first_nonfinite_step is None
-                       else f" (first at step {summary.first_nonfinite_step})")
-    rows = [  # (label, HTML)
-        ("total steps", html.escape(f"{summary.total_steps}{span}")),
-        ("frames", html.escape(
-            f"{summary.frames} ({summary.partial_frames} partial, world size "
-            f"{summary.world_size}; {summary.ranks_finished} ranks finished, "
-            f"{summary.dropped_summaries} summaries dropped)")),
-        ("issue frames", html.escape(
-            f"{summary.issue_frames} ({summary.issue_ratio:.1%} of frames)")),
-        ("layers", str(summary.num_layers)),
-        ("vanishing", _names(summary.layers_with_vanishing_grads)),
-        ("exploding", _names(summary.layers_with_exploding_grads)),
-        ("non-finite", _names(summary.layers_with_nonfinite_grads) + nonfinite_since),
-    ]
-    if summary.layers_without_gradient:
-        rows.append(("no gradient", html.escape(
-            f"at rounding level since step {summary.no_gradient_since_step}: ")
-            + _names(summary.layers_without_gradient)))
-    for label, (patterns, names) in exclusion_rows(summary).items():
-        rows.append(("excluded", html.escape(
-            label + " " + ", ".join(map(repr, patterns)) + ": ") + _names(names)))
-    origin = local_origin_text(summary)
-    if origin:
-        rows.append(("started in", html.escape(origin)))
-    table = "".join(
-        f'<tr><th style="text-align:left;padding-right:1em">{label}</th>'
-        f'<td style="text-align:left">{value}</td></tr>'
-        for label, value in rows
-    )
-    recommendations = "".join(f"<li>{html.escape(text)}</li>"
-                              for text in summary.recommendations)
-    findings = "".join(f"<li>{html.escape(text)}</li>" for text in summary.findings)
-    picture = (
-        f'<img src="data:image/png;base64,{base64.b64encode(heatmap).decode("ascii")}" '
-        f'alt="gradient-norm heatmap of run {html.escape(summary.run_id)}" '
-        'style="max-width:100%">'
-        if heatmap is not None else (f"<p><em>{html.escape(note)}</em></p>" if note else "")
-    )
-    return (
-        '<div class="gradstream-report">'
-        f"<p><strong>gradient flow of run <code>{html.escape(summary.run_id)}</code></strong> "
-        f"{badge}</p>"
-        f"<table>{table}</table>"
-        + (f"<p><strong>Findings</strong></p><ul>{findings}</ul>" if findings else "")
-        + (f"<p><strong>Recommendations</strong></p><ul>{recommendations}</ul>"
-           if recommendations else "")
-        + picture + "</div>"
-    )
-

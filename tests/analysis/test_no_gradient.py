@@ -294,7 +294,7 @@ def test_a_healthy_run_has_no_such_layer(tmp_path):
 
 
 def test_notebook_html_shows_the_finding_and_the_exclusion(tmp_path):
-    from analysis.history import report_html
+    from analysis.notebook_html import report_html
 
     path = write(tmp_path, bert_like(5))
     page = report_html(report_of(path, ignore_layers=("attn.key.*",)))
@@ -316,7 +316,7 @@ def test_store_without_ignore_layers_column_still_reports(tmp_path):
     summary = report_of(path)
     assert summary.ignore_layers == [] and summary.overall_health is H.PROBLEMS_DETECTED
     assert report_of(path, ignore_layers=("*.bias",)).layers_excluded == ["attn.key.bias"]
-    from consumer.sink import DuckDBSink
+    from consumer.outputs.duckdb import DuckDBSink
 
     sink = DuckDBSink(path, write_behind=False)
     (run,) = sink.load_runs()

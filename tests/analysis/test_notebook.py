@@ -1,4 +1,4 @@
-"""The notebook API (:mod:`analysis.history`) on a crafted store in a real DuckDB file:
+"""The notebook API (:mod:`analysis.notebook`) on a crafted store in a real DuckDB file:
 run resolution, the table flavours, the step and layer filters (checked against direct SQL
 and :func:`fnmatch.fnmatchcase`), the values of the long tables, reports, HTML and figures."""
 
@@ -17,8 +17,8 @@ import pandas as pd
 import polars as pl
 import pyarrow as pa
 import pytest
-from analysis.history import Run, RunReport, Store
 
+from analysis.notebook import Run, RunReport, Store
 from analysis.read.connect import StoreError
 from analysis.registry import get
 from analysis.report import GradientFlowSummary, build_report
@@ -352,13 +352,13 @@ def test_missing_store_is_refused(tmp_path: Path) -> None:
 
 
 def test_package_import_stays_lazy() -> None:
-    """`import analysis` loads neither DuckDB nor pandas; `analysis.Store` loads history."""
+    """`import analysis` loads neither DuckDB nor pandas; `analysis.Store` loads the notebook module."""
     probe = (
         "import sys, analysis\n"
         "assert not any(m.split('.')[0] in ('duckdb', 'pandas', 'pyarrow') or "
-        "m == 'analysis.history' for m in sys.modules), sorted(sys.modules)\n"
+        "m == 'analysis.notebook' for m in sys.modules), sorted(sys.modules)\n"
         "from analysis import Store\n"
-        "assert Store.__module__ == 'analysis.history'\n"
+        "assert Store.__module__ == 'analysis.notebook'\n"
         "try:\n    analysis.Nope\nexcept AttributeError as exc:\n    print(exc)\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,

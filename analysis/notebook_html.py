@@ -1,0 +1,114 @@
+"""The Jupyter rendering of a run summary: HTML with the health badge, the flagged layers,
+the recommendations and the heatmap as an inline PNG (used by
+:meth:`analysis.notebook.RunReport._repr_html_`)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from typing import TYPE_CHECKING
+
+from analysis.read.connect import StoreError
+from analysis.report import (
+    NAMES_IN_TABLE,
+    GradientFlowSummary,
+    exclusion_rows,
+    local_origin_text,
+)
+
+if TYPE_CHECKING:
+    from analysis.plots.grid import GradientGrid
+
+
+def heatmap_png(grid: GradientGrid, width_px: int = 1600) -> bytes:
+    """The bytes of the PNG heatmap of ``grid`` (:func:`analysis.plots.png.heatmap_figure`,
+    drawn without pyplot, so a notebook's backend and figures are left alone).
+
+    Raises:
+        StoreError: the grid has no frame.
+    """
+    from analysis.plots.png import DPI, heatmap_figure
+
+    if grid.n_frames == 0:
+        raise StoreError(f"run {grid.run_id!r} has no gradient frame in the requested steps")
+    buffer = io.BytesIO()
+    heatmap_figure(grid, width_px).savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+def _names(names: list[str], limit: int = NAMES_IN_TABLE) -> str:
+    """HTML of a list of layer names, ``limit`` shown, then "... and N more"."""
+    if not names:
+        return "none"
+    shown = ", ".join(f"<code>{html.escape(name)}</code>" for name in names[:limit])
+    more = f", ... and {len(names) - limit} more" if len(names) > limit else ""
+    return shown + more
+
+
+def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,
+                note: str = "") -> str:
+    """HTML of a run summary for Jupyter: the health badge (``class="gradstream-health"``,
+    colour of :data:`analysis.plots.colors.HEALTH_COLORS`), the counts, the flagged layers,
+    where NaN/Inf or an explosion started, the recommendations, then ``heatmap`` (PNG
+    bytes) as an ``<img src="data:image/png;base64,...">``, or ``note`` when there is none.
+    Every text from the store is HTML-escaped."""
+    from analysis.plots.colors import HEALTH_COLORS
+
+    health = summary.overall_health.value
+    colour = HEALTH_COLORS.get(health, "#616161")
+    badge = (f'<span class="gradstream-health" style="background:{colour};color:#fff;'
+             f'padding:2px 8px;border-radius:10px;font-weight:600">{html.escape(health)}</span>')
+    span = ""
+    if summary.from_step is not None or summary.to_step is not None:
+        last = "last" if summary.to_step is None else summary.to_step
+        span = f" (steps {summary.from_step or 0} to {last})"
+    nonfinite_since = ("" if summary.first_nonfinite_step is None
+                       else f" (first at step {summary.first_nonfinite_step})")
+    rows = [  # (label, HTML)
+        ("total steps", html.escape(f"{summary.total_steps}{span}")),
+        ("frames", html.escape(
+            f"{summary.frames} ({summary.partial_frames} partial, world size "
+            f"{summary.world_size}; {summary.ranks_finished} ranks finished, "
+            f"{summary.dropped_summaries} summaries dropped)")),
+        ("issue frames", html.escape(
+            f"{summary.issue_frames} ({summary.issue_ratio:.1%} of frames)")),
+        ("layers", str(summary.num_layers)),
+        ("vanishing", _names(summary.layers_with_vanishing_grads)),
+        ("exploding", _names(summary.layers_with_exploding_grads)),
+        ("non-finite", _names(summary.layers_with_nonfinite_grads) + nonfinite_since),
+    ]
+    if summary.layers_without_gradient:
+        rows.append(("no gradient", html.escape(
+            f"at rounding level since step {summary.no_gradient_since_step}: ")
+            + _names(summary.layers_without_gradient)))
+    for label, (patterns, names) in exclusion_rows(summary).items():
+        rows.append(("excluded", html.escape(
+            label + " " + ", ".join(map(repr, patterns)) + ": ") + _names(names)))
+    origin = local_origin_text(summary)
+    if origin:
+        rows.append(("started in", html.escape(origin)))
+    table = "".join(
+        f'<tr><th style="text-align:left;padding-right:1em">{label}</th>'
+        f'<td style="text-align:left">{value}</td></tr>'
+        for label, value in rows
+    )
+    recommendations = "".join(f"<li>{html.escape(text)}</li>"
+                              for text in summary.recommendations)
+    findings = "".join(f"<li>{html.escape(text)}</li>" for text in summary.findings)
+    picture = (
+        f'<img src="data:image/png;base64,{base64.b64encode(heatmap).decode("ascii")}" '
+        f'alt="gradient-norm heatmap of run {html.escape(summary.run_id)}" '
+        'style="max-width:100%">'
+        if heatmap is not None else (f"<p><em>{html.escape(note)}</em></p>" if note else "")
+    )
+    return (
+        '<div class="gradstream-report">'
+        f"<p><strong>gradient flow of run <code>{html.escape(summary.run_id)}</code></strong> "
+        f"{badge}</p>"
+        f"<table>{table}</table>"
+        + (f"<p><strong>Findings</strong></p><ul>{findings}</ul>" if findings else "")
+        + (f"<p><strong>Recommendations</strong></p><ul>{recommendations}</ul>"
+           if recommendations else "")
+        + picture + "</div>"
+    )
