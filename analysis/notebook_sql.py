@@ -73,99 +73,77 @@ _LAYER_FILTER = """($layer_glob IS NULL OR {name} GLOB $layer_glob)
 """Layer selection on the name expression ``{name}``, bound by :func:`layer_params`."""
 
 
-def _layer_table_sql(select: str, table: str, order: str) -> str:
-    """``SELECT {select}`` over one run's rows of ``table`` (alias ``s``, joined to its
-    ``layers`` row ``l``; ``{layer}`` in ``select`` is the layer name), filtered by step
-    range and layer selection, sorted by ``order``."""
+def _bigint(*columns: str) -> str:
+    """``CAST(s.<c> AS BIGINT) AS <c>`` for each column, comma-separated."""
+    return ", ".join(f"CAST(s.{c} AS BIGINT) AS {c}" for c in columns)
+
+
+def _run_rows_sql(table: str, columns: str, order: str, by_layer: bool = False) -> str:
+    """One run's rows of ``table`` (alias ``s``) in the step range: ``run_id``, ``step``
+    (BIGINT), then ``columns``, sorted by ``order``. ``by_layer``: joined to its ``layers``
+    row ``l`` (``{layer}`` in ``columns`` is the layer name) and filtered by the layer
+    selection."""
     name = layer_name("s")
+    join = ("LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index"
+            if by_layer else "")
+    layer_filter = f"AND {_LAYER_FILTER.format(name=name)}" if by_layer else ""
     return f"""
-    SELECT {select.format(layer=name)}
+    SELECT s.run_id, CAST(s.step AS BIGINT) AS step, {columns.format(layer=name)}
     FROM {table} AS s
-    LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
+    {join}
     WHERE s.run_id = $run_id
       AND {step_range("s")}
-      AND {_LAYER_FILTER.format(name=name)}
+      {layer_filter}
     ORDER BY {order}
     """
 
 
-LAYER_STATS_SQL = _layer_table_sql("""
-        s.run_id,
-        CAST(s.step AS BIGINT) AS step,
-        CAST(s.layer_index AS BIGINT) AS layer_index,
-        {layer} AS layer,
-        CAST(s.numel AS BIGINT) AS numel,
+LAYER_STATS_SQL = _run_rows_sql("layer_stats", f"""
+        {_bigint("layer_index")},
+        {{layer}} AS layer,
+        {_bigint("numel")},
         CAST(s.grad_norm AS DOUBLE) AS grad_norm,
         CAST(sqrt(s.sum_sq / nullif(s.numel, 0)) AS DOUBLE) AS rms_grad,
         CAST(s.mean_abs_grad AS DOUBLE) AS mean_abs_grad,
         CAST(s.max_abs_grad AS DOUBLE) AS max_abs_grad,
-        CAST(s.nonfinite AS BIGINT) AS nonfinite,
+        {_bigint("nonfinite")},
         CAST(s.flow_intensity AS DOUBLE) AS flow_intensity,
-        s.is_vanishing,
-        s.is_exploding,
+        s.is_vanishing, s.is_exploding,
         CAST(s.sum_abs AS DOUBLE) AS sum_abs,
         CAST(s.sum_sq AS DOUBLE) AS sum_sq,
         CAST(sqrt(s.weight_sum_sq) AS DOUBLE) AS weight_norm,
         CAST(s.update_to_weight AS DOUBLE) AS update_to_weight""",
-    "layer_stats", "s.step, s.layer_index")
+    "s.step, s.layer_index", by_layer=True)
 """One run's ``layer_stats`` rows as a long table (see :meth:`Run.layer_stats`)."""
 
-RANK_STATS_SQL = _layer_table_sql("""
-        s.run_id,
-        CAST(s.step AS BIGINT) AS step,
-        CAST(s.rank AS BIGINT) AS rank,
-        CAST(s.layer_index AS BIGINT) AS layer_index,
-        {layer} AS layer,
-        CAST(s.numel AS BIGINT) AS numel,
+RANK_STATS_SQL = _run_rows_sql("local_layer_stats", f"""
+        {_bigint("rank", "layer_index")},
+        {{layer}} AS layer,
+        {_bigint("numel")},
         CAST(sqrt(s.sum_sq) AS DOUBLE) AS grad_norm,
         CAST(sqrt(s.sum_sq / nullif(s.numel, 0)) AS DOUBLE) AS rms_grad,
         CAST(s.sum_abs / nullif(s.numel, 0) AS DOUBLE) AS mean_abs_grad,
         CAST(s.max_abs_grad AS DOUBLE) AS max_abs_grad,
-        CAST(s.nonfinite AS BIGINT) AS nonfinite,
+        {_bigint("nonfinite")},
         CAST(s.sum_abs AS DOUBLE) AS sum_abs,
         CAST(s.sum_sq AS DOUBLE) AS sum_sq""",
-    "local_layer_stats", "s.step, s.rank, s.layer_index")
+    "s.step, s.rank, s.layer_index", by_layer=True)
 """One run's per-rank local view (``local_layer_stats``) as a long table (see
 :meth:`Run.rank_stats`)."""
 
-FRAMES_SQL = f"""
-    SELECT run_id,
-           CAST(step AS BIGINT) AS step,
-           health,
-           CAST(num_layers AS BIGINT) AS num_layers,
-           CAST(vanishing_layers AS BIGINT) AS vanishing_layers,
-           CAST(exploding_layers AS BIGINT) AS exploding_layers,
-           CAST(nonfinite_layers AS BIGINT) AS nonfinite_layers,
-           complete,
-           ranks_seen,
-           missing_ranks,
-           wall_time,
-           finalized_at
-    FROM frames AS f
-    WHERE run_id = $run_id AND {step_range("f")}
-    ORDER BY step
-"""
+FRAMES_SQL = _run_rows_sql("frames", f"""
+        s.health,
+        {_bigint("num_layers", "vanishing_layers", "exploding_layers", "nonfinite_layers")},
+        s.complete, s.ranks_seen, s.missing_ranks, s.wall_time, s.finalized_at""",
+    "s.step")
 """One run's ``frames`` rows in step order (see :meth:`Run.frames`)."""
 
-ALERTS_SQL = f"""
-    SELECT run_id,
-           CAST(step AS BIGINT) AS step,
-           CAST(first_step AS BIGINT) AS first_step,
-           rule,
-           severity,
-           state,
-           layers,
-           ranks,
-           message,
-           alert_id,
-           incident_id,
-           created_at,
-           wall_time,
-           CAST(frame_values AS VARCHAR) AS frame_values
-    FROM alerts AS a
-    WHERE run_id = $run_id AND {step_range("a")}
-    ORDER BY step, created_at, alert_id
-"""
+ALERTS_SQL = _run_rows_sql("alerts", f"""
+        {_bigint("first_step")},
+        s.rule, s.severity, s.state, s.layers, s.ranks, s.message, s.alert_id,
+        s.incident_id, s.created_at, s.wall_time,
+        CAST(s.frame_values AS VARCHAR) AS frame_values""",
+    "s.step, s.created_at, s.alert_id")
 """One run's alert events in step order (see :meth:`Run.alerts`)."""
 
 RUNS_SQL = """
