@@ -49,10 +49,10 @@ OptionsT = TypeVar("OptionsT", bound="BaseModel")
 ReportT = TypeVar("ReportT", bound="BaseModel")
 
 ANALYSES: dict[str, str] = {
-    "flow": "analysis.flow",
-    "enhanced": "analysis.enhanced",
-    "explosion": "analysis.explosion",
-    "weights": "analysis.weights",
+    "flow": "analysis.analyses.flow",
+    "enhanced": "analysis.analyses.enhanced",
+    "explosion": "analysis.analyses.explosion",
+    "weights": "analysis.analyses.weights",
 }
 """Registered analyses in display order: name -> module whose ``ANALYSIS`` is the entry."""
 

@@ -19,7 +19,7 @@ by default) leaves out the vanishing flag of the layers of the finding. The cons
 incremental :mod:`consumer.health` applies the same rule. The row flags are those of
 :mod:`schemas.flags`, which the analyses read too, and the explicit exclusion has one
 definition (:func:`analysis.read.exclusion.run_exclusion`), which the analyses apply too
-(:func:`analysis.analyses.history.load_history`, ``gradstream analyze --ignore-layers``):
+(:func:`analysis.blocks.gradient_arrays.load_history`, ``gradstream analyze --ignore-layers``):
 ``gradstream report`` and ``gradstream analyze`` list the same vanishing, exploding and
 non-finite layers, with or without exclusions. Both name the excluded layers apart
 (``layers_excluded``); the report says which setting excluded each (:func:`exclusion_rows`).

@@ -49,15 +49,15 @@ if str(BENCH) not in sys.path:
 
 import duckdb  # noqa: E402
 import reference_enhanced_port  # noqa: E402
-from analysis.analyses.history import GradientHistory, load_history  # noqa: E402
-from analysis.analyses.stats import z_critical  # noqa: E402
-from analysis.enhanced import build_enhanced_analysis, enhanced_from_history  # noqa: E402
-from analysis.explosion import build_explosion_analysis  # noqa: E402
-from analysis.flow import build_flow_visualization  # noqa: E402
-from analysis.weights import build_weight_analysis  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from analysis.analyses.enhanced import build_enhanced_analysis, enhanced_from_history  # noqa: E402
+from analysis.analyses.explosion import build_explosion_analysis  # noqa: E402
+from analysis.analyses.flow import build_flow_visualization  # noqa: E402
+from analysis.analyses.weights import build_weight_analysis  # noqa: E402
+from analysis.blocks.gradient_arrays import GradientHistory, load_history  # noqa: E402
+from analysis.blocks.significance import z_critical  # noqa: E402
 from analysis.read.connect import open_store  # noqa: E402
 from schemas.tables import SCHEMA_DDL  # noqa: E402
 

@@ -1,10 +1,10 @@
 """One run's gradient history, loaded from the store into dense NumPy arrays.
 
-The reference implementation (trustformers-debug's ``gradient_visualization`` and
+The reference (trustformers-debug's ``gradient_visualization`` and
 ``enhanced_analysis`` modules) keeps a ``HashMap<String, GradientHistory>`` per process and
 iterates it in hash order. Here a run's ``layer_stats`` rows in a step range become
 ``layers x steps`` arrays in **model order** (``layers.layer_index`` from RunStarted), read
-in one SQL pass plus one per-layer aggregate (both O(rows), run by DuckDB on every core).
+in one SQL pass plus one per-layer aggregate (both O(rows)).
 
 Per (layer, step) flags (:data:`FLAG_VANISHING` ...) are the row's stored flags, read
 through the one definition of each bit and predicate (:mod:`schemas.flags`): the flags the

@@ -1,6 +1,6 @@
 """The ``rules`` option shared by the flow, enhanced, explosion and weights analyses.
 
-gradstream's analyses port the reference implementation (trustformers-debug, modules
+gradstream's analyses port the reference (trustformers-debug, modules
 ``gradient_debugger::visualization``, ``gradient_debugger::enhanced_analysis`` and
 ``utilities::weight_analysis``). Where gradstream classifies differently (a statistical
 test instead of a fixed cut-off in norm units, a rule computed from data instead of a

@@ -1,7 +1,7 @@
 """Per-layer time-series statistics, vectorised over layers.
 
 Every function takes ``x``: float64 ``[L, W]``, one row per layer, NaN where the layer has
-no sample (the right-aligned :class:`analysis.analyses.history.Packed` layout, or any layout
+no sample (the right-aligned :class:`analysis.blocks.gradient_arrays.Packed` layout, or any layout
 where a row's samples are in step order), and returns one value per row. Each is a constant
 number of passes over the array: O(L x W) time, O(L x W) temporary memory.
 
@@ -9,7 +9,7 @@ number of passes over the array: O(L x W) time, O(L x W) temporary memory.
 those are exactly a layer's consecutive samples.
 
 The per-layer flow statistics follow trustformers-debug's ``gradient_visualization`` and
-``enhanced_analysis`` modules (the reference implementation); each docstring names the
+``enhanced_analysis`` modules (the reference, trustformers-debug); each docstring names the
 reference function and says where gradstream departs from it.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from analysis.analyses.stats import DEFAULT_ALPHA, t_critical, z_critical
+from analysis.blocks.significance import DEFAULT_ALPHA, t_critical, z_critical
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def moments(x: np.ndarray) -> Moments:
 def nearest_rank_percentiles(
     x: np.ndarray, n: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Median, 5th and 95th percentiles of every row, as the reference implementation defines
+    """Median, 5th and 95th percentiles of every row, as the reference defines
     them.
 
     With ``s`` the row's sorted samples (``n`` of them): ``median`` is the middle sample

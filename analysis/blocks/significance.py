@@ -1,6 +1,6 @@
 """Scalar statistics shared by the analyses: significance thresholds and robust fences.
 
-The reference implementation (trustformers-debug) classifies with fixed cut-offs
+The reference (trustformers-debug) classifies with fixed cut-offs
 (``avg < 1e-5``, ``ratio <= 1.2``...). gradstream replaces those with standard statistical
 tests at a significance level ``alpha`` (:data:`DEFAULT_ALPHA`, the user can change it) so
 that a class means "this is unlikely to be noise" whatever the units, the layer size or the

@@ -17,7 +17,7 @@ class Exclusion:
     """The layers a reader of one run leaves out of the verdict by explicit setting: their
     vanishing and exploding flags count nowhere (a NaN/Inf gradient still counts). The one
     definition used by ``gradstream report`` (:func:`analysis.report.build_report`) and
-    every analysis (:func:`analysis.analyses.history.load_history`, the explosion analysis).
+    every analysis (:func:`analysis.blocks.gradient_arrays.load_history`, the explosion analysis).
 
     Attributes:
         run_patterns: the run's own patterns (``runs.ignore_layers``: ``start_run(...,

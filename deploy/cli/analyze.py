@@ -49,7 +49,7 @@ class OutputFormat(StrEnum):
 
 
 class Scheme(StrEnum):
-    """Values of ``--color-scheme``: those of :class:`analysis.flow.ColorScheme`, repeated
+    """Values of ``--color-scheme``: those of :class:`analysis.analyses.flow.ColorScheme`, repeated
     here so that building the command does not import the flow analysis."""
 
     DEFAULT = "Default"

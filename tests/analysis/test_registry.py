@@ -158,14 +158,15 @@ def test_command_line_imports_no_analysis() -> None:
         "app = typer.Typer()\n"
         "analyze_cli.register(app)\n"
         "typer.main.get_command(app)\n"
-        "analyses = [m for m in sys.modules if m.split('.')[:2] in (['analysis', 'flow'], "
-        "['analysis', 'enhanced'], ['analysis', 'explosion'], ['analysis', 'weights'])]\n"
+        "analyses = [m for m in sys.modules if m.split('.')[:3] in (['analysis', 'analyses', "
+        "'flow'], ['analysis', 'analyses', 'enhanced'], ['analysis', 'analyses', 'explosion'], "
+        "['analysis', 'analyses', 'weights'])]\n"
         "heavy = [m for m in ('numpy', 'pydantic', 'duckdb') if m in sys.modules]\n"
         "assert not analyses and not heavy, (analyses, heavy)\n"
         "from deploy.cli import app as root\n"
         "typer.main.get_command(root)\n"
-        "assert not any(m.startswith(('analysis.flow', 'analysis.weights')) "
-        "for m in sys.modules)\n"
+        "assert not any(m.startswith(('analysis.analyses.flow', "
+        "'analysis.analyses.weights')) for m in sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 

@@ -1,6 +1,6 @@
 """Gradient hierarchy of the enhanced analysis: layers grouped by the decade of their mean
 gradient norm, one level per group, and the interactions between levels (formulas in
-:mod:`analysis.analyses.enhanced_models`). O(layers x steps) plus O(levels^2 x steps)
+:mod:`analysis.analyses.enhanced.models`). O(layers x steps) plus O(levels^2 x steps)
 for the cross-level pairs (a handful of decades). Semantics follow trustformers-debug's
 ``enhanced_analysis`` module, except the grouping: decades of the mean norm instead of
 the reference's bands > 1, [0.1, 1], < 0.1 (those with ``rules="reference"``), and
@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from analysis.analyses import series
-from analysis.analyses.enhanced_models import (
+from analysis.analyses.enhanced.layer_facts import LayerFacts
+from analysis.analyses.enhanced.models import (
     CrossLevelInteraction,
     GradientHierarchy,
     GroupCharacteristics,
@@ -24,9 +24,9 @@ from analysis.analyses.enhanced_models import (
     LayerHealth,
     OptimizationDifficulty,
 )
-from analysis.analyses.history import GradientHistory
-from analysis.analyses.layer_facts import LayerFacts
-from analysis.analyses.stats import family_alpha, pearson_significant, z_critical
+from analysis.blocks import series
+from analysis.blocks.gradient_arrays import GradientHistory
+from analysis.blocks.significance import family_alpha, pearson_significant, z_critical
 
 ZERO_GROUP = "zero gradient"
 
@@ -103,7 +103,7 @@ def build_hierarchy(
         alpha: significance level of the cross-level tests.
         groups: ``[(name, positions)]`` largest gradients first; ``None`` =
             :func:`decade_groups` of the layers' mean norms (the reference's three bands
-            are :func:`analysis.analyses.enhanced_reference.reference_bands`).
+            are :func:`analysis.analyses.enhanced.reference.reference_bands`).
 
     Returns:
         The :class:`GradientHierarchy`.

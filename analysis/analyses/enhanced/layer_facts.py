@@ -1,10 +1,10 @@
-"""Per-layer facts behind the enhanced analysis (``analysis.enhanced``), computed once for
+"""Per-layer facts behind the enhanced analysis (``analysis.analyses.enhanced``), computed once for
 all layers.
 
 Every array is indexed by layer position (model order) and computed in a constant number
 of vectorised passes over the ``layers x steps`` history; the report builders in
-:mod:`analysis.enhanced`, :mod:`analysis.analyses.network` and
-:mod:`analysis.analyses.hierarchy` only read them.
+:mod:`analysis.analyses.enhanced`, :mod:`analysis.analyses.enhanced.network` and
+:mod:`analysis.analyses.enhanced.hierarchy` only read them.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from analysis.analyses import series
-from analysis.analyses.enhanced_models import LayerHealth
-from analysis.analyses.history import (
+from analysis.analyses.enhanced.models import LayerHealth
+from analysis.blocks import series
+from analysis.blocks.gradient_arrays import (
     FLAG_DEAD,
     FLAG_EXPLODING,
     FLAG_ISSUE,
@@ -24,7 +24,7 @@ from analysis.analyses.history import (
     FLAG_VANISHING,
     GradientHistory,
 )
-from analysis.analyses.stats import family_alpha
+from analysis.blocks.significance import family_alpha
 
 RISK_VANISHING = "vanishing"
 RISK_DEAD = "dead"
@@ -43,7 +43,7 @@ class LayerFacts:
         median, p5, p95: nearest-rank percentiles of the norms
             (:func:`series.nearest_rank_percentiles`).
         consistency, smoothness, stability, flow_rate: see
-            :class:`analysis.analyses.enhanced_models.FlowCharacteristics`.
+            :class:`analysis.analyses.enhanced.models.FlowCharacteristics`.
         fit: least-squares trend of the norms against the step (all samples).
         turning: turning-point statistics of the norms (all samples).
         convergence: ``1 - exp(b span)`` of the ``ln n`` fit over the last W non-zero

@@ -1,8 +1,8 @@
 """Report models of the enhanced gradient analysis (per-layer statistics, convergence,
 stability, hierarchy, priorities).
 
-Field names and semantics follow trustformers-debug's ``enhanced_analysis`` module (the
-reference implementation). Each class docstring gives the formula of its fields; ``n_t``
+Field names and semantics follow the reference (trustformers-debug,
+``enhanced_analysis``). Each class docstring gives the formula of its fields; ``n_t``
 is a layer's gradient norm (``grad_norm``) at its t-th sample in the range, ``G_t`` the
 whole-model gradient norm ``sqrt(sum_l n_l,t^2)``, ``alpha`` the significance level of the
 tests (default 0.01; tests repeated per layer or per layer pair use ``alpha`` divided by
@@ -16,8 +16,8 @@ Fields of the reference that cannot be computed from gradient telemetry are left
 
 Differences from the reference: each class below gives gradstream's rule and, where the
 verdict differs, the reference's; the report option ``rules="reference"`` applies the
-reference's rules (:mod:`analysis.analyses.enhanced_reference`). The full list with
-reasons is in :mod:`analysis.enhanced` and ``analysis/REFERENCE_DIFFERENCES.md``. Added
+reference's rules (:mod:`analysis.analyses.enhanced.reference`). The full list with
+reasons is in :mod:`analysis.analyses.enhanced` and ``analysis/REFERENCE_DIFFERENCES.md``. Added
 here: :class:`AnalysisDepth` mapped to sections, ``StabilityAssessment.stability_threshold``
 / ``above_stability_threshold``, and fields the reference lacks (``layer_index``,
 ``trend_slope``, ``oscillation_significant``, the flag fractions and counts,
@@ -704,7 +704,7 @@ class EnhancedLayerGradientAnalysis(_Model):
     ``layer_details`` in model order; ``convergence_window``, ``interaction_window`` and
     ``alpha`` are the parameters used (``interaction_window`` as applied: all pairs at
     Comprehensive and Expert depth); ``rules``, ``analysis_depth`` and
-    ``stability_threshold`` the options (:mod:`analysis.analyses.reference`,
+    ``stability_threshold`` the options (:mod:`analysis.blocks.rules`,
     :class:`AnalysisDepth`). ``ignore_layers``: the patterns applied (the run's own,
     then the reader's); ``layers_excluded``: the layers of the range they match, whose
     vanishing, exploding and dead flags count nowhere here (as in ``gradstream

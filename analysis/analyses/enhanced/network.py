@@ -1,9 +1,9 @@
 """Network-level part of the enhanced analysis: distribution of the layers, layer
 interactions, convergence, training dynamics and stability (formulas in
-:mod:`analysis.analyses.enhanced_models`). Semantics follow trustformers-debug's
+:mod:`analysis.analyses.enhanced.models`). Semantics follow trustformers-debug's
 ``enhanced_analysis`` module; where the rules differ, and the reference's rules behind the
-option ``rules="reference"``: :mod:`analysis.enhanced`,
-:mod:`analysis.analyses.enhanced_reference` and ``analysis/REFERENCE_DIFFERENCES.md``."""
+option ``rules="reference"``: :mod:`analysis.analyses.enhanced`,
+:mod:`analysis.analyses.enhanced.reference` and ``analysis/REFERENCE_DIFFERENCES.md``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,17 @@ import math
 
 import numpy as np
 
-from analysis.analyses import series
-from analysis.analyses.enhanced_models import (
+from analysis.analyses.enhanced.layer_facts import (
+    RISK_DEAD,
+    RISK_EXPLODING,
+    RISK_NONFINITE,
+    RISK_OSCILLATING,
+    RISK_VANISHING,
+    LayerFacts,
+    convergence_score,
+    finite_or,
+)
+from analysis.analyses.enhanced.models import (
     ConvergenceIndicators,
     ConvergenceTrend,
     DistributionType,
@@ -32,18 +41,9 @@ from analysis.analyses.enhanced_models import (
     StabilityTrend,
     TrainingDynamics,
 )
-from analysis.analyses.history import FLAG_ISSUE, FLAG_NONFINITE, GradientHistory
-from analysis.analyses.layer_facts import (
-    RISK_DEAD,
-    RISK_EXPLODING,
-    RISK_NONFINITE,
-    RISK_OSCILLATING,
-    RISK_VANISHING,
-    LayerFacts,
-    convergence_score,
-    finite_or,
-)
-from analysis.analyses.stats import family_alpha, pearson_significant, z_critical
+from analysis.blocks import series
+from analysis.blocks.gradient_arrays import FLAG_ISSUE, FLAG_NONFINITE, GradientHistory
+from analysis.blocks.significance import family_alpha, pearson_significant, z_critical
 
 
 def overall_health(health: list[LayerHealth], risks: list[list[str]]) -> LayerHealth:

@@ -1,6 +1,6 @@
-"""The reference implementation's rules of the enhanced analysis (trustformers-debug,
+"""The reference's rules of the enhanced analysis (trustformers-debug,
 ``gradient_debugger::enhanced_analysis``, ``EnhancedGradientAnalyzer``), used by
-:mod:`analysis.enhanced` with ``rules="reference"``.
+:mod:`analysis.analyses.enhanced` with ``rules="reference"``.
 
 :func:`reference_facts` computes the reference's per-layer figures (vectorised over the
 layers, O(layers x steps)); :func:`apply_reference_rules` rewrites the parts of a report
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from analysis.analyses.enhanced_models import (
+from analysis.analyses.enhanced.layer_facts import LayerFacts
+from analysis.analyses.enhanced.models import (
     ActionType,
     ComparativeAnalysis,
     ConvergenceTrend,
@@ -44,8 +45,7 @@ from analysis.analyses.enhanced_models import (
     SuggestionType,
     UrgencyLevel,
 )
-from analysis.analyses.history import GradientHistory
-from analysis.analyses.layer_facts import LayerFacts
+from analysis.blocks.gradient_arrays import GradientHistory
 
 __all__ = [
     "HIGH_MEAN",

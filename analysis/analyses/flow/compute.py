@@ -1,54 +1,15 @@
-"""Gradient-flow network analysis (per-layer flow, flow network, regions, dead zones),
-computed from the stored history of a run. Semantics follow the reference implementation
-(trustformers-debug, module ``gradient_debugger::visualization``).
-
-:func:`build_flow_visualization` loads the run once (:func:`load_history`) and derives
-every section with NumPy passes over the ``layers x steps`` arrays, O(layers x steps) in
-total. The report models and the formula of every field are in
-:mod:`analysis.analyses.flow_models`.
-
-Differences from the reference (with reasons in ``analysis/REFERENCE_DIFFERENCES.md``;
-the option ``rules="reference"`` restores those marked R, with the reference's own
-cut-offs, from :mod:`analysis.analyses.flow_reference`):
-
-- Placeholders computed from data: ``direction_vector = [norm]`` (left out: needs gradient
-  vectors), ``connectivity = number of layers`` (node degree), edges between hash-order
-  neighbours (consecutive layers in backpropagation order), ``criticality_score 0.8`` and
-  ``optimization_potential 0.6`` (share of gradient lost along the path; share of the
-  parameters on it), ``affected_parameters 1000`` (sum of the layers' ``numel``).
-- (R) ``FlowDirection``: turning-point test and a t-test on the slope over the temporal
-  window, instead of the sign of ``latest - oldest`` over the last three samples.
-- (R) ``stability_score``: ``1 / (1 + std / mean)`` over the window instead of ``1 / (1 +
-  variance)`` of the last five samples.
-- (R) ``NodeType``: position in the backpropagation chain and Tukey fences on the edges'
-  per-element log gains, instead of ``bottleneck_score > 0.8`` / ``flow rate > 1`` /
-  ``sum of norms < 0.01`` / ``any norm > 10``.
-- (R) ``FlowEdge`` and ``EdgeType``: per-element gain between the two layers (geometric
-  mean, consistency, zero fraction) and cut-offs Blocked >= 1/2 zero, Intermittent
-  consistency < 1/2, Strong gain >= 1, instead of the mean of the two layers' flow rates
-  and consistencies with cut-offs 1.0 / 0.8, 0.1 / 0.3, 0.6 and a fall-through to Blocked.
-- (R) ``network_connectivity``: share of edges not Blocked instead of ``edges / (n (n -
-  1))``.
-- Critical paths: stretches of non-Strong edges, product of gains (reference: one
-  "main path" of all layers, sum of strengths, constant scores).
-- (R) Vanishing and exploding regions, dead zones: the run's own per-step flags (the rule
-  of health, report and alerts), at least half of the steps, adjacent layers merged,
-  severities in orders of magnitude, instead of one region per layer at mean norm < 1e-5
-  (Critical < 1e-7), max norm > 100 (Critical > 1000), norms < 1e-8 in more than half of
-  the samples.
-- ``flow_consistency``: a zero sample followed by a non-zero one is an infinite change
-  (the reference's ``+ 1e-8`` gives 1e8, the same consistency to eight digits).
+"""The gradient-flow network analysis computed from a loaded gradient history (see
+:mod:`analysis.analyses.flow` for the sections and the differences from the reference).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
-from analysis.analyses.flow_models import (
-    PALETTES,
-    ColorScheme,
+
+from analysis.analyses.flow import reference as flow_reference
+from analysis.analyses.flow.models import (
     CriticalGradientPath,
     EdgeType,
     ExplodingRegion,
@@ -70,82 +31,20 @@ from analysis.analyses.flow_models import (
     VanishingRegion,
     VanishingSeverity,
 )
-from analysis.analyses.history import (
+from analysis.analyses.flow.regions import adjacent_runs, steps_all, steps_any
+from analysis.blocks import series
+from analysis.blocks.gradient_arrays import (
     FLAG_DEAD,
     FLAG_EXPLODING,
     FLAG_NONFINITE,
     FLAG_VANISHING,
     GradientHistory,
     Packed,
-    load_history,
 )
-from analysis.analyses.reference import DEFAULT_RULES, Rules
-from analysis.analyses.regions import adjacent_runs, steps_all, steps_any
-from analysis.analyses.render import (
-    ROWS_IN_TABLE,
-    add_more_row,
-    excluded_text,
-    num,
-    show_name,
-    table,
-)
-from analysis.analyses.stats import DEFAULT_ALPHA, family_alpha, tukey_fences
-from pydantic import BaseModel, ConfigDict, Field
-from rich.console import Group, RenderableType
-from rich.text import Text
-
-from analysis.analyses import flow_reference, series
+from analysis.blocks.significance import family_alpha, tukey_fences
 from analysis.read.connect import StoreError
-from analysis.read.exclusion import split_patterns
-from analysis.registry import Analysis
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-
-    import duckdb
-
-__all__ = [
-    "ANALYSIS",
-    "ColorScheme",
-    "FlowOptions",
-    "GradientFlowVisualization",
-    "GradientVisualizationConfig",
-    "build_flow_visualization",
-    "flow_from_history",
-    "render_flow",
-]
 
 _SEVERITY_ORDER = ("Mild", "Moderate", "Severe", "Critical")
-
-
-def build_flow_visualization(
-    con: duckdb.DuckDBPyConnection,
-    run_id: str,
-    from_step: int | None = None,
-    to_step: int | None = None,
-    config: GradientVisualizationConfig | None = None,
-    ignore_layers: Sequence[str] = (),
-) -> GradientFlowVisualization:
-    """The gradient-flow network analysis (``generate_visualization``) over one run's stored
-    history.
-
-    Args:
-        con: a connection from :func:`analysis.read.connect.open_store`.
-        run_id: the run.
-        from_step, to_step: inclusive step range (``None`` = open).
-        config: window, significance level, colour scheme, sections; the reference defaults.
-        ignore_layers: patterns excluded besides the run's own ``ignore_layers``: the
-            layers of the report's exclusion have no vanishing, exploding or dead flag here
-            (:func:`analysis.analyses.history.load_history`).
-
-    Returns:
-        The :class:`GradientFlowVisualization`.
-
-    Raises:
-        StoreError: unknown run, invalid step range, or no gradient rows in the range.
-    """
-    history = load_history(con, run_id, from_step, to_step, ignore_layers)
-    return flow_from_history(history, config)
 
 
 def flow_from_history(
@@ -154,7 +53,7 @@ def flow_from_history(
     """Compute the visualisation data from a loaded history (see the module docstring).
 
     Args:
-        history: from :func:`analysis.analyses.history.load_history`.
+        history: from :func:`analysis.blocks.gradient_arrays.load_history`.
         config: see :func:`build_flow_visualization`.
 
     Returns:
@@ -683,183 +582,3 @@ def _dead_zones(history: GradientHistory) -> list[GradientDeadZone]:
         )
     return zones
 
-
-# -- terminal rendering -------------------------------------------------------------------
-
-
-def render_flow(report: GradientFlowVisualization) -> RenderableType:
-    """Tables of the visualisation data for a terminal: network metrics, nodes and edges
-    (at most ``ROWS_IN_TABLE`` each), critical paths, problem regions and latest flow
-    directions, coloured with the report's colour scheme.
-
-    Args:
-        report: from :func:`build_flow_visualization`.
-
-    Returns:
-        A rich renderable.
-    """
-    cfg = report.visualization_config
-    palette = PALETTES[cfg.color_scheme]
-    parts: list[RenderableType] = []
-    head = Text("gradient flow of run ", style="bold")
-    head.append(show_name(report.run_id))
-    head.append(f"  ({report.layers} layers, {report.steps} steps, {cfg.rules} rules)",
-                style="dim")
-    parts.append(head)
-    if report.ignore_layers:
-        excluded = Text("excluded ", style="bold")
-        excluded.append_text(excluded_text(report.ignore_layers, report.layers_excluded))
-        parts.append(excluded)
-    m = report.flow_network.network_metrics
-    metrics = table("network", ["metric", "value"], [False, True])
-    for name, value in m.model_dump().items():
-        metrics.add_row(name, num(value))
-    parts.append(metrics)
-
-    strongest = max((n.gradient_strength for n in report.flow_network.nodes), default=0.0)
-    flows = {f.layer_name: f for f in report.layer_flows}
-    latest = {t.layer_name: t for t in report.temporal_flows}
-    nodes = table(
-        "layers (model order)",
-        ["layer", "node", "mean norm", "consist.", "bneck", "direction", "stab."],
-        [False, False, True, True, True, False, True],
-    )
-    for node in report.flow_network.nodes[:ROWS_IN_TABLE]:
-        dim = strongest > 0 and node.gradient_strength < cfg.flow_threshold * strongest
-        flow = flows[node.layer_name]
-        temporal = latest.get(node.layer_name)
-        nodes.add_row(
-            Text(show_name(node.layer_name), style="dim" if dim else ""),
-            Text(node.node_type.value, style=palette[node.node_type.value]),
-            num(node.gradient_strength),
-            num(flow.flow_consistency),
-            num(flow.bottleneck_score),
-            temporal.flow_direction.value if temporal else "-",
-            num(temporal.stability_score) if temporal else "-",
-        )
-    add_more_row(nodes, len(report.flow_network.nodes), ROWS_IN_TABLE)
-    parts.append(nodes)
-
-    edges = table(
-        "edges (backpropagation order)",
-        ["from", "to", "type", "gain", "consist.", "blocked"],
-        [False, False, False, True, True, True],
-    )
-    for edge in report.flow_network.edges[:ROWS_IN_TABLE]:
-        edges.add_row(
-            show_name(edge.from_layer), show_name(edge.to_layer),
-            Text(edge.edge_type.value, style=palette[edge.edge_type.value]),
-            num(edge.flow_strength), num(edge.flow_consistency),
-            f"{edge.blocked_fraction:.0%}",
-        )
-    add_more_row(edges, len(report.flow_network.edges), ROWS_IN_TABLE)
-    if report.flow_network.edges:
-        parts.append(edges)
-
-    if report.critical_paths:
-        paths = table(
-            "critical paths (stretches of non-Strong edges, backpropagation order)",
-            ["path", "from", "to", "layers", "gain", "lost", "params", "bneck"],
-            [False, False, False, True, True, True, True, True],
-        )
-        for path in report.critical_paths[:ROWS_IN_TABLE]:
-            paths.add_row(
-                path.path_id, show_name(path.layers[0]), show_name(path.layers[-1]),
-                str(path.path_length), num(path.total_flow_strength, 2),
-                f"{path.criticality_score:.0%}", f"{path.optimization_potential:.0%}",
-                str(len(path.bottleneck_layers)),
-            )
-        add_more_row(paths, len(report.critical_paths), ROWS_IN_TABLE)
-        parts.append(paths)
-
-    problems = table(
-        "problem regions (adjacent layers, model order)",
-        ["region", "severity", "first layer", "last layer", "layers", "params", "steps"],
-        [False, False, False, False, True, True, True],
-    )
-    advice = Text()
-    regions: list[VanishingRegion | ExplodingRegion] = [
-        *report.vanishing_regions, *report.exploding_regions
-    ]
-    for region in regions:
-        severity = region.severity_level.value
-        layers = region.affected_layers
-        problems.add_row(
-            region.region_id, Text(severity, style=palette[severity]),
-            show_name(layers[0]), show_name(layers[-1]), str(len(layers)),
-            str(region.extent.affected_parameters), str(region.extent.duration_steps),
-        )
-        for line in region.mitigation_suggestions:
-            advice.append(("\n" if advice.plain else "") + f"• {region.region_id}: {line}")
-    for zone in report.dead_zones:
-        layers = zone.affected_layers
-        problems.add_row(
-            zone.zone_id, f"recovery {zone.recovery_potential.value}",
-            show_name(layers[0]), show_name(layers[-1]), str(len(layers)),
-            str(zone.affected_parameters), str(zone.dead_duration),
-        )
-        if zone.intervention_required:
-            advice.append(("\n" if advice.plain else "")
-                          + f"• {zone.zone_id}: no gradient reaches these layers; check that "
-                          "they are connected to the loss and that their units are not dead.")
-    if regions or report.dead_zones:
-        parts += [problems, advice]
-    else:
-        parts.append(Text("no vanishing or exploding regions, no dead zones", style="green"))
-    return Group(*parts)
-
-
-# -- registry entry ------------------------------------------------------------------------
-
-
-class FlowOptions(BaseModel):
-    """Options of the flow analysis (``gradstream analyze --kind flow``, ``/api/analysis/flow``).
-
-    - ``window``: samples per layer behind the flow directions and stability scores
-      (``temporal_window`` of :class:`GradientVisualizationConfig`), >= 1.
-    - ``alpha``: significance level of the direction tests, in (0, 1).
-    - ``color_scheme``: colours of the tables and of the report's palette.
-    - ``rules``: ``"gradstream"`` (default) or ``"reference"``: the reference's flow
-      directions, stability scores, node and edge types, connectivity, regions and dead
-      zones (see the module docstring).
-    - ``ignore_layers``: comma-separated layer-name patterns excluded besides the run's
-      own ``ignore_layers`` (as ``gradstream report --ignore-layers``: the matched layers'
-      vanishing, exploding and dead flags count nowhere, NaN/Inf still does;
-      :func:`analysis.read.exclusion.run_exclusion`).
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    window: int = Field(default=GradientVisualizationConfig().temporal_window, ge=1)
-    alpha: float = Field(default=DEFAULT_ALPHA, gt=0.0, lt=1.0)
-    color_scheme: ColorScheme = ColorScheme.DEFAULT
-    rules: Rules = DEFAULT_RULES
-    ignore_layers: str = ""
-
-
-def _build(
-    con: duckdb.DuckDBPyConnection,
-    run_id: str,
-    from_step: int | None,
-    to_step: int | None,
-    options: FlowOptions,
-) -> GradientFlowVisualization:
-    """:func:`build_flow_visualization` with the config made from ``options`` (other
-    config fields at their defaults). Raises what that function raises."""
-    config = GradientVisualizationConfig(
-        temporal_window=options.window, alpha=options.alpha, color_scheme=options.color_scheme,
-        rules=options.rules,
-    )
-    return build_flow_visualization(con, run_id, from_step, to_step, config,
-                                    split_patterns(options.ignore_layers))
-
-
-ANALYSIS = Analysis(
-    name="flow",
-    help="Gradient flow network, vanishing and exploding regions, dead zones and critical "
-    "paths.",
-    options=FlowOptions,
-    build=_build,
-    render=render_flow,
-)
-"""The flow analysis's entry in :data:`analysis.registry.ANALYSES`."""

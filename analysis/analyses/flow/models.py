@@ -1,15 +1,15 @@
 """Report models of the gradient-flow network analysis (per-layer flow, flow network,
 critical paths, regions, dead zones).
 
-Field names follow the reference implementation (trustformers-debug, module
+Field names follow the reference (trustformers-debug, module
 ``gradient_debugger::visualization``); the formula of every field is in its class docstring
-and in :mod:`analysis.flow`. Collections keyed by layer name in the reference (``HashMap``)
+and in :mod:`analysis.analyses.flow`. Collections keyed by layer name in the reference (``HashMap``)
 are lists in model order here, each entry carrying its ``layer_name``.
 
 Differences from the reference: the classes below state gradstream's rule and, where it
 differs, the reference's; ``GradientVisualizationConfig.rules = "reference"`` applies the
-reference's rules (:mod:`analysis.analyses.flow_reference`). The full list with reasons
-is in :mod:`analysis.flow` and ``analysis/REFERENCE_DIFFERENCES.md``. Fields added here:
+reference's rules (:mod:`analysis.analyses.flow.reference`). The full list with reasons
+is in :mod:`analysis.analyses.flow` and ``analysis/REFERENCE_DIFFERENCES.md``. Fields added here:
 ``layer_index``, ``samples``, ``blocked_fraction``, ``GradientDeadZone.affected_parameters``
 and the report's run/range header; ``GradientVisualizationConfig`` adds ``alpha`` and
 ``rules``.
@@ -223,7 +223,7 @@ class NetworkMetrics(_Model):
     - ``flow_stability``: mean ``flow_consistency`` of the edges (as in the reference); 0
       without.
     - ``information_propagation_speed``: ``overall_flow_efficiency x
-      network_connectivity`` (the reference's product, now of measured factors).
+      network_connectivity`` (the reference's product, of measured factors).
     """
 
     overall_flow_efficiency: float
@@ -391,7 +391,7 @@ class GradientVisualizationConfig(_Model):
     - ``alpha``: significance level of the statistical tests (direction classes).
     - ``rules``: ``"gradstream"`` (default) or ``"reference"``: the reference's rules for
       flow directions, stability scores, node and edge types, network connectivity,
-      regions and dead zones (:mod:`analysis.analyses.flow_reference`). Not a field of the
+      regions and dead zones (:mod:`analysis.analyses.flow.reference`). Not a field of the
       reference's config.
     """
 

@@ -1,20 +1,20 @@
-"""The reference implementation's classification rules of the gradient-flow network
+"""The reference's classification rules of the gradient-flow network
 analysis (trustformers-debug, ``gradient_debugger::visualization``), used by
-:mod:`analysis.flow` with ``rules="reference"``.
+:mod:`analysis.analyses.flow` with ``rules="reference"``.
 
 Each function reproduces one rule as the reference writes it, vectorised over layers
 (model order); the cut-offs are the reference's constants, in gradient-norm units. Inputs
-are the right-aligned per-layer series of :class:`analysis.analyses.history.Packed`
+are the right-aligned per-layer series of :class:`analysis.blocks.gradient_arrays.Packed`
 (``values`` float64 ``[L, W]``, NaN before a layer's first sample; only rows with a finite
 norm). gradstream's own rules, and why they are the default, are in
-:mod:`analysis.analyses.flow_models` and ``analysis/REFERENCE_DIFFERENCES.md``.
+:mod:`analysis.analyses.flow.models` and ``analysis/REFERENCE_DIFFERENCES.md``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from analysis.analyses.flow_models import (
+from analysis.analyses.flow.models import (
     EdgeType,
     ExplodingSeverity,
     FlowDirection,

@@ -1,7 +1,7 @@
 """Runs of adjacent layers (model order) sharing a property: the vanishing / exploding
 regions and dead zones of the gradient-flow network analysis.
 
-The reference implementation (trustformers-debug's ``gradient_visualization`` module)
+The reference (trustformers-debug's ``gradient_visualization`` module)
 reports one region per layer, in hash order. A region here is a maximal run of
 layers that are adjacent in model order (consecutive positions of the run's layer list)
 and all have the property; a layer in between without it, or with no data in the range,

@@ -4,17 +4,17 @@ off by default), as in trustformers-debug's ``WeightAnalyzer``, which reads ever
 
 One module per concern:
 
-- :mod:`analysis.weights.models`: the pydantic report models, with the formula of every
+- :mod:`analysis.analyses.weights.models`: the pydantic report models, with the formula of every
   field.
-- :mod:`analysis.weights.load`: the SQL: the stored per-layer weight statistics of one
+- :mod:`analysis.analyses.weights.load`: the SQL: the stored per-layer weight statistics of one
   step as a :class:`schemas.stats.WeightMoments` with each row's replica count, the update
   norms between two steps, the first NaN/Inf step.
-- :mod:`analysis.weights.compute`: statistics, outliers and health at one step, drift
+- :mod:`analysis.analyses.weights.compute`: statistics, outliers and health at one step, drift
   between two steps, from the loaded statistics (no I/O); moments, entropy and zero
   fraction come from :meth:`schemas.stats.WeightMoments.get`.
-- :mod:`analysis.weights.render`: the terminal tables.
+- :mod:`analysis.analyses.weights.render`: the terminal tables.
 
-Differences from the reference (listed in :mod:`analysis.weights.models` and
+Differences from the reference (listed in :mod:`analysis.analyses.weights.models` and
 ``analysis/REFERENCE_DIFFERENCES.md``): outlier bounds, extreme-value deductions, pooled
 overall statistics and the histogram entropy; the option ``rules="reference"`` restores
 the reference's. :class:`WeightHealth`, declared and never filled by the reference, is a
@@ -31,29 +31,25 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from analysis.analyses.reference import DEFAULT_RULES, Rules
-from analysis.analyses.stats import DEFAULT_ALPHA
-from analysis.read.connect import require_run
-from analysis.read.sql import stats_params
-from analysis.registry import Analysis
-from analysis.weights import models
-from analysis.weights.compute import distribution_at, drift_between
-from analysis.weights.load import (
+from analysis.analyses.weights.compute import distribution_at, drift_between
+from analysis.analyses.weights.load import (
     fetch_step,
     first_nonfinite,
     require_weight_columns,
     update_paths,
     weight_step_range,
 )
-from analysis.weights.models import *  # noqa: F403  (re-exports models.__all__)
-from analysis.weights.models import WeightAnalysisReport
-from analysis.weights.render import render_weights
+from analysis.analyses.weights.models import WeightAnalysisReport
+from analysis.analyses.weights.render import render_weights
+from analysis.blocks.rules import DEFAULT_RULES, Rules
+from analysis.blocks.significance import DEFAULT_ALPHA
+from analysis.read.connect import require_run
+from analysis.read.sql import stats_params
+from analysis.registry import Analysis
 
 if TYPE_CHECKING:
     import duckdb
 
-__all__ = ["ANALYSIS", "WeightOptions", "build_weight_analysis", "render_weights"]
-__all__ += models.__all__  # the report models, listed once, in analysis.weights.models
 
 
 def build_weight_analysis(
@@ -74,7 +70,7 @@ def build_weight_analysis(
         alpha: significance level of the outlier bound, in (0, 1).
         rules: ``"gradstream"`` or ``"reference"`` (outliers, extreme values, overall
             statistics and entropy by the reference's rules; see
-            :mod:`analysis.weights.models`).
+            :mod:`analysis.analyses.weights.models`).
 
     Returns:
         The :class:`WeightAnalysisReport`.
@@ -109,7 +105,7 @@ class WeightOptions(BaseModel):
     - ``alpha``: significance level of the outlier bound, in (0, 1).
     - ``rules``: ``"gradstream"`` (default) or ``"reference"`` (the reference's outlier
       cut-offs, extreme-value constants, averaged overall statistics and ``log2 std``
-      entropy; :mod:`analysis.analyses.reference`).
+      entropy; :mod:`analysis.blocks.rules`).
     """
 
     model_config = ConfigDict(frozen=True)

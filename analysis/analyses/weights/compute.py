@@ -1,17 +1,17 @@
 """Computation of the weight analysis from loaded statistics (no I/O): per-layer and
 pooled statistics, outliers and health scores at one step, and the drift between two steps.
 
-Inputs are the :class:`~analysis.weights.load.StepWeights` of
-:func:`analysis.weights.load.fetch_step` (model order); every statistic is read from one
-copy of each tensor (:meth:`~analysis.weights.load.StepWeights.one_copy`) with
+Inputs are the :class:`~analysis.analyses.weights.load.StepWeights` of
+:func:`analysis.analyses.weights.load.fetch_step` (model order); every statistic is read from one
+copy of each tensor (:meth:`~analysis.analyses.weights.load.StepWeights.one_copy`) with
 :meth:`schemas.stats.WeightMoments.get` per layer and, for the whole model, from the
 layers merged into one (:meth:`schemas.stats.LayerStatistic.pooled`). Each function is
-O(layers). Scores and thresholds follow the reference implementation (trustformers-debug,
+O(layers). Scores and thresholds follow the reference (trustformers-debug,
 ``utilities::weight_analysis``, ``WeightAnalyzer``; documented on the report models,
-:mod:`analysis.weights.models`); the outlier bound is the extreme-value bound of
-:func:`analysis.analyses.stats.max_normal_z`.
+:mod:`analysis.analyses.weights.models`); the outlier bound is the extreme-value bound of
+:func:`analysis.blocks.significance.max_normal_z`.
 
-Differences from the reference (listed with reasons in :mod:`analysis.weights.models` and
+Differences from the reference (listed with reasons in :mod:`analysis.analyses.weights.models` and
 ``analysis/REFERENCE_DIFFERENCES.md``; ``rules="reference"`` restores those marked R):
 
 - (R) outliers: the extremes against an extreme-value bound that grows with the layer
@@ -32,9 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from analysis.analyses.reference import DEFAULT_RULES, Rules
-from analysis.analyses.stats import max_normal_z
-from analysis.weights.models import (
+from analysis.analyses.weights.models import (
     DistributionHealth,
     DistributionHealthStatus,
     LayerWeightAnalysis,
@@ -47,9 +45,11 @@ from analysis.weights.models import (
     WeightOutlier,
     WeightStatistics,
 )
+from analysis.blocks.rules import DEFAULT_RULES, Rules
+from analysis.blocks.significance import max_normal_z
 
 if TYPE_CHECKING:
-    from analysis.weights.load import StepWeights
+    from analysis.analyses.weights.load import StepWeights
 
 __all__ = [
     "FLOAT32_EPSILON",
@@ -95,7 +95,7 @@ def weight_health(
         rules: ``"gradstream"`` or ``"reference"``.
 
     Returns:
-        :class:`~analysis.weights.models.WeightHealth`, one recommendation per issue.
+        :class:`~analysis.analyses.weights.models.WeightHealth`, one recommendation per issue.
     """
     score, issues, recs = 100.0, [], []
     if stats.nonfinite:
@@ -139,14 +139,14 @@ def distribution_at(
 
     Args:
         step: the optimiser step the statistics belong to.
-        data: :func:`analysis.weights.load.fetch_step` at ``step`` (``L`` layers).
+        data: :func:`analysis.analyses.weights.load.fetch_step` at ``step`` (``L`` layers).
         alpha: significance level of the outlier bound, in (0, 1).
         rules: ``"gradstream"``, or ``"reference"``: outliers at ``|z| > 3`` / ``> 5``,
             extremes above 10 (layer) / 5 (pooled), ``overall_statistics`` the average of
             the layers' statistics and ``entropy = max(log2 std, 0)``.
 
     Returns:
-        The :class:`~analysis.weights.models.WeightDistributionAnalysis`. The pooled
+        The :class:`~analysis.analyses.weights.models.WeightDistributionAnalysis`. The pooled
         ``entropy`` is that of the layers' exponent histograms summed bin by bin, and
         ``None`` when some layer has no finite weight.
 
@@ -276,16 +276,16 @@ def drift_between(
     paths: dict[int, tuple[float | None, int, float | None]],
 ) -> WeightDriftAnalysis:
     """How each layer's weights moved from step ``a`` to step ``b`` (formulas:
-    :class:`~analysis.weights.models.LayerWeightDrift`).
+    :class:`~analysis.analyses.weights.models.LayerWeightDrift`).
 
     Args:
         a, b: the two optimiser steps, ``a < b``.
-        first, last: :func:`analysis.weights.load.fetch_step` at ``a`` and at ``b``; only
+        first, last: :func:`analysis.analyses.weights.load.fetch_step` at ``a`` and at ``b``; only
             layers present at both are compared.
-        paths: :func:`analysis.weights.load.update_paths` over ``(a, b]``.
+        paths: :func:`analysis.analyses.weights.load.update_paths` over ``(a, b]``.
 
     Returns:
-        The :class:`~analysis.weights.models.WeightDriftAnalysis` (layers in model order).
+        The :class:`~analysis.analyses.weights.models.WeightDriftAnalysis` (layers in model order).
     """
     first_one, last_one = first.one_copy(), last.one_copy()
     first_m, last_m = first_one.get(), last_one.get()

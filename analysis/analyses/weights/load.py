@@ -47,7 +47,7 @@ WEIGHT_COLUMNS: tuple[str, ...] = (
     "weight_max", "weight_nonfinite", "weight_exp_hist_columns",
     "weight_exp_hist_counts", "update_sum_sq",
 )
-"""``layer_stats`` columns the weight analysis reads (schema 1.2, ``schemas.tables``)."""
+"""``layer_stats`` columns the weight analysis reads (``schemas.tables``)."""
 
 _RANGE_SQL = """
     SELECT min(step), max(step) FROM layer_stats

@@ -1,10 +1,10 @@
-"""Report models of the weight analysis (:mod:`analysis.weights`): the weight
+"""Report models of the weight analysis (:mod:`analysis.analyses.weights`): the weight
 distribution at one step and the drift between two steps.
 
-Field names and semantics follow the reference implementation (trustformers-debug,
+Field names and semantics follow the reference (trustformers-debug,
 ``utilities::weight_analysis``, the ``WeightAnalyzer`` reports); the formula of every field
-is in its class docstring. The statistics are computed in :mod:`analysis.weights.compute`
-from the mergeable weight statistics that :mod:`analysis.weights.load` reads
+is in its class docstring. The statistics are computed in :mod:`analysis.analyses.weights.compute`
+from the mergeable weight statistics that :mod:`analysis.analyses.weights.load` reads
 (:class:`schemas.stats.WeightMoments`).
 
 Differences from the reference (also in ``analysis/REFERENCE_DIFFERENCES.md``; the option
@@ -31,7 +31,7 @@ Differences from the reference (also in ``analysis/REFERENCE_DIFFERENCES.md``; t
 - NaN/Inf weights (both rules): counted in ``nonfinite``, excluded from the statistics,
   the layer scores 0 and the distribution is Critical; the reference's statistics turn NaN.
 - ``WeightHealth``: declared by the reference and never filled; here it is what
-  :func:`analysis.weights.compute.weight_health` returns, and each
+  :func:`analysis.analyses.weights.compute.weight_health` returns, and each
   :class:`LayerWeightAnalysis` copies its ``health_score``, ``issues`` and
   ``recommendations`` from it (the reference's flat fields are kept).
 - ``WeightDriftAnalysis``: the reference declares the fields (``mean_drift``,
@@ -100,7 +100,7 @@ class WeightStatistics(_Model):
 class OutlierSeverity(StrEnum):
     """``Medium``: the extreme lies beyond what the largest |z| of the layer's own ``n``
     normal samples reaches with probability 1 - alpha; ``High``: beyond that bound even
-    for all ``N`` weights of the model (:func:`analysis.analyses.stats.max_normal_z`)."""
+    for all ``N`` weights of the model (:func:`analysis.blocks.significance.max_normal_z`)."""
 
     MEDIUM = "Medium"
     HIGH = "High"
@@ -110,7 +110,7 @@ class WeightOutlier(_Model):
     """An extreme weight of a layer (its min or max, ``side``) whose z-score
     ``|w - mean| / std`` exceeds the extreme-value bound of :class:`OutlierSeverity`.
 
-    The reference implementation tests every weight against ``|z| > 3``, which flags about
+    The reference tests every weight against ``|z| > 3``, which flags about
     0.27 % of any normal tensor; the telemetry carries each layer's extremes, and a normal
     sample of n weights has a largest |z| near ``sqrt(2 ln n)``, so the bound grows with n.
     The reference's ``weight_index`` is left out: which element holds the extreme is not sent.
@@ -268,7 +268,7 @@ class WeightAnalysisReport(_Model):
     ``first_nonfinite_step``: the first step in the range at which some layer had NaN/Inf
     weights (``None`` if none did), with those layers in ``first_nonfinite_layers``
     (names, model order). ``rules``: the rules the distribution was judged by
-    (:mod:`analysis.analyses.reference`)."""
+    (:mod:`analysis.blocks.rules`)."""
 
     run_id: str
     from_step: int | None

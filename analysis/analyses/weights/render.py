@@ -9,8 +9,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from analysis.analyses.render import ROWS_IN_TABLE, add_more_row, num, show_name, table
-from analysis.weights.models import DistributionHealthStatus, WeightAnalysisReport
+from analysis.analyses.weights.models import DistributionHealthStatus, WeightAnalysisReport
+from analysis.blocks.terminal import ROWS_IN_TABLE, add_more_row, num, show_name, table
 
 __all__ = ["render_weights"]
 
@@ -31,7 +31,7 @@ def render_weights(report: WeightAnalysisReport) -> RenderableType:
     statistics, outliers and the drift.
 
     Args:
-        report: from :func:`analysis.weights.build_weight_analysis`.
+        report: from :func:`analysis.analyses.weights.build_weight_analysis`.
 
     Returns:
         A rich renderable.

@@ -9,9 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.analyses.enhanced_models import (
+from analysis.analyses.enhanced import build_enhanced_analysis
+from analysis.analyses.enhanced.models import (
     ConvergenceTrend,
     DistributionType,
+    EnhancedLayerGradientAnalysis,
     InstabilityType,
     InteractionDirection,
     InteractionType,
@@ -20,8 +22,7 @@ from analysis.analyses.enhanced_models import (
     OptimizationTarget,
     UrgencyLevel,
 )
-from analysis.enhanced import EnhancedLayerGradientAnalysis, build_enhanced_analysis
-from analysis.store import StoreError
+from analysis.read.connect import StoreError
 from tests.analysis.crafted import open_read, write_history
 
 
@@ -512,7 +513,7 @@ def test_reference_convergence_indicator_needs_a_full_window(tmp_path: Path) -> 
 )
 def test_reference_distribution_type(skew: float, kurt: float,
                                      expected: DistributionType) -> None:
-    from analysis.analyses.enhanced_reference import classify_distribution_reference
+    from analysis.analyses.enhanced.reference import classify_distribution_reference
 
     assert classify_distribution_reference(skew, kurt) is expected
 
@@ -523,7 +524,7 @@ def test_reference_distribution_type(skew: float, kurt: float,
      (0.6, "Convergence"), (0.8, "Plateau")],
 )
 def test_reference_learning_phase_bands(avg: float, phase: str) -> None:
-    from analysis.analyses.enhanced_reference import learning_phase_reference
+    from analysis.analyses.enhanced.reference import learning_phase_reference
 
     assert learning_phase_reference(avg).value == phase
 
@@ -573,7 +574,7 @@ def test_network_health_keeps_the_reference_ratios(
 ) -> None:
     """Ten judged layers without threshold risks: Critical above 30 % Critical, Warning
     above 10 % Critical or above 50 % Warning (the reference's rule, kept)."""
-    from analysis.analyses.network import overall_health
+    from analysis.analyses.enhanced.network import overall_health
 
     health = ([LayerHealth.CRITICAL] * critical + [LayerHealth.WARNING] * warning
               + [LayerHealth.HEALTHY] * (10 - critical - warning))

@@ -8,15 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.explosion import (
-    ExplosionSeverity,
-    GradientExplosionAnalysis,
-    build_explosion_analysis,
-    classify_severity,
-    classify_severity_reference,
-    reference_action,
-)
-from analysis.store import StoreError
+from analysis.analyses.explosion import build_explosion_analysis
+from analysis.analyses.explosion.compute import classify_severity
+from analysis.analyses.explosion.models import ExplosionSeverity, GradientExplosionAnalysis
+from analysis.analyses.explosion.reference import classify_severity_reference, reference_action
+from analysis.read.connect import StoreError
 from tests.analysis.crafted import open_read, write_history
 
 S = ExplosionSeverity

@@ -9,21 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.analyses.flow_models import (
+from analysis.analyses.flow import build_flow_visualization
+from analysis.analyses.flow.models import (
+    ColorScheme,
     EdgeType,
     ExplodingSeverity,
     FlowDirection,
+    GradientFlowVisualization,
+    GradientVisualizationConfig,
     NodeType,
     RecoveryPotential,
     VanishingSeverity,
 )
-from analysis.flow import (
-    ColorScheme,
-    GradientFlowVisualization,
-    GradientVisualizationConfig,
-    build_flow_visualization,
-)
-from analysis.store import StoreError
+from analysis.read.connect import StoreError
 from tests.analysis.crafted import open_read, write_history
 
 

@@ -9,15 +9,15 @@ import duckdb
 import numpy as np
 import pytest
 
-from analysis.analyses.stats import max_normal_z
-from analysis.store import StoreError
-from analysis.weights import (
+from analysis.analyses.weights import build_weight_analysis
+from analysis.analyses.weights.models import (
     DistributionHealthStatus,
     OutlierSeverity,
     WeightAnalysisReport,
     WeightDriftSeverity,
-    build_weight_analysis,
 )
+from analysis.blocks.significance import max_normal_z
+from analysis.read.connect import StoreError
 from schemas.stats import PowerSums
 from tests.analysis.crafted import open_read, write_history
 
@@ -325,8 +325,8 @@ def test_reference_overall_extremes_start_from_zero(tmp_path: Path) -> None:
 
 
 def test_weight_health_is_the_layers_score_issues_and_recommendations() -> None:
-    from analysis.weights import WeightHealth, WeightStatistics
-    from analysis.weights.compute import weight_health
+    from analysis.analyses.weights.compute import weight_health
+    from analysis.analyses.weights.models import WeightHealth, WeightStatistics
 
     stats = WeightStatistics(mean=0.0, std_dev=1.0, skewness=0.0, kurtosis=0.0, entropy=1.0,
                              min=-11.0, max=2.0, zero_fraction=0.6, count=10, nonfinite=0)
@@ -346,6 +346,6 @@ def test_weight_health_is_the_layers_score_issues_and_recommendations() -> None:
 )
 def test_distribution_status_bands_are_the_references(score: float, status: str) -> None:
     """Kept under both rules: Excellent >= 90, Good >= 75, Fair >= 60, Poor >= 40."""
-    from analysis.weights.compute import distribution_status
+    from analysis.analyses.weights.compute import distribution_status
 
     assert distribution_status(score).value == status
