@@ -9,6 +9,8 @@ either order; see the module docstring of schemas.stats).
 from __future__ import annotations
 
 import doctest
+import importlib
+import pkgutil
 
 import numpy as np
 import pytest
@@ -140,8 +142,15 @@ def test_merging_checks_class_and_layer_count(cls: type[LayerStatistic]) -> None
 
 
 def test_doctests_run() -> None:
-    """pytest is not run with --doctest-modules: run the module's examples here."""
-    result = doctest.testmod(schemas.stats, optionflags=doctest.ELLIPSIS)
+    """pytest is not run with --doctest-modules: run the examples of every module of the
+    package here."""
+    attempted = failed = 0
+    for info in pkgutil.iter_modules(schemas.stats.__path__):
+        module = importlib.import_module(f"schemas.stats.{info.name}")
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        attempted += result.attempted
+        failed += result.failed
+    result = doctest.TestResults(failed, attempted)
     assert result.attempted > 10 and result.failed == 0
 
 
