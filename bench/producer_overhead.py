@@ -80,7 +80,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from producer import GradientProducer  # noqa: E402
-from producer import summary as summary_mod  # noqa: E402
+from producer import backend as producer_backend  # noqa: E402
 from producer.settings import ProducerSettings  # noqa: E402
 from producer.summary import summarize  # noqa: E402
 from producer.weights import summarize_weights  # noqa: E402
@@ -96,7 +96,8 @@ import producer
 t1 = time.perf_counter()
 light = "numba" not in sys.modules
 import numpy as np
-from producer.summary import active_backend, summarize
+from producer.backend import active_backend
+from producer.summary import summarize
 g = {"w": np.ones(1000, np.float32)}
 summarize(g)
 t2 = time.perf_counter()
@@ -146,11 +147,11 @@ def _reference_way(arrays: list[np.ndarray]) -> None:
 
 
 def _summarize_numpy_backend(grads: dict[str, np.ndarray]) -> None:
-    summary_mod.set_backend("numpy")
+    producer_backend.set_backend("numpy")
     try:
         summarize(grads)
     finally:
-        summary_mod.set_backend(None)  # back to the default (environment / auto)
+        producer_backend.set_backend(None)  # back to the default (environment / auto)
 
 
 #: Clocks of the summary rows: ``thread`` = CPU time of the calling (training) thread,
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         numba_version = numba.__version__
     except ImportError:
         numba_version = "not installed"
-    backend = summary_mod.active_backend()
+    backend = producer_backend.active_backend()
     print("gradstream producer overhead benchmark")
     print(f"  python {platform.python_version()}, numpy {np.__version__}, numba {numba_version}, "
           f"{os.cpu_count()} cores; summary backend: {backend}")

@@ -12,52 +12,27 @@ counts of elements per power-of-two magnitude band, which merge across ranks by 
 and answer "what fraction of this gradient would underflow in fp16 / bf16"
 (:func:`underflow_fraction`).
 
-Backends. The statistics are computed by one of two interchangeable implementations:
-
-* ``"numba"`` (default when numba imports): :mod:`producer.kernels`, one fused read pass per
-  layer, float64 accumulation, GIL released. numba is imported and the kernels are compiled
-  (or loaded from numba's on-disk cache) on the first summary, not at ``import producer``;
-  call :func:`warmup` at start-up to pay that cost before the first training step.
-* ``"numpy"``: pure NumPy, the mergeable statistics of :mod:`schemas.stats`
-  (``GradientSums``, ``ExponentHistogram``), computed with fewer passes: per 64k-element
-  chunk one widening ``abs`` into a reusable float64 buffer and three reductions, small
-  layers batched into one chunk (about 3-5x the cost of one read pass; the histogram
-  several times more); used when numba is missing or fails to import or compile (a
-  warning is logged), or when forced.
-
-Choose with :func:`set_backend` or the environment variable
-``GRADSTREAM_SUMMARY_BACKEND`` = ``auto`` (default) | ``numba`` | ``numpy``. Both backends
-give the same ``numel``, ``max_abs``, ``nonfinite`` and histogram counts exactly, and sums
-equal to within a few ulps (different summation order). Either result converts to those
-objects (:meth:`LayerSummaries.gradient_sums`, :meth:`LayerSummaries.exponent_histogram`).
-
-Cost, measured by ``bench/producer_overhead.py`` on the 2-core development machine, in
-units of one ``np.add.reduce`` pass over the same float32 arrays (the floor; CPU time of
-the calling thread): the numba backend 1.05-1.1x on one thread (100 x 500k and 1000 x 4k
-elements); the histogram adds 1.2-1.5x; a step with NaN/Inf in every layer costs about
-1.1-1.2x (only the ``producer.kernels.BLOCK``-element block holding it is redone, masked,
-while in L1). The
-first call in a process pays the numba import and JIT, ~3 s with an empty numba cache and
-~0.5 s with a warm one (``cache=True``; see :func:`warmup`).
+The statistics are computed by the numba kernels or by pure NumPy, whichever
+:mod:`producer.backend` chose. Both give the same ``numel``, ``max_abs``, ``nonfinite``
+and histogram counts exactly, and sums equal to within a few ulps (different summation
+order). Either result converts to the mergeable statistics of :mod:`schemas.stats`
+(:meth:`LayerSummaries.gradient_sums`, :meth:`LayerSummaries.exponent_histogram`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from schemas.stats import ExponentHistogram, GradientSums, exp_hist_column, exponent_lut
-
-log = logging.getLogger("gradstream.producer")
+from producer import backend
+from schemas.stats import ExponentHistogram, GradientSums, exp_hist_column
+from schemas.wire import EXP_HIST_BINS, EXP_HIST_MAX, EXP_HIST_MIN
 
 __all__ = [
     "EXP_HIST_BINS",
@@ -67,10 +42,9 @@ __all__ = [
     "FloatFormat",
     "LayerSummaries",
     "UnderflowFractions",
-    "active_backend",
+    "as_float_array",
     "exp_hist_column",
     "exp_hist_edges",
-    "set_backend",
     "summarize",
     "underflow_fraction",
     "warmup",
@@ -90,12 +64,7 @@ _FLOAT_KINDS = {_F16, _F32, _F64}
 # its smallest subnormal, 2^-133); EXP_HIST_MAX = 24, magnitudes >= 2^24 share the last
 # column; EXP_HIST_BINS = MAX - MIN + 3 columns (zeros, underflow, one per exponent,
 # overflow).
-from schemas.wire import EXP_HIST_BINS, EXP_HIST_MAX, EXP_HIST_MIN  # noqa: E402
 
-# The column mapping and the exponent lookup tables (the numba kernels' too) live with the
-# histogram statistic in schemas.stats.
-_LUT32 = exponent_lut(8, 127)  # IEEE 754 binary32: 8-bit exponent field, bias 127
-_LUT64 = exponent_lut(11, 1023)  # IEEE 754 binary64: 11-bit exponent field, bias 1023
 
 
 def exp_hist_edges() -> tuple[np.ndarray, np.ndarray]:
@@ -346,82 +315,6 @@ class LayerSummaries:
         )
 
 
-# -- backend selection --------------------------------------------------------------------
-
-_BACKENDS = ("auto", "numba", "numpy")
-_backend_lock = threading.Lock()
-_requested: str | None = None  # set_backend(); None -> environment variable
-_mode = "auto"  # the resolved request: auto | numba | numpy
-_resolved = False
-_kernels_module: ModuleType | None = None
-
-
-def set_backend(name: Literal["auto", "numba", "numpy"] | None) -> str:
-    """Select the implementation used by :func:`summarize` (process-wide).
-
-    Args:
-        name: ``"auto"`` (numba if it imports, else NumPy), ``"numba"`` (required: import
-            errors are raised) or ``"numpy"`` (pure NumPy, no compilation); None goes
-            back to the default, the ``GRADSTREAM_SUMMARY_BACKEND`` environment variable
-            (``auto`` when unset).
-
-    Returns:
-        The active backend after the call, ``"numba"`` or ``"numpy"``.
-
-    Raises:
-        ValueError: unknown name.
-        ImportError: ``"numba"`` requested and numba (or the kernels) cannot be imported.
-    """
-    global _requested, _resolved, _kernels_module
-    if name is not None and name not in _BACKENDS:
-        raise ValueError(f"unknown summary backend {name!r}; expected one of {_BACKENDS}")
-    with _backend_lock:
-        _requested = name
-        _resolved = False
-        _kernels_module = None
-    return active_backend()
-
-
-def active_backend() -> str:
-    """Name of the backend :func:`summarize` uses now: ``"numba"`` or ``"numpy"``.
-
-    Resolving ``auto`` imports numba (once per process) if it is not imported yet.
-
-    Raises:
-        ImportError: backend ``"numba"`` was forced and cannot be imported.
-        ValueError: ``GRADSTREAM_SUMMARY_BACKEND`` holds an unknown name.
-    """
-    return "numba" if _kernels() is not None else "numpy"
-
-
-def _kernels() -> ModuleType | None:
-    """The numba kernel module, or None for the NumPy backend (resolved once, lazily)."""
-    global _mode, _resolved, _kernels_module
-    if _resolved:
-        return _kernels_module
-    with _backend_lock:
-        if _resolved:
-            return _kernels_module
-        mode = _requested or os.environ.get("GRADSTREAM_SUMMARY_BACKEND", "auto").strip().lower()
-        _mode = mode
-        if mode not in _BACKENDS:
-            raise ValueError(
-                f"GRADSTREAM_SUMMARY_BACKEND={mode!r}; expected one of {_BACKENDS}"
-            )
-        module: ModuleType | None = None
-        if mode != "numpy":
-            try:
-                from producer import kernels as module
-            except Exception as exc:
-                if mode == "numba":
-                    raise ImportError(f"numba summary backend unavailable: {exc}") from exc
-                log.warning("numba unavailable (%s); gradient summaries use pure NumPy", exc)
-                module = None
-        _kernels_module = module
-        _resolved = True
-        return module
-
-
 def warmup(histogram: bool = True) -> str:
     """Import and compile (or load from numba's disk cache) the kernels now.
 
@@ -442,7 +335,7 @@ def warmup(histogram: bool = True) -> str:
     summarize(grads)
     if histogram:
         summarize(grads, histogram=True)
-    return active_backend()
+    return backend.active_backend()
 
 
 def _dtype_error(name: str, dtype: np.dtype) -> TypeError:
@@ -453,7 +346,18 @@ def _empty_error(name: str) -> ValueError:
     return ValueError(f"gradient {name!r} is empty (0 elements)")
 
 
-def _as_float_array(name: str, value: object) -> np.ndarray:
+def as_float_array(name: str, value: object) -> np.ndarray:
+    """``value`` as a NumPy array of a float dtype with at least one element (no copy when
+    it is one already).
+
+    Args:
+        name: the layer name, for the error messages.
+        value: an array or array-like.
+
+    Raises:
+        TypeError: a dtype other than float16, float32 or float64.
+        ValueError: no elements.
+    """
     arr = value if type(value) is np.ndarray else np.asarray(value)
     if arr.dtype not in _FLOAT_KINDS:
         raise _dtype_error(name, arr.dtype)
@@ -493,30 +397,16 @@ def summarize(
     """
     if not gradients:
         raise ValueError("no gradients to summarise (empty mapping)")
-    kernels = _kernels()
+    module = backend.kernels()
     result: LayerSummaries | None = None
-    if kernels is not None:
+    if module is not None:
         try:
-            result = _summarize_numba(kernels, gradients, histogram)
-        except _KernelError as exc:
-            _kernel_failed(exc)  # re-raises when numba was forced
+            result = _summarize_numba(module, gradients, histogram)
+        except backend.KernelError as exc:
+            backend.kernel_failed(exc)  # re-raises when numba was forced
     if result is None:
         result = _summarize_numpy(gradients, histogram)
     return result.norms_only() if norms_only else result
-
-
-class _KernelError(RuntimeError):
-    """A compiled kernel failed to compile or run (not an input error)."""
-
-
-def _kernel_failed(exc: _KernelError) -> None:
-    """Switch to the NumPy backend after a kernel failure, unless numba was forced."""
-    global _kernels_module
-    if _mode == "numba":
-        raise exc
-    log.warning("numba summary kernel failed (%s); switching to pure NumPy", exc.__cause__)
-    with _backend_lock:
-        _kernels_module = None
 
 
 def _summarize_numba(
@@ -533,8 +423,8 @@ def _summarize_numba(
     else:
         f32, f64 = kernels.summarize_hist_f32, kernels.summarize_hist_f64
         # both dtypes count binary32 keys, folded through the binary32 table
-        tables = np.zeros(kernels.TABLES * kernels.STRIDE, np.int32)  # scratch, left zero
-        extra32 = extra64 = (counts, tables, _LUT32, EXP_HIST_MIN)
+        extra32 = extra64 = (counts, backend.histogram_tables(kernels),
+                             backend.BINARY32_EXPONENT_LUT, EXP_HIST_MIN)
     # One compiled call per layer, no other per-layer work: numba unboxes an array
     # argument in ~0.1 us, far less than building a numba typed List of the arrays
     # (~1.3 us per array), a reflected list (~7 us) or reading their data pointers (~1 us).
@@ -554,7 +444,7 @@ def _summarize_numba(
         try:
             kernel(flat, out, i, *extra)
         except Exception as exc:  # compilation/typing failure: never break training
-            raise _KernelError(f"{type(exc).__name__}: {exc}") from exc
+            raise backend.KernelError(f"{type(exc).__name__}: {exc}") from exc
     return LayerSummaries(
         names,
         out[0].astype(np.int64),
@@ -590,7 +480,7 @@ def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> La
     implementation), never capped; the histogram is
     :meth:`schemas.stats.ExponentHistogram.from_layers`."""
     names = tuple(gradients)
-    flats = [_as_float_array(name, gradients[name]).reshape(-1) for name in names]
+    flats = [as_float_array(name, gradients[name]).reshape(-1) for name in names]
     count = len(flats)
     sums = np.zeros((3, count))  # sum |g|, sum g^2, max |g|
     nonfinite = np.zeros(count, np.int64)

@@ -39,8 +39,8 @@ from types import ModuleType
 
 import numpy as np
 
-from producer import summary as summary_mod
-from producer.summary import _LUT32, EXP_HIST_BINS, EXP_HIST_MIN, summarize
+from producer import backend
+from producer.summary import EXP_HIST_BINS, EXP_HIST_MIN, as_float_array, summarize
 from schemas.stats import ExponentHistogram, PowerSums, SumOfSquares, WeightMoments
 
 _MAX_DOUBLE = float(np.finfo(np.float64).max)
@@ -122,7 +122,7 @@ def summarize_weights(
 ) -> WeightSummaries:
     """Compute the :class:`WeightSummaries` of the layers of ``weights`` (in mapping order).
 
-    With the numba backend (:func:`producer.summary.active_backend`) each layer is read
+    With the numba backend (:func:`producer.backend.active_backend`) each layer is read
     once: :func:`producer.kernels.weights_f32` / ``weights_f64`` compute the power sums,
     extremes, non-finite count, exponent histogram and (with ``previous``) the update's
     sum of squares in one fused pass over blocks of ``producer.kernels.BLOCK`` elements,
@@ -164,12 +164,12 @@ def summarize_weights(
         raise ValueError("no weights to summarise (empty mapping)")
     kept = _kept_copies(weights, previous, refresh)
     refresh = refresh and kept is not None
-    kernels = summary_mod._kernels()
-    if kernels is not None:
+    module = backend.kernels()
+    if module is not None:
         try:
-            return _summarize_numba(kernels, weights, kept, refresh)
-        except summary_mod._KernelError as exc:
-            summary_mod._kernel_failed(exc)  # re-raises when numba was forced
+            return _summarize_numba(module, weights, kept, refresh)
+        except backend.KernelError as exc:
+            backend.kernel_failed(exc)  # re-raises when numba was forced
     return _summarize_numpy(weights, kept, refresh)
 
 
@@ -193,7 +193,7 @@ def _kept_copies(
     bad = []
     for name, w in weights.items():
         if refresh:  # input errors must surface before any copy is written
-            summary_mod._as_float_array(name, w)
+            as_float_array(name, w)
         p = previous[name]
         if type(p) is np.ndarray and type(w) is np.ndarray:
             if p.shape != w.shape:
@@ -221,9 +221,8 @@ def _summarize_numba(
     count = len(weights)
     out = np.empty((8, count), np.float64)  # S1..S4, update, min, max, nonfinite
     counts = np.zeros((count, EXP_HIST_BINS), np.int64)  # the kernels add to it
-    tables = np.zeros(kernels.TABLES * kernels.STRIDE, np.int32)  # scratch, left zero
+    tables = backend.histogram_tables(kernels)
     no_prev = np.zeros(0, np.float32)
-    as_float_array = summary_mod._as_float_array
     f32, f64 = kernels.weights_f32, kernels.weights_f64
     # One compiled call per layer and a few attribute reads, nothing else per layer.
     for i, (name, value) in enumerate(weights.items()):
@@ -237,9 +236,9 @@ def _summarize_numba(
             kernel, flat = f32, arr.astype(_F32).ravel()
         try:
             kernel(flat, no_prev if kept is None else kept[i], kept is not None, refresh, out,
-                   i, counts, tables, _LUT32, EXP_HIST_MIN)
+                   i, counts, tables, backend.BINARY32_EXPONENT_LUT, EXP_HIST_MIN)
         except Exception as exc:  # compilation/typing failure: never break training
-            raise summary_mod._KernelError(f"{type(exc).__name__}: {exc}") from exc
+            raise backend.KernelError(f"{type(exc).__name__}: {exc}") from exc
     nonfinite = out[7].astype(np.int64)
     finite = counts.sum(axis=1)  # each histogram row counts the layer's finite weights
     numel = finite + nonfinite
@@ -258,7 +257,7 @@ def _summarize_numpy(
     """The NumPy backend: the mergeable statistics' own ``from_layers`` (float64 chunks);
     with ``refresh``, the kept copies are overwritten afterwards (one ``copyto`` per
     layer)."""
-    flats = [summary_mod._as_float_array(n, w).reshape(-1) for n, w in weights.items()]
+    flats = [as_float_array(n, w).reshape(-1) for n, w in weights.items()]
     power = PowerSums.from_layers(flats).saturate()
     moments = WeightMoments(power, ExponentHistogram.from_layers(flats))
     update = None

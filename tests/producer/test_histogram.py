@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from producer.backend import set_backend
 from producer.summary import (
     EXP_HIST_BINS,
     EXP_HIST_MAX,
@@ -20,7 +21,6 @@ from producer.summary import (
     FLOAT_FORMATS,
     exp_hist_column,
     exp_hist_edges,
-    set_backend,
     summarize,
     underflow_fraction,
 )

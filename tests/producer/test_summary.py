@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from producer import summary
-from producer.summary import LayerSummaries, active_backend, set_backend, summarize
+from producer.backend import active_backend, set_backend
+from producer.summary import LayerSummaries, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ["numba", "numpy"]

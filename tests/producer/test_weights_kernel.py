@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from producer.summary import set_backend
+from producer.backend import set_backend
 from producer.weights import summarize_weights
 from schemas.stats import ExponentHistogram, PowerSums
 
