@@ -12,6 +12,8 @@ Modules, one job each:
   play button).
 - :mod:`analysis.plots.colors`: the colour map shared by the PNGs, the animation and the
   dashboard.
+- :mod:`analysis.plots.files`: ``gradstream plot``'s work: the three picture files of one
+  run written to a directory.
 
 Nothing here is imported by ``analysis/__init__``; matplotlib loads only when drawing.
 """

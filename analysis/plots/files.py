@@ -1,4 +1,5 @@
-"""``gradstream plot``'s work: the three pictures of one run, written to a directory."""
+"""``gradstream plot``'s work: the three picture files of one run (heatmap PNG, norm series
+PNG, animation HTML), written to a directory."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PlotFiles:
-    """Files written by :func:`render_run` and the captions of their grids."""
+    """Files written by :func:`write_pictures` and the captions of their grids."""
 
     heatmap: Path
     series: Path
@@ -26,7 +27,7 @@ class PlotFiles:
     animation_caption: str
 
 
-def render_run(
+def write_pictures(
     reader: StoreReader,
     run_id: str,
     out_dir: str | os.PathLike[str],

@@ -306,12 +306,12 @@ def plot(
     """Draw a run: PNG heatmap of log10 gradient norm (layers in model order x steps,
     vanishing/exploding cells marked), PNG of per-layer norms over time, and the
     gradient-flow animation as one offline HTML file (step slider, play button)."""
-    from analysis.plots.render import render_run
+    from analysis.plots.files import write_pictures
 
     with reading(db, timeout) as reader:
         run_id = reader.resolve_run(run)
         with Console(stderr=True).status(f"drawing run {run_id}"):
-            files = render_run(reader, run_id, out, _safe_filename(run_id),
+            files = write_pictures(reader, run_id, out, _safe_filename(run_id),
                                max_steps=max_steps, max_layers=max_layers,
                                max_frames=max_frames, width_px=width, from_step=from_step,
                                to_step=to_step)

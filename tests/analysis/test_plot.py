@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from analysis.plots.animation import render_animation
 from analysis.plots.colors import FLAG_COLORS
+from analysis.plots.files import write_pictures
 from analysis.plots.grid import (
     FLAG_EXPLODING,
     FLAG_NO_DATA,
@@ -23,7 +24,6 @@ from analysis.plots.grid import (
     load_grid,
     load_layer_series,
 )
-from analysis.plots.render import render_run
 from analysis.read.connect import StoreError, open_store
 from analysis.read.reader import open_reader
 from deploy.cli.reports import register
@@ -143,12 +143,12 @@ def has_colour(png: Path, hex_colour: str, tolerance: float = 0.02) -> bool:
     return bool((np.abs(pixels - target).max(axis=-1) < tolerance).any())
 
 
-def test_render_run_writes_marked_pictures(demo_store: Path, tmp_path: Path) -> None:
+def test_write_pictures_writes_marked_pictures(demo_store: Path, tmp_path: Path) -> None:
     with open_reader(demo_store) as reader:
-        files = render_run(reader, "run/1", tmp_path / "pics", "run_1", max_steps=100,
+        files = write_pictures(reader, "run/1", tmp_path / "pics", "run_1", max_steps=100,
                            max_frames=50, width_px=1200)
         with pytest.raises(StoreError, match="no gradient frame"):
-            render_run(reader, "empty", tmp_path / "pics", "empty")
+            write_pictures(reader, "empty", tmp_path / "pics", "empty")
     assert "each column = max over 4 consecutive recorded steps" in files.heatmap_caption
     assert "each column = max over 8 consecutive recorded steps" in files.animation_caption
     for png in (files.heatmap, files.series):
