@@ -22,7 +22,6 @@ order). Either result converts to the mergeable statistics of :mod:`schemas.stat
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -31,7 +30,12 @@ from typing import NamedTuple
 import numpy as np
 
 from producer import backend
-from schemas.stats import ExponentHistogram, GradientSums, exp_hist_column
+from schemas.stats import (
+    ExponentHistogram,
+    GradientSums,
+    exp_hist_column,
+    gradient_sums_of_layers,
+)
 from schemas.wire import EXP_HIST_BINS, EXP_HIST_MAX, EXP_HIST_MIN
 
 __all__ = [
@@ -460,88 +464,13 @@ def _summarize_numba(
 # -- pure NumPy backend -------------------------------------------------------------------
 
 
-#: Elements per float64 scratch chunk of the NumPy backend (512 KiB: L2-resident).
-_NP_CHUNK = 1 << 16
-#: Layers of at most this many elements are batched into one chunk (one NumPy call per
-#: statistic for many layers); recursive summation of n <= 4096 non-negative terms has a
-#: relative error below (n - 1) u < 4.6e-13 (Higham 2002, section 4.2), whatever order
-#: ``reduceat`` uses.
-_NP_SMALL = 4096
-
-
 def _summarize_numpy(gradients: Mapping[str, np.ndarray], histogram: bool) -> LayerSummaries:
-    """The NumPy backend, the same statistics as :meth:`schemas.stats.GradientSums.from_layers`
-    in fewer passes: each chunk of ``_NP_CHUNK`` elements is widened and made absolute in
-    one ufunc call into a reused float64 buffer, then read by three reductions (``dot`` for
-    sum g^2, ``add.reduce``, ``maximum.reduce``); runs of small layers share one chunk and
-    are reduced per layer with ``reduceat``. A chunk (or small layer) whose sum of squares
-    is non-finite (a NaN/Inf element, or a float64 square that overflows) is redone with
-    masking. A sum that overflows is +inf (float64 arithmetic, as in the reference
-    implementation), never capped; the histogram is
-    :meth:`schemas.stats.ExponentHistogram.from_layers`."""
+    """The NumPy backend: the sums of :func:`schemas.stats.gradient_sums_of_layers` (what
+    :meth:`schemas.stats.GradientSums.from_layers` computes; a sum that overflows is +inf,
+    never capped) and the histogram of :meth:`schemas.stats.ExponentHistogram.from_layers`."""
     names = tuple(gradients)
     flats = [as_float_array(name, gradients[name]).reshape(-1) for name in names]
-    count = len(flats)
-    sums = np.zeros((3, count))  # sum |g|, sum g^2, max |g|
-    nonfinite = np.zeros(count, np.int64)
-    nan = np.zeros(count, np.int64)
-    buf = np.empty(_NP_CHUNK)
-    squares = np.empty(_NP_CHUNK)
-    with np.errstate(over="ignore", invalid="ignore"):
-        i = 0
-        while i < count:
-            if flats[i].size > _NP_SMALL:
-                _numpy_layer(flats[i], buf, sums, nonfinite, nan, i)
-                i += 1
-                continue
-            j, total = i, 0
-            while j < count and flats[j].size <= _NP_SMALL and total + flats[j].size <= _NP_CHUNK:
-                total += flats[j].size
-                j += 1
-            x = buf[:total]
-            np.concatenate(flats[i:j], out=x, casting="same_kind")
-            np.abs(x, out=x)
-            starts = np.cumsum([0] + [f.size for f in flats[i:j - 1]])
-            q = np.add.reduceat(np.multiply(x, x, out=squares[:total]), starts)
-            sums[0, i:j] = np.add.reduceat(x, starts)
-            sums[1, i:j] = q
-            sums[2, i:j] = np.maximum.reduceat(x, starts)
-            for k in np.flatnonzero(~np.isfinite(q)):
-                sums[:, i + k] = 0.0
-                _numpy_layer(flats[i + k], buf, sums, nonfinite, nan, i + k)
-            i = j
+    sums, nonfinite, nan = gradient_sums_of_layers(flats)
     counts = ExponentHistogram.from_layers(flats).counts if histogram else None
     return LayerSummaries(names, np.array([f.size for f in flats], np.int64), sums[0],
                           sums[1], sums[2], nonfinite, counts, nan=nan)
-
-
-def _numpy_layer(
-    flat: np.ndarray, buf: np.ndarray, sums: np.ndarray, nonfinite: np.ndarray,
-    nan: np.ndarray, i: int,
-) -> None:
-    """Add the statistics of one 1-D layer into ``sums[:, i]`` / ``nonfinite[i]`` /
-    ``nan[i]`` (the NaN among the non-finite elements), chunk by chunk (float64
-    accumulation; sums not saturated). Call under
-    ``np.errstate(over="ignore", invalid="ignore")``."""
-    sum_abs = sum_sq = max_abs = 0.0
-    bad = nans = 0
-    for lo in range(0, flat.size, _NP_CHUNK):
-        part = flat[lo:lo + _NP_CHUNK]
-        x = buf[:part.size]
-        np.abs(part, out=x)  # widen to float64 and take |g| in one pass
-        q = float(np.dot(x, x))
-        if not math.isfinite(q):  # NaN/Inf element (or an overflowing square): mask
-            nans += int(np.count_nonzero(np.isnan(x)))
-            x = x[np.isfinite(x)]
-            bad += part.size - x.size
-            if x.size == 0:
-                continue
-            q = float(np.dot(x, x))
-        sum_abs += float(np.add.reduce(x))
-        sum_sq += q
-        max_abs = max(max_abs, float(np.maximum.reduce(x)))
-    sums[0, i] += sum_abs
-    sums[1, i] += sum_sq
-    sums[2, i] = max(sums[2, i], max_abs)
-    nonfinite[i] += bad
-    nan[i] += nans

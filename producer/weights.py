@@ -41,9 +41,14 @@ import numpy as np
 
 from producer import backend
 from producer.summary import EXP_HIST_BINS, EXP_HIST_MIN, as_float_array, summarize
-from schemas.stats import ExponentHistogram, PowerSums, SumOfSquares, WeightMoments
+from schemas.stats import (
+    MAX_DOUBLE,
+    ExponentHistogram,
+    PowerSums,
+    SumOfSquares,
+    WeightMoments,
+)
 
-_MAX_DOUBLE = float(np.finfo(np.float64).max)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 
@@ -247,7 +252,7 @@ def _summarize_numba(
     moments = WeightMoments(power, ExponentHistogram(counts, nonfinite.copy()))
     update = None
     if kept is not None:
-        update = SumOfSquares(numel.copy(), np.minimum(out[4], _MAX_DOUBLE))
+        update = SumOfSquares(numel.copy(), np.minimum(out[4], MAX_DOUBLE))
     return WeightSummaries(moments, update)
 
 
