@@ -9,6 +9,7 @@ import html
 import io
 from typing import TYPE_CHECKING
 
+from analysis.blocks.terminal import more_suffix
 from analysis.read.connect import StoreError
 from analysis.report import (
     NAMES_IN_TABLE,
@@ -42,8 +43,7 @@ def _names(names: list[str], limit: int = NAMES_IN_TABLE) -> str:
     if not names:
         return "none"
     shown = ", ".join(f"<code>{html.escape(name)}</code>" for name in names[:limit])
-    more = f", ... and {len(names) - limit} more" if len(names) > limit else ""
-    return shown + more
+    return shown + more_suffix(len(names), limit)
 
 
 def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,

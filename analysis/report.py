@@ -42,6 +42,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from analysis.blocks.terminal import joined_names, names_text
 from analysis.nonfinite import has_nan_column, require_nan_split
 from analysis.read.connect import has_column, require_run
 from analysis.read.exclusion import Exclusion, run_exclusion
@@ -226,8 +227,7 @@ def _show_name(name: str) -> str:
 
 
 def _name_list(names: list[str], limit: int = NAMES_IN_TEXT) -> str:
-    shown = ", ".join(_show_name(n) for n in names[:limit])
-    return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
+    return joined_names(names, limit, _show_name)
 
 
 def build_recommendations(
@@ -721,12 +721,7 @@ def _partial_why(summary: GradientFlowSummary) -> str:
 
 
 def _names_cell(names: list[str], limit: int = NAMES_IN_TABLE) -> Text:
-    if not names:
-        return Text("none", style="dim")
-    text = Text(", ".join(_show_name(n) for n in names[:limit]))
-    if len(names) > limit:
-        text.append(f", ... and {len(names) - limit} more", style="dim")
-    return text
+    return names_text(names, limit, _show_name)
 
 
 EXCLUDED_BY_RUN = "by run setting"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rich import box
 from rich.table import Table
@@ -18,13 +18,41 @@ def show_name(name: str) -> str:
     return name if name and name.isprintable() else repr(name)
 
 
-def names_text(names: Sequence[str], limit: int = 6) -> Text:
-    """Up to ``limit`` layer names joined by ", " (plain text, never rich markup)."""
+MORE = ", ... and "
+"""What :func:`more_suffix` puts before the count of the items left out."""
+
+
+def more_suffix(total: int, shown: int, lead: str = MORE) -> str:
+    """The tail of a list cut to its first ``shown`` of ``total`` items: ``lead`` + "N
+    more" (N = ``total - shown``), or ``""`` when nothing was cut.
+
+    >>> more_suffix(8, 6)
+    ', ... and 2 more'
+    >>> more_suffix(3, 6)
+    ''
+    """
+    return f"{lead}{total - shown} more" if total > shown else ""
+
+
+def joined_names(
+    names: Sequence[str], limit: int, show: Callable[[str], str] = show_name,
+    lead: str = MORE,
+) -> str:
+    """The first ``limit`` names, each through ``show``, joined by ", ", then
+    :func:`more_suffix` (``lead`` before the count of the names left out)."""
+    return ", ".join(show(n) for n in names[:limit]) + more_suffix(len(names), limit, lead)
+
+
+def names_text(
+    names: Sequence[str], limit: int = 6, show: Callable[[str], str] = show_name
+) -> Text:
+    """Up to ``limit`` layer names joined by ", " (each through ``show``), then
+    :func:`more_suffix` dimmed; ``none`` (dimmed) for no names. Plain text, never rich
+    markup."""
     if not names:
         return Text("none", style="dim")
-    text = Text(", ".join(show_name(n) for n in names[:limit]))
-    if len(names) > limit:
-        text.append(f", ... and {len(names) - limit} more", style="dim")
+    text = Text(", ".join(show(n) for n in names[:limit]))
+    text.append(more_suffix(len(names), limit), style="dim")
     return text
 
 

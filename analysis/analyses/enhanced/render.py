@@ -23,10 +23,13 @@ from analysis.blocks.terminal import (
     table,
 )
 
-_HEALTH_STYLE = {
+LAYER_HEALTH_STYLE: dict[LayerHealth, str] = {
     LayerHealth.HEALTHY: "green", LayerHealth.WARNING: "yellow",
     LayerHealth.CRITICAL: "bold red", LayerHealth.UNKNOWN: "dim",
 }
+"""Rich style of each :class:`~analysis.analyses.enhanced.models.LayerHealth` (the enhanced
+analysis's verdict on a layer or the network; the run's gradient health of the frames has
+its own style in :data:`analysis.report.HEALTH_STYLE`)."""
 _KIND = {
     OptimizationTarget.INDIVIDUAL_LAYER: "layer", OptimizationTarget.LAYER_GROUP: "group",
     OptimizationTarget.NETWORK_LEVEL: "network",
@@ -60,7 +63,7 @@ def render_enhanced(report: EnhancedLayerGradientAnalysis) -> RenderableType:
     summary.add_column(style="bold", no_wrap=True)
     summary.add_column()
     health = net.overall_gradient_health
-    summary.add_row("overall health", Text(health.value, style=_HEALTH_STYLE[health]))
+    summary.add_row("overall health", Text(health.value, style=LAYER_HEALTH_STYLE[health]))
     if report.ignore_layers:
         summary.add_row("excluded", excluded_text(report.ignore_layers, report.layers_excluded))
     dist = net.gradient_distribution
@@ -118,7 +121,7 @@ def render_enhanced(report: EnhancedLayerGradientAnalysis) -> RenderableType:
         s, h = d.gradient_statistics, d.health_metrics
         layers.add_row(
             show_name(d.layer_name),
-            Text(h.overall_health.value, style=_HEALTH_STYLE[h.overall_health]),
+            Text(h.overall_health.value, style=LAYER_HEALTH_STYLE[h.overall_health]),
             num(s.mean, 2), num(s.median, 2), num(s.percentile_95, 2),
             num(h.gradient_stability, 2), str(len(h.risk_factors)),
         )

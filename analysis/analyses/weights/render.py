@@ -10,7 +10,14 @@ from rich.table import Table
 from rich.text import Text
 
 from analysis.analyses.weights.models import DistributionHealthStatus, WeightAnalysisReport
-from analysis.blocks.terminal import ROWS_IN_TABLE, add_more_row, num, show_name, table
+from analysis.blocks.terminal import (
+    ROWS_IN_TABLE,
+    add_more_row,
+    joined_names,
+    num,
+    show_name,
+    table,
+)
 
 __all__ = ["render_weights"]
 
@@ -55,9 +62,8 @@ def render_weights(report: WeightAnalysisReport) -> RenderableType:
         names = report.first_nonfinite_layers
         grid.add_row("NaN/Inf weights", Text(
             f"first at step {report.first_nonfinite_step} in "
-            f"{', '.join(show_name(n) for n in names[:5])}"
-            + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            + f"; {o.nonfinite} at step {dist.step}", style="bold red"))
+            f"{joined_names(names, 5, lead=' and ')}; {o.nonfinite} at step {dist.step}",
+            style="bold red"))
     layers = table("layers (model order)", ["layer", "health", "mean", "std", "skew", "kurt",
                                             "zeros"], [False] + [True] * 6)
     extremes = table("extremes and entropy (model order)", ["layer", "min", "max",
@@ -107,6 +113,5 @@ def render_weights(report: WeightAnalysisReport) -> RenderableType:
             names = d.stalled_layer_names
             parts.append(Text(
                 f"stalled (updates below float32 resolution): "
-                f"{', '.join(show_name(n) for n in names[:8])}"
-                + (f" and {len(names) - 8} more" if len(names) > 8 else ""), style="yellow"))
+                f"{joined_names(names, 8, lead=' and ')}", style="yellow"))
     return Group(*parts)
