@@ -21,8 +21,9 @@ after downsampling.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -222,35 +223,76 @@ class GradientGrid:
             )
         return f"{head}; downsampled: " + "; ".join(parts) + "; flags: any in bin"
 
-    def to_json(self) -> dict[str, object]:
-        """A JSON-ready dict for the dashboard and the animation: NaN becomes ``None``;
-        ``log_norm`` is rounded to 4 decimals (1e-4 in log10 is a 0.02% norm change)."""
-        log = np.round(self.log_norm(), 4)
-        flow = np.round(self.max_flow, 4)
+    def fields(self) -> dict[str, object]:
+        """Every field except the three cell arrays, as JSON values (str, int, float, lists
+        of them), keyed by field name: the part of the grid's codec shared by
+        :meth:`to_json` and the endpoint's Arrow wire; :meth:`from_fields` inverts it."""
         return {
             "run_id": self.run_id,
-            "rows": self.row_labels,
+            "row_labels": list(self.row_labels),
             "row_first_layer": self.row_first_layer.tolist(),
             "row_last_layer": self.row_last_layer.tolist(),
             "col_first_step": self.col_first_step.tolist(),
             "col_last_step": self.col_last_step.tolist(),
             "col_frames": self.col_frames.tolist(),
-            "log_norm": _nan_to_none(log),
-            "flow": _nan_to_none(flow),
-            "flags": self.flags.tolist(),
             "steps_per_col": self.steps_per_col,
             "layers_per_row": self.layers_per_row,
             "n_frames": self.n_frames,
             "n_layers": self.n_layers,
             "vanishing_threshold": self.vanishing_threshold,
             "exploding_threshold": self.exploding_threshold,
+        }
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any], max_norm: np.ndarray,
+                    max_flow: np.ndarray, flags: np.ndarray) -> GradientGrid:
+        """The grid of :meth:`fields` and its cells (``R x C`` float64, float64, uint8).
+
+        Raises:
+            KeyError: a field is missing. ValueError: a cell array is not ``R x C``.
+        """
+        shape = (len(fields["row_labels"]), len(fields["col_first_step"]))
+        for cells in (max_norm, max_flow, flags):
+            if cells.shape != shape:
+                raise ValueError(f"grid cells of shape {cells.shape}, expected {shape}")
+
+        def ints(name: str) -> np.ndarray:
+            return np.asarray(fields[name], dtype=np.int64)
+
+        return cls(
+            run_id=str(fields["run_id"]), row_labels=list(fields["row_labels"]),
+            row_first_layer=ints("row_first_layer"), row_last_layer=ints("row_last_layer"),
+            col_first_step=ints("col_first_step"), col_last_step=ints("col_last_step"),
+            col_frames=ints("col_frames"), max_norm=np.asarray(max_norm, np.float64),
+            max_flow=np.asarray(max_flow, np.float64), flags=np.asarray(flags, np.uint8),
+            steps_per_col=int(fields["steps_per_col"]),
+            layers_per_row=int(fields["layers_per_row"]),
+            n_frames=int(fields["n_frames"]), n_layers=int(fields["n_layers"]),
+            vanishing_threshold=float(fields["vanishing_threshold"]),
+            exploding_threshold=float(fields["exploding_threshold"]),
+        )
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready dict for the dashboard and the animation: :meth:`fields` (the row
+        labels under ``rows``), ``log_norm`` and ``flow`` rounded to 4 decimals (1e-4 in
+        log10 is a 0.02% norm change), non-finite values ``None``, ``flags`` and the
+        ``caption``."""
+        fields = self.fields()
+        return {
+            "rows": fields.pop("row_labels"),
+            **fields,
+            "log_norm": json_floats(np.round(self.log_norm(), 4)),
+            "flow": json_floats(np.round(self.max_flow, 4)),
+            "flags": self.flags.tolist(),
             "caption": self.caption(),
         }
 
 
-def _nan_to_none(values: np.ndarray) -> list[list[float | None]]:
+def json_floats(values: np.ndarray) -> list[Any]:
+    """``values`` (float64, any shape) as nested lists with NaN and +-inf as ``None`` (JSON
+    has no non-finite numbers)."""
     obj = values.astype(object)
-    obj[np.isnan(values)] = None
+    obj[~np.isfinite(values)] = None
     return obj.tolist()
 
 
@@ -372,13 +414,8 @@ class LayerSeries:
         )
 
     def to_json(self) -> dict[str, object]:
-        """JSON-ready dict (non-finite floats become ``None``)."""
-
-        def floats(a: np.ndarray) -> list[float | None]:
-            obj = a.astype(object)
-            obj[~np.isfinite(a)] = None
-            return obj.tolist()
-
+        """JSON-ready dict (non-finite floats become ``None``, :func:`json_floats`)."""
+        floats = json_floats
         return {
             "run_id": self.run_id,
             "layer_index": self.layer_index,

@@ -95,21 +95,7 @@ def grid_to_arrow(grid: GradientGrid) -> pa.Table:
     schema metadata."""
     import pyarrow as pa
 
-    meta = {
-        "run_id": grid.run_id,
-        "row_labels": grid.row_labels,
-        "row_first_layer": grid.row_first_layer.tolist(),
-        "row_last_layer": grid.row_last_layer.tolist(),
-        "col_first_step": grid.col_first_step.tolist(),
-        "col_last_step": grid.col_last_step.tolist(),
-        "col_frames": grid.col_frames.tolist(),
-        "steps_per_col": grid.steps_per_col,
-        "layers_per_row": grid.layers_per_row,
-        "n_frames": grid.n_frames,
-        "n_layers": grid.n_layers,
-        "vanishing_threshold": grid.vanishing_threshold,
-        "exploding_threshold": grid.exploding_threshold,
-    }
+    meta = grid.fields()
     table = pa.table({
         "max_norm": pa.array(np.ascontiguousarray(grid.max_norm, np.float64).ravel()),
         "max_flow": pa.array(np.ascontiguousarray(grid.max_flow, np.float64).ravel()),
@@ -136,17 +122,5 @@ def grid_from_arrow(table: pa.Table) -> GradientGrid:
         column = table.column(name).to_numpy(zero_copy_only=False)
         return np.asarray(column, dtype=dtype).reshape(shape).copy()
 
-    def ints(name: str) -> np.ndarray:
-        return np.asarray(meta[name], dtype=np.int64)
-
-    return GradientGrid(
-        run_id=meta["run_id"], row_labels=list(meta["row_labels"]),
-        row_first_layer=ints("row_first_layer"), row_last_layer=ints("row_last_layer"),
-        col_first_step=ints("col_first_step"), col_last_step=ints("col_last_step"),
-        col_frames=ints("col_frames"), max_norm=cells("max_norm", np.float64),
-        max_flow=cells("max_flow", np.float64), flags=cells("flags", np.uint8),
-        steps_per_col=int(meta["steps_per_col"]), layers_per_row=int(meta["layers_per_row"]),
-        n_frames=int(meta["n_frames"]), n_layers=int(meta["n_layers"]),
-        vanishing_threshold=float(meta["vanishing_threshold"]),
-        exploding_threshold=float(meta["exploding_threshold"]),
-    )
+    return GradientGrid.from_fields(meta, cells("max_norm", np.float64),
+                                    cells("max_flow", np.float64), cells("flags", np.uint8))
