@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from analysis.read.connect import StoreError, require_run
-from analysis.read.sql import stats_params
+from analysis.read.sql import stats_params, step_buckets, step_range
 
 if TYPE_CHECKING:
     import duckdb
@@ -42,27 +42,15 @@ from schemas.flags import FLAG_VANISHING as FLAG_VANISHING
 from schemas.flags import FLAG_ZERO as FLAG_ZERO
 from schemas.flags import predicate
 
-_RANGE = """
-    run_id = $run_id
-    AND ($from_step IS NULL OR step >= $from_step)
-    AND ($to_step IS NULL OR step <= $to_step)
-"""
-
 _GRID_SQL = f"""
     WITH s AS (
         SELECT step, layer_index, grad_norm, flow_intensity, is_vanishing, is_exploding,
                nonfinite
-        FROM layer_stats WHERE {_RANGE}
+        FROM layer_stats WHERE run_id = $run_id AND {step_range()}
     ),
-    ranked AS (
-        SELECT step,
-               row_number() OVER (ORDER BY step) - 1 AS frame_no,
-               count(*) OVER () AS n_frames
-        FROM (SELECT DISTINCT step FROM s)
-    ),
-    k AS (SELECT coalesce(ceil(max(n_frames) / $max_steps)::BIGINT, 1) AS k FROM ranked)
+    {step_buckets("s", "max_steps")}
     SELECT s.layer_index // $layers_per_row AS row_no,
-           r.frame_no // k.k AS col_no,
+           b.bucket AS col_no,
            max(s.grad_norm) AS max_norm,
            max(s.flow_intensity) AS max_flow,
            bool_or({predicate("vanishing", "s")}) AS vanishing,
@@ -70,30 +58,29 @@ _GRID_SQL = f"""
            bool_or({predicate("nonfinite", "s")}) AS nonfinite,
            min(s.step) AS first_step,
            max(s.step) AS last_step,
-           any_value(r.n_frames) AS n_frames,
-           any_value(k.k) AS k
-    FROM s JOIN ranked AS r USING (step) CROSS JOIN k
+           any_value(b.n_frames) AS n_frames,
+           any_value(b.k) AS k
+    FROM s JOIN bucketed AS b USING (step)
     GROUP BY row_no, col_no
 """
 
 _SERIES_SQL = f"""
     WITH s AS (
         SELECT step, grad_norm, mean_abs_grad, max_abs_grad, is_vanishing, is_exploding,
-               nonfinite,
-               row_number() OVER (ORDER BY step) - 1 AS n,
-               count(*) OVER () AS total
-        FROM layer_stats WHERE {_RANGE} AND layer_index = $layer_index
+               nonfinite
+        FROM layer_stats
+        WHERE run_id = $run_id AND {step_range()} AND layer_index = $layer_index
     ),
-    k AS (SELECT coalesce(ceil(max(total) / $max_points)::BIGINT, 1) AS k FROM s)
-    SELECT s.n // k.k AS bin,
-           min(step) AS first_step, max(step) AS last_step,
+    {step_buckets("s", "max_points")}
+    SELECT b.bucket AS bin,
+           min(s.step) AS first_step, max(s.step) AS last_step,
            max(grad_norm) AS max_norm, min(grad_norm) AS min_norm,
            max(mean_abs_grad) AS max_mean_abs, max(max_abs_grad) AS max_abs,
-           bool_or({predicate("vanishing")}) AS vanishing,
-           bool_or({predicate("exploding")}) AS exploding,
-           bool_or({predicate("nonfinite")}) AS nonfinite,
-           any_value(total) AS total, any_value(k.k) AS k
-    FROM s CROSS JOIN k
+           bool_or({predicate("vanishing", "s")}) AS vanishing,
+           bool_or({predicate("exploding", "s")}) AS exploding,
+           bool_or({predicate("nonfinite", "s")}) AS nonfinite,
+           any_value(b.n_frames) AS total, any_value(b.k) AS k
+    FROM s JOIN bucketed AS b USING (step)
     GROUP BY bin ORDER BY bin
 """
 
