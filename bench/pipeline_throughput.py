@@ -356,8 +356,9 @@ def stage_costs(run_ids: list[str], ranks: int, layers: int, steps: int, replica
     from consumer.alerts.config import load_alert_rules
     from consumer.alerts.engine import AlertEngine
     from consumer.merge import ShardMerger
+    from consumer.outputs.base import Batch
+    from consumer.outputs.duckdb import DuckDBSink
     from consumer.runbook import RunBook
-    from consumer.sink import DuckDBSink, SinkBatch
     from schemas.wire import RunStarted, decode_message
 
     starts, records = _stage_messages(run_ids, ranks, layers, steps, replicated)
@@ -371,7 +372,7 @@ def stage_costs(run_ids: list[str], ranks: int, layers: int, steps: int, replica
     engine = AlertEngine(load_alert_rules())
     sink = DuckDBSink(db, write_behind=False)
     merger = ShardMerger(3600.0, lambda _run, _step: None)
-    batch = SinkBatch()
+    batch = Batch()
     for raw in starts:
         msg = decode_message(raw)
         assert isinstance(msg, RunStarted)
@@ -411,7 +412,7 @@ def stage_costs(run_ids: list[str], ranks: int, layers: int, steps: int, replica
                 batch.offsets[("bench", 0)] = offset + 1
                 sink.write(batch, "bench")
                 cpu["write"] += clock() - t4
-                batch = SinkBatch()
+                batch = Batch()
     finally:
         merge_module.compute_frame = compute_frame
         sink.close()
@@ -475,7 +476,8 @@ def insert_cost(rows: int, layers: int = 1000, batch_frames: int = 100) -> dict[
     import duckdb
 
     from consumer.frames import MergedShards, compute_frame
-    from consumer.sink import DuckDBSink, SinkBatch
+    from consumer.outputs.base import Batch
+    from consumer.outputs.duckdb import DuckDBSink
     from schemas.stats import GradientSums
     from schemas.tables import SCHEMA_DDL
     from schemas.wire import RunStarted
@@ -500,11 +502,11 @@ def insert_cost(rows: int, layers: int = 1000, batch_frames: int = 100) -> dict[
                 con.execute("ALTER TABLE layer_stats ADD PRIMARY KEY (run_id, step, layer_index)")
                 con.close()
             sinks[label] = DuckDBSink(path, write_behind=False)
-            sinks[label].write(SinkBatch(runs_started=[start]), "g")
+            sinks[label].write(Batch(runs_started=[start]), "g")
         batch_frames = min(batch_frames, max(1, rows // layers))
         batches = max(1, rows // (layers * batch_frames))
         for b in range(batches):
-            batch = SinkBatch()
+            batch = Batch()
             for step in range(b * batch_frames, (b + 1) * batch_frames):
                 frame = compute_frame("r", step, merged, vanishing_threshold=1e-7,
                                       exploding_threshold=1e3, ranks_seen=(0,), world_size=1,

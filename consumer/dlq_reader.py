@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from consumer.dlq import decode_headers
+from consumer.topic_admin import TopicMissingError
 from schemas.wire import is_binary, to_display
 
 if TYPE_CHECKING:
@@ -107,10 +108,6 @@ def _int_or_none(text: str | None) -> int | None:
         return None if text is None else int(text)
     except ValueError:
         return None
-
-
-class TopicMissingError(RuntimeError):
-    """The dead-letter topic does not exist (no worker created it yet)."""
 
 
 class DeadLetterReader:

@@ -253,10 +253,6 @@ class LocalRows:
     def __len__(self) -> int:
         return len(self.rank)
 
-    def ranks_where(self, mask: np.ndarray) -> list[int]:
-        """Sorted distinct ranks of the rows where ``mask`` (bool[m]) is True."""
-        return sorted(set(self.rank[mask].tolist()))
-
 
 _LOCAL_FIELDS = ("rank", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs", "nonfinite")
 

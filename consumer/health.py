@@ -64,7 +64,7 @@ from schemas.rounding import at_rounding_level, unit_roundoff
 from schemas.wire import GradientHealth
 
 __all__ = ["NONFINITE_VERDICTS", "NonfiniteVerdict", "RunHealthTracker", "critical_rows",
-           "reference_exploding", "restore_tracker"]
+           "reference_exploding"]
 
 _EMPTY = np.empty(0, dtype=np.int32)
 
@@ -262,12 +262,16 @@ class RunHealthTracker:
         else:
             self._nonfinite_steps.discard(step)
         self.last_step = step if self.last_step is None else max(self.last_step, step)
+        self._trim_window()
+        return self.health
+
+    def _trim_window(self) -> None:
+        """Drop the oldest frames beyond the rolling window (``max_frames``; 0: none)."""
         if self.max_frames:
             while len(self._by_step) > self.max_frames:
                 oldest = heapq.heappop(self._heap)
                 self._apply(self._by_step.pop(oldest), -1)
                 self._nonfinite_steps.discard(oldest)
-        return self.health
 
     @property
     def health(self) -> GradientHealth:
@@ -285,90 +289,87 @@ class RunHealthTracker:
         """``total_steps`` of the run summary: last step + 1 (0 before any frame)."""
         return 0 if self.last_step is None else self.last_step + 1
 
+    @classmethod
+    def restored(
+        cls,
+        num_layers: int,
+        max_frames: int,
+        frame_steps: np.ndarray,
+        flag_steps: np.ndarray,
+        flag_layers: np.ndarray,
+        flag_vanishing: np.ndarray,
+        flag_exploding: np.ndarray,
+        flag_nonfinite: np.ndarray,
+        *,
+        roundoff: np.ndarray | None = None,
+        seen: np.ndarray | None = None,
+        ordinary: np.ndarray | None = None,
+        excluded: np.ndarray | None = None,
+        exclude_rounding: bool = False,
+        flag_critical: np.ndarray | None = None,
+        nonfinite_rule: NonfiniteVerdict = "critical",
+    ) -> RunHealthTracker:
+        """A tracker rebuilt from stored frames (worker restart), without replaying frames.
 
-def restore_tracker(
-    num_layers: int,
-    max_frames: int,
-    frame_steps: np.ndarray,
-    flag_steps: np.ndarray,
-    flag_layers: np.ndarray,
-    flag_vanishing: np.ndarray,
-    flag_exploding: np.ndarray,
-    flag_nonfinite: np.ndarray,
-    *,
-    roundoff: np.ndarray | None = None,
-    seen: np.ndarray | None = None,
-    ordinary: np.ndarray | None = None,
-    excluded: np.ndarray | None = None,
-    exclude_rounding: bool = False,
-    flag_critical: np.ndarray | None = None,
-    nonfinite_rule: NonfiniteVerdict = "critical",
-) -> RunHealthTracker:
-    """Rebuild a tracker from stored frames (worker restart), without replaying frames.
+        Args:
+            num_layers: L. max_frames: rolling window (0 = whole run).
+            frame_steps: int[F], every stored step of the run.
+            flag_steps, flag_layers: int[R], the stored layer rows with any flag set.
+            flag_vanishing, flag_exploding, flag_nonfinite: bool[R], the flags of those rows
+                as stored, except with ``exclude_rounding``: then ``flag_vanishing`` without
+                the rows of layers that had no gradient by construction up to that row's step
+                (``DuckDBSink.load_flags(run_id, exclude_rounding=True)``).
+            roundoff: float64[L] unit roundoff per layer (None = float32).
+            seen, ordinary: bool[L], the per-layer rounding state
+                (``DuckDBSink.load_gradient_state``). None: every layer counts as ordinary.
+            excluded, exclude_rounding: as in :class:`RunHealthTracker`; the vanishing and
+                exploding flags of ``excluded`` layers are left out here.
+            flag_critical: bool[R], the rows the non-finite rule counts
+                (:func:`critical_rows`); None = ``flag_nonfinite`` (the ``"critical"`` rule).
+                With ``nonfinite_rule="reference"`` the caller also passes the reference's
+                ``flag_exploding`` (:func:`reference_exploding`;
+                ``DuckDBSink.load_flags(..., nonfinite_rule="reference")`` gives both).
+            nonfinite_rule: as in :class:`RunHealthTracker`.
 
-    Args:
-        num_layers: L. max_frames: rolling window (0 = whole run).
-        frame_steps: int[F], every stored step of the run.
-        flag_steps, flag_layers: int[R], the stored layer rows with any flag set.
-        flag_vanishing, flag_exploding, flag_nonfinite: bool[R], the flags of those rows
-            as stored, except with ``exclude_rounding``: then ``flag_vanishing`` without
-            the rows of layers that had no gradient by construction up to that row's step
-            (``DuckDBSink.load_flags(run_id, exclude_rounding=True)``).
-        roundoff: float64[L] unit roundoff per layer (None = float32).
-        seen, ordinary: bool[L], the per-layer rounding state
-            (``DuckDBSink.load_gradient_state``). None: every layer counts as ordinary.
-        excluded, exclude_rounding: as in :class:`RunHealthTracker`; the vanishing and
-            exploding flags of ``excluded`` layers are left out here.
-        flag_critical: bool[R], the rows the non-finite rule counts
-            (:func:`critical_rows`); None = ``flag_nonfinite`` (the ``"critical"`` rule).
-            With ``nonfinite_rule="reference"`` the caller also passes the reference's
-            ``flag_exploding`` (:func:`reference_exploding`;
-            ``DuckDBSink.load_flags(..., nonfinite_rule="reference")`` gives both).
-        nonfinite_rule: as in :class:`RunHealthTracker`.
-
-    Returns:
-        A tracker equal to one that saw those frames one by one (in step order).
-    """
-    tracker = RunHealthTracker(num_layers, max_frames, roundoff, excluded=excluded,
-                               exclude_rounding=exclude_rounding, nonfinite_rule=nonfinite_rule)
-    if flag_critical is None:
-        flag_critical = flag_nonfinite
-    if flag_layers.size and tracker.excluded.any():
-        kept = ~tracker.excluded[flag_layers]
-        flag_vanishing = flag_vanishing & kept
-        flag_exploding = flag_exploding & kept
-    tracker.ordinary = (np.ones(num_layers, bool) if ordinary is None
-                        else np.asarray(ordinary, bool).copy())
-    tracker.seen = tracker.ordinary.copy() if seen is None else np.asarray(seen, bool).copy()
-    empty = _Contribution(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
-    by_step: dict[int, _Contribution] = dict.fromkeys(frame_steps.tolist(), empty)
-    if flag_steps.size:
-        order = np.argsort(flag_steps, kind="stable")
-        steps_sorted = flag_steps[order]
-        uniq, starts = np.unique(steps_sorted, return_index=True)
-        bounds = [*starts.tolist()[1:], len(order)]
-        layers = flag_layers[order].astype(np.int32)
-        van, exp, nonf = flag_vanishing[order], flag_exploding[order], flag_nonfinite[order]
-        crit = flag_critical[order]
-        for step, lo, hi in zip(uniq.tolist(), starts.tolist(), bounds, strict=True):
-            sl = slice(lo, hi)
-            by_step[step] = _Contribution(
-                layers[sl][van[sl]], layers[sl][exp[sl]], layers[sl][nonf[sl]],
-                layers[sl][crit[sl]],
-            )
-        np.add.at(tracker.vanishing_frames, flag_layers[flag_vanishing], 1)
-        np.add.at(tracker.exploding_frames, flag_layers[flag_exploding], 1)
-        np.add.at(tracker.nonfinite_frames, flag_layers[flag_nonfinite], 1)
-        np.add.at(tracker.critical_frames, flag_layers[flag_critical], 1)
-        tracker._nonfinite_steps = set(np.unique(flag_steps[flag_nonfinite]).tolist())
-    tracker._by_step = by_step
-    tracker._heap = sorted(by_step)
-    tracker.frames = len(by_step)
-    tracker.issue_frames = sum(1 for c in by_step.values() if c.is_issue)
-    tracker.last_step = max(by_step) if by_step else None
-    if max_frames:
-        while len(tracker._by_step) > max_frames:
-            oldest = heapq.heappop(tracker._heap)
-            tracker._apply(tracker._by_step.pop(oldest), -1)
-            tracker._nonfinite_steps.discard(oldest)
-    return tracker
+        Returns:
+            A tracker equal to one that saw those frames one by one (in step order).
+        """
+        tracker = cls(num_layers, max_frames, roundoff, excluded=excluded,
+                      exclude_rounding=exclude_rounding, nonfinite_rule=nonfinite_rule)
+        if flag_critical is None:
+            flag_critical = flag_nonfinite
+        if flag_layers.size and tracker.excluded.any():
+            kept = ~tracker.excluded[flag_layers]
+            flag_vanishing = flag_vanishing & kept
+            flag_exploding = flag_exploding & kept
+        tracker.ordinary = (np.ones(num_layers, bool) if ordinary is None
+                            else np.asarray(ordinary, bool).copy())
+        tracker.seen = tracker.ordinary.copy() if seen is None else np.asarray(seen, bool).copy()
+        empty = _Contribution(_EMPTY, _EMPTY, _EMPTY, _EMPTY)
+        by_step: dict[int, _Contribution] = dict.fromkeys(frame_steps.tolist(), empty)
+        if flag_steps.size:
+            order = np.argsort(flag_steps, kind="stable")
+            steps_sorted = flag_steps[order]
+            uniq, starts = np.unique(steps_sorted, return_index=True)
+            bounds = [*starts.tolist()[1:], len(order)]
+            layers = flag_layers[order].astype(np.int32)
+            van, exp, nonf = flag_vanishing[order], flag_exploding[order], flag_nonfinite[order]
+            crit = flag_critical[order]
+            for step, lo, hi in zip(uniq.tolist(), starts.tolist(), bounds, strict=True):
+                sl = slice(lo, hi)
+                by_step[step] = _Contribution(
+                    layers[sl][van[sl]], layers[sl][exp[sl]], layers[sl][nonf[sl]],
+                    layers[sl][crit[sl]],
+                )
+            np.add.at(tracker.vanishing_frames, flag_layers[flag_vanishing], 1)
+            np.add.at(tracker.exploding_frames, flag_layers[flag_exploding], 1)
+            np.add.at(tracker.nonfinite_frames, flag_layers[flag_nonfinite], 1)
+            np.add.at(tracker.critical_frames, flag_layers[flag_critical], 1)
+            tracker._nonfinite_steps = set(np.unique(flag_steps[flag_nonfinite]).tolist())
+        tracker._by_step = by_step
+        tracker._heap = sorted(by_step)
+        tracker.frames = len(by_step)
+        tracker.issue_frames = sum(1 for c in by_step.values() if c.is_issue)
+        tracker.last_step = max(by_step) if by_step else None
+        tracker._trim_window()
+        return tracker

@@ -3,42 +3,16 @@ with the rows they cover.
 
 :class:`ConsumerLoop` owns everything a gradstream consumer process does around its
 records: the lifecycle (open the output, restore, connect, consume until ``stop()``, write
-what is left, close), the poll -> handle -> commit cycle, seeking each assigned partition
-to the offset its output stored, writing before a partition is revoked, the dead-letter
+what is left, close), the poll -> handle -> commit cycle, rebalances, the dead-letter
 queue, the Prometheus metrics and a graceful stop. Two small subclasses supply what is
 theirs: :class:`consumer.worker.Worker` (summaries -> merged frames) and
-:class:`consumer.store.Store` (the frames topic -> DuckDB, in scale-out mode). Where a
-batch goes is a :class:`FrameOutput` (:mod:`consumer.outputs`): a DuckDB file, or the
-frames topic.
+:class:`consumer.store_writer.StoreWriter` (the frames topic -> DuckDB, in scale-out mode).
+Where a batch goes is an :class:`consumer.outputs.base.Output`, which the loop never asks
+the kind of; when and how a batch is committed with its offsets is the
+:class:`consumer.checkpoint.Checkpoint` (the commit protocol, numbered steps).
 
-Commit protocol (:meth:`ConsumerLoop.flush`), run when ``flush_interval_s`` has passed
-and the output has no write in flight, when ``max_batch_rows`` layer rows wait, before
-partitions are revoked and at stop:
-
-1. For every partition read, the offset to store is the next one to consume, but never
-   past the first record of a frame still waiting for ranks (``pending_offsets``): a crash
-   then rebuilds that frame from Kafka.
-2. If neither rows nor changed offsets wait, nothing is written.
-3. Dead letters sent so far are flushed to Kafka first, so stored offsets never pass a
-   record that is neither stored nor dead-lettered.
-4. The output makes the batch durable with those offsets in one step: one DuckDB
-   transaction (rows and ``kafka_offsets`` together), or every frame acknowledged by
-   the frames topic. The DuckDB output commits that transaction on its writer thread
-   while the loop goes on decoding and merging the next batch (write-behind): ``write``
-   first waits for the previous transaction, so at most one is in flight, and a failed
-   one stops the loop at the next write with nothing of it acknowledged.
-5. Only once the output says every batch handed to it is durable
-   (:meth:`FrameOutput.settle`) are the offsets acknowledged to Kafka (a commit:
-   informational when DuckDB holds them, the group's positions themselves when the frames
-   topic is the output). With write-behind this happens after the flush, at the first
-   poll cycle that finds the transaction committed, or at once when the flush settles
-   (before partitions are revoked and at stop, where it waits for the transaction).
-6. The stored offsets are remembered (the next batch stores only what changed) and a new
-   batch begins.
-
-On assignment (step 0 of the next cycle) each partition is sought to the offset the
-output stored, so rows are written exactly once whatever crashes; an output that stores
-none (the frames topic) leaves the consumer at the group's committed offsets.
+A commit runs when ``flush_interval_s`` has passed and the output has no write in flight,
+when ``max_batch_rows`` layer rows wait, before partitions are revoked and at stop.
 
 Stuck-partition watchdog (:mod:`consumer.stuck_partition`, ``stuck_partition_timeout_s``):
 at most every ``stuck_partition_timeout_s / 4`` the loop reads the end offset of every
@@ -47,9 +21,9 @@ assigned partition; a partition with records to read whose position has not move
 (``gradstream_consumer_stuck_partitions_total``) and recovered: first re-sought to its own
 position (the offset after the last record the loop handled) and resumed; if it still does
 not move within ``stuck_partition_timeout_s``, the Kafka consumer is re-created: the batch
-is written (steps 1-6, settled), the partitions are given up as in a rebalance, the
-consumer is closed and a new one assigned or subscribed, which seeks to the stored offsets
-as on any assignment. Either way no record is skipped or stored twice.
+is committed (settled), the partitions are given up as in a rebalance, the consumer is
+closed and a new one assigned or subscribed, which seeks to the stored offsets as on any
+assignment. Either way no record is skipped or stored twice.
 """
 
 from __future__ import annotations
@@ -58,67 +32,21 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from kafka import ConsumerRebalanceListener
 
+from consumer.checkpoint import Checkpoint
 from consumer.dlq import DeadLetterQueue
 from consumer.metrics import WorkerMetrics
+from consumer.outputs.base import Batch, Output, PartitionKey
 from consumer.runbook import RunBook
-from consumer.sink import SinkBatch
 from consumer.stuck_partition import StuckPartition, StuckPartitionWatchdog
 from consumer.topic_admin import ensure_topics, subscribe_with_metadata
 
-if TYPE_CHECKING:
-    from consumer.sink import DuckDBSink
-
 log = logging.getLogger("gradstream.consumer")
-
-PartitionKey = tuple[str, int]
-"""(topic, partition)."""
-
-
-class FrameOutput(Protocol):
-    """Where a loop's batches go (:mod:`consumer.outputs`).
-
-    Attributes:
-        sink: the DuckDB sink when the output is a DuckDB file, else None.
-    """
-
-    sink: DuckDBSink | None
-
-    def stored_offsets(self, topics: Iterable[str]) -> dict[PartitionKey, int] | None:
-        """Next offset to consume per partition as stored with the rows, or None when
-        the output keeps none (the consumer group's committed offsets are the positions)."""
-        ...
-
-    def write(self, batch: SinkBatch) -> None:
-        """Make ``batch`` (rows and ``batch.offsets``) durable in one step (step 4); an
-        output that writes behind may return before it is, having waited for the batch
-        before it."""
-        ...
-
-    def settle(self, wait: bool) -> bool:
-        """Whether every batch given to :meth:`write` is durable (step 5 may acknowledge
-        its offsets); ``wait``: block until it is (then True).
-
-        Raises:
-            Exception: the write that failed (its offsets must never be acknowledged).
-        """
-        ...
-
-    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
-                    blocking: bool = True) -> None:
-        """Commit ``offsets`` to Kafka after ``write`` (step 5); ``blocking=False`` inside
-        a rebalance callback, where kafka-python 3 refuses blocking calls."""
-        ...
-
-    def close(self) -> None:
-        """Release the output."""
-        ...
-
 
 @dataclass(slots=True)
 class LoopCounters:
@@ -140,8 +68,10 @@ class ConsumerLoop(ABC):
             ``poll_timeout_ms``, ``max_poll_records``, ``max_partition_fetch_bytes``,
             ``flush_interval_s``, ``max_batch_rows``, ``max_frames``, ``ignore_layers``,
             ``exclude_rounding_level``, ``nonfinite_rule``, ``metrics_port``.
-        on_open: called on the loop's thread with the DuckDBSink right after a DuckDB
-            output is opened, before consuming (``gradstream serve`` takes a read cursor).
+        on_open: called on the loop's thread right after the output is opened, before
+            consuming, with what a reader attaches to (:meth:`Output.on_open
+            <consumer.outputs.base.Output.on_open>`; ``gradstream serve`` takes a read
+            cursor on the DuckDB file).
 
     Subclasses set ``Counters`` (a LoopCounters subclass) and ``join_group`` (True: a
     consumer-group member with rebalances; False: assign every partition of ``topics()``
@@ -156,8 +86,7 @@ class ConsumerLoop(ABC):
     join_group = True
     Counters: type[LoopCounters] = LoopCounters
 
-    def __init__(self, settings: Any, on_open: Callable[[DuckDBSink], None] | None = None
-                 ) -> None:
+    def __init__(self, settings: Any, on_open: Callable[[Any], None] | None = None) -> None:
         self.settings = settings
         self._on_open = on_open
         self.book = RunBook(settings.max_frames, tuple(settings.ignore_layers),
@@ -166,13 +95,10 @@ class ConsumerLoop(ABC):
         self.metrics = WorkerMetrics(self.pending_count)
         self.watchdog = StuckPartitionWatchdog(settings.stuck_partition_timeout_s)
         self.error: BaseException | None = None
-        self.output: FrameOutput | None = None
+        self.output: Output | None = None
+        self.checkpoint = Checkpoint()
         self.dlq = DeadLetterQueue(settings.dlq_topic, None)
         self._consumer: Any = None
-        self._batch = SinkBatch()
-        self._positions: dict[PartitionKey, int] = {}
-        self._stored: dict[PartitionKey, int] = {}
-        self._unacknowledged: dict[PartitionKey, int] = {}  # written, not yet acknowledged
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._lock = threading.RLock()
@@ -183,8 +109,14 @@ class ConsumerLoop(ABC):
 
     # -- hooks ---------------------------------------------------------------------------
 
+    @property
+    def batch(self) -> Batch:
+        """The batch being filled (:attr:`Checkpoint.batch
+        <consumer.checkpoint.Checkpoint.batch>`)."""
+        return self.checkpoint.batch
+
     @abstractmethod
-    def open_output(self) -> FrameOutput:
+    def open_output(self) -> Output:
         """Open where batches go (before connecting to Kafka)."""
 
     @abstractmethod
@@ -193,12 +125,12 @@ class ConsumerLoop(ABC):
 
     @abstractmethod
     def handle(self, record: Any) -> None:
-        """Use one record: decode it and put what it yields into ``self._batch``."""
+        """Use one record: decode it and put what it yields into :attr:`batch`."""
 
     def restore(self) -> None:
         """Rebuild state from the output (default: the runs and their health)."""
-        if self.output is not None and self.output.sink is not None:
-            self.book.restore(self.output.sink)
+        assert self.output is not None
+        self.output.restore(self.book)
 
     def tick(self) -> None:
         """After each poll: expire what waited too long (default: nothing)."""
@@ -252,10 +184,8 @@ class ConsumerLoop(ABC):
         """Open the output and restore state from it (``run()`` does this first; tests
         that feed records with :meth:`consume` call it themselves)."""
         self.output = self.open_output()
-        if self.output.sink is not None:
-            self.output.sink.ignore_layers = tuple(self.settings.ignore_layers)
-        if self._on_open is not None and self.output.sink is not None:
-            self._on_open(self.output.sink)
+        if self._on_open is not None:
+            self.output.on_open(self._on_open)
         self.restore()
 
     def _run(self) -> None:
@@ -281,7 +211,7 @@ class ConsumerLoop(ABC):
 
     def describe_output(self) -> str:
         """Where batches go, for the start-up log line."""
-        return str(self.settings.db)
+        return self.output.describe() if self.output is not None else ""
 
     def connect(self) -> None:
         """Create the topics read (and the dead-letter topic) if absent, then the Kafka
@@ -345,8 +275,8 @@ class ConsumerLoop(ABC):
                 self.tick()
                 if self._due():
                     self.flush()
-                elif self._unacknowledged:
-                    self._acknowledge(blocking=True, wait=False)                   # 5
+                elif self.checkpoint.unacknowledged:
+                    self._acknowledge(blocking=True, wait=False)
                 if not self._resumed and not records:
                     self._log_resumed(self._caught_up(), "nothing left to read")
             if self.watchdog.due(time.monotonic()):
@@ -369,7 +299,7 @@ class ConsumerLoop(ABC):
 
     def consume(self, record: Any) -> None:
         """Note ``record``'s position and hand it to :meth:`handle`."""
-        self._positions[(record.topic, record.partition)] = record.offset + 1
+        self.checkpoint.consumed(record.topic, record.partition, record.offset)
         self.counters.messages += 1
         self.handle(record)
 
@@ -402,15 +332,13 @@ class ConsumerLoop(ABC):
         return self.output is None or self.output.settle(wait=False)
 
     def flush(self, blocking: bool = True, settle: bool = False) -> None:
-        """Write the batch with its offsets: the commit protocol in the module docstring.
+        """Commit the batch with its offsets (:meth:`consumer.checkpoint.Checkpoint.commit`,
+        steps 1-6).
 
         Args:
-            blocking: commit to Kafka synchronously in step 5; False inside a rebalance
-                callback (kafka-python 3 runs it on its network thread and refuses
-                blocking calls there), where the commit is sent asynchronously.
+            blocking: acknowledge synchronously; False inside a rebalance callback.
             settle: wait until the output has made every batch durable and acknowledge
-                the offsets now (before a revocation and at stop); False: acknowledge
-                them once the output says so, here or at a later poll cycle.
+                the offsets now (before a revocation and at stop).
 
         Raises:
             duckdb.Error / kafka.errors.KafkaError: the write failed (this one, or with
@@ -421,39 +349,21 @@ class ConsumerLoop(ABC):
         self._rows_at_flush = self.counters.layer_rows
         if self.output is None:
             return
-        earliest = self.pending_offsets()                                          # 1
-        offsets = {}
-        for key, position in self._positions.items():
-            target = min(position, earliest.get(key, position))
-            if self._stored.get(key) != target:
-                offsets[key] = target
-        batch, batch.offsets = self._batch, offsets
-        if batch:                                                                  # 2
-            self.dlq.flush()                                                       # 3
-            self.output.write(batch)                                               # 4
-            self._unacknowledged.update(offsets)
-            self._stored.update(offsets)                                           # 6
-            self._batch = SinkBatch()
+        written = self.checkpoint.commit(self.output, self._consumer, self.pending_offsets(),
+                                         self.dlq.flush, blocking, settle)
+        if written is not None:
             self.counters.writes += 1
-        if self._unacknowledged or settle:
-            self._acknowledge(blocking, wait=settle)                               # 5
-        if batch:
-            self._log_resumed(bool(batch.frames), "first write")
+            self._log_resumed(bool(written.frames), "first write")
 
     def _acknowledge(self, blocking: bool, wait: bool) -> None:
-        """Step 5: commit the written offsets to Kafka once the output says every batch
-        handed to it is durable (``wait``: block until it is).
+        """Step 5 of the commit protocol (:meth:`consumer.checkpoint.Checkpoint.acknowledge`).
 
         Raises:
             duckdb.Error / kafka.errors.KafkaError: a write failed (nothing acknowledged),
                 or a blocking commit to the frames topic's group failed.
         """
         assert self.output is not None
-        if not self.output.settle(wait):
-            return
-        offsets, self._unacknowledged = self._unacknowledged, {}
-        if offsets and self._consumer is not None:
-            self.output.acknowledge(self._consumer, offsets, blocking)
+        self.checkpoint.acknowledge(self.output, self._consumer, blocking, wait)
 
     def _log_resumed(self, now: bool, how: str) -> None:
         """Log, once, how long after start the loop first wrote frames or found nothing to
@@ -524,7 +434,7 @@ class ConsumerLoop(ABC):
                 tp = TopicPartition(part.topic, part.partition)
                 key = (part.topic, part.partition)
                 try:
-                    self._consumer.seek(tp, self._positions.get(key, part.position))
+                    self._consumer.seek(tp, self.checkpoint.positions.get(key, part.position))
                     if tp in paused:
                         self._consumer.resume(tp)
                 except ValueError as exc:  # revoked meanwhile
@@ -565,19 +475,12 @@ class ConsumerLoop(ABC):
 
     def on_assigned(self, partitions: list[Any]) -> None:
         """Seek every newly assigned partition to the offset its output stored (or the
-        beginning); with an output that stores none, keep the group's positions."""
+        beginning; :meth:`consumer.checkpoint.Checkpoint.assign`); with an output that
+        stores none, keep the group's positions."""
         with self._lock:
             self.assigned(partitions)
             assert self.output is not None
-            stored = self.output.stored_offsets({tp.topic for tp in partitions})
-            if stored is not None:
-                for tp in partitions:
-                    key = (tp.topic, tp.partition)
-                    if key in stored:
-                        self._consumer.seek(tp, stored[key])
-                        self._stored[key] = stored[key]
-                    else:
-                        self._consumer.seek_to_beginning(tp)
+            self.checkpoint.assign(self.output, self._consumer, partitions)
             log.info("assigned %s", sorted((tp.topic, tp.partition) for tp in partitions))
             if partitions:
                 self._ready.set()
@@ -589,9 +492,7 @@ class ConsumerLoop(ABC):
             self.flush(blocking=False, settle=True)  # on kafka-python's network thread
             keys = {(tp.topic, tp.partition) for tp in partitions}
             self.revoked(keys)
-            for key in keys:
-                self._positions.pop(key, None)
-                self._stored.pop(key, None)
+            self.checkpoint.revoke(keys)
 
     # -- introspection -------------------------------------------------------------------
 
@@ -601,9 +502,10 @@ class ConsumerLoop(ABC):
         with self._lock:
             if not all(self.book.is_finished(r) for r in run_ids):
                 return False
-            if any(r in run_ids for r, _ in self._batch.frames):
+            batch = self.checkpoint.batch
+            if any(r in run_ids for r, _ in batch.frames):
                 return False
-            return not (self._batch.runs_finished or self._batch.alerts)
+            return not (batch.runs_finished or batch.alerts)
 
     def wait_for_runs(self, run_ids: list[str], timeout: float) -> bool:
         """Block until ``runs_done(run_ids)`` or ``timeout`` seconds; False on timeout or

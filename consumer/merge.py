@@ -51,6 +51,7 @@ import numpy as np
 
 from consumer.frames import GradientFrame, LocalRows, MergedShards, compute_frame
 from consumer.runs import RunInfo
+from consumer.topic_admin import PartitionKey
 from schemas.wire import StepSummary
 
 REPLICA_RTOL = 1e-6
@@ -80,9 +81,6 @@ VIOLATION_KINDS: dict[int, str] = {
 """Names of the layout-violation kinds (alert values)."""
 
 _NO_VIOLATIONS = np.empty((0, 5), np.int64)
-
-PartitionKey = tuple[str, int]
-"""(topic, partition)."""
 
 SumsLoader = Callable[[RunInfo, int], MergedShards | None]
 """Loads the stored merged sums of a finalised frame (run, step), or None if absent."""

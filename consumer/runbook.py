@@ -1,7 +1,7 @@
 """The runs a consumer process knows: the frame -> health -> run-state step written once.
 
 Both consumers of frames, the summaries worker (:mod:`consumer.worker`) and the scale-out
-store (:mod:`consumer.store`), keep the same book: each run's static description
+store writer (:mod:`consumer.store_writer`), keep the same book: each run's static description
 (:class:`consumer.runs.RunInfo`), its incremental health (:class:`RunHealthTracker`) and the
 ranks that said they are done. :meth:`RunBook.record` is the one place where a finalised
 frame becomes a row of the next write (with the frame's health) and the run's counters.
@@ -11,21 +11,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from consumer.health import RunHealthTracker, critical_rows, restore_tracker
+from consumer.health import RunHealthTracker, critical_rows
+from consumer.outputs.base import Batch, RunState, StoredFrames
 from consumer.runs import RunInfo
-from consumer.sink import RunState, SinkBatch
 from schemas.health import NonfiniteVerdict, check_nonfinite_verdict
 from schemas.rounding import gradient_magnitude
 from schemas.wire import GradientHealth, RunFinished, RunStarted
 
 if TYPE_CHECKING:
     from consumer.frames import GradientFrame
-    from consumer.sink import DuckDBSink
-
-StoredFrames = tuple[np.ndarray, np.ndarray, list[list[int]]]
-"""A run's stored frames: steps int64[F], complete bool[F], ranks seen per frame."""
+    from consumer.outputs.duckdb import DuckDBSink
 
 
 class RunBook:
@@ -95,7 +90,7 @@ class RunBook:
             stored[run.run_id] = (steps, complete, ranks)
             flags = sink.load_flags(run.run_id, self.exclude_rounding, self.nonfinite_rule)
             seen, ordinary = sink.load_gradient_state(run.run_id, run.num_layers)
-            self.trackers[run.run_id] = restore_tracker(
+            self.trackers[run.run_id] = RunHealthTracker.restored(
                 run.num_layers, self.max_frames, steps, flags["step"],
                 flags["layer_index"], flags["is_vanishing"].astype(bool),
                 flags["is_exploding"].astype(bool), flags["nonfinite"].astype(bool),
@@ -109,7 +104,7 @@ class RunBook:
             self.finished.setdefault(run_id, set()).add(rank)
         return stored
 
-    def record(self, frame: GradientFrame, batch: SinkBatch) -> GradientHealth:
+    def record(self, frame: GradientFrame, batch: Batch) -> GradientHealth:
         """Update the run's health with ``frame`` and put the frame, its health and the
         run's counters into ``batch`` (a later frame of the same (run, step) replaces it).
 

@@ -23,7 +23,7 @@ from schemas.topics import (
 class LoopSettings(TopicCreationSettings):
     """Settings every consumer loop reads (:class:`consumer.loop.ConsumerLoop`): the
     worker's (:class:`ConsumerSettings`) and the store's
-    (:class:`consumer.store_settings.StoreSettings`).
+    (:class:`consumer.store_writer_settings.StoreWriterSettings`).
 
     Attributes:
         dlq_topic: where unusable messages go.
@@ -133,6 +133,12 @@ class ConsumerSettings(LoopSettings):
     webhook_retries: int = Field(default=3, ge=0)
     alert_queue_size: int = Field(default=1000, gt=0)
     status_interval_s: float = Field(default=1.0, gt=0)
+
+    @property
+    def output(self) -> str:
+        """The output the worker writes to (:data:`consumer.outputs.registry.OUTPUTS`):
+        ``frames_topic`` when ``frames_topic`` is set (scale-out mode), else ``duckdb``."""
+        return "duckdb" if self.frames_topic is None else "frames_topic"
 
     def membership_kwargs(self) -> dict[str, Any]:
         """``group_instance_id`` / ``session_timeout_ms`` for KafkaConsumer, when set."""

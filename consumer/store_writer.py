@@ -1,8 +1,9 @@
-"""``gradstream store``: the one process that writes DuckDB in scale-out mode.
+"""``gradstream store``: the one process that writes DuckDB in scale-out mode
+(:class:`StoreWriter`).
 
 Workers (``gradstream consume --frames-topic T``, on any hosts, one consumer group) merge the
 ranks of each step and publish the finished frame's merged sums (:class:`MergedFrame`) to
-the frames topic, with each run's RunStarted / RunFinished. The store is a
+the frames topic, with each run's RunStarted / RunFinished. The store writer is a
 :class:`consumer.loop.ConsumerLoop` on that topic that joins no consumer group (it is the
 only reader and keeps its offsets in DuckDB, so a restart reads at once): it recomputes
 every frame's fields with :func:`consumer.frames.compute_frame` (the function a
@@ -21,7 +22,7 @@ A frame for (run, step) that is already stored is reconciled by its rank set:
 
 A frame is stored as partial, never complete, when a rank is missing, when its merged
 element counts do not add up to the parameters (checked here again) or when the worker
-found pieces that do not fit (schema 1.8 ``MergedFrame.layout_violations``: a replica of
+found pieces that do not fit (``MergedFrame.layout_violations``: a replica of
 another size or another shard count, left out of the sums, so the sums alone would look
 whole). A late rank merged into a partial frame keeps the violations of both; when the
 partial frame is no longer in memory (``partial_cache_size``) it is read back from DuckDB
@@ -37,13 +38,13 @@ from typing import Any
 
 import numpy as np
 
-from consumer.frame_codec import message_to_merged, message_violations
 from consumer.frames import LocalRows, MergedShards, compute_frame
-from consumer.loop import ConsumerLoop, FrameOutput, LoopCounters
+from consumer.loop import ConsumerLoop, LoopCounters
 from consumer.merge import check_layout, merge_shard, not_yet_counted
-from consumer.outputs import DuckDBOutput
+from consumer.outputs.duckdb import DuckDBOutput
+from consumer.outputs.frames_topic import message_to_merged, message_violations
 from consumer.runs import RunInfo
-from consumer.store_settings import StoreSettings
+from consumer.store_writer_settings import StoreWriterSettings
 from schemas.alert import Alert, decode_alert_record
 from schemas.wire import MergedFrame, RunFinished, RunStarted, WireError, decode_frame_message
 
@@ -51,32 +52,34 @@ log = logging.getLogger("gradstream.store")
 
 
 @dataclass(slots=True)
-class StoreCounters(LoopCounters):
-    """Running totals of the store process (since start), besides the loop's."""
+class StoreWriterCounters(LoopCounters):
+    """Running totals of the store writer (since start), besides the loop's."""
 
     merged_late: int = 0
     ignored_replays: int = 0
     alerts: int = 0
 
 
-class Store(ConsumerLoop):
+class StoreWriter(ConsumerLoop):
     """Consumes the frames topic (and the alerts topic) and owns the DuckDB file.
 
     Args:
-        settings: StoreSettings (bootstrap servers, frames topic, offsets name, DB path).
-        on_open: called with the DuckDBSink right after the store is opened.
+        settings: StoreWriterSettings (bootstrap servers, frames topic, offsets name, DB
+            path).
+        on_open: called with the DuckDBSink right after the file is opened.
 
     ``run()`` blocks until ``stop()``.
     """
 
     join_group = False
-    Counters = StoreCounters
-    counters: StoreCounters
-    settings: StoreSettings
+    Counters = StoreWriterCounters
+    counters: StoreWriterCounters
+    settings: StoreWriterSettings
+    output: DuckDBOutput | None
     partial_cache_size = 4096
     """Merged sums of partial frames kept in memory for late ranks (else read back)."""
 
-    def __init__(self, settings: StoreSettings, on_open: Any = None) -> None:
+    def __init__(self, settings: StoreWriterSettings, on_open: Any = None) -> None:
         super().__init__(settings, on_open)
         self._ranks: dict[tuple[str, int], frozenset[int]] = {}
         # (run, step) -> merged sums, the worker's layout-violation rows and refused ranks
@@ -87,18 +90,19 @@ class Store(ConsumerLoop):
         s = self.settings
         return [s.frames_topic] + ([s.alerts_topic] if s.alerts_topic else [])
 
-    def open_output(self) -> FrameOutput:
+    def open_output(self) -> DuckDBOutput:
         """The DuckDB file (offsets kept under ``group_id``).
 
         Raises:
             duckdb.IOException: the DuckDB file is locked by another process.
         """
-        return DuckDBOutput(self.settings.db, self.settings.group_id)
+        return DuckDBOutput.from_settings(self.settings)
 
     def restore(self) -> None:
         """Runs, health and each stored step's rank set from DuckDB."""
-        assert self.output is not None and self.output.sink is not None
-        for run_id, (steps, _complete, ranks) in self.book.restore(self.output.sink).items():
+        assert self.output is not None
+        stored = self.output.restore(self.book).frames
+        for run_id, (steps, _complete, ranks) in stored.items():
             for step, seen in zip(steps.tolist(), ranks, strict=True):
                 self._ranks[(run_id, step)] = frozenset(seen)
 
@@ -119,16 +123,16 @@ class Store(ConsumerLoop):
             self.dead_letter(record, exc.reason, "invalid")
             return
         if isinstance(message, Alert):  # upserted by alert_id: a replay changes nothing
-            self._batch.alerts.append(message)
+            self.batch.alerts.append(message)
             self.counters.alerts += 1
         elif isinstance(message, RunStarted):
             if message.run_id not in self.runs:
                 self.book.start(message)
-                self._batch.runs_started.append(message)
+                self.batch.runs_started.append(message)
         elif isinstance(message, RunFinished):
             if message.run_id in self.runs:
                 self.book.finish(message)
-                self._batch.runs_finished.append(message)
+                self.batch.runs_finished.append(message)
         elif isinstance(message, MergedFrame):
             self._on_frame(message, record)
 
@@ -181,7 +185,7 @@ class Store(ConsumerLoop):
                                for r in sorted(refused)}
         if msg.has_local:
             frame.local = LocalRows.from_shard(msg)
-        self.book.record(frame, self._batch)
+        self.book.record(frame, self.batch)
         self.counters.frames += 1
         self.counters.layer_rows += len(frame.layer_index)
         self.metrics.observe_frame(frame)
@@ -192,10 +196,10 @@ class Store(ConsumerLoop):
         cached = self._partial.get((run.run_id, step))
         if cached is not None:
             return cached
-        if (run.run_id, step) in self._batch.frames:
+        if (run.run_id, step) in self.batch.frames:
             self.flush()
-        assert self.output is not None and self.output.sink is not None
-        sums = self.output.sink.load_sums(run, step)
+        assert self.output is not None
+        sums = self.output.load_sums(run, step)
         if sums is None:
             return None
         refused, misfit_layers = self.output.sink.load_frame_verdict(run.run_id, step)

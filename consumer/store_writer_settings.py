@@ -7,8 +7,8 @@ from consumer.settings import LoopSettings
 from schemas.topics import DEFAULT_ALERTS_TOPIC, DEFAULT_FRAMES_TOPIC, DEFAULT_STORE_GROUP
 
 
-class StoreSettings(LoopSettings):
-    """Settings of the store process (scale-out mode), besides those of
+class StoreWriterSettings(LoopSettings):
+    """Settings of the store writer (scale-out mode), besides those of
     :class:`consumer.settings.LoopSettings` (``db``, ``dlq_topic`` for unusable
     frames-topic messages, batching, ``max_frames``, Kafka polling, ``metrics_port``).
 

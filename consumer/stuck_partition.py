@@ -33,8 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PartitionKey = tuple[str, int]
-"""(topic, partition)."""
+from consumer.topic_admin import PartitionKey
 
 StuckPartitionAction = Literal["seek", "recreate"]
 """What the loop does about a stuck partition: re-seek the partition, or re-create the consumer."""

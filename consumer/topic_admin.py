@@ -1,4 +1,5 @@
-"""Creating the Kafka topics a process needs (workers and the store)."""
+"""Kafka topics: creating those a process needs (workers and the store writer), naming a
+partition, and the error of a topic that does not exist."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from typing import Any
 
 from schemas.config import TopicCreationSettings
 
-__all__ = ["ensure_topics", "subscribe_with_metadata"]
+__all__ = ["PartitionKey", "TopicMissingError", "ensure_topics", "subscribe_with_metadata"]
+
+PartitionKey = tuple[str, int]
+"""(topic, partition)."""
+
+
+class TopicMissingError(RuntimeError):
+    """A topic a reader was pointed at does not exist (no worker has created it yet)."""
 
 
 def ensure_topics(

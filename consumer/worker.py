@@ -23,7 +23,7 @@ transaction (DuckDB table ``refused_ranks``), and reloaded by :meth:`Worker.rest
 worker restarted on the file keeps dead-lettering the refused rank's summaries.
 
 In scale-out mode the refusal goes to the compacted runs topic with the batch
-(:class:`consumer.frame_publisher.RankRefused`, acknowledged before the offsets are
+(:class:`consumer.outputs.frames_topic.RankRefused`, acknowledged before the offsets are
 committed); a restarted worker or a partition's new owner reads it there with the runs
 (:meth:`Worker.assigned`) and keeps refusing the rank.
 """
@@ -37,13 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from consumer.alerts.rows import load_active_incidents
 from consumer.alerts.service import AlertService
-from consumer.frame_publisher import load_runs_topic
 from consumer.frames import GradientFrame
-from consumer.loop import ConsumerLoop, FrameOutput, LoopCounters, PartitionKey
+from consumer.loop import ConsumerLoop, LoopCounters
 from consumer.merge import ShardMerger, check_shard
-from consumer.outputs import DuckDBOutput, FramesTopicOutput
+from consumer.outputs.base import Output, PartitionKey
+from consumer.outputs.registry import open_output
 from consumer.settings import ConsumerSettings
 from consumer.topic_admin import ensure_topics
 from schemas.wire import RunFinished, RunStarted, StepSummary, WireError, decode_message
@@ -82,35 +81,22 @@ class Worker(ConsumerLoop):
         self._started_by: dict[str, int] = {}
         """run id -> rank of the RunStarted that defined the run (runs started here)."""
 
-    @property
-    def scale_out(self) -> bool:
-        """Frames go to the frames topic (``frames_topic`` set) instead of DuckDB."""
-        return self.settings.frames_topic is not None
-
     # -- loop hooks ----------------------------------------------------------------------
 
     def topics(self) -> list[str]:
         """The summaries topic."""
         return [self.settings.topic]
 
-    def describe_output(self) -> str:
-        """The DuckDB file, or the frames topic."""
-        return (f"frames topic {self.settings.frames_topic}" if self.scale_out
-                else str(self.settings.db))
-
-    def open_output(self) -> FrameOutput:
-        """Create the topics, open the output and the alert service.
+    def open_output(self) -> Output:
+        """Open the output ``settings.output`` names (:mod:`consumer.outputs.registry`),
+        then create the alerts topic if absent, and the alert service.
 
         Raises:
             duckdb.IOException: the DuckDB file is locked by another process.
             kafka.errors.KafkaError: the cluster cannot be reached.
         """
         s = self.settings
-        if self.scale_out:
-            ensure_topics(s, [s.alerts_topic, s.frames_topic])
-            ensure_topics(s, [s.runs_topic], compacted=True)
-            return FramesTopicOutput(s)
-        output = DuckDBOutput(s.db, s.group_id)  # a locked file is the first thing to say
+        output = open_output(s.output, s)  # a locked file is the first thing to say
         try:
             ensure_topics(s, [s.alerts_topic])
         except BaseException:
@@ -119,41 +105,39 @@ class Worker(ConsumerLoop):
         return output
 
     def restore(self) -> None:
-        """Runs, health and finalised steps from DuckDB; open incidents into the alerts.
-
-        In scale-out mode nothing is stored here: a late shard whose partial frame left the
-        cache is published alone and merged by the store; runs and open incidents are read
-        from Kafka when partitions are assigned.
-        """
+        """Runs, health, finalised steps, refused ranks and open incidents from what the
+        output keeps (the DuckDB file; nothing for the frames topic, where a late shard
+        whose partial frame left the cache is published alone and merged by the store
+        writer, and runs and open incidents are read when partitions are assigned)."""
         assert self.output is not None
-        sink = self.output.sink
-        self.merger = ShardMerger(self.settings.shard_timeout_s,
-                                  sink.load_sums if sink else lambda _run, _step: None)
-        if sink is not None:
-            for run_id, (steps, complete, ranks) in self.book.restore(sink).items():
-                self.merger.restore_finalised(run_id, steps, complete, ranks)
-            for run_id, rank, reason in sink.load_refusals():
-                self.merger.refuse(run_id, rank, reason)
-            if self.runs:
-                log.info("restored %d runs from %s", len(self.runs), self.settings.db)
+        self.merger = ShardMerger(self.settings.shard_timeout_s, self.output.load_sums)
+        state = self.output.restore(self.book)
+        for run_id, (steps, complete, ranks) in state.frames.items():
+            self.merger.restore_finalised(run_id, steps, complete, ranks)
+        for run_id, rank, reason in state.refusals:
+            self.merger.refuse(run_id, rank, reason)
+        if self.runs:
+            log.info("restored %d runs from %s", len(self.runs), self.output.describe())
         self.alerts = AlertService.from_settings(
-            self.settings, active=load_active_incidents(sink.con) if sink else None,
-            is_finished=self.book.is_finished,
+            self.settings, active=state.incidents, is_finished=self.book.is_finished,
         )
         self.alerts.start()
 
     def assigned(self, partitions: list[Any]) -> None:
-        """Scale-out: learn the runs and the refused ranks from the compacted runs topic
-        and re-open the incidents still firing on the alerts topic."""
-        if self.scale_out:
-            started, refused = load_runs_topic(self.settings)
-            for message in started:
-                if message.run_id not in self.runs:
-                    self.book.start(message)
-            assert self.merger is not None
-            for refusal in refused:
-                if self.merger.refusal(refusal.run_id, refusal.rank) is None:
-                    self.merger.refuse(refusal.run_id, refusal.rank, refusal.reason)
+        """Learn what the output holds that another process recorded (scale-out: the runs
+        and the refused ranks in the compacted runs topic) and, when the output keeps no
+        incidents, re-open those still firing on the alerts topic."""
+        assert self.output is not None and self.merger is not None
+        state = self.output.assign()
+        if state is None:
+            return
+        for message in state.runs_started:
+            if message.run_id not in self.runs:
+                self.book.start(message)
+        for run_id, rank, reason in state.refusals:
+            if self.merger.refusal(run_id, rank) is None:
+                self.merger.refuse(run_id, rank, reason)
+        if state.incidents is None:
             self._restore_incidents()
 
     def _restore_incidents(self) -> None:
@@ -176,7 +160,7 @@ class Worker(ConsumerLoop):
             for frame in self.merger.expire(self.runs, time.monotonic()):
                 self._emit(frame)
         if self.alerts is not None:
-            self._batch.alerts.extend(self.alerts.tick())
+            self.batch.alerts.extend(self.alerts.tick())
 
     def pending_offsets(self) -> dict[PartitionKey, int]:
         """First offset of each partition's earliest pending frame."""
@@ -221,7 +205,7 @@ class Worker(ConsumerLoop):
                 self.dead_letter(record, conflict, "conflicting_run")
                 assert self.merger is not None
                 if self.merger.refusal(msg.run_id, msg.rank) is None:
-                    self._batch.refusals.append((msg.run_id, msg.rank, conflict))
+                    self.batch.refusals.append((msg.run_id, msg.rank, conflict))
                 self.merger.refuse(msg.run_id, msg.rank, conflict)
                 log.warning("run %s: rank %d refused, its summaries will be dead-lettered: "
                             "%s", msg.run_id, msg.rank, conflict)
@@ -230,7 +214,7 @@ class Worker(ConsumerLoop):
             return
         self._started_by[msg.run_id] = msg.rank
         run = self.book.start(msg)
-        self._batch.runs_started.append(msg)
+        self.batch.runs_started.append(msg)
         log.info("run %s started: %d layers, world size %d", msg.run_id, run.num_layers,
                  run.world_size)
 
@@ -286,7 +270,7 @@ class Worker(ConsumerLoop):
     def _on_finished(self, msg: RunFinished, record: Any) -> None:
         if self._known_run(msg.run_id, record) is None:
             return
-        self._batch.runs_finished.append(msg)
+        self.batch.runs_finished.append(msg)
         if self.book.finish(msg):
             # Every rank said it is done: nothing more will come for pending steps.
             assert self.merger is not None
@@ -296,10 +280,10 @@ class Worker(ConsumerLoop):
                      self.trackers[msg.run_id].health.value)
 
     def _emit(self, frame: GradientFrame) -> None:
-        before = self.book.record(frame, self._batch)
+        before = self.book.record(frame, self.batch)
         tracker = self.trackers[frame.run_id]
         if self.alerts is not None:  # published now; stored with this batch
-            self._batch.alerts.extend(self.alerts.on_frame(frame, self.runs[frame.run_id],
+            self.batch.alerts.extend(self.alerts.on_frame(frame, self.runs[frame.run_id],
                                                            tracker))
         self.counters.frames += 1
         self.counters.layer_rows += len(frame.layer_index)

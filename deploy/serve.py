@@ -13,7 +13,7 @@ find it; the file is removed on stop. Every route requires the endpoint's token
 
 :class:`ServedLoop` is the one helper every writing command uses: it runs any consumer
 loop (:class:`consumer.worker.Worker` for ``gradstream consume``, ``serve`` and ``demo``;
-:class:`consumer.store.Store` for ``gradstream store``) on a background thread with a
+:class:`consumer.store_writer.StoreWriter` for ``gradstream store``) on a background thread with a
 :class:`ReadEndpoint` attached, or none (``--no-read-endpoint``). :class:`ServedWorker` is
 that helper for a worker; :class:`ServedStore` serves a store no process writes,
 read-only.
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from analysis.dashboard.server import DashboardServer
     from analysis.read.cursors import ReadCursors
     from consumer.loop import ConsumerLoop
+    from consumer.outputs.duckdb import DuckDBSink
     from consumer.settings import ConsumerSettings
-    from consumer.sink import DuckDBSink
     from consumer.worker import Worker
 
     OnOpen = Callable[[DuckDBSink], None]
@@ -293,7 +293,7 @@ class ServedLoop(Generic[LoopT]):
 
     Args:
         make_loop: builds the loop given its ``on_open`` hook, e.g.
-            ``functools.partial(Worker, settings)`` or ``functools.partial(Store,
+            ``functools.partial(Worker, settings)`` or ``functools.partial(StoreWriter,
             settings)`` (both take ``(settings, on_open)``).
         db: the store the loop writes.
         options: the read endpoint's; ``None``: no endpoint (the loop holds the file and

@@ -12,15 +12,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from consumer.topic_admin import TopicMissingError
 from schemas.alert import Alert, RunStatus, decode_alert_record
 from schemas.config import KafkaClientSettings
 from schemas.wire import WireError
 
 log = logging.getLogger("gradstream.alerts")
-
-
-class TopicMissingError(RuntimeError):
-    """The alerts topic does not exist (no worker has created it yet)."""
 
 
 class AlertFeed:

@@ -23,7 +23,7 @@ def alerts_from_topic(settings: ConsumerSettings, run: str | None, rule: str | N
     all), oldest first, each once (a replayed event is counted once).
 
     Raises:
-        consumer.alerts.feed.TopicMissingError: the topic does not exist.
+        consumer.topic_admin.TopicMissingError: the topic does not exist.
         kafka.errors.KafkaError, TimeoutError: the topic could not be read.
     """
     from consumer.alerts.feed import AlertFeed

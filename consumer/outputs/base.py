@@ -1,28 +1,175 @@
-"""The two places a consumer loop writes its batches (:class:`consumer.loop.FrameOutput`).
+"""The output protocol: where a consumer loop's batches go, and the batch itself.
 
-- :class:`DuckDBOutput`: rows and offsets in one DuckDB transaction, committed on the
-  sink's writer thread (write-behind); the offsets in DuckDB are the positions on restart,
-  the Kafka commit only mirrors them for lag monitoring, once the transaction committed.
-- :class:`FramesTopicOutput` (scale-out workers): every frame acknowledged by the frames
-  topic, then the offsets committed to Kafka synchronously: the group's committed
-  offsets are the positions.
+A :class:`consumer.loop.ConsumerLoop` holds one :class:`Output` and never asks which one:
+it opens it, lets it restore the loop's state, asks it for stored offsets when partitions
+are assigned, hands it each :class:`Batch` (:meth:`Output.write`), asks whether the batches
+are durable (:meth:`Output.settle`) and then lets it acknowledge the offsets to Kafka
+(:meth:`Output.acknowledge`). The outputs are :mod:`consumer.outputs.duckdb` (rows and
+offsets in one DuckDB transaction) and :mod:`consumer.outputs.frames_topic` (scale-out
+workers: merged frames onto a Kafka topic); :mod:`consumer.outputs.registry` names them.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from consumer.frame_publisher import FramePublisher
-from consumer.sink import DuckDBSink, SinkBatch
+import numpy as np
 
-log = logging.getLogger("gradstream.consumer")
+from consumer.topic_admin import PartitionKey
+from schemas.alert import Alert
+from schemas.wire import RunFinished, RunStarted
 
-PartitionKey = tuple[str, int]
+if TYPE_CHECKING:
+    from consumer.alerts.rows import ActiveIncident
+    from consumer.frames import GradientFrame, MergedShards
+    from consumer.runbook import RunBook
+    from consumer.runs import RunInfo
+
+StoredFrames = tuple[np.ndarray, np.ndarray, list[list[int]]]
+"""A run's stored frames: steps int64[F], complete bool[F], ranks seen per frame."""
 
 
-def _commit(consumer: Any, offsets: dict[PartitionKey, int], sync: bool) -> None:
+@dataclass(slots=True)
+class RunState:
+    """A run's incremental health counters after a batch."""
+
+    health: str
+    frames: int
+    issue_frames: int
+    last_step: int | None
+    first_nonfinite_step: int | None
+
+
+@dataclass(slots=True)
+class Batch:
+    """Everything one write hands to an output.
+
+    Attributes:
+        runs_started: first RunStarted of each new run.
+        runs_finished: RunFinished messages (one per run and rank).
+        frames: (frame, run health after it) pairs; a later entry for the same
+            (run, step) replaces an earlier one.
+        run_states: run id -> counters after this batch.
+        offsets: (topic, partition) -> next offset to consume.
+        alerts: alert events (``schemas.alert.Alert``) raised by the frames of the batch.
+        refusals: (run id, rank, reason) of ranks whose RunStarted was refused (the first
+            reason of a (run, rank) is kept).
+    """
+
+    runs_started: list[RunStarted] = field(default_factory=list)
+    runs_finished: list[RunFinished] = field(default_factory=list)
+    frames: dict[tuple[str, int], tuple[GradientFrame, str]] = field(default_factory=dict)
+    run_states: dict[str, RunState] = field(default_factory=dict)
+    offsets: dict[PartitionKey, int] = field(default_factory=dict)
+    alerts: list[Alert] = field(default_factory=list)
+    refusals: list[tuple[str, int, str]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.runs_started or self.runs_finished or self.frames or self.run_states
+            or self.offsets or self.alerts or self.refusals
+        )
+
+    def layer_rows(self) -> int:
+        """Number of layer rows (one per frame and layer) in the batch."""
+        return sum(len(f.layer_index) for f, _ in self.frames.values())
+
+
+@dataclass(slots=True)
+class KnownState:
+    """What an output holds for a loop to rebuild its state from (:meth:`Output.restore`,
+    :meth:`Output.assign`).
+
+    Attributes:
+        frames: run id -> the run's stored frames, for runs the output restored into the
+            loop's :class:`consumer.runbook.RunBook`.
+        runs_started: runs the loop registers if it does not know them yet.
+        refusals: (run id, rank, reason) of refused ranks.
+        incidents: the incidents still firing; None when the output keeps none (they
+            are read back from the alerts topic instead).
+    """
+
+    frames: dict[str, StoredFrames] = field(default_factory=dict)
+    runs_started: list[RunStarted] = field(default_factory=list)
+    refusals: list[tuple[str, int, str]] = field(default_factory=list)
+    incidents: list[ActiveIncident] | None = None
+
+
+class Output(ABC):
+    """Where a loop's batches go. The loop runs, in order: :meth:`on_open`,
+    :meth:`restore`, then per assignment :meth:`assign` and :meth:`stored_offsets`, per
+    flush :meth:`write`, :meth:`settle` and :meth:`acknowledge`, and :meth:`close`.
+
+    An output that keeps nothing to restore from leaves the defaults of :meth:`on_open`,
+    :meth:`restore`, :meth:`assign` and :meth:`load_sums`.
+    """
+
+    def describe(self) -> str:
+        """Where batches go, for the start-up log line."""
+        return type(self).__name__
+
+    def on_open(self, hook: Callable[[Any], None]) -> None:
+        """Call ``hook`` with what a reader attaches to while the loop writes (the DuckDB
+        output: its :class:`consumer.outputs.duckdb.DuckDBSink`); default: nothing to
+        attach to, ``hook`` is not called."""
+        return None
+
+    def restore(self, book: RunBook) -> KnownState:
+        """Restore the runs the output stored into ``book`` (runs, health trackers,
+        finished ranks) and return the rest of what it keeps (default: nothing)."""
+        return KnownState()
+
+    def assign(self) -> KnownState | None:
+        """What the output holds that a loop learns when partitions are assigned to it
+        (runs and refusals another process recorded); None: nothing (default)."""
+        return None
+
+    def load_sums(self, run: RunInfo, step: int) -> MergedShards | None:
+        """The merged sums stored for (run, step), to merge a late rank into; None when
+        the output keeps none (default) or the frame is not stored."""
+        return None
+
+    @abstractmethod
+    def stored_offsets(self, topics: Iterable[str]) -> dict[PartitionKey, int] | None:
+        """Next offset to consume per partition as stored with the rows, or None when
+        the output keeps none (the consumer group's committed offsets are the positions)."""
+
+    @abstractmethod
+    def write(self, batch: Batch) -> None:
+        """Make ``batch`` (rows and ``batch.offsets``) durable in one step; an output that
+        writes behind may return before it is, having waited for the batch before it."""
+
+    @abstractmethod
+    def settle(self, wait: bool) -> bool:
+        """Whether every batch given to :meth:`write` is durable (its offsets may be
+        acknowledged); ``wait``: block until it is (then True).
+
+        Raises:
+            Exception: the write that failed (its offsets must never be acknowledged).
+        """
+
+    @abstractmethod
+    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
+                    blocking: bool = True) -> None:
+        """Commit ``offsets`` to Kafka once :meth:`settle` said they are durable;
+        ``blocking=False`` inside a rebalance callback, where kafka-python 3 refuses
+        blocking calls."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish what is pending and release the output."""
+
+
+def commit_offsets(consumer: Any, offsets: dict[PartitionKey, int], sync: bool) -> None:
+    """Commit ``offsets`` (next offset to consume per (topic, partition)) to the Kafka
+    consumer's group: synchronously, or with ``commit_async``.
+
+    Raises:
+        kafka.errors.KafkaError: the synchronous commit failed.
+    """
     from kafka import OffsetAndMetadata, TopicPartition
 
     commit = {
@@ -32,110 +179,3 @@ def _commit(consumer: Any, offsets: dict[PartitionKey, int], sync: bool) -> None
         consumer.commit(commit)
     else:
         consumer.commit_async(commit)
-
-
-class DuckDBOutput:
-    """Batches into a DuckDB file (:class:`consumer.sink.DuckDBSink`).
-
-    Args:
-        db: the DuckDB file (created if absent).
-        group: the name the offsets are kept under (``kafka_offsets.consumer_group``).
-
-    Raises:
-        duckdb.IOException: the file is locked by another process.
-    """
-
-    def __init__(self, db: str, group: str) -> None:
-        self.sink: DuckDBSink | None = DuckDBSink(db)
-        self.group = group
-
-    def stored_offsets(self, topics: Iterable[str]) -> dict[PartitionKey, int]:
-        """The offsets written with the rows, per (topic, partition)."""
-        assert self.sink is not None
-        return {(topic, partition): offset for topic in topics
-                for partition, offset in self.sink.load_offsets(self.group, topic).items()}
-
-    def write(self, batch: SinkBatch) -> None:
-        """Rows and ``batch.offsets`` in one transaction.
-
-        Raises:
-            duckdb.Error: the transaction failed (rolled back).
-        """
-        assert self.sink is not None
-        self.sink.write(batch, self.group)
-
-    def settle(self, wait: bool) -> bool:
-        """Whether the sink's write in flight (write-behind) has committed; ``wait``: block
-        until it has.
-
-        Raises:
-            duckdb.Error: that write failed (rolled back).
-        """
-        assert self.sink is not None
-        if wait:
-            self.sink.wait()
-            return True
-        return self.sink.settled()
-
-    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
-                    blocking: bool = True) -> None:
-        """Mirror the stored offsets to Kafka (always asynchronously; a failure is only
-        logged: DuckDB holds the positions)."""
-        try:
-            _commit(consumer, offsets, sync=False)
-        except Exception as exc:
-            log.debug("offset commit to Kafka failed: %s", exc)
-
-    def close(self) -> None:
-        """Finish pending writes and close the file."""
-        if self.sink is not None:
-            self.sink.close()
-
-
-class FramesTopicOutput:
-    """Batches onto the frames topic (:class:`consumer.frame_publisher.FramePublisher`).
-
-    Args:
-        settings: a worker's ConsumerSettings with ``frames_topic`` set.
-
-    Raises:
-        kafka.errors.KafkaError: the cluster cannot be reached.
-    """
-
-    sink: DuckDBSink | None = None
-
-    def __init__(self, settings: Any) -> None:
-        self.publisher = FramePublisher(settings)
-
-    def stored_offsets(self, topics: Iterable[str]) -> None:
-        """None: the consumer group's committed offsets are the positions."""
-        return None
-
-    def write(self, batch: SinkBatch) -> None:
-        """Publish the batch and wait for Kafka's acknowledgement of every message.
-
-        Raises:
-            kafka.errors.KafkaError: a message was not acknowledged.
-        """
-        self.publisher.publish(batch)
-
-    def settle(self, wait: bool) -> bool:
-        """True: :meth:`write` returns once Kafka acknowledged every frame."""
-        return True
-
-    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
-                    blocking: bool = True) -> None:
-        """Commit the offsets: synchronously, or asynchronously when ``blocking`` is False
-        (inside a rebalance callback, which kafka-python 3 runs on its network thread
-        where a blocking call is refused; the frames are on the topic already, so a
-        commit lost there only makes the next owner republish them).
-
-        Raises:
-            kafka.errors.KafkaError: the synchronous commit failed; a replay only
-                republishes the frames (the store reconciles).
-        """
-        _commit(consumer, offsets, sync=blocking)
-
-    def close(self) -> None:
-        """Deliver what is pending and close the producer."""
-        self.publisher.close()

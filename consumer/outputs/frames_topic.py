@@ -1,32 +1,149 @@
-"""Scale-out mode: a worker's batch goes to the frames topic instead of DuckDB.
+"""The frames-topic output (scale-out workers): finished frames onto a Kafka topic.
 
-:class:`FramePublisher` publishes, per flushed batch and in this order, the new runs'
-RunStarted, the finished frames (:class:`schemas.wire.MergedFrame`, key = run id, so a
-run's messages stay ordered in one partition) and the RunFinished messages; it waits until
-Kafka acknowledged all of them (acks=all, idempotent) before the worker commits its
-offsets, so a crash in between only republishes frames (in the columnar binary form,
-:func:`consumer.frame_codec.encode_frame`), which the store reconciles by
-their rank sets (``consumer.store``). New runs are then recorded in the compacted runs
-topic, which a worker reads when it is assigned partitions (:func:`load_runs_topic`). The
-runs topic also keeps each refused rank (:class:`RankRefused`: a RunStarted that
-contradicted the run's), so that a restarted worker or a partition's new owner still
-dead-letters that rank's summaries.
+A scale-out worker's batch goes to the frames topic instead of DuckDB
+(:class:`FramesTopicOutput`). :class:`FramePublisher` publishes, per flushed batch and in
+this order, the new runs' RunStarted, the finished frames (:class:`schemas.wire.MergedFrame`,
+key = run id, so a run's messages stay ordered in one partition) and the RunFinished
+messages; it waits until Kafka acknowledged all of them (acks=all, idempotent) before the
+worker commits its offsets, so a crash in between only republishes frames, which
+``gradstream store`` reconciles by their rank sets (:mod:`consumer.store_writer`). New runs
+are then recorded in the compacted runs topic, which a worker reads when it is assigned
+partitions (:func:`load_runs_topic`). The runs topic also keeps each refused rank
+(:class:`RankRefused`: a RunStarted that contradicted the run's), so that a restarted
+worker or a partition's new owner still dead-letters that rank's summaries.
+
+On the topic a frame travels as its merged sums (:func:`frame_to_message`) rather than its
+derived fields, so that the store writer recomputes the frame fields with
+:func:`consumer.frames.compute_frame` (identical to what a single-process worker stores)
+and merges a late rank's frame into a stored partial one exactly; the record value is the
+columnar binary form (:func:`encode_frame`, ``schemas.wire.encode_binary``), which
+:func:`schemas.wire.decode_frame_message` reads as it reads JSON.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from consumer.frame_codec import encode_frame
+from consumer.frames import GradientFrame, MergedShards
+from consumer.merge import VIOLATION_NUMEL
+from consumer.outputs.base import Batch, KnownState, Output, PartitionKey, commit_offsets
 from consumer.settings import ConsumerSettings
-from consumer.sink import SinkBatch
-from schemas.wire import MAX_MESSAGE_BYTES, RunStarted, WireError, decode_message, encode_message
+from consumer.topic_admin import ensure_topics
+from schemas.wire import (
+    MAX_MESSAGE_BYTES,
+    MergedFrame,
+    RunStarted,
+    WireError,
+    WireFormat,
+    decode_message,
+    encode_message,
+)
 
 log = logging.getLogger("gradstream.consumer")
+
+
+def _csr(hist: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+    """(offsets, columns, counts) of an int64[n, B] histogram."""
+    rows, cols = np.nonzero(hist)
+    offsets = np.zeros(hist.shape[0] + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=hist.shape[0]), out=offsets[1:])
+    return offsets.tolist(), cols.tolist(), hist[rows, cols].tolist()
+
+
+def _all_known(values: np.ndarray | None) -> bool:
+    return values is not None and not np.isnan(values).any()
+
+
+def frame_to_message(frame: GradientFrame) -> MergedFrame:
+    """The merged sums of ``frame`` as a MergedFrame.
+
+    An optional statistic (sum_abs/max_abs, the NaN count, histogram, weight norms, weight
+    distribution) is included only when it is known for every layer of the frame; otherwise
+    it is left out for the whole frame (a layer-mixed frame only arises when ranks of one
+    run use different producer settings). The frame's per-rank local view rows travel
+    along (``local_ranks``). So do (schema 1.8) the frame's layout violations that its sums
+    cannot show (the worker's ledger rows: replicas of another numel, other shard counts;
+    the ``numel`` kind the store checks again from the sums) and its refused ranks.
+
+    Raises:
+        pydantic.ValidationError: the frame violates the wire contract (a bug upstream).
+    """
+    optional: dict[str, object] = {}
+    if _all_known(frame.sum_abs) and _all_known(frame.max_abs_grad):
+        optional.update(sum_abs=frame.sum_abs.tolist(), max_abs=frame.max_abs_grad.tolist())
+    if frame.nan is not None and frame.nonfinite.any() and (frame.nan >= 0).all():
+        optional["nan"] = frame.nan.tolist()  # schema 1.7, known everywhere
+    if frame.exp_hist is not None and (frame.exp_hist[:, 0] >= 0).all():
+        off, cols, counts = _csr(frame.exp_hist)
+        optional.update(exp_hist_offsets=off, exp_hist_columns=cols, exp_hist_counts=counts)
+    if _all_known(frame.weight_sum_sq):
+        optional["weight_sum_sq"] = frame.weight_sum_sq.tolist()  # type: ignore[union-attr]
+        if _all_known(frame.update_sum_sq):
+            optional["update_sum_sq"] = frame.update_sum_sq.tolist()  # type: ignore[union-attr]
+        if _all_known(frame.weight_sum) and frame.weight_exp_hist is not None:
+            off, cols, counts = _csr(frame.weight_exp_hist)
+            optional.update(
+                weight_sum=frame.weight_sum.tolist(),  # type: ignore[union-attr]
+                weight_sum_cube=frame.weight_sum_cube.tolist(),  # type: ignore[union-attr]
+                weight_sum_quad=frame.weight_sum_quad.tolist(),  # type: ignore[union-attr]
+                weight_min=frame.weight_min.tolist(),  # type: ignore[union-attr]
+                weight_max=frame.weight_max.tolist(),  # type: ignore[union-attr]
+                weight_nonfinite=frame.weight_nonfinite.tolist(),  # type: ignore[union-attr]
+                weight_exp_hist_offsets=off, weight_exp_hist_columns=cols,
+                weight_exp_hist_counts=counts,
+            )
+    local = frame.local
+    if local is not None and len(local):
+        optional.update(
+            local_ranks=local.rank.tolist(), local_layer_indices=local.layer_index.tolist(),
+            local_numel=local.numel.tolist(), local_sum_abs=local.sum_abs.tolist(),
+            local_sum_sq=local.sum_sq.tolist(), local_max_abs=local.max_abs.tolist(),
+            local_nonfinite=local.nonfinite.tolist(),
+        )
+    ledger = frame.layout_violations[frame.layout_violations[:, 1] != VIOLATION_NUMEL]
+    if len(ledger):
+        optional["layout_violations"] = ledger.ravel().tolist()
+    if frame.refused_ranks:
+        optional["refused_ranks"] = sorted(frame.refused_ranks)
+    ranks = sorted(frame.ranks_seen)
+    return MergedFrame(
+        run_id=frame.run_id, step=frame.step, rank=ranks[0], world_size=frame.world_size,
+        wall_time=frame.wall_time, ranks_seen=ranks,
+        layer_indices=frame.layer_index.tolist(), numel=frame.numel.tolist(),
+        sum_sq=frame.sum_sq.tolist(), nonfinite=frame.nonfinite.tolist(), **optional,
+    )
+
+
+def encode_frame(frame: GradientFrame, wire_format: WireFormat = "binary") -> bytes:
+    """The record value of ``frame`` on the frames topic: its MergedFrame
+    (:func:`frame_to_message`) in the columnar binary form (default) or as JSON.
+
+    Raises:
+        schemas.wire.WireError: the encoded frame exceeds ``MAX_MESSAGE_BYTES``.
+        pydantic.ValidationError: as :func:`frame_to_message`.
+    """
+    return encode_message(frame_to_message(frame), wire_format)
+
+
+def message_to_merged(message: MergedFrame, num_layers: int) -> MergedShards:
+    """The MergedShards of a MergedFrame over a run's ``num_layers`` layers: every
+    statistic it carries (:meth:`consumer.frames.MergedShards.from_message`), zero in the
+    layers it does not report."""
+    return MergedShards.from_message(message, num_layers)
+
+
+def message_violations(message: MergedFrame) -> np.ndarray:
+    """int64[v, 5] layout-violation rows (layer_index, kind, rank, got, expected) a
+    MergedFrame carries (schema 1.8; none for an older worker's frame)."""
+    if message.layout_violations is None:
+        return np.empty((0, 5), np.int64)
+    return np.asarray(message.layout_violations, np.int64).reshape(-1, 5)
 
 
 REFUSED_KEY = b"\x00refused\x00"
@@ -75,7 +192,7 @@ class FramePublisher:
         )
         self.frames_published = 0
 
-    def publish(self, batch: SinkBatch, timeout_s: float = 60.0) -> None:
+    def publish(self, batch: Batch, timeout_s: float = 60.0) -> None:
         """Publish a batch and wait for Kafka's acknowledgement of every message.
 
         Raises:
@@ -169,3 +286,81 @@ def load_runs_topic(
         return list(runs.values()), list(refused.values())
     finally:
         consumer.close()
+
+
+class FramesTopicOutput(Output):
+    """Batches onto the frames topic (:class:`FramePublisher`): every frame acknowledged
+    by the frames topic, then the offsets committed to Kafka synchronously: the group's
+    committed offsets are the positions.
+
+    Args:
+        settings: a worker's ConsumerSettings with ``frames_topic`` set.
+
+    Raises:
+        kafka.errors.KafkaError: the cluster cannot be reached.
+    """
+
+    def __init__(self, settings: ConsumerSettings) -> None:
+        self.settings = settings
+        self.publisher = FramePublisher(settings)
+
+    @classmethod
+    def from_settings(cls, settings: ConsumerSettings) -> FramesTopicOutput:
+        """Create the frames topic and the compacted runs topic if absent, then the
+        output.
+
+        Raises:
+            kafka.errors.KafkaError: the cluster cannot be reached.
+        """
+        assert settings.frames_topic is not None
+        ensure_topics(settings, [settings.frames_topic])
+        ensure_topics(settings, [settings.runs_topic], compacted=True)
+        return cls(settings)
+
+    def describe(self) -> str:
+        """The frames topic."""
+        return f"frames topic {self.settings.frames_topic}"
+
+    def assign(self) -> KnownState:
+        """The runs and refused ranks kept in the compacted runs topic; the incidents are
+        read back from the alerts topic (``incidents`` None).
+
+        Raises:
+            TimeoutError: the runs topic could not be read to its end.
+        """
+        started, refused = load_runs_topic(self.settings)
+        return KnownState(runs_started=started,
+                          refusals=[(r.run_id, r.rank, r.reason) for r in refused])
+
+    def stored_offsets(self, topics: Iterable[str]) -> None:
+        """None: the consumer group's committed offsets are the positions."""
+        return None
+
+    def write(self, batch: Batch) -> None:
+        """Publish the batch and wait for Kafka's acknowledgement of every message.
+
+        Raises:
+            kafka.errors.KafkaError: a message was not acknowledged.
+        """
+        self.publisher.publish(batch)
+
+    def settle(self, wait: bool) -> bool:
+        """True: :meth:`write` returns once Kafka acknowledged every frame."""
+        return True
+
+    def acknowledge(self, consumer: Any, offsets: dict[PartitionKey, int],
+                    blocking: bool = True) -> None:
+        """Commit the offsets: synchronously, or asynchronously when ``blocking`` is False
+        (inside a rebalance callback, which kafka-python 3 runs on its network thread
+        where a blocking call is refused; the frames are on the topic already, so a
+        commit lost there only makes the next owner republish them).
+
+        Raises:
+            kafka.errors.KafkaError: the synchronous commit failed; a replay only
+                republishes the frames (the store writer reconciles).
+        """
+        commit_offsets(consumer, offsets, sync=blocking)
+
+    def close(self) -> None:
+        """Deliver what is pending and close the producer."""
+        self.publisher.close()

@@ -12,8 +12,8 @@ module per command group defines the commands and adds them to the root applicat
 :mod:`~deploy.cli.serve`, :mod:`~deploy.cli.analyze` (generic over
 :mod:`analysis.registry`), :mod:`~deploy.cli.demo` and :mod:`~deploy.cli.broker`. A command
 function only parses its options, builds the settings of what it runs (``consumer.settings``,
-``consumer.store_settings``) and calls the logic, which stays in its package
-(:mod:`consumer.worker`, :mod:`consumer.store`, :mod:`consumer.supervisor`,
+``consumer.store_writer_settings``) and calls the logic, which stays in its package
+(:mod:`consumer.worker`, :mod:`consumer.store_writer`, :mod:`consumer.supervisor`,
 :mod:`consumer.dlq_reader`, :mod:`analysis.report`, :mod:`analysis.export`,
 :mod:`analysis.read.query`, :mod:`deploy.broker`, :mod:`deploy.serve`, :mod:`deploy.demo`).
 Those packages never import this one, but a package's own command module may use

@@ -129,9 +129,10 @@ def alerts(
     from rich.table import Table
 
     from analysis.read.connect import StoreError
-    from consumer.alerts.feed import AlertFeed, TopicMissingError
+    from consumer.alerts.feed import AlertFeed
     from consumer.alerts.listing import alert_matches, alerts_from_topic
     from consumer.alerts.rules import rule_names
+    from consumer.topic_admin import TopicMissingError
     from schemas.alert import Alert, AlertState
 
     if rule is not None and rule not in rule_names():
@@ -211,8 +212,9 @@ def watch(
     from kafka.errors import KafkaError
     from rich.live import Live
 
-    from consumer.alerts.feed import AlertFeed, TopicMissingError
+    from consumer.alerts.feed import AlertFeed
     from consumer.alerts.watch import WatchState
+    from consumer.topic_admin import TopicMissingError
 
     console = Console()
     settings = _settings(bootstrap_servers, alerts_topic)

@@ -228,19 +228,19 @@ def store(
     into the alerts table. Run exactly one per DuckDB file. While it writes, it answers
     reads on a loopback endpoint advertised in <db>.serve.json. Stops cleanly on Ctrl-C /
     SIGTERM."""
-    from consumer.store import Store
-    from consumer.store_settings import StoreSettings
+    from consumer.store_writer import StoreWriter
+    from consumer.store_writer_settings import StoreWriterSettings
     from deploy.serve import ServedLoop
 
     logs.setup()
-    settings = StoreSettings(**given(
+    settings = StoreWriterSettings(**given(
         bootstrap_servers=bootstrap_servers, db=db, frames_topic=frames_topic,
         group_id=group_id, alerts_topic=alerts_topic, max_frames=max_frames,
         ignore_layers=ignore_layers or None, exclude_rounding_level=exclude_rounding_level,
         nonfinite_rule=None if nonfinite_rule is None else nonfinite_rule.value,
         metrics_port=metrics_port, stuck_partition_timeout_s=stuck_partition_timeout,
     ))
-    served = ServedLoop(functools.partial(Store, settings), settings.db, read.options(),
+    served = ServedLoop(functools.partial(StoreWriter, settings), settings.db, read.options(),
                         "store")
     run_served(served, "store", "gradstream.store", "writing the batch")
 

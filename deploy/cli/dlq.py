@@ -60,8 +60,9 @@ def dlq(
     group, so it is safe while workers run."""
     from kafka.errors import KafkaError
 
-    from consumer.dlq_reader import DeadLetterReader, TopicMissingError
+    from consumer.dlq_reader import DeadLetterReader
     from consumer.settings import ConsumerSettings
+    from consumer.topic_admin import TopicMissingError
 
     if fmt not in ("table", "json"):
         fail(f"--format must be 'table' or 'json', not {fmt!r}", 2)

@@ -30,8 +30,9 @@ def inspect(
     neither --max nor --duration it runs until Ctrl-C."""
     from kafka.errors import KafkaError
 
-    from consumer.dlq_reader import TopicMissingError, read_topic
+    from consumer.dlq_reader import read_topic
     from consumer.settings import ConsumerSettings
+    from consumer.topic_admin import TopicMissingError
 
     settings = ConsumerSettings(**given(bootstrap_servers=bootstrap_servers))
     try:

@@ -223,14 +223,15 @@ def test_first_bad_local_rank_from_the_local_view(tmp_path: Path) -> None:
 
 def consumer_store(path: Path, max_frames: int, steps: int, bad_from: int) -> Path:
     """A store written by the consumer's own code (``consumer.runbook.RunBook`` with
-    ``LoopSettings.max_frames``, ``consumer.sink.DuckDBSink``), one frame per step, one
+    ``LoopSettings.max_frames``, ``consumer.outputs.duckdb.DuckDBSink``), one frame per step, one
     transaction per frame as a worker flushes; from ``bad_from`` on the last layer's max
     |g| is above the exploding threshold (1e3)."""
     import numpy as np
 
     from consumer.frames import MergedShards, compute_frame
+    from consumer.outputs.base import Batch
+    from consumer.outputs.duckdb import DuckDBSink
     from consumer.runbook import RunBook
-    from consumer.sink import DuckDBSink, SinkBatch
     from schemas.wire import RunStarted
 
     numel = np.full(len(MODEL), 100, np.int64)
@@ -248,7 +249,7 @@ def consumer_store(path: Path, max_frames: int, steps: int, bad_from: int) -> Pa
             frame = compute_frame("r", step, merged, vanishing_threshold=1e-7,
                                   exploding_threshold=1e3, ranks_seen=(0,), world_size=1,
                                   wall_time=1.7e9 + step)
-            batch = SinkBatch(runs_started=[start] if step == 0 else [])
+            batch = Batch(runs_started=[start] if step == 0 else [])
             book.record(frame, batch)
             sink.write(batch, "gradstream-workers")
     finally:

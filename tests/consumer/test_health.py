@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.health import RunHealthTracker, restore_tracker
+from consumer.health import RunHealthTracker
 from schemas.health import classify_health as classify
 from schemas.wire import GradientHealth as H
 
@@ -92,7 +92,7 @@ def test_restore_equals_incremental(events, window):
     rows = [(s, i, *[f[i] for f in stored[s]]) for s in steps for i in range(layers)
             if any(f[i] for f in stored[s])]
     arr = np.array(rows, dtype=object).reshape(-1, 5)
-    r = restore_tracker(layers, window, steps, arr[:, 0].astype(np.int64),
+    r = RunHealthTracker.restored(layers, window, steps, arr[:, 0].astype(np.int64),
                         arr[:, 1].astype(np.int64), arr[:, 2].astype(bool),
                         arr[:, 3].astype(bool), arr[:, 4].astype(bool))
     if window == 0:
@@ -116,7 +116,7 @@ def test_nonfinite_frames_are_issue_frames():
     flag_steps = np.array([3, 7, *range(21, 60)])
     layers = np.array([0, 0] + [2] * 39)
     van = layers == 0
-    r = restore_tracker(4, 0, steps, flag_steps, layers, van, np.zeros(41, bool), ~van)
+    r = RunHealthTracker.restored(4, 0, steps, flag_steps, layers, van, np.zeros(41, bool), ~van)
     assert (r.frames, r.issue_frames, r.health) == (60, 41, H.CRITICAL)
 
 
@@ -164,7 +164,7 @@ def test_restore_with_the_reference_rule_equals_the_live_tracker():
     _frame(live, 0, [1, 0], [1, 0])
     _frame(live, 1, [0, 1], [0, 0])
     _frame(live, 2, [1, 0], None)
-    restored = restore_tracker(
+    restored = RunHealthTracker.restored(
         2, 0, np.array([0, 1, 2]), np.array([0, 1, 2]), np.array([0, 1, 0]),
         np.zeros(3, bool), np.array([False, True, False]), np.ones(3, bool),
         flag_critical=np.array([False, False, True]), nonfinite_rule="reference")

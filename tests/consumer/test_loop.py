@@ -7,16 +7,15 @@ from collections import namedtuple
 from typing import Any
 
 from consumer.loop import ConsumerLoop
-from consumer.store_settings import StoreSettings
+from consumer.outputs.base import Output
+from consumer.store_writer_settings import StoreWriterSettings
 
 TopicPartition = namedtuple("TopicPartition", "topic partition")
 Record = namedtuple("Record", "topic partition offset value key")
 
 
-class RecordingOutput:
-    """A FrameOutput that keeps what it was asked to do."""
-
-    sink = None
+class RecordingOutput(Output):
+    """An output that keeps what it was asked to do."""
 
     def __init__(self) -> None:
         self.writes: list[dict] = []
@@ -61,7 +60,7 @@ def test_revocation_writes_then_commits_without_blocking() -> None:
     calls there (a synchronous commit in ``on_partitions_revoked`` stopped a scale-out
     worker): the flush on revocation writes first, then commits asynchronously; a flush
     from the poll loop commits synchronously."""
-    loop = CountingLoop(StoreSettings())
+    loop = CountingLoop(StoreWriterSettings())
     loop.open()
     loop._consumer = object()  # acknowledge only passes it on
     loop.consume(Record("t", 0, 41, b"", b"k"))
@@ -78,7 +77,7 @@ def test_offsets_are_acknowledged_only_once_their_write_is_durable() -> None:
     acknowledges nothing to Kafka until the output says every batch handed to it is
     durable, then the latest offsets of all of them at once; a revocation waits for the
     write in flight and acknowledges at once."""
-    loop = CountingLoop(StoreSettings())
+    loop = CountingLoop(StoreWriterSettings())
     loop.open()
     loop._consumer = object()
     out = loop.output
@@ -99,4 +98,4 @@ def test_offsets_are_acknowledged_only_once_their_write_is_durable() -> None:
     loop.on_revoked([TopicPartition("t", 0)])
     assert out.waits == 1
     assert out.acks[-1] == ({("t", 0): 13}, False)
-    assert loop._unacknowledged == {}
+    assert loop.checkpoint.unacknowledged == {}

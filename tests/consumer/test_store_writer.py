@@ -1,5 +1,6 @@
-"""Store reconciliation of republished, replayed and late frames (consumer.store), on a real
-DuckDB file; records are fed to the store's handler directly (no broker needed for the rules)."""
+"""Store-writer reconciliation of republished, replayed and late frames
+(consumer.store_writer), on a real DuckDB file; records are fed to the store writer's
+handler directly (no broker needed for the rules)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import duckdb
 import numpy as np
 import pytest
 
-from consumer.frame_codec import frame_to_message
 from consumer.frames import MergedShards, compute_frame
-from consumer.store import Store
-from consumer.store_settings import StoreSettings
+from consumer.outputs.frames_topic import frame_to_message
+from consumer.store_writer import StoreWriter
+from consumer.store_writer_settings import StoreWriterSettings
 from schemas.wire import RunStarted, StepSummary, encode_message
 
 Record = namedtuple("Record", "topic partition offset value key")
@@ -37,7 +38,7 @@ def frame_of(ranks: list[int]):
 
 @pytest.fixture
 def store(tmp_path):
-    s = Store(StoreSettings(db=str(tmp_path / "s.duckdb")))
+    s = StoreWriter(StoreWriterSettings(db=str(tmp_path / "s.duckdb")))
     s.open()
     offset = iter(range(10**6))
 
@@ -51,7 +52,7 @@ def store(tmp_path):
     s.output.close()
 
 
-def stored(store: Store):
+def stored(store: StoreWriter):
     con: duckdb.DuckDBPyConnection = store.output.sink.con
     rows = con.execute("SELECT numel, sum_abs, sum_sq, max_abs_grad, nonfinite FROM layer_stats "
                        "ORDER BY layer_index").fetchall()
@@ -84,7 +85,8 @@ def test_late_rank_merges_with_a_frame_stored_before_a_restart(store, tmp_path):
     s, feed = store
     feed(frame_to_message(frame_of([1])))
     s.output.close()
-    again = Store(StoreSettings(db=s.settings.db))  # a restarted store: state from DuckDB
+    # a restarted store: state from DuckDB
+    again = StoreWriter(StoreWriterSettings(db=s.settings.db))
     again.open()
     again.consume(Record("frames", 0, 99, encode_message(frame_to_message(frame_of([0, 2]))),
                          b"r"))

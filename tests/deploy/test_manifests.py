@@ -37,7 +37,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 
 SETTINGS_OF = {
     "consume": ("consumer.settings", "ConsumerSettings"),
-    "store": ("consumer.store_settings", "StoreSettings"),
+    "store": ("consumer.store_writer_settings", "StoreWriterSettings"),
 }
 """gradstream subcommand -> module and class of the settings it reads from the environment."""
 

@@ -25,7 +25,7 @@ import pytest
 
 from analysis.read.cursors import ReadCursors
 from analysis.read.sidecar import read_sidecar, sidecar_path
-from consumer.sink import DuckDBSink
+from consumer.outputs.duckdb import DuckDBSink
 from deploy.serve import (
     READER_NICE,
     BoundedReadCursors,

@@ -26,8 +26,8 @@ import numpy as np
 from kafka import KafkaProducer
 
 from consumer.frames import MergedShards, compute_frame
-from consumer.store import Store
-from consumer.store_settings import StoreSettings
+from consumer.store_writer import StoreWriter
+from consumer.store_writer_settings import StoreWriterSettings
 from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message
 
 WORLD = 2
@@ -215,9 +215,10 @@ def test_kill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, unique_name):
                 p.kill()
             (tmp_path / f"{p.name}.log").write_text("\n".join(p.log))
     # Whatever the last store incarnation had not read yet is read by a fresh store.
-    final = Store(StoreSettings(bootstrap_servers=kafka_bootstrap,
-                                frames_topic=topics["frames"], alerts_topic=topics["alerts"],
-                                group_id="chaos-store", db=str(db)))
+    final = StoreWriter(StoreWriterSettings(bootstrap_servers=kafka_bootstrap,
+                                            frames_topic=topics["frames"],
+                                            alerts_topic=topics["alerts"],
+                                            group_id="chaos-store", db=str(db)))
     thread = threading.Thread(target=final.run, daemon=True)
     thread.start()
     run_ids = [f"run{r}" for r in range(RUNS)]

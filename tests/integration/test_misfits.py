@@ -194,8 +194,8 @@ def test_scale_out_stores_a_replica_of_the_wrong_size_as_a_partial_frame(
     pieces of 2048; rank 2's replica of piece 0 claims 1024 elements. The worker leaves it
     out, so the counted pieces still add up to 4096, yet the store's DuckDB holds the frame
     as partial, every rank seen, with the misfit layer counted in ``layout_violations``."""
-    from consumer.store import Store
-    from consumer.store_settings import StoreSettings
+    from consumer.store_writer import StoreWriter
+    from consumer.store_writer_settings import StoreWriterSettings
 
     settings = settings_for(kafka_bootstrap, unique_name, str(tmp_path / "w.duckdb"))
     settings = settings.model_copy(update={"frames_topic": f"misfit-frames-{unique_name}",
@@ -212,7 +212,7 @@ def test_scale_out_stores_a_replica_of_the_wrong_size_as_a_partial_frame(
             shard_index=[piece], shard_count=[2]))
     messages += [RunFinished(run_id=run_id, rank=r, world_size=3, last_step=0,
                              steps_recorded=1, end_time=1.7e9 + 1) for r in range(3)]
-    store = Store(StoreSettings(bootstrap_servers=kafka_bootstrap,
+    store = StoreWriter(StoreWriterSettings(bootstrap_servers=kafka_bootstrap,
                                 frames_topic=settings.frames_topic,
                                 alerts_topic=settings.alerts_topic,
                                 group_id=f"misfit-store-{unique_name}",

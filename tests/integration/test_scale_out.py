@@ -17,8 +17,8 @@ from kafka import KafkaConsumer, KafkaProducer
 from consumer.frames import MergedShards, compute_frame
 from consumer.health import RunHealthTracker
 from consumer.settings import ConsumerSettings
-from consumer.store import Store
-from consumer.store_settings import StoreSettings
+from consumer.store_writer import StoreWriter
+from consumer.store_writer_settings import StoreWriterSettings
 from consumer.worker import Worker
 from schemas.alert import Alert, decode_alert_record
 from schemas.rounding import gradient_magnitude
@@ -65,10 +65,10 @@ def test_rebalance_keeps_results_identical_to_offline(kafka_bootstrap, tmp_path,
                   dlq_topic=f"so-dlq-{unique_name}", alerts_topic=f"so-alerts-{unique_name}",
                   runs_topic=f"so-runs-{unique_name}", group_id=f"so-{unique_name}",
                   shard_timeout_s=2.0, partitions=4)
-    store = Store(StoreSettings(bootstrap_servers=kafka_bootstrap, frames_topic=frames_topic,
-                                alerts_topic=common["alerts_topic"],
-                                group_id=f"so-store-{unique_name}",
-                                db=str(tmp_path / "store.duckdb")))
+    store = StoreWriter(StoreWriterSettings(
+        bootstrap_servers=kafka_bootstrap, frames_topic=frames_topic,
+        alerts_topic=common["alerts_topic"], group_id=f"so-store-{unique_name}",
+        db=str(tmp_path / "store.duckdb")))
     first = Worker(ConsumerSettings(**common))
     second = Worker(ConsumerSettings(**common))
     threads = [threading.Thread(target=p.run, daemon=True) for p in (first, store)]

@@ -10,10 +10,10 @@ import duckdb
 import numpy as np
 from kafka import KafkaConsumer, KafkaProducer
 
-from consumer.frame_codec import frame_to_message
 from consumer.frames import MergedShards, compute_frame
-from consumer.store import Store
-from consumer.store_settings import StoreSettings
+from consumer.outputs.frames_topic import frame_to_message
+from consumer.store_writer import StoreWriter
+from consumer.store_writer_settings import StoreWriterSettings
 from consumer.topic_admin import ensure_topics
 from schemas.wire import RunStarted, encode_message
 
@@ -30,7 +30,7 @@ def frame_message(step: int):
 
 
 def test_restarted_store_writes_within_five_seconds(kafka_bootstrap, tmp_path, unique_name):
-    settings = StoreSettings(bootstrap_servers=kafka_bootstrap,
+    settings = StoreWriterSettings(bootstrap_servers=kafka_bootstrap,
                              frames_topic=f"restart-frames-{unique_name}",
                              alerts_topic=f"restart-alerts-{unique_name}",
                              dlq_topic=f"restart-dlq-{unique_name}",
@@ -50,7 +50,7 @@ def test_restarted_store_writes_within_five_seconds(kafka_bootstrap, tmp_path, u
                       value=encode_message(frame_message(step)))
     producer.flush()
     producer.close()
-    store = Store(settings)
+    store = StoreWriter(settings)
     thread = threading.Thread(target=store.run, daemon=True)
     started = time.monotonic()
     thread.start()

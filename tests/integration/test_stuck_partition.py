@@ -32,12 +32,12 @@ import numpy as np
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from consumer.frame_codec import frame_to_message
 from consumer.frames import MergedShards, compute_frame
 from consumer.loop import ConsumerLoop
+from consumer.outputs.frames_topic import frame_to_message
 from consumer.settings import ConsumerSettings
-from consumer.store import Store
-from consumer.store_settings import StoreSettings
+from consumer.store_writer import StoreWriter
+from consumer.store_writer_settings import StoreWriterSettings
 from consumer.topic_admin import ensure_topics
 from consumer.worker import Worker
 from schemas.wire import (
@@ -135,14 +135,14 @@ def scale_out_case(kafka: str, tmp_path: Path, name: str,
 def store_case(kafka: str, tmp_path: Path, name: str,
                timeout: float = STUCK_PARTITION_TIMEOUT_S) -> Case:
     """The store (assigns itself every partition, DuckDB output)."""
-    settings = StoreSettings(
+    settings = StoreWriterSettings(
         bootstrap_servers=kafka, frames_topic=f"stuck-frames-{name}",
         alerts_topic=f"stuck-alerts-{name}", dlq_topic=f"stuck-dlq-{name}",
         group_id=f"stuck-store-{name}", db=str(tmp_path / "store.duckdb"),
         stuck_partition_timeout_s=timeout)
     ensure_topics(settings, [settings.frames_topic, settings.alerts_topic])
     run_id = f"run-{name}"
-    return Case(Store(settings), settings.frames_topic, frames_messages(run_id), run_id,
+    return Case(StoreWriter(settings), settings.frames_topic, frames_messages(run_id), run_id,
                 lambda: assert_stored_once(settings.db, run_id))
 
 
@@ -247,8 +247,8 @@ def read_all(case: Case) -> Callable[[], bool]:
     loop = case.loop
     return lambda: (metric(loop, "gradstream_messages_total", topic=case.topic)
                     >= len(case.values) and loop.counters.frames >= STEPS
-                    and not loop._batch and loop.output is not None
-                    and loop.output.settle(wait=False) and not loop._unacknowledged)
+                    and not loop.batch and loop.output is not None
+                    and loop.output.settle(wait=False) and not loop.checkpoint.unacknowledged)
 
 
 @pytest.mark.parametrize("make_case", [worker_case, store_case], ids=["worker", "store"])
@@ -310,7 +310,7 @@ def test_consumer_that_fetches_nothing_is_re_created(
     with running(loop):
         produce(kafka_bootstrap, case.topic, case.run_id, case.values[:half])
         wait_for(lambda: metric(loop, "gradstream_messages_total", topic=case.topic) == half
-                 and not loop._batch and not loop._unacknowledged, 30,
+                 and not loop.batch and not loop.checkpoint.unacknowledged, 30,
                  "the first half read and written", loop)
         broken = loop._consumer
         broken._fetcher.fetch_records = lambda *args, **kwargs: ({}, True)  # the fault

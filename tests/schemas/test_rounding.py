@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from consumer.alerts.engine import AlertEngine
 from consumer.frames import GradientFrame, MergedShards, compute_frame
-from consumer.health import RunHealthTracker, restore_tracker
+from consumer.health import RunHealthTracker
+from consumer.outputs.base import Batch
+from consumer.outputs.duckdb import DuckDBSink
 from consumer.runs import RunInfo
-from consumer.sink import DuckDBSink, SinkBatch
 from schemas.alert import AlertRule
 from schemas.rounding import (
     DTYPE_EPS,
@@ -257,7 +258,7 @@ def _started(dtypes: list[str] | None) -> RunStarted:
 @pytest.mark.parametrize("dtypes", [None, ["float32", "float32", "bfloat16", "float32"]])
 def test_restore_from_the_store_equals_incremental(tmp_path, dtypes, exclude_rounding):
     """Frames written by the real sink; a restarted worker's tracker (load_runs, load_flags,
-    load_gradient_state, restore_tracker) equals the one that saw them, and goes on alike,
+    load_gradient_state, RunHealthTracker.restored) equals the one that saw them, and goes on alike,
     by default and with ``exclude_rounding``."""
     msg = _started(dtypes)
     run = RunInfo.from_message(msg)
@@ -270,7 +271,7 @@ def test_restore_from_the_store_equals_incremental(tmp_path, dtypes, exclude_rou
         [1e-2, 1e-13, 1e-13, 5e-2], [1e-2, 1e-13, 1e-13, 5e-2],
     ]
     bf16 = dtypes is not None
-    batch = SinkBatch(runs_started=[msg])
+    batch = Batch(runs_started=[msg])
     for s, m in enumerate(means):
         f = frame(s, m)
         health = feed(live, f)
@@ -283,7 +284,7 @@ def test_restore_from_the_store_equals_incremental(tmp_path, dtypes, exclude_rou
     seen, ordinary = sink.load_gradient_state("r", 4)
     steps = sink.load_frames("r")[0]
     sink.close()
-    restored = restore_tracker(
+    restored = RunHealthTracker.restored(
         4, 0, steps, flags["step"], flags["layer_index"], flags["is_vanishing"].astype(bool),
         flags["is_exploding"].astype(bool), flags["nonfinite"].astype(bool),
         roundoff=loaded.roundoff, seen=seen, ordinary=ordinary,

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from consumer.frames import GradientFrame, MergedShards, compute_frame
-from consumer.sink import DuckDBSink, SinkBatch
+from consumer.outputs.base import Batch
+from consumer.outputs.duckdb import DuckDBSink
 from schemas.stats import GradientSums
 from schemas.tables import SCHEMA_DDL
 from schemas.wire import RunStarted
@@ -39,8 +40,8 @@ def _frame(step: int, layers: np.ndarray, scale: float, ranks: tuple[int, ...]) 
 
 
 def _batch(steps: range, scale: float, offset: int, layers: np.ndarray | None = None,
-           ranks: tuple[int, ...] = (0, 1), start: bool = False) -> SinkBatch:
-    batch = SinkBatch()
+           ranks: tuple[int, ...] = (0, 1), start: bool = False) -> Batch:
+    batch = Batch()
     if start:
         batch.runs_started.append(_started())
     idx = np.arange(LAYERS) if layers is None else layers

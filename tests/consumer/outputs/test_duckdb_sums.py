@@ -10,8 +10,9 @@ import pytest
 
 from consumer.frames import GradientFrame, MergedShards, compute_frame
 from consumer.merge import merge_shard
+from consumer.outputs.base import Batch
+from consumer.outputs.duckdb import DuckDBSink
 from consumer.runs import RunInfo
-from consumer.sink import DuckDBSink, SinkBatch
 from producer.summary import summarize
 from producer.weights import summarize_weights
 from schemas.wire import StepSummary
@@ -90,7 +91,7 @@ def test_stored_partial_frame_plus_late_rank_equals_all_ranks(tmp_path: Path, la
     partial = frame(merged, (0, 2))
     sink = DuckDBSink(tmp_path / "s.duckdb", write_behind=False)
     try:
-        sink.write(SinkBatch(frames={("r", 7): (partial, "Healthy")}), "g")
+        sink.write(Batch(frames={("r", 7): (partial, "Healthy")}), "g")
         stored = sink.load_sums(RUN, 7)
         assert stored is not None and sink.load_sums(RUN, 8) is None
         assert_frames_equal(frame(stored, (0, 2)), partial)

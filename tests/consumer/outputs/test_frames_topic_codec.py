@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumer.frame_codec import frame_to_message, message_to_merged
 from consumer.frames import MergedShards, compute_frame
 from consumer.merge import merge_shard
+from consumer.outputs.frames_topic import frame_to_message, message_to_merged
 from producer.summary import summarize
 from schemas.wire import MergedFrame, StepSummary, decode_frame_message, encode_message
 
@@ -93,7 +93,7 @@ def test_message_merge_equals_merging_the_message_statistics():
 
 @pytest.mark.parametrize(("norms_only", "histogram"), [(False, False), (True, True)])
 def test_binary_frame_decodes_to_the_json_frame(norms_only, histogram):
-    from consumer.frame_codec import encode_frame
+    from consumer.outputs.frames_topic import encode_frame
     from schemas.wire import BINARY_MAGIC
 
     frame = _frame(norms_only, histogram)

@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 from analysis.read.connect import StoreError, open_store
 from analysis.report import build_report
 from consumer.frames import MergedShards, compute_frame
+from consumer.outputs.base import Batch
+from consumer.outputs.duckdb import DuckDBSink
 from consumer.runbook import RunBook
-from consumer.sink import DuckDBSink, SinkBatch
 from deploy.cli.reports import register
 from schemas.stats import GradientSums
 from schemas.wire import GradientHealth, RunStarted
@@ -45,7 +46,7 @@ def app() -> typer.Typer:
 def write_store(path: Path, known_split: bool = True, run_id: str = "r") -> Path:
     """The run of :data:`GRADS` written by the real sink; ``known_split=False`` drops the
     NaN counts, as a producer before schema 1.7 sends them (none)."""
-    batch = SinkBatch(runs_started=[RunStarted(
+    batch = Batch(runs_started=[RunStarted(
         run_id=run_id, world_size=1, layer_names=NAMES, numel=[2, 2, 2], start_time=1.0)])
     for step, layers in enumerate(GRADS):
         sums = GradientSums.from_layers([np.array(g) for g in layers])
@@ -189,7 +190,7 @@ def test_worker_restart_restores_the_reference_health(tmp_path: Path) -> None:
 
 def test_worker_and_store_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     from consumer.settings import ConsumerSettings
-    from consumer.store_settings import StoreSettings
+    from consumer.store_writer_settings import StoreWriterSettings
     from deploy.cli.consume import WorkerOptions
     from deploy.cli.options import NonfiniteVerdictChoice
 
@@ -198,7 +199,7 @@ def test_worker_and_store_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert given.nonfinite_rule == "reference"
     monkeypatch.setenv("GRADSTREAM_NONFINITE_RULE", "reference")
     assert WorkerOptions().settings().nonfinite_rule == "reference"
-    assert StoreSettings().nonfinite_rule == "reference"
+    assert StoreWriterSettings().nonfinite_rule == "reference"
     monkeypatch.setenv("GRADSTREAM_NONFINITE_RULE", "lenient")
     with pytest.raises(ValueError, match="critical"):
         ConsumerSettings()

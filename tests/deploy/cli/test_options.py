@@ -73,10 +73,10 @@ def test_given_keeps_the_options_given_and_paths_as_text() -> None:
 def test_the_settings_default_store_is_the_commands_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from consumer.settings import ConsumerSettings
-    from consumer.store_settings import StoreSettings
+    from consumer.store_writer_settings import StoreWriterSettings
 
     monkeypatch.delenv("GRADSTREAM_DB", raising=False)
-    assert ConsumerSettings().db == StoreSettings().db == DEFAULT_DB
+    assert ConsumerSettings().db == StoreWriterSettings().db == DEFAULT_DB
     result = CliRunner().invoke(_root(), ["report", "--help"], env={"COLUMNS": "200"})
     assert f"[default: {DEFAULT_DB}]" in result.output
 

@@ -18,7 +18,8 @@ from analysis.read.connect import open_store
 from analysis.report import build_report
 from consumer.frames import compute_frame
 from consumer.merge import MergedShards
-from consumer.sink import DuckDBSink, SinkBatch
+from consumer.outputs.base import Batch
+from consumer.outputs.duckdb import DuckDBSink
 from deploy.cli.reports import register
 from schemas.flags import FLAG_BITS, FLAG_EXPLODING, FLAG_NONFINITE, FLAG_VANISHING
 from schemas.wire import RunStarted
@@ -40,7 +41,7 @@ def write_store(path: Path, means: np.ndarray, nonfinite: np.ndarray,
     steps, n = means.shape
     msg = RunStarted(run_id="r", world_size=1, layer_names=NAMES, numel=[100] * n,
                      start_time=1.0, ignore_layers=ignore_layers or [])
-    batch = SinkBatch(runs_started=[msg])
+    batch = Batch(runs_started=[msg])
     for t in range(steps):
         a = means[t]
         merged = MergedShards.empty(n)
@@ -296,7 +297,7 @@ def test_pages_receive_the_one_flag_definition(tmp_path: Path) -> None:
 
 
 def test_worker_and_store_options_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from consumer.store_settings import StoreSettings
+    from consumer.store_writer_settings import StoreWriterSettings
     from deploy.cli.consume import WorkerOptions
 
     settings = WorkerOptions(ignore_layers=["*.key.bias", "x"],
@@ -308,4 +309,4 @@ def test_worker_and_store_options_reach_the_settings(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("GRADSTREAM_EXCLUDE_ROUNDING_LEVEL", "true")
     from_env = WorkerOptions().settings()
     assert from_env.ignore_layers == ["*.key.bias", "y"] and from_env.exclude_rounding_level
-    assert StoreSettings().ignore_layers == ["*.key.bias", "y"]
+    assert StoreWriterSettings().ignore_layers == ["*.key.bias", "y"]

@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from consumer.store_settings import StoreSettings
+from consumer.store_writer_settings import StoreWriterSettings
 from consumer.worker import Worker
 from deploy.cli.consume import WorkerOptions, consume, store
 from deploy.cli.serve import serve
@@ -19,7 +19,7 @@ from deploy.cli.serve import serve
 def test_flag_then_environment_then_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GRADSTREAM_STUCK_PARTITION_TIMEOUT_S", raising=False)
     assert WorkerOptions().settings().stuck_partition_timeout_s == 30.0
-    assert StoreSettings().stuck_partition_timeout_s == 30.0
+    assert StoreWriterSettings().stuck_partition_timeout_s == 30.0
     monkeypatch.setenv("GRADSTREAM_STUCK_PARTITION_TIMEOUT_S", "0")
     settings = WorkerOptions().settings()
     assert settings.stuck_partition_timeout_s == 0.0

@@ -1,0 +1,148 @@
+"""The commit protocol of a consumer loop: a batch and its offsets made durable together.
+
+A :class:`Checkpoint` holds what a :class:`consumer.loop.ConsumerLoop` has read since its
+last commit: the batch being filled, the next offset to consume per partition read, the
+offsets stored with the rows and those written but not yet acknowledged to Kafka. It never
+asks which output it writes to (:class:`consumer.outputs.base.Output`).
+
+:meth:`Checkpoint.commit`, run by the loop when ``flush_interval_s`` has passed and the
+output has no write in flight, when ``max_batch_rows`` layer rows wait, before partitions
+are revoked and at stop:
+
+1. For every partition read, the offset to store is the next one to consume, but never
+   past the first record of a frame still waiting for ranks (``pending``): a crash then
+   rebuilds that frame from Kafka.
+2. If neither rows nor changed offsets wait, nothing is written.
+3. Dead letters sent so far are flushed to Kafka first, so stored offsets never pass a
+   record that is neither stored nor dead-lettered.
+4. The output makes the batch durable with those offsets in one step
+   (:meth:`Output.write <consumer.outputs.base.Output.write>`): one DuckDB transaction
+   (rows and ``kafka_offsets`` together), or every frame acknowledged by the frames topic.
+   An output that writes behind (DuckDB) returns while its transaction runs and the loop
+   goes on decoding and merging the next batch: ``write`` first waits for the previous
+   transaction, so at most one is in flight, and a failed one stops the loop at the next
+   write with nothing of it acknowledged.
+5. Only once the output says every batch handed to it is durable
+   (:meth:`Output.settle <consumer.outputs.base.Output.settle>`) are the offsets
+   acknowledged to Kafka (:meth:`acknowledge`: a commit, informational when DuckDB holds
+   them, the group's positions themselves when the frames topic is the output). With
+   write-behind this happens after the commit, at the first poll cycle that finds the
+   transaction committed, or at once when the commit settles (before partitions are
+   revoked and at stop, where it waits for the transaction).
+6. The stored offsets are remembered (the next batch stores only what changed) and a new
+   batch begins.
+
+On assignment (:meth:`assign`, step 0 of the next cycle) each partition is sought to the
+offset the output stored, so rows are written exactly once whatever crashes; an output
+that stores none (the frames topic) leaves the consumer at the group's committed offsets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from consumer.outputs.base import Batch, Output, PartitionKey
+
+
+class Checkpoint:
+    """The batch being filled and the offsets it covers, committed in the numbered steps
+    of the module docstring.
+
+    Attributes:
+        batch: the batch the loop fills (written and replaced by :meth:`commit`).
+        positions: (topic, partition) -> the next offset to consume (after the last
+            record handed to the loop).
+        stored: (topic, partition) -> the offset stored with the rows (step 6).
+        unacknowledged: offsets written but not acknowledged to Kafka yet (step 5).
+    """
+
+    def __init__(self) -> None:
+        self.batch = Batch()
+        self.positions: dict[PartitionKey, int] = {}
+        self.stored: dict[PartitionKey, int] = {}
+        self.unacknowledged: dict[PartitionKey, int] = {}
+
+    def consumed(self, topic: str, partition: int, offset: int) -> None:
+        """The record at ``offset`` of (``topic``, ``partition``) was handed to the loop."""
+        self.positions[(topic, partition)] = offset + 1
+
+    def commit(self, output: Output, consumer: Any, pending: dict[PartitionKey, int],
+               flush_dead_letters: Callable[[], None], blocking: bool = True,
+               settle: bool = False) -> Batch | None:
+        """Write the batch with its offsets (steps 1-6).
+
+        Args:
+            output: where the batch goes.
+            consumer: the Kafka consumer the offsets are acknowledged to (None: not yet
+                connected, nothing is acknowledged).
+            pending: first offset per partition of a frame still waiting for ranks.
+            flush_dead_letters: sends the dead letters of the batch to Kafka (step 3).
+            blocking: acknowledge synchronously; False inside a rebalance callback
+                (kafka-python 3 runs it on its network thread and refuses blocking calls
+                there), where the commit is sent asynchronously.
+            settle: wait until the output has made every batch durable and acknowledge the
+                offsets now (before a revocation and at stop); False: acknowledge them
+                once the output says so, here or at a later :meth:`acknowledge`.
+
+        Returns:
+            The batch written, or None when nothing was (step 2).
+
+        Raises:
+            duckdb.Error / kafka.errors.KafkaError: the write failed (this one, or with
+                write-behind the one before); its offsets were not stored, so the
+                records are read again after a restart.
+        """
+        offsets = {}                                                               # 1
+        for key, position in self.positions.items():
+            target = min(position, pending.get(key, position))
+            if self.stored.get(key) != target:
+                offsets[key] = target
+        batch, batch.offsets = self.batch, offsets
+        written = None
+        if batch:                                                                  # 2
+            flush_dead_letters()                                                   # 3
+            output.write(batch)                                                    # 4
+            self.unacknowledged.update(offsets)
+            self.stored.update(offsets)                                            # 6
+            self.batch = Batch()
+            written = batch
+        if self.unacknowledged or settle:
+            self.acknowledge(output, consumer, blocking, wait=settle)              # 5
+        return written
+
+    def acknowledge(self, output: Output, consumer: Any, blocking: bool,
+                    wait: bool) -> None:
+        """Step 5: commit the written offsets to Kafka once the output says every batch
+        handed to it is durable (``wait``: block until it is).
+
+        Raises:
+            duckdb.Error / kafka.errors.KafkaError: a write failed (nothing acknowledged),
+                or a blocking commit to the frames topic's group failed.
+        """
+        if not output.settle(wait):
+            return
+        offsets, self.unacknowledged = self.unacknowledged, {}
+        if offsets and consumer is not None:
+            output.acknowledge(consumer, offsets, blocking)
+
+    def assign(self, output: Output, consumer: Any, partitions: list[Any]) -> None:
+        """Step 0: seek every newly assigned partition (kafka ``TopicPartition``) to the
+        offset ``output`` stored, or to the beginning; with an output that stores none,
+        keep the group's positions."""
+        stored = output.stored_offsets({tp.topic for tp in partitions})
+        if stored is None:
+            return
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            if key in stored:
+                consumer.seek(tp, stored[key])
+                self.stored[key] = stored[key]
+            else:
+                consumer.seek_to_beginning(tp)
+
+    def revoke(self, keys: set[PartitionKey]) -> None:
+        """Forget the positions and stored offsets of revoked partitions."""
+        for key in keys:
+            self.positions.pop(key, None)
+            self.stored.pop(key, None)

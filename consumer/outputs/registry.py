@@ -1,0 +1,30 @@
+"""The outputs a worker can write to, by name (one line per output).
+
+Adding an output: a module in this package with a :class:`consumer.outputs.base.Output`
+subclass and its ``from_settings`` constructor, and one line in :data:`OUTPUTS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from consumer.outputs.base import Output
+from consumer.outputs.duckdb import DuckDBOutput
+from consumer.outputs.frames_topic import FramesTopicOutput
+
+OUTPUTS: dict[str, Callable[[Any], Output]] = {
+    "duckdb": DuckDBOutput.from_settings,
+    "frames_topic": FramesTopicOutput.from_settings,
+}
+"""Output name -> constructor from a worker's settings (``ConsumerSettings.output``)."""
+
+
+def open_output(name: str, settings: Any) -> Output:
+    """Open the output called ``name`` (:data:`OUTPUTS`) with ``settings``.
+
+    Raises:
+        KeyError: no output of that name.
+        duckdb.IOException / kafka.errors.KafkaError: as the output's constructor.
+    """
+    return OUTPUTS[name](settings)
