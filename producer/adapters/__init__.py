@@ -17,7 +17,8 @@ missing one raises an ImportError naming the pip package.
 
 from producer.adapters.jax import flatten_gradients, layer_numel
 from producer.adapters.naming import normalize_name
-from producer.adapters.torch import GradientTap, summarize_tensors
+from producer.adapters.torch import GradientTap
+from producer.adapters.torch_summary import summarize_tensors
 
 __all__ = [
     "GradientTap",

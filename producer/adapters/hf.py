@@ -102,8 +102,8 @@ def _build_callback_class() -> type:
 
     from collections.abc import Callable, Iterable, Mapping
 
+    from producer.adapters.callbacks import RunRecorder, TapSession
     from producer.adapters.naming import normalize_name
-    from producer.adapters.torch import RunRecorder, _TapSession
 
     class GradstreamCallback(TrainerCallback):  # type: ignore[misc, valid-type]
         """Hugging Face ``TrainerCallback`` sending one gradient summary per optimiser step.
@@ -157,7 +157,7 @@ def _build_callback_class() -> type:
             ignore_layers: Iterable[str] = (),
             ignore_attention_key_bias: bool = False,
         ) -> None:
-            self._session = _TapSession(
+            self._session = TapSession(
                 producer,
                 every_n_steps=every_n_steps,
                 include=include,

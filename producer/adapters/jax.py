@@ -27,18 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from producer.adapters.optional import import_jax
+
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _import_jax() -> Any:
-    try:
-        import jax
-    except ImportError as exc:  # pragma: no cover - exercised only without jax
-        raise ImportError(
-            "gradstream's JAX adapter needs JAX: pip install 'jax[cpu]' (or jax[cuda12]), "
-            "or pip install 'gradstream[jax]'"
-        ) from exc
-    return jax
 
 
 def _key_name(key: Any) -> str:
@@ -68,7 +59,7 @@ def path_name(path: tuple[Any, ...]) -> str:
 
 
 def _named_leaves(tree: Any) -> list[tuple[str, Any]]:
-    jax = _import_jax()
+    jax = import_jax()
     with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
     if not with_path:
         raise ValueError("the pytree has no array leaves")
@@ -90,7 +81,7 @@ def _local_part(leaf: Any) -> Any:
     shards = [s.data.reshape(-1) for s in leaf.addressable_shards if s.replica_id == 0]
     if not shards:
         return None
-    jnp = _import_jax().numpy
+    jnp = import_jax().numpy
     return jnp.concatenate(shards) if len(shards) > 1 else shards[0]
 
 
@@ -98,7 +89,7 @@ def _host_float(name: str, value: Any) -> np.ndarray:
     arr = np.asarray(value)
     if arr.dtype in _FLOATS:
         return arr
-    jnp = _import_jax().numpy
+    jnp = import_jax().numpy
     if jnp.issubdtype(arr.dtype, jnp.floating):  # bfloat16, float8_*: exact in float32
         return arr.astype(np.float32)
     raise TypeError(f"gradient {name!r} has dtype {arr.dtype}; expected a floating-point dtype")
@@ -123,7 +114,7 @@ def flatten_gradients(grads: Any) -> dict[str, np.ndarray]:
         TypeError: a leaf of a non-floating dtype (names it).
         ImportError: jax is not installed.
     """
-    jax = _import_jax()
+    jax = import_jax()
     named = [(name, _local_part(leaf)) for name, leaf in _named_leaves(grads)]
     named = [(name, leaf) for name, leaf in named if leaf is not None]
     host = jax.device_get([leaf for _, leaf in named])

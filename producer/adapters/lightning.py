@@ -55,8 +55,8 @@ def _build_callback_class() -> type:
 
     from collections.abc import Callable, Iterable, Mapping
 
+    from producer.adapters.callbacks import RunRecorder, TapSession
     from producer.adapters.naming import normalize_name
-    from producer.adapters.torch import RunRecorder, _TapSession
 
     class GradstreamCallback(base):  # type: ignore[misc, valid-type]
         """Lightning ``Callback`` sending one gradient summary per optimiser step.
@@ -108,7 +108,7 @@ def _build_callback_class() -> type:
         ) -> None:
             super().__init__()
             self.local_view = local_view
-            self._session = _TapSession(
+            self._session = TapSession(
                 producer,
                 every_n_steps=every_n_steps,
                 include=include,

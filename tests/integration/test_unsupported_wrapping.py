@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from producer import GradientProducer
-from producer.adapters.torch import GradientTap, UnsupportedParallelismError
+from producer.adapters.torch import GradientTap
+from producer.adapters.torch_layout import UnsupportedParallelismError
 
 CASES = ("fsdp1", "fsdp1_orig_params", "pipeline")
 

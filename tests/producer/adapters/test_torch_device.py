@@ -13,11 +13,8 @@ import pytest
 import torch  # installed by `make test` (requirements-frameworks.txt): missing fails
 
 from producer.adapters import torch_device
-from producer.adapters.torch import (
-    GradientTap,
-    launch_summaries,
-    summarize_tensors,
-)
+from producer.adapters.torch import GradientTap
+from producer.adapters.torch_summary import launch_summaries, summarize_tensors
 from producer.summary import LayerSummaries
 from tests.producer.adapters import FakeProducer
 

@@ -12,19 +12,16 @@ import numpy as np
 import pytest
 import torch  # installed by `make test` (requirements-frameworks.txt): missing fails
 
-from producer.adapters import torch as tap_mod
-from producer.adapters.torch import (
-    GradientTap,
-    launch_summaries,
-    summarize_tensors,
-)
+from producer.adapters import torch_summary
+from producer.adapters.torch import GradientTap
+from producer.adapters.torch_summary import launch_summaries, summarize_tensors
 from producer.summary import summarize
 from tests.producer.adapters import FakeProducer
 
 
 def test_chunk_plan_covers_every_element_once_in_layer_order() -> None:
     sizes = (10, 3_000_000, 7, 1_000_001, 5)
-    groups, starts = tap_mod._chunk_plan(sizes, 3)
+    groups, starts = torch_summary._chunk_plan(sizes, 3)
     chunks = [c for g in groups for c in g]
     assert [c[0] for c in chunks] == sorted(c[0] for c in chunks)
     for layer, size in enumerate(sizes):
@@ -37,17 +34,17 @@ def test_chunk_plan_covers_every_element_once_in_layer_order() -> None:
 
 
 def test_parallel_host_summary_equals_single_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tap_mod, "_PARALLEL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(tap_mod, "_host_threads", lambda torch: 3)
-    monkeypatch.setattr(tap_mod, "_host_timing", {})
+    monkeypatch.setattr(torch_summary, "_PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(torch_summary, "_host_threads", lambda torch: 3)
+    monkeypatch.setattr(torch_summary, "_host_timing", {})
     threaded: list[int] = []
-    original = tap_mod._summarize_threads
+    original = torch_summary._summarize_threads
 
     def counting(*args: object) -> object:
         threaded.append(1)
         return original(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tap_mod, "_summarize_threads", counting)
+    monkeypatch.setattr(torch_summary, "_summarize_threads", counting)
     gen = torch.Generator().manual_seed(0)
     grads = {f"l{i}": torch.randn(1000 * (i + 1), generator=gen) * 10.0**i for i in range(6)}
     grads["l2"][17] = math.nan
@@ -61,17 +58,17 @@ def test_parallel_host_summary_equals_single_pass(monkeypatch: pytest.MonkeyPatc
         np.testing.assert_allclose(got.sum_abs, want.sum_abs, rtol=1e-12)
         np.testing.assert_allclose(got.sum_sq, want.sum_sq, rtol=1e-12)
     assert 3 <= len(threaded) <= 5
-    timing = tap_mod._host_timing[tuple(g.numel() for g in grads.values())]
+    timing = torch_summary._host_timing[tuple(g.numel() for g in grads.values())]
     assert timing[0] == 8 and math.isfinite(timing[1]) and math.isfinite(timing[2])
 
 
 def test_a_modes_first_call_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first threaded call pays one-off costs; were it timed, one slow call would keep
     # the threads off for hundreds of calls.
-    monkeypatch.setattr(tap_mod, "_PARALLEL_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(tap_mod, "_host_threads", lambda torch: 2)
-    monkeypatch.setattr(tap_mod, "_host_timing", {})
-    original = tap_mod._summarize_threads
+    monkeypatch.setattr(torch_summary, "_PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(torch_summary, "_host_threads", lambda torch: 2)
+    monkeypatch.setattr(torch_summary, "_host_timing", {})
+    original = torch_summary._summarize_threads
     slow = [True]
 
     def first_call_slow(*args: object) -> object:
@@ -80,11 +77,11 @@ def test_a_modes_first_call_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> Non
             time.sleep(0.5)
         return original(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tap_mod, "_summarize_threads", first_call_slow)
+    monkeypatch.setattr(torch_summary, "_summarize_threads", first_call_slow)
     grads = {"a": torch.ones(1000), "b": torch.ones(10)}
     for _ in range(3):
         summarize_tensors(grads)
-    timing = tap_mod._host_timing[(1000, 10)]
+    timing = torch_summary._host_timing[(1000, 10)]
     assert timing[0] == 3 and timing[1] < 0.25 and math.isinf(timing[2])
 
 
@@ -205,8 +202,8 @@ def test_threaded_summary_never_waits_for_a_thread_that_does_not_start(
     arrays = [g.numpy() for g in grads.values()]
     sizes = tuple(a.size for a in arrays)
     idle = _IdlePool()
-    monkeypatch.setattr(tap_mod, "_pool", lambda workers: idle)
-    got = tap_mod._summarize_threads(arrays, sizes, 3, tap_mod._key_names(64))
+    monkeypatch.setattr(torch_summary, "_pool", lambda workers: idle)
+    got = torch_summary._summarize_threads(arrays, sizes, 3, torch_summary._key_names(64))
     assert idle.submitted == 2  # work offered to both pool threads; none was needed
     want = summarize({k: v.numpy() for k, v in grads.items()})
     np.testing.assert_allclose(got[0], want.sum_abs, rtol=1e-12)
@@ -228,8 +225,8 @@ def test_threaded_summary_reraises_an_error_from_any_thread(
             raise MemoryError("job 3")
         return summarize(job)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tap_mod, "summarize", failing_third)
+    monkeypatch.setattr(torch_summary, "summarize", failing_third)
     with pytest.raises(MemoryError, match="job 3"):
-        tap_mod._summarize_threads(arrays, tuple(a.size for a in arrays), 2,
-                                   tap_mod._key_names(64))
-    assert len(calls) == 2 * tap_mod._CHUNKS_PER_THREAD  # the other groups still ran
+        torch_summary._summarize_threads(arrays, tuple(a.size for a in arrays), 2,
+                                   torch_summary._key_names(64))
+    assert len(calls) == 2 * torch_summary._CHUNKS_PER_THREAD  # the other groups still ran
