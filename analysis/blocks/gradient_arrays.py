@@ -27,7 +27,7 @@ import numpy as np
 
 from analysis.read.connect import StoreError, require_run
 from analysis.read.exclusion import Exclusion, run_exclusion
-from analysis.read.sql import stats_params
+from analysis.read.sql import stats_params, step_range
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -47,9 +47,7 @@ _RMS = "s.grad_norm / sqrt(greatest(s.numel - s.nonfinite, 1))"
 _ROWS_SQL = f"""
     SELECT s.layer_index, s.step, s.grad_norm, {flag_bits_sql("s")} AS flags
     FROM layer_stats AS s
-    WHERE s.run_id = $run_id
-      AND ($from_step IS NULL OR s.step >= $from_step)
-      AND ($to_step IS NULL OR s.step <= $to_step)
+    WHERE s.run_id = $run_id AND {step_range("s")}
 """
 
 _LAYER_SQL = f"""
@@ -60,9 +58,7 @@ _LAYER_SQL = f"""
                           ELSE 0 END) / (s.numel - s.nonfinite)
                END AS active_fraction
         FROM layer_stats AS s
-        WHERE s.run_id = $run_id
-          AND ($from_step IS NULL OR s.step >= $from_step)
-          AND ($to_step IS NULL OR s.step <= $to_step)
+        WHERE s.run_id = $run_id AND {step_range("s")}
     ),
     a AS (
         SELECT layer_index,
@@ -86,20 +82,16 @@ _RUN_SQL = """
     FROM runs WHERE run_id = $run_id
 """
 
-_STEPS_SQL = """
+_STEPS_SQL = f"""
     SELECT DISTINCT step FROM layer_stats
-    WHERE run_id = $run_id
-      AND ($from_step IS NULL OR step >= $from_step)
-      AND ($to_step IS NULL OR step <= $to_step)
+    WHERE run_id = $run_id AND {step_range()}
     ORDER BY step
 """
 
-_UPDATE_SQL = """
+_UPDATE_SQL = f"""
     SELECT step, sqrt(sum(update_sum_sq) / sum(weight_sum_sq)) AS ratio
     FROM layer_stats
-    WHERE run_id = $run_id
-      AND ($from_step IS NULL OR step >= $from_step)
-      AND ($to_step IS NULL OR step <= $to_step)
+    WHERE run_id = $run_id AND {step_range()}
       AND update_sum_sq IS NOT NULL AND weight_sum_sq IS NOT NULL
     GROUP BY step HAVING sum(weight_sum_sq) > 0
     ORDER BY step

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from analysis.read.connect import StoreError
+from analysis.read.sql import layer_name, step_range
 from schemas.stats import WeightMoments, csr_from_lists
 
 if TYPE_CHECKING:
@@ -49,12 +50,9 @@ WEIGHT_COLUMNS: tuple[str, ...] = (
 )
 """``layer_stats`` columns the weight analysis reads (``schemas.tables``)."""
 
-_RANGE_SQL = """
+_RANGE_SQL = f"""
     SELECT min(step), max(step) FROM layer_stats
-    WHERE run_id = $run_id
-      AND ($from_step IS NULL OR step >= $from_step)
-      AND ($to_step IS NULL OR step <= $to_step)
-      AND weight_sum IS NOT NULL
+    WHERE run_id = $run_id AND {step_range()} AND weight_sum IS NOT NULL
 """
 
 _REPLICAS = (
@@ -67,7 +65,7 @@ else 1 (a sharded tensor, or a partial frame of one)."""
 
 _STEP_SQL = f"""
     SELECT s.layer_index,
-           coalesce(l.name, 'layer[' || CAST(s.layer_index AS VARCHAR) || ']') AS name,
+           {layer_name("s")} AS name,
            {_REPLICAS.format(s="s", l="l")} AS replicas,
            s.numel, coalesce(s.weight_nonfinite, 0) AS weight_nonfinite,
            s.weight_sum, s.weight_sum_sq, s.weight_sum_cube, s.weight_sum_quad,
@@ -89,16 +87,12 @@ _PATH_SQL = f"""
 """
 
 
-_FIRST_NONFINITE_SQL = """
+_FIRST_NONFINITE_SQL = f"""
     WITH first AS (
         SELECT min(step) AS step FROM layer_stats
-        WHERE run_id = $run_id AND weight_nonfinite > 0
-          AND ($from_step IS NULL OR step >= $from_step)
-          AND ($to_step IS NULL OR step <= $to_step)
+        WHERE run_id = $run_id AND weight_nonfinite > 0 AND {step_range()}
     )
-    SELECT first.step,
-           list(coalesce(l.name, 'layer[' || CAST(s.layer_index AS VARCHAR) || ']')
-                ORDER BY s.layer_index)
+    SELECT first.step, list({layer_name("s")} ORDER BY s.layer_index)
     FROM first
     JOIN layer_stats AS s ON s.run_id = $run_id AND s.step = first.step
     LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
