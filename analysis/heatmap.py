@@ -10,17 +10,16 @@ consecutive frames per layer; NumPy fills the layers x columns grid; Python only
 characters.
 
 Reference style (``ascii_heatmap(..., style="reference")``, ``gradstream report --heatmap
---heatmap-style reference``) draws exactly what the reference implementation's
-``to_ascii_animation`` draws from the same frames, dropping gradstream's presentation
-choices: rows by layer name (code-point order) instead of model order; one column per
-frame whatever their number (no ``max_columns`` buckets); no NaN/Inf glyph (a non-finite
-intensity draws as the reference casts it, blank), and the intensities of a step holding
-NaN/Inf elements as the reference computes them (``analysis.nonfinite``; a range holding
-such a row stored without its NaN count, before wire schema 1.7, is refused); no legend
-line; names printed raw; and the reference's width rule: names right-aligned to the
-longest name measured in UTF-8 bytes (the ``layer`` label is not counted and may stick
-out), padding counted in characters. The conformance suite (``tests/conformance``)
-compares this style with an executable reference byte for byte.
+--heatmap-style reference``) draws exactly what the reference's ``to_ascii_animation`` draws
+from the same frames, dropping gradstream's presentation choices: rows by layer name
+(code-point order) instead of model order; one column per frame whatever their number (no
+``max_columns`` buckets); no NaN/Inf glyph (a non-finite intensity draws as the reference
+casts it, blank), and the intensities of a step holding NaN/Inf elements as the reference
+computes them (``analysis.nonfinite``; a range holding such a row stored without its NaN
+count is refused); no legend line; names printed raw; and the reference's width rule: names
+right-aligned to the longest name measured in UTF-8 bytes (the ``layer`` label is not
+counted and may stick out), padding counted in characters. The conformance suite
+(``tests/conformance``) compares this style with an executable reference byte for byte.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
     import duckdb
 
 HeatmapStyle = Literal["gradstream", "reference"]
-"""``ascii_heatmap``'s layouts: gradstream's, or the reference implementation's exactly."""
+"""``ascii_heatmap``'s layouts: gradstream's, or the reference's exactly."""
 
 BLOCKS: tuple[str, ...] = (" ", "░", "▒", "▓", "█")
 """Intensity glyphs, from 0 (no flow) to 1 (the step's strongest layer)."""

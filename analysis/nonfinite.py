@@ -1,8 +1,8 @@
-"""The reference implementation's values of layers with NaN/Inf gradient elements.
+"""The reference's values of layers with NaN/Inf gradient elements.
 
 gradstream leaves non-finite elements out of the sums and the maximum and counts them
-(``layer_stats.nonfinite``); the reference implementation (trustformers-debug, module
-``gradient_flow``) sums every element in f64, so that its values of such a layer are:
+(``layer_stats.nonfinite``); the reference (trustformers-debug, module ``gradient_flow``)
+sums every element in f64, so that its values of such a layer are:
 
 - ``mean_abs_grad = sum |g| / n``: NaN when some element is NaN (NaN + x is NaN), else
   +inf when some element is +-Inf;
@@ -20,23 +20,23 @@ gradstream leaves non-finite elements out of the sums and the maximum and counts
 
 The sign of an Inf does not matter (only ``|g|`` and ``g*g`` enter), so the finite sums
 and maximum, the count of non-finite elements and the count of NaN among them
-(``layer_stats.nan``, wire schema 1.7; Inf = ``nonfinite - nan``) determine every value.
+(``layer_stats.nan``; Inf = ``nonfinite - nan``) determine every value.
 :func:`reference_stats_sql` rebuilds them in SQL; rows without non-finite elements keep
 their stored values, which are the reference's already (``consumer.frames``).
 
-Used by the reference presentation styles (``export --style reference``,
-``report --heatmap-style reference``) and by the report's ``nonfinite_rule="reference"``
+Used by the reference presentation styles (``export --style reference``, ``report
+--heatmap-style reference``) and by the report's ``nonfinite_rule="reference"``
 (``schemas.health.NONFINITE_VERDICTS``). A row with ``nonfinite > 0`` whose NaN count is
-unknown (stored before schema 1.7, or sent by an older producer: ``nan`` NULL, or a store
-without the column) cannot be rebuilt: :func:`require_nan_split` raises a
-:class:`analysis.read.connect.StoreError` naming the first such row rather than guessing.
+unknown (sent by an older producer: ``nan`` NULL, or a store without the column) cannot be
+rebuilt: :func:`require_nan_split` raises a :class:`analysis.read.connect.StoreError` naming
+the first such row rather than guessing.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from analysis.read.connect import StoreError
+from analysis.read.connect import StoreError, has_column
 from analysis.read.sql import STATS_SQL
 
 if TYPE_CHECKING:
@@ -44,17 +44,13 @@ if TYPE_CHECKING:
 
 
 def has_nan_column(con: duckdb.DuckDBPyConnection) -> bool:
-    """Whether the store's ``layer_stats`` has the ``nan`` column (added by the sink from
-    wire schema 1.7 on; a store last written before lacks it)."""
-    row = con.execute(
-        "SELECT count(*) FROM duckdb_columns() WHERE table_name = 'layer_stats' "
-        "AND column_name = 'nan'"
-    ).fetchone()
-    return bool(row and row[0])
+    """Whether the store's ``layer_stats`` has the ``nan`` column (an older store lacks
+    it)."""
+    return has_column(con, "layer_stats", "nan")
 
 
 def reference_stats_sql(with_nan: bool = True) -> str:
-    """:data:`analysis.read.sql.STATS_SQL` with the reference implementation's values of the
+    """:data:`analysis.read.sql.STATS_SQL` with the reference's values of the
     rows holding NaN/Inf elements (module doc): ``mean_abs_grad``, ``max_abs_grad``,
     ``grad_norm``, ``is_exploding`` replaced on those rows, ``flow_intensity`` on every
     row of a step holding one; every other row and column as stored. Same parameters as
@@ -111,7 +107,7 @@ def require_nan_split(con: duckdb.DuckDBPyConnection, params: dict[str, object],
 
     Raises:
         StoreError: such a row exists; the message names the first (step, layer), says
-            why (stored before wire schema 1.7, or sent by an older producer) and what to
+            why (stored by an older version, or sent by an older producer) and what to
             do instead.
     """
     nan = "s.nan" if has_nan_column(con) else "NULL::BIGINT"

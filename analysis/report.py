@@ -1,11 +1,11 @@
 """Run summary (health, flagged layers, recommendations), computed from the store.
 
-Semantics follow trustformers-debug's ``gradient_flow`` module (``summary_report``). The
-reference implementation keeps frames in memory and rescans them; here every figure is one
+Semantics follow trustformers-debug's ``gradient_flow`` module (``summary_report``), the
+reference. The reference keeps frames in memory and rescans them; here every figure is one
 SQL aggregate over ``layer_stats`` (O(layers x steps), done by DuckDB), plus ``frames`` for
 the partial-frame count and ``runs`` for the run's shape.
 
-Every layer counts, as in the reference implementation: a layer whose mean |g| stays below
+Every layer counts, as in the reference: a layer whose mean |g| stays below
 the vanishing threshold is a vanishing layer and its frames are issue frames, whatever its
 magnitude. Layers at floating-point rounding level in every frame from their first on
 (``schemas.rounding``; e.g. the key bias of softmax attention, whose gradient is zero by
@@ -46,7 +46,7 @@ from analysis.blocks.terminal import joined_names, names_text
 from analysis.nonfinite import has_nan_column, require_nan_split
 from analysis.read.connect import has_column, require_run
 from analysis.read.exclusion import Exclusion, run_exclusion
-from analysis.read.sql import stats_params
+from analysis.read.sql import layer_name, stats_params, step_range
 from schemas.health import check_nonfinite_verdict, classify_health
 from schemas.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
@@ -125,12 +125,12 @@ class GradientFlowSummary(BaseModel):
     - ``nonfinite_rule``: how NaN/Inf gradients counted in the verdict
       (``schemas.health.NONFINITE_VERDICTS``). ``"critical"`` (default, gradstream's rule):
       a layer with NaN/Inf elements makes its frame an issue frame and the run Critical.
-      ``"reference"``: the reference implementation's verdict exactly: a layer with an Inf
-      element (``nonfinite > nan``, wire schema 1.7) is exploding (listed in
+      ``"reference"``: the reference's verdict exactly: a layer with an Inf
+      element (``nonfinite > nan``) is exploding (listed in
       ``layers_with_exploding_grads``), a layer with NaN only is no issue, and no rule
       makes the run Critical by itself (``layers_with_nonfinite_grads`` and the NaN/Inf
       recommendation stay, as facts). A range holding a non-finite row whose NaN count is
-      unknown (stored before 1.7) is refused (``analysis.nonfinite.require_nan_split``).
+      unknown (``layer_stats.nan`` NULL) is refused (``analysis.nonfinite.require_nan_split``).
     - ``ignore_layers``: the patterns applied (the run's, then the report's own);
       ``layers_excluded``: the layers they match (model order), whose vanishing and
       exploding flags count nowhere here (:class:`analysis.read.exclusion.Exclusion`). Apart:
@@ -361,13 +361,13 @@ def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
     Parameters besides the range: ``$excluded`` (INTEGER[], layer indices whose vanishing
     and exploding flags count nowhere) and ``$exclude_rounding`` (BOOLEAN: leave out the
     vanishing flag of rows with ``no_gradient``) and ``$reference`` (BOOLEAN: the
-    reference implementation's non-finite semantics, ``schemas.health.NONFINITE_VERDICTS``:
+    reference's non-finite semantics, ``schemas.health.NONFINITE_VERDICTS``:
     a row with an Inf element, ``nonfinite > nan``, is exploding, and a NaN/Inf row is no
     issue by itself).
 
     Args:
-        with_dtype: the store's ``layers`` table has the ``dtype`` column (schema 1.3).
-        with_nan: its ``layer_stats`` has the ``nan`` column (schema 1.7).
+        with_dtype: the store's ``layers`` table has the ``dtype`` column.
+        with_nan: its ``layer_stats`` has the ``nan`` column.
     """
     return f"""
     WITH z AS MATERIALIZED ({rounding_rows_sql(with_dtype, with_nan)}),
@@ -402,7 +402,7 @@ def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
     )
     SELECT c.frames, c.issue_frames, c.last_step, c.first_nonfinite_step, c.first_step,
            p.layer_index,
-           coalesce(l.name, 'layer[' || CAST(p.layer_index AS VARCHAR) || ']') AS name,
+           {layer_name("p")} AS name,
            p.vanishing, p.exploding, p.nonfinite, p.no_gradient, p.first_step
     FROM counts AS c
     LEFT JOIN (SELECT * FROM per_layer
@@ -413,18 +413,18 @@ def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
 
 
 def _has_layer_dtype(con: duckdb.DuckDBPyConnection) -> bool:
-    """Whether the store's ``layers`` table has the ``dtype`` column (schema 1.3)."""
+    """Whether the store's ``layers`` table has the ``dtype`` column (an older store's
+    lacks it)."""
     return has_column(con, "layers", "dtype")
 
 
-_LOCAL_ORIGIN_SQL = """
+_LOCAL_ORIGIN_SQL = f"""
     SELECT s.step, list(DISTINCT s.rank ORDER BY s.rank) AS ranks,
            bool_or(s.nonfinite > 0) AS nonfinite,
            bool_or(s.max_abs_grad > r.exploding_threshold) AS exploding
     FROM local_layer_stats AS s JOIN runs AS r ON r.run_id = s.run_id
     WHERE s.run_id = $run_id
-      AND ($from_step IS NULL OR s.step >= $from_step)
-      AND ($to_step IS NULL OR s.step <= $to_step)
+      AND {step_range("s")}
       AND (s.nonfinite > 0 OR s.max_abs_grad > r.exploding_threshold)
     GROUP BY s.step
     ORDER BY s.step
@@ -433,12 +433,11 @@ _LOCAL_ORIGIN_SQL = """
 """The earliest step with a bad local row (NaN/Inf, or max |g| above the run's exploding
 threshold) and the ranks of that step's bad rows; no row when there is none."""
 
-_RUN_SQL = """
+_RUN_SQL = f"""
     SELECT r.world_size, r.num_layers, r.health, r.frames, r.issue_frames, r.last_step,
            (SELECT count(*) FROM frames AS f
              WHERE f.run_id = $run_id AND NOT f.complete
-               AND ($from_step IS NULL OR f.step >= $from_step)
-               AND ($to_step IS NULL OR f.step <= $to_step)) AS partial_frames,
+               AND {step_range("f")}) AS partial_frames,
            (SELECT count(*) FROM run_ranks AS k WHERE k.run_id = $run_id) AS ranks_finished,
            (SELECT coalesce(sum(k.dropped), 0) FROM run_ranks AS k
              WHERE k.run_id = $run_id) AS dropped_summaries
@@ -479,7 +478,7 @@ def build_report(
         exclude_rounding: leave out the vanishing flag of layers with no gradient by
             construction (module doc; off by default, as in the reference).
         order: ``"model"`` (``layers.layer_index``) or ``"name"`` (code-point order, the
-            reference implementation's) for the vanishing, exploding and non-finite layer
+            reference's) for the vanishing, exploding and non-finite layer
             lists and the names quoted in the recommendations.
         nonfinite_rule: ``"critical"`` (default) or ``"reference"``: how NaN/Inf
             gradients count in the verdict (``GradientFlowSummary.nonfinite_rule``).
@@ -490,7 +489,7 @@ def build_report(
         the consumer stored a live health, a top-N over the run's ``frames`` rows for its
         window's first step: the layer lists and frame counts (one windowed aggregate
         over the run's rows up to ``to_step``), the run row, the local view's first bad
-        step (a store without ``local_layer_stats``, written before schema 1.3, has none).
+        step (an older store without ``local_layer_stats`` has none).
 
     Raises:
         StoreError: unknown run or invalid step range; with ``nonfinite_rule="reference"``,
@@ -664,8 +663,7 @@ def _partial_reasons(con: duckdb.DuckDBPyConnection,
         f"""SELECT count(*) FILTER (WHERE len(f.missing_ranks) > 0),
                    count(*) FILTER (WHERE {refused}), count(*) FILTER (WHERE {misfit})
             FROM frames AS f WHERE f.run_id = $run_id AND NOT f.complete
-              AND ($from_step IS NULL OR f.step >= $from_step)
-              AND ($to_step IS NULL OR f.step <= $to_step)""",
+              AND {step_range("f")}""",
         {k: params[k] for k in ("run_id", "from_step", "to_step")},
     ).fetchone()
     assert row is not None  # an aggregate
