@@ -7,6 +7,7 @@ import glob
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
+from producer.adapters.naming import normalize_name
 from producer.adapters.torch import GradientTap, SummaryRecorder
 from producer.summary import LayerSummaries
 
@@ -123,3 +124,72 @@ class TapSession:
             self.producer.finish_run()
         if self.close_producer:
             self.producer.close()
+
+
+class TapCallback:
+    """Base of the framework callbacks: holds their :class:`TapSession`.
+
+    A callback class derives from it and from its framework's callback class, calls the
+    session's ``begin`` / ``step`` / ``end`` from its hooks and passes its own options
+    (keyword arguments of :class:`TapSession`) on to this constructor.
+
+    Args:
+        producer: the rank's ``GradientProducer`` (or any :class:`RunRecorder`); its
+            ``rank`` and ``world_size`` must equal the trainer's.
+        every_n_steps: summarise only steps whose number is a multiple of n (combined
+            with the producer's own ``every_n_steps``, see ``GradientTap``).
+        include: fnmatch pattern(s) on normalised parameter names to watch.
+        exclude: fnmatch pattern(s) on normalised parameter names to leave out.
+        name_fn: raw parameter name -> layer name (default ``normalize_name``).
+        vanishing_threshold: mean |g| below which a layer is vanishing.
+        exploding_threshold: max |g| above which a layer is exploding.
+        config: extra JSON-serialisable run configuration for ``start_run``; the
+            callback adds ``framework`` (the framework's name, version and training
+            settings).
+        finish_run: call ``producer.finish_run()`` at train end (default True).
+        close_producer: also call ``producer.close()`` there (default False).
+        ignore_layers: layer-name patterns the run leaves out of its health, explicitly
+            (``GradientProducer.start_run``).
+        **session: further :class:`TapSession` options (``structural_ignore``,
+            ``structural_reason``).
+
+    Raises:
+        TypeError / ValueError: invalid ``every_n_steps``.
+    """
+
+    def __init__(
+        self,
+        producer: RunRecorder,
+        *,
+        every_n_steps: int | None = None,
+        include: str | Iterable[str] | None = None,
+        exclude: str | Iterable[str] | None = None,
+        name_fn: Callable[[str], str] = normalize_name,
+        vanishing_threshold: float = 1e-7,
+        exploding_threshold: float = 1e3,
+        config: Mapping[str, Any] | None = None,
+        finish_run: bool = True,
+        close_producer: bool = False,
+        ignore_layers: Iterable[str] = (),
+        **session: Any,
+    ) -> None:
+        super().__init__()
+        self._session = TapSession(
+            producer,
+            every_n_steps=every_n_steps,
+            include=include,
+            exclude=exclude,
+            name_fn=name_fn,
+            vanishing_threshold=vanishing_threshold,
+            exploding_threshold=exploding_threshold,
+            config=config,
+            finish_run=finish_run,
+            close_producer=close_producer,
+            ignore_layers=ignore_layers,
+            **session,
+        )
+
+    @property
+    def tap(self) -> GradientTap | None:
+        """The ``GradientTap`` of the current run, or None before the train start hook."""
+        return self._session.tap

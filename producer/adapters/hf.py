@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from producer.adapters.optional import lazy_class
+
 __all__ = ["GradstreamCallback", "attention_key_biases"]  # noqa: F822 - lazy class
 
 KEY_BIAS_REASON = (
@@ -100,36 +102,23 @@ def _build_callback_class() -> type:
             f"on_pre_optimizer_step; gradstream needs a newer one: {_PIP_HINT}"
         )
 
-    from collections.abc import Callable, Iterable, Mapping
+    from producer.adapters.callbacks import RunRecorder, TapCallback
 
-    from producer.adapters.callbacks import RunRecorder, TapSession
-    from producer.adapters.naming import normalize_name
-
-    class GradstreamCallback(TrainerCallback):  # type: ignore[misc, valid-type]
+    class GradstreamCallback(TapCallback, TrainerCallback):  # type: ignore[misc, valid-type]
         """Hugging Face ``TrainerCallback`` sending one gradient summary per optimiser step.
 
         Args:
-            producer: the rank's ``GradientProducer`` (or any object with ``start_run``,
-                ``record_summaries``, ``finish_run``, ``close``); its ``rank`` and
-                ``world_size`` must equal ``args.process_index`` / ``args.world_size``.
-            every_n_steps: summarise only steps whose number is a multiple of n (combined
-                with the producer's own ``every_n_steps``, see ``GradientTap``).
-            include: fnmatch pattern(s) on normalised parameter names to watch.
-            exclude: fnmatch pattern(s) on normalised parameter names to leave out.
-            name_fn: raw parameter name -> layer name (default ``normalize_name``).
-            vanishing_threshold: mean |g| below which a layer is vanishing.
-            exploding_threshold: max |g| above which a layer is exploding.
-            config: extra JSON-serialisable run configuration for ``start_run``; the
-                callback adds ``framework`` (transformers version,
-                gradient_accumulation_steps, max_grad_norm, learning_rate).
-            finish_run: call ``producer.finish_run()`` in ``on_train_end`` (default True).
-            close_producer: also call ``producer.close()`` there (default False).
-            ignore_layers: layer-name patterns the run leaves out of its health, explicitly
-                (``GradientProducer.start_run``).
+            producer: the rank's ``GradientProducer``; its ``rank`` and ``world_size`` must
+                equal ``args.process_index`` / ``args.world_size``.
             ignore_attention_key_bias: also exclude the key biases of softmax
                 self-attention, found from the model's structure (module doc,
                 :func:`attention_key_biases`). Off by default: they count as vanishing,
                 as in the reference, and the report lists them as a finding.
+            **options: the options of :class:`~producer.adapters.callbacks.TapCallback`
+                (``every_n_steps``, ``include``, ``exclude``, ``name_fn``, thresholds,
+                ``config``, ``finish_run``, ``close_producer``, ``ignore_layers``); the
+                callback adds ``framework`` to ``config`` (transformers version,
+                gradient_accumulation_steps, max_grad_norm, learning_rate).
 
         Raises:
             TypeError / ValueError: invalid ``every_n_steps``.
@@ -142,41 +131,15 @@ def _build_callback_class() -> type:
         """
 
         def __init__(
-            self,
-            producer: RunRecorder,
-            *,
-            every_n_steps: int | None = None,
-            include: str | Iterable[str] | None = None,
-            exclude: str | Iterable[str] | None = None,
-            name_fn: Callable[[str], str] = normalize_name,
-            vanishing_threshold: float = 1e-7,
-            exploding_threshold: float = 1e3,
-            config: Mapping[str, Any] | None = None,
-            finish_run: bool = True,
-            close_producer: bool = False,
-            ignore_layers: Iterable[str] = (),
-            ignore_attention_key_bias: bool = False,
+            self, producer: RunRecorder, *, ignore_attention_key_bias: bool = False,
+            **options: Any,
         ) -> None:
-            self._session = TapSession(
+            super().__init__(
                 producer,
-                every_n_steps=every_n_steps,
-                include=include,
-                exclude=exclude,
-                name_fn=name_fn,
-                vanishing_threshold=vanishing_threshold,
-                exploding_threshold=exploding_threshold,
-                config=config,
-                finish_run=finish_run,
-                close_producer=close_producer,
-                ignore_layers=ignore_layers,
                 structural_ignore=attention_key_biases if ignore_attention_key_bias else None,
                 structural_reason=KEY_BIAS_REASON,
+                **options,
             )
-
-        @property
-        def tap(self) -> Any:
-            """The ``GradientTap`` of the current run, or None before ``on_train_begin``."""
-            return self._session.tap
 
         def on_train_begin(
             self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
@@ -203,20 +166,7 @@ def _build_callback_class() -> type:
             """Finish the run (and close the producer when asked to)."""
             self._session.end()
 
-    GradstreamCallback.__module__ = __name__
-    GradstreamCallback.__qualname__ = "GradstreamCallback"
     return GradstreamCallback
 
 
-def __getattr__(name: str) -> Any:
-    """Create ``GradstreamCallback`` on first access (imports transformers then).
-
-    Raises:
-        ImportError: transformers is missing or too old (names the pip package).
-        AttributeError: any other name.
-    """
-    if name == "GradstreamCallback":
-        cls = _build_callback_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_class(globals(), "GradstreamCallback", _build_callback_class)

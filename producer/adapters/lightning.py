@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from producer.adapters.optional import lazy_class
+
 __all__ = ["GradstreamCallback"]  # noqa: F822 - created lazily by __getattr__
 
 _PIP_HINT = "pip install lightning (or pip install 'gradstream[lightning]')"
@@ -53,34 +55,23 @@ def _lightning_base() -> tuple[type, str, str]:
 def _build_callback_class() -> type:
     base, package, version = _lightning_base()
 
-    from collections.abc import Callable, Iterable, Mapping
+    from producer.adapters.callbacks import RunRecorder, TapCallback
 
-    from producer.adapters.callbacks import RunRecorder, TapSession
-    from producer.adapters.naming import normalize_name
-
-    class GradstreamCallback(base):  # type: ignore[misc, valid-type]
+    class GradstreamCallback(TapCallback, base):  # type: ignore[misc, valid-type]
         """Lightning ``Callback`` sending one gradient summary per optimiser step.
 
         Args:
-            producer: the rank's ``GradientProducer`` (or any object with ``start_run``,
-                ``record_summaries``, ``finish_run``, ``close``); its ``rank`` and
-                ``world_size`` must equal ``trainer.global_rank`` / ``trainer.world_size``.
-            every_n_steps: summarise only steps whose number is a multiple of n (combined
-                with the producer's own ``every_n_steps``, see ``GradientTap``).
-            include: fnmatch pattern(s) on normalised parameter names to watch.
-            exclude: fnmatch pattern(s) on normalised parameter names to leave out.
-            name_fn: raw parameter name -> layer name (default ``normalize_name``).
-            vanishing_threshold: mean |g| below which a layer is vanishing.
-            exploding_threshold: max |g| above which a layer is exploding.
-            config: extra JSON-serialisable run configuration for ``start_run``; the
-                callback adds ``framework`` (package, version, accumulate_grad_batches,
-                gradient_clip_val).
-            finish_run: call ``producer.finish_run()`` in ``on_train_end`` (default True).
-            close_producer: also call ``producer.close()`` there (default False).
+            producer: the rank's ``GradientProducer``; its ``rank`` and ``world_size`` must
+                equal ``trainer.global_rank`` / ``trainer.world_size``.
             local_view: under ``strategy="ddp"``, register the tap's DDP communication hook
                 on the wrapped model in ``on_train_start`` (``GradientTap.attach_ddp``), so
                 that each summary carries this rank's own pre-all-reduce gradient (default
                 False; ignored by strategies that do not wrap the model in DDP).
+            **options: the options of :class:`~producer.adapters.callbacks.TapCallback`
+                (``every_n_steps``, ``include``, ``exclude``, ``name_fn``, thresholds,
+                ``config``, ``finish_run``, ``close_producer``, ``ignore_layers``); the
+                callback adds ``framework`` to ``config`` (package, version,
+                accumulate_grad_batches, gradient_clip_val).
 
         Raises:
             TypeError / ValueError: invalid ``every_n_steps``.
@@ -91,40 +82,10 @@ def _build_callback_class() -> type:
             tap: the ``GradientTap`` built in ``on_train_start`` (None before).
         """
 
-        def __init__(
-            self,
-            producer: RunRecorder,
-            *,
-            every_n_steps: int | None = None,
-            include: str | Iterable[str] | None = None,
-            exclude: str | Iterable[str] | None = None,
-            name_fn: Callable[[str], str] = normalize_name,
-            vanishing_threshold: float = 1e-7,
-            exploding_threshold: float = 1e3,
-            config: Mapping[str, Any] | None = None,
-            finish_run: bool = True,
-            close_producer: bool = False,
-            local_view: bool = False,
-        ) -> None:
-            super().__init__()
+        def __init__(self, producer: RunRecorder, *, local_view: bool = False,
+                     **options: Any) -> None:
+            super().__init__(producer, **options)
             self.local_view = local_view
-            self._session = TapSession(
-                producer,
-                every_n_steps=every_n_steps,
-                include=include,
-                exclude=exclude,
-                name_fn=name_fn,
-                vanishing_threshold=vanishing_threshold,
-                exploding_threshold=exploding_threshold,
-                config=config,
-                finish_run=finish_run,
-                close_producer=close_producer,
-            )
-
-        @property
-        def tap(self) -> Any:
-            """The ``GradientTap`` of the current run, or None before ``on_train_start``."""
-            return self._session.tap
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             """Build the tap on the LightningModule and announce the run (``start_run``);
@@ -152,20 +113,7 @@ def _build_callback_class() -> type:
             """Finish the run (and close the producer when asked to)."""
             self._session.end()
 
-    GradstreamCallback.__module__ = __name__
-    GradstreamCallback.__qualname__ = "GradstreamCallback"
     return GradstreamCallback
 
 
-def __getattr__(name: str) -> Any:
-    """Create ``GradstreamCallback`` on first access (imports Lightning then).
-
-    Raises:
-        ImportError: neither ``lightning`` nor ``pytorch_lightning`` is installed.
-        AttributeError: any other name.
-    """
-    if name == "GradstreamCallback":
-        cls = _build_callback_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_class(globals(), "GradstreamCallback", _build_callback_class)
