@@ -47,7 +47,7 @@ from analysis.nonfinite import has_nan_column, require_nan_split
 from analysis.read.connect import has_column, require_run
 from analysis.read.exclusion import Exclusion, run_exclusion
 from analysis.read.sql import layer_name, stats_params, step_range
-from schemas.health import check_nonfinite_verdict, classify_health
+from schemas.health import HEALTH_COLOR, check_nonfinite_verdict, classify_health
 from schemas.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
 
@@ -61,11 +61,10 @@ NAMES_IN_TABLE = 10
 """Layer names shown per list in :func:`render_report` before "... and N more"."""
 
 HEALTH_STYLE: dict[GradientHealth, str] = {
-    GradientHealth.HEALTHY: "bold green",
-    GradientHealth.MINOR_ISSUES: "bold yellow",
-    GradientHealth.PROBLEMS_DETECTED: "bold dark_orange",
-    GradientHealth.CRITICAL: "bold red",
+    health: f"bold {color}" for health, color in HEALTH_COLOR.items()
 }
+"""``rich`` style of each health in the report: its colour (:data:`schemas.health.HEALTH_COLOR`),
+bold."""
 
 
 class LiveHealth(BaseModel):

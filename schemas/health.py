@@ -107,3 +107,13 @@ def classify_health(
     if any_vanishing or 10 * issue_frames > denominator:
         return GradientHealth.MINOR_ISSUES
     return GradientHealth.HEALTHY
+
+
+HEALTH_COLOR: dict[GradientHealth, str] = {
+    GradientHealth.HEALTHY: "green",
+    GradientHealth.MINOR_ISSUES: "yellow",
+    GradientHealth.PROBLEMS_DETECTED: "dark_orange",
+    GradientHealth.CRITICAL: "red",
+}
+"""Terminal colour (a ``rich`` colour name) of each run health, the one palette of
+``gradstream report`` and ``gradstream alerts watch``."""

@@ -17,13 +17,12 @@ from rich.text import Text
 
 from consumer.alerts.rules import rule_title
 from schemas.alert import Alert, AlertSeverity, AlertState, RunStatus
+from schemas.health import HEALTH_COLOR
 from schemas.wire import GradientHealth
 
 HEALTH_STYLE = {
-    GradientHealth.HEALTHY: "green",
-    GradientHealth.MINOR_ISSUES: "yellow",
-    GradientHealth.PROBLEMS_DETECTED: "dark_orange",
-    GradientHealth.CRITICAL: "bold red",
+    health: f"bold {color}" if health is GradientHealth.CRITICAL else color
+    for health, color in HEALTH_COLOR.items()
 }
 SEVERITY_STYLE = {
     AlertSeverity.INFO: "cyan",
