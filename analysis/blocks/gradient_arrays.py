@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -226,6 +226,23 @@ class GradientHistory:
     def last_step(self) -> int | None:
         """The last step with data, or ``None`` for an empty history."""
         return int(self.steps[-1]) if self.steps.size else None
+
+    def report_header(self) -> dict[str, Any]:
+        """The fields every report built from a history carries, as keyword arguments
+        of its model: ``run_id``, ``from_step`` and ``to_step`` (the range requested),
+        ``steps`` and ``layers`` (``T`` and ``L``), ``ignore_layers`` (the exclusion's
+        patterns) and ``layers_excluded`` (the layers of the history it names, model
+        order)."""
+        return {
+            "run_id": self.run_id,
+            "from_step": self.from_step,
+            "to_step": self.to_step,
+            "steps": self.num_steps,
+            "layers": self.num_layers,
+            "ignore_layers": self.exclusion.patterns,
+            "layers_excluded": [n for n, x in zip(self.names, self.excluded.tolist(),
+                                                  strict=True) if x],
+        }
 
     @cached_property
     def counts(self) -> np.ndarray:

@@ -127,11 +127,7 @@ def enhanced_from_history(
     )
     priorities = _priorities(history, facts, network, hierarchy.layer_groups)
     report = EnhancedLayerGradientAnalysis(
-        run_id=history.run_id,
-        from_step=history.from_step,
-        to_step=history.to_step,
-        steps=history.num_steps,
-        layers=history.num_layers,
+        **history.report_header(),
         convergence_window=convergence_window,
         interaction_window=interaction_window,
         alpha=alpha,
@@ -142,9 +138,6 @@ def enhanced_from_history(
         rules=rules,
         analysis_depth=depth,
         stability_threshold=stability_threshold,
-        ignore_layers=history.exclusion.patterns,
-        layers_excluded=[n for n, x in zip(history.names, history.excluded.tolist(),
-                                           strict=True) if x],
     )
     if rules != "reference":
         return report

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -100,11 +101,7 @@ def flow_from_history(
     else:
         vanishing, exploding, dead = [], [], []
     return GradientFlowVisualization(
-        run_id=history.run_id,
-        from_step=history.from_step,
-        to_step=history.to_step,
-        steps=history.num_steps,
-        layers=history.num_layers,
+        **history.report_header(),
         layer_flows=layer_flows,
         temporal_flows=temporal,
         flow_network=network,
@@ -113,9 +110,6 @@ def flow_from_history(
         exploding_regions=exploding,
         dead_zones=dead,
         visualization_config=cfg,
-        ignore_layers=history.exclusion.patterns,
-        layers_excluded=[n for n, x in zip(history.names, history.excluded.tolist(),
-                                           strict=True) if x],
     )
 
 
@@ -274,19 +268,15 @@ def _reference_regions(
         if v_classes[i] is not None:
             severity = v_classes[i]
             vanishing.append(VanishingRegion(
-                region_id=f"vanishing_{len(vanishing) + 1}",
-                affected_layers=[history.names[i]],
+                **_region_place(history, "vanishing", len(vanishing) + 1, i, i, samples),
                 severity_level=severity,
-                extent=_extent(history, i, i, samples),
                 mitigation_suggestions=_vanishing_advice(history, i, i, severity),
             ))
         if e_classes[i] is not None:
             peak = float(np.nanmax(values[i]))
             exploding.append(ExplodingRegion(
-                region_id=f"exploding_{len(exploding) + 1}",
-                affected_layers=[history.names[i]],
+                **_region_place(history, "exploding", len(exploding) + 1, i, i, samples),
                 severity_level=e_classes[i],
-                extent=_extent(history, i, i, samples),
                 mitigation_suggestions=_exploding_advice(
                     False, peak, flow_reference.EXPLODING_NORM
                 ),
@@ -430,13 +420,22 @@ def _critical_paths(
     return [p.model_copy(update={"path_id": f"path_{k + 1}"}) for k, p in enumerate(paths)]
 
 
-def _extent(history: GradientHistory, start: int, end: int, duration: int) -> RegionExtent:
-    return RegionExtent(
-        start_layer=history.names[start],
-        end_layer=history.names[end],
-        affected_parameters=int(history.numel[start : end + 1].sum()),
-        duration_steps=duration,
-    )
+def _region_place(
+    history: GradientHistory, kind: str, number: int, start: int, end: int, duration: int
+) -> dict[str, Any]:
+    """The fields every vanishing or exploding region has, as model keyword arguments:
+    ``region_id`` (``<kind>_<number>``), ``affected_layers`` (layers ``start..end``,
+    model order) and ``extent`` (``duration`` steps)."""
+    return {
+        "region_id": f"{kind}_{number}",
+        "affected_layers": history.names[start : end + 1],
+        "extent": RegionExtent(
+            start_layer=history.names[start],
+            end_layer=history.names[end],
+            affected_parameters=int(history.numel[start : end + 1].sum()),
+            duration_steps=duration,
+        ),
+    }
 
 
 def _severity(d: float) -> str:
@@ -470,10 +469,8 @@ def _vanishing_regions(history: GradientHistory) -> list[VanishingRegion]:
         duration = int(steps_all(flagged, history.present, start, end).sum())
         regions.append(
             VanishingRegion(
-                region_id=f"vanishing_{k + 1}",
-                affected_layers=history.names[start : end + 1],
+                **_region_place(history, "vanishing", k + 1, start, end, duration),
                 severity_level=severity,
-                extent=_extent(history, start, end, duration),
                 mitigation_suggestions=_vanishing_advice(history, start, end, severity),
             )
         )
@@ -525,10 +522,8 @@ def _exploding_regions(history: GradientHistory) -> list[ExplodingRegion]:
         duration = int(steps_any(flagged, start, end).sum())
         regions.append(
             ExplodingRegion(
-                region_id=f"exploding_{k + 1}",
-                affected_layers=history.names[start : end + 1],
+                **_region_place(history, "exploding", k + 1, start, end, duration),
                 severity_level=severity,
-                extent=_extent(history, start, end, duration),
                 mitigation_suggestions=_exploding_advice(
                     bool(nonfinite[start : end + 1].any()), peak, thr
                 ),
