@@ -127,8 +127,8 @@ class Store:
     A reader (:func:`analysis.read.reader.open_reader`) is opened for each call and closed after
     it: the store's file read-only when it is free, otherwise the endpoint of the process
     writing it. Nothing stays open between calls, so a writer can start at any time.
-    Inside ``with store:`` one reader serves every call instead (opening one costs tens of
-    milliseconds), and a writer cannot take a free file until the block ends.
+    Inside ``with store:`` one reader serves every call instead (no reader opened per
+    call), and a writer cannot take a free file until the block ends.
 
     Raises:
         StoreError: the file is missing or not a gradstream store, or it is held by a
