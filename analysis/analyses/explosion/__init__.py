@@ -41,7 +41,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from analysis.analyses.explosion.compute import classify_severity, layer_action, recommendations
+from analysis.analyses.explosion.compute import (
+    classify_severity,
+    layer_action,
+    overall_severity,
+    recommendations,
+)
 from analysis.analyses.explosion.load import layer_peaks, run_totals
 from analysis.analyses.explosion.models import (
     ExplodingLayer,
@@ -135,14 +140,7 @@ def build_explosion_analysis(
             )
         )
     ratio = len(exploding) / len(layers)
-    if any_nonfinite or ratio > 0.5 or counted_top > 10 * threshold:
-        overall = ExplosionSeverity.CRITICAL
-    elif ratio > 0.3 or counted_top > 5 * threshold:
-        overall = ExplosionSeverity.HIGH
-    elif ratio > 0.1 or counted_top > 2 * threshold:
-        overall = ExplosionSeverity.MEDIUM
-    else:
-        overall = ExplosionSeverity.LOW
+    overall = overall_severity(ratio, counted_top, threshold, any_nonfinite)
     return GradientExplosionAnalysis(
         run_id=run_id,
         from_step=from_step,

@@ -20,6 +20,24 @@ class ExplosionSeverity(StrEnum):
     CRITICAL = "Critical"
 
 
+def severity_above(value: float, critical: float, high: float, medium: float) -> ExplosionSeverity:
+    """The severity ladder every explosion rule uses: Critical if ``value > critical``,
+    High if ``> high``, Medium if ``> medium``, Low otherwise (cut-offs descending)."""
+    if value > critical:
+        return ExplosionSeverity.CRITICAL
+    if value > high:
+        return ExplosionSeverity.HIGH
+    if value > medium:
+        return ExplosionSeverity.MEDIUM
+    return ExplosionSeverity.LOW
+
+
+def worst(*severities: ExplosionSeverity) -> ExplosionSeverity:
+    """The most severe of ``severities`` (Low < Medium < High < Critical)."""
+    order = list(ExplosionSeverity)
+    return max(severities, key=order.index)
+
+
 class ExplodingLayer(BaseModel):
     """A layer whose gradient norm exceeded the threshold, or held NaN/Inf, in the range.
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from analysis.analyses.explosion.models import ExplosionSeverity
+from analysis.analyses.explosion.models import ExplosionSeverity, severity_above
 
 REFERENCE_EPSILON = 1e-8
 """Guard added to the mean norm by the reference's severity ratio (``norm / (mean +
@@ -20,14 +20,7 @@ def classify_severity_reference(norm: float, mean_so_far: float) -> ExplosionSev
         mean_so_far: mean L2 norm of the layers up to and including this one in model
             order (the reference's running list of norms).
     """
-    ratio = norm / (mean_so_far + REFERENCE_EPSILON)
-    if ratio > 100:
-        return ExplosionSeverity.CRITICAL
-    if ratio > 50:
-        return ExplosionSeverity.HIGH
-    if ratio > 10:
-        return ExplosionSeverity.MEDIUM
-    return ExplosionSeverity.LOW
+    return severity_above(norm / (mean_so_far + REFERENCE_EPSILON), 100, 50, 10)
 
 
 def reference_action(norm: float) -> str:
