@@ -145,7 +145,7 @@ def _build_callback_class() -> type:
             self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
         ) -> None:
             """Build the tap on ``model`` and announce the run (``start_run``)."""
-            self._session.begin(
+            self.begin_run(
                 model,
                 rank=args.process_index,
                 world_size=args.world_size,
@@ -160,11 +160,11 @@ def _build_callback_class() -> type:
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             """Summarise the accumulated gradients of optimiser step ``state.global_step``."""
-            self._session.step(state.global_step)
+            self.record_step(state.global_step)
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             """Finish the run (and close the producer when asked to)."""
-            self._session.end()
+            self.end_run()
 
     return GradstreamCallback
 

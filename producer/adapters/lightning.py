@@ -90,7 +90,7 @@ def _build_callback_class() -> type:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             """Build the tap on the LightningModule and announce the run (``start_run``);
             with ``local_view``, attach the DDP communication hook."""
-            self._session.begin(
+            self.begin_run(
                 pl_module,
                 rank=trainer.global_rank,
                 world_size=trainer.world_size,
@@ -103,15 +103,15 @@ def _build_callback_class() -> type:
             )
             wrapped = getattr(trainer.strategy, "model", None)
             if self.local_view and hasattr(wrapped, "register_comm_hook"):
-                self._session.tap.attach_ddp(wrapped)
+                self.tap.attach_ddp(wrapped)
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             """Summarise the accumulated gradients of optimiser step ``trainer.global_step``."""
-            self._session.step(trainer.global_step)
+            self.record_step(trainer.global_step)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             """Finish the run (and close the producer when asked to)."""
-            self._session.end()
+            self.end_run()
 
     return GradstreamCallback
 

@@ -123,6 +123,20 @@ def select_names(
     return kept
 
 
+def check_every_n_steps(value: object) -> int:
+    """``value`` as a sampling period: an int >= 1.
+
+    Raises:
+        TypeError: not an int (a bool is not one).
+        ValueError: below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"every_n_steps must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"every_n_steps must be >= 1, got {value}")
+    return value
+
+
 class GradientTap:
     """Summarise a torch model's gradients once per optimiser step and hand them to a producer.
 
@@ -229,11 +243,7 @@ class GradientTap:
         device_path.check_accumulate(accumulate)
         if not hasattr(model, "named_parameters"):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        own_n = 1 if every_n_steps is None else every_n_steps
-        if isinstance(own_n, bool) or not isinstance(own_n, int):
-            raise TypeError(f"every_n_steps must be an int, got {every_n_steps!r}")
-        if own_n < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        own_n = 1 if every_n_steps is None else check_every_n_steps(every_n_steps)
         settings = getattr(producer, "settings", None)
         producer_n = getattr(settings, "every_n_steps", 1) or 1
         named = list(model.named_parameters())
