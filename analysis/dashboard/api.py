@@ -1,30 +1,25 @@
-"""Data of the dashboard's JSON endpoints, read with a read-only cursor.
+"""Data of the dashboard's own JSON routes (runs, alerts, a layer's series, the analyses
+list), read with a read-only cursor.
 
 Each function takes a cursor (from :class:`analysis.read.cursors.ReadCursors`) and
-returns a JSON-ready dict; non-finite floats become ``None`` (JSON has no NaN). The
-heatmap and the layer series come from :mod:`analysis.plots.grid`, so the live page and
-``gradstream plot`` downsample the same way and print the same caption. The analyses come
-from :mod:`analysis.registry`, so the dashboard serves every analysis that ``gradstream
-analyze`` runs, with the same JSON.
+returns a JSON-ready dict; non-finite floats become ``None`` (JSON has no NaN). The layer
+series comes from :mod:`analysis.plots.grid`, so the live page and ``gradstream plot``
+downsample the same way. The reads a :class:`~analysis.read.reader.StoreReader` makes too
+(grid, report, heatmap, an analysis) are routes of :data:`analysis.read.routes.READS`,
+answered by the server's one read handler.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from analysis import registry
-from analysis.plots.grid import load_grid, load_layer_series
-from analysis.read.connect import StoreError
+from analysis.plots.grid import load_layer_series
 
 if TYPE_CHECKING:
     import duckdb
-    from pydantic import BaseModel
 
-    from analysis.plots.grid import GradientGrid
-    from analysis.report import GradientFlowSummary
 
 _RUNS_SQL = """
     SELECT r.run_id, r.health, r.frames, r.issue_frames, r.last_step, r.world_size,
@@ -99,42 +94,10 @@ def alerts(
     return {"alerts": _rows(cur, _ALERTS_SQL, {"run_id": run_id, "limit": limit})}
 
 
-def grid(
-    cur: duckdb.DuckDBPyConnection,
-    run_id: str,
-    max_steps: int,
-    max_layers: int,
-    from_step: int | None = None,
-    to_step: int | None = None,
-) -> dict[str, object]:
-    """The run's downsampled heatmap grid (:meth:`GradientGrid.to_json`).
-
-    Raises:
-        StoreError: unknown run or invalid range. ValueError: a limit < 1.
-    """
-    return grid_model(cur, run_id, max_steps, max_layers, from_step, to_step).to_json()
-
-
-def grid_model(
-    cur: duckdb.DuckDBPyConnection,
-    run_id: str,
-    max_steps: int,
-    max_layers: int,
-    from_step: int | None = None,
-    to_step: int | None = None,
-) -> GradientGrid:
-    """The run's downsampled heatmap grid (:func:`analysis.plots.grid.load_grid`).
-
-    Raises:
-        StoreError: unknown run or invalid range. ValueError: a limit < 1.
-    """
-    return load_grid(cur, run_id, max_steps, max_layers, from_step=from_step, to_step=to_step)
-
-
 def layer(
     cur: duckdb.DuckDBPyConnection,
     run_id: str,
-    layer_index: int,
+    layer: int,
     max_points: int,
     from_step: int | None = None,
     to_step: int | None = None,
@@ -145,7 +108,7 @@ def layer(
         StoreError: unknown run or layer, invalid range. ValueError: ``max_points`` < 1.
     """
     return load_layer_series(
-        cur, run_id, layer_index, max_points, from_step=from_step, to_step=to_step
+        cur, run_id, layer, max_points, from_step=from_step, to_step=to_step
     ).to_json()
 
 
@@ -162,95 +125,3 @@ def analyses() -> dict[str, object]:
             for a in registry.all_analyses()
         ]
     }
-
-
-def report(
-    cur: duckdb.DuckDBPyConnection, run_id: str, from_step: int | None, to_step: int | None,
-    ignore_layers: tuple[str, ...] = (), exclude_rounding: bool = False, order: str = "model",
-    nonfinite_rule: str = "critical",
-) -> GradientFlowSummary:
-    """The run summary (:func:`analysis.report.build_report`) over an inclusive step range,
-    with the report's own ``ignore_layers`` patterns, ``exclude_rounding`` option, layer
-    ``order`` (``model`` or ``name``) and ``nonfinite_rule`` (``critical`` or
-    ``reference``).
-
-    Raises:
-        StoreError: unknown run, invalid range, unknown order or rule, or the reference
-            rule over NaN/Inf rows stored without their NaN count.
-    """
-    from analysis.report import build_report
-
-    try:
-        return build_report(cur, run_id, from_step, to_step, ignore_layers=ignore_layers,
-                            exclude_rounding=exclude_rounding, order=order,
-                            nonfinite_rule=nonfinite_rule)
-    except ValueError as exc:
-        raise StoreError(str(exc)) from None
-
-
-def heatmap(
-    cur: duckdb.DuckDBPyConnection, run_id: str, max_columns: int, from_step: int | None,
-    to_step: int | None, style: str = "gradstream",
-) -> str:
-    """The ASCII flow-intensity heatmap (:func:`analysis.heatmap.ascii_heatmap`; ``style``
-    ``"gradstream"`` or ``"reference"``).
-
-    Raises:
-        StoreError: unknown run, invalid range or unknown style.
-    """
-    from analysis.heatmap import ascii_heatmap
-
-    try:
-        return ascii_heatmap(cur, run_id, max_columns, from_step=from_step, to_step=to_step,
-                             style=style)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise StoreError(str(exc)) from None
-
-
-def analysis_report(
-    cur: duckdb.DuckDBPyConnection,
-    name: str,
-    run_id: str,
-    from_step: int | None,
-    to_step: int | None,
-    values: Mapping[str, str],
-) -> BaseModel:
-    """The report model of the registered analysis ``name``.
-
-    Args:
-        cur: read-only cursor on the store.
-        name: a key of :data:`analysis.registry.ANALYSES`.
-        run_id: the run; from_step, to_step: inclusive step range (``None`` = open).
-        values: options by field name, as strings (converted by the options model).
-
-    Raises:
-        UnknownAnalysisError: no analysis ``name``.
-        ValueError: an option the analysis does not declare, or an invalid value.
-        StoreError: unknown run, invalid range, no data in the range.
-    """
-    entry = registry.get(name)
-    unknown = sorted(set(values) - set(entry.option_names))
-    if unknown:
-        raise ValueError(
-            f"{name} has no option {', '.join(unknown)}; its options: "
-            f"{', '.join(entry.option_names) or 'none'}"
-        )
-    return entry.run(cur, run_id, from_step, to_step, values)
-
-
-def analysis(
-    cur: duckdb.DuckDBPyConnection,
-    name: str,
-    run_id: str,
-    from_step: int | None,
-    to_step: int | None,
-    values: Mapping[str, str],
-) -> dict[str, object]:
-    """:func:`analysis_report` as ``gradstream analyze --kind name --format json`` prints it
-    (NaN and infinities as ``null``).
-
-    Raises:
-        UnknownAnalysisError, ValueError, StoreError: as :func:`analysis_report`.
-    """
-    report = analysis_report(cur, name, run_id, from_step, to_step, values)
-    return json.loads(report.model_dump_json())

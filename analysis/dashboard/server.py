@@ -1,40 +1,11 @@
-"""The dashboard's HTTP server (stdlib ``ThreadingHTTPServer``, one thread per request).
+"""The dashboard and read endpoint of a store: a Starlette application served by uvicorn on
+a background thread.
 
-Routes (:data:`ROUTES`; all reads go through :class:`~analysis.read.cursors.ReadCursors`,
-a fresh read-only cursor per request). Every route requires the token (see *Access* below):
-
-============================  ======================================================================
-``GET /``                     the dashboard page (``static/index.html``; also ``/index.html``)
-``GET /static/{name}``        its script and style sheet, and the shared ``heatmap.js``
-``GET /api/status``           store path, whether this process writes it, worker counters
-``GET /api/runs``             runs with health, frames, issue ratio, alert counts
-``GET /api/grid``             ``run``, ``max_steps``, ``max_layers``, ``from_step``, ``to_step``:
-                              the downsampled heatmap grid (:mod:`analysis.plots.grid`); with
-                              ``Accept: application/vnd.apache.arrow.stream`` the exact grid as
-                              Arrow (:func:`analysis.read.wire.grid_to_arrow`)
-``GET /api/report``           ``run``, ``from_step``, ``to_step``, ``ignore_layers`` (a JSON
-                              list of patterns), ``exclude_rounding=true``, ``order``
-                              (``model`` or ``name``), ``nonfinite_rule`` (``critical`` or
-                              ``reference``): the run summary
-                              (:func:`analysis.report.build_report`), the JSON of ``gradstream
-                              report --format json``
-``GET /api/heatmap``          ``run``, ``max_columns``, ``from_step``, ``to_step``: the ASCII
-                              heatmap (:func:`analysis.heatmap.ascii_heatmap`), plain text;
-                              ``style=reference``: the reference implementation's layout
-``GET /api/layer``            ``run``, ``layer``, ``max_points``: one layer's norm series
-``GET /api/alerts``           ``run`` (optional), ``limit``: newest alerts first
-``GET /api/analyses``         the registered analyses (:mod:`analysis.registry`): name, help,
-                              JSON Schema of the options
-``GET /api/analysis/{name}``  ``run``, ``from_step``, ``to_step`` and the analysis's options by
-                              field name (``window=10``): its report, the JSON of ``gradstream
-                              analyze --kind <name> --format json``
-``GET /api/export``           ``run``, ``format`` (csv/json/parquet/jsonl), ``from_step``,
-                              ``to_step``, ``order``, ``style`` (csv): a download
-                              (:mod:`analysis.export`;
-                              header ``X-Gradstream-Rows``: rows written)
-``POST /api/query``           JSON ``{"sql": ..., "params": {...} | [...], "timeout_s": ...}``:
-                              one read-only statement, Arrow IPC stream back
-============================  ======================================================================
+The routes are those of :data:`analysis.read.routes.ROUTES` (the table, with each
+route's parameters, is documented there); each names the :class:`Dashboard` method that
+answers it. Every read runs on a worker thread of the server's pool with a fresh
+read-only cursor of :class:`~analysis.read.cursors.ReadCursors` (the event loop only
+routes), so a long read never blocks another request.
 
 Access (the convention of Jupyter): the server holds one secret token (``gradstream serve``
 and ``demo`` print ``http://HOST:PORT/?token=...``; ``<db>.serve.json`` holds it). A
@@ -47,25 +18,28 @@ request is answered when it carries the token as
   (303) to the same URL without the token, so the token leaves the address bar and
   history. The browser then sends the cookie with the page's own requests.
 
-Tokens are compared with :func:`hmac.compare_digest`. Anything else (no token, a wrong
-one, an unknown path) is refused with 401 before routing: a JSON error on ``/api/``, a
-short HTML page saying where the URL is elsewhere. ``?token=`` is accepted on pages only,
-not on ``/api/`` (a script sends the header).
+One middleware, :class:`TokenRequired`, applies these rules to every request before
+routing. Tokens are compared with :func:`hmac.compare_digest`. Anything else (no token, a
+wrong one, an unknown path) is refused with 401: a JSON error on ``/api/``, a short HTML
+page saying where the URL is elsewhere. ``?token=`` is accepted on pages only, not on
+``/api/`` (a script sends the header).
 
 Every ``/api/`` read runs under one time limit: the server's ``query_timeout_s``, or the
-request's ``timeout_s`` (query parameter or JSON field) when smaller. ``/api/report`` and
-``/api/analysis/<name>`` answer ``Accept:`` :data:`~analysis.read.wire.MODEL_JSON`
-with the exact report (NaN kept), which :class:`analysis.read.reader.EndpointReader` rebuilds.
+request's ``timeout_s`` (query parameter or JSON field) when smaller. A route whose answer
+is a pydantic model (``/api/report``, ``/api/analysis/<name>``) answers ``Accept:``
+:data:`~analysis.read.wire.MODEL_JSON` with the exact report (NaN kept), which
+:class:`analysis.read.reader.EndpointReader` rebuilds.
 
 Errors are JSON ``{"error": message, "kind": ...}`` with 400 (bad argument), 401
 (``unauthorized``: no or wrong token), 403 (``read_only``: a write refused; ``refused``: a
 file outside the store; ``forbidden``: a foreign Host/Origin), 404 (also an unknown run or
 analysis), 405 (a route asked with another method), 408 (``timeout``: the read reached its
-time limit), 413, 503 (store closed).
+time limit), 413, 415, 503 (store closed).
 
 Served on loopback by default. With a loopback bind the server also rejects requests
 whose ``Host`` header is not a loopback name (DNS-rebinding defence) and cross-origin
-requests; pages get a Content-Security-Policy allowing only their own scripts.
+requests (:class:`LoopbackOnly`); pages get a Content-Security-Policy allowing only their
+own scripts.
 """
 
 from __future__ import annotations
@@ -78,18 +52,32 @@ import logging
 import math
 import os
 import re
+import shutil
+import socket
 import tempfile
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
 from html import escape
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, parse_qsl, quote, urlencode, urlsplit
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Mount
+from starlette.routing import Route as StarletteRoute
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from analysis.dashboard import api
 from analysis.export import EXPORT_FORMATS, export_run
@@ -105,39 +93,29 @@ from analysis.read.query import (
     execute_read_only,
     time_limit,
 )
+from analysis.read.routes import ROUTES, STATIC_FILES, NotFoundError, ParamError, Route, find
 from analysis.read.sidecar import TOKEN_CHARS, sidecar_path
 from analysis.read.wire import MODEL_JSON, grid_to_arrow, model_to_json, table_to_ipc
-from analysis.registry import UnknownAnalysisError
 from schemas.flags import FLAG_BITS
 
 log = logging.getLogger("gradstream.dashboard")
-
-LIMITS: dict[str, tuple[int, int]] = {
-    "max_steps": (1, 8192),
-    "max_layers": (1, 4096),
-    "max_points": (1, 8192),
-    "limit": (1, 1000),
-    "max_columns": (1, 4096),
-}
-"""Accepted ranges of the size parameters (a canvas is at most a few thousand device
-pixels wide; larger requests would only cost the writer's process time)."""
 
 MAX_QUERY_BODY = 1 << 20
 """Largest accepted ``/api/query`` request body, bytes."""
 
 CACHE_ENTRIES = 64
-"""Grid and layer responses kept (a few per open page); each is recomputed only when its
-run's frames change (see :meth:`Dashboard.cached`)."""
+"""Grid and analysis responses kept (a few per open page); each is recomputed only when
+its run's frames change (see :meth:`Dashboard.cached`)."""
+
+STOP_GRACE_S = 5.0
+"""Seconds :meth:`DashboardServer.stop` lets requests in flight finish."""
+
+TOKEN_PARAM = "token"
+"""Query parameter of a page URL that carries the token (``/?token=...``)."""
 
 _FINGERPRINT_SQL = """
     SELECT count(*), max(step), sum(finalized_at) FROM frames WHERE run_id = $run_id
 """
-
-_STATIC = {
-    "dashboard.js": ("analysis.dashboard.static", "text/javascript; charset=utf-8"),
-    "dashboard.css": ("analysis.dashboard.static", "text/css; charset=utf-8"),
-    "heatmap.js": ("analysis.plots", "text/javascript; charset=utf-8"),
-}
 _MEDIA = {
     "csv": "text/csv; charset=utf-8",
     "json": "application/json",
@@ -163,63 +141,6 @@ beside the store (readable only by its owner): open this page's address with
 file name."""
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 _JSON = "application/json; charset=utf-8"
-_RANGE_PARAMS = ("run", "from_step", "to_step", "timeout_s")
-"""Query parameters of ``/api/analysis/<name>`` that are not options of the analysis."""
-
-TOKEN_PARAM = "token"
-"""Query parameter of a page URL that carries the token (``/?token=...``)."""
-
-
-@dataclass(frozen=True)
-class Route:
-    """One route of the server: ``method`` on ``path`` runs the request handler's method
-    ``handler`` (with the ``{name}`` segment, "" for an exact path).
-
-    Attributes:
-        method: ``GET`` or ``POST``.
-        path: an exact path, or a template ending in ``{name}``: any one non-empty path
-            segment (``/static/{name}`` matches ``/static/dashboard.js``).
-        handler: name of the :class:`_Handler` method that answers.
-        page: a page for the browser (HTML and its assets): ``?token=`` logs in there, and
-            a refusal is a short HTML page; else an ``/api/`` route (JSON errors).
-    """
-
-    method: str
-    path: str
-    handler: str
-    page: bool = False
-
-    def match(self, path: str) -> str | None:
-        """The ``{name}`` segment of ``path`` ("" for an exact path), or None when
-        ``path`` is not this route's."""
-        if not self.path.endswith("{name}"):
-            return "" if path == self.path else None
-        prefix = self.path.removesuffix("{name}")
-        name = path.removeprefix(prefix) if path.startswith(prefix) else ""
-        return name if name and "/" not in name else None
-
-
-ROUTES: tuple[Route, ...] = (
-    Route("GET", "/", "_index", page=True),
-    Route("GET", "/index.html", "_index", page=True),
-    Route("GET", "/static/{name}", "_static", page=True),
-    Route("GET", "/api/status", "_status"),
-    Route("GET", "/api/runs", "_runs"),
-    Route("GET", "/api/grid", "_grid"),
-    Route("GET", "/api/report", "_report"),
-    Route("GET", "/api/heatmap", "_heatmap"),
-    Route("GET", "/api/layer", "_layer"),
-    Route("GET", "/api/alerts", "_alerts"),
-    Route("GET", "/api/analyses", "_analyses"),
-    Route("GET", "/api/analysis/{name}", "_analysis"),
-    Route("GET", "/api/export", "_export"),
-    Route("POST", "/api/query", "_query"),
-)
-"""Every route the server answers, in the order they are matched (the table of the module
-docstring). All of them require the token."""
-
-STATIC_FILES: tuple[str, ...] = tuple(_STATIC)
-"""The names ``/static/{name}`` serves."""
 
 
 def cookie_name(port: int) -> str:
@@ -249,29 +170,12 @@ def _same_origin_path(path: str) -> str:
 
 def _cookies(header: str) -> Iterator[tuple[str, str]]:
     """(name, value) of each cookie of a ``Cookie:`` header. Split by hand: other
-    applications on the same host (any port) may have set cookies that
-    :class:`http.cookies.SimpleCookie` rejects, losing ours with them."""
+    applications on the same host (any port) may have set cookies that a strict parser
+    rejects, losing ours with them."""
     for part in header.split(";"):
         name, sep, value = part.strip().partition("=")
         if sep:
             yield name.strip(), value.strip().strip('"')
-
-
-def _read_error(exc: QueryError) -> _HTTPError:
-    """The HTTP answer to a refused or failed read (status and ``kind`` by cause)."""
-    if isinstance(exc, QueryTimeoutError):
-        return _HTTPError(HTTPStatus.REQUEST_TIMEOUT, str(exc), "timeout")
-    if isinstance(exc, ReadRefusedError):
-        return _HTTPError(HTTPStatus.FORBIDDEN, str(exc), "refused")
-    if isinstance(exc, ReadOnlyViolationError):
-        return _HTTPError(HTTPStatus.FORBIDDEN, str(exc), "read_only")
-    return _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid")
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: HTTPStatus, message: str, kind: str = "error") -> None:
-        super().__init__(message)
-        self.status, self.kind = status, kind
 
 
 def _is_loopback(host: str) -> bool:
@@ -283,30 +187,56 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _patterns(value: str | None) -> tuple[str, ...]:
-    """The ``ignore_layers`` query parameter: a JSON list of strings (absent = none).
+class _HTTPError(Exception):
+    def __init__(self, status: HTTPStatus, message: str, kind: str = "error") -> None:
+        super().__init__(message)
+        self.status, self.kind = status, kind
 
-    Raises:
-        _HTTPError: 400 when it is not such a list.
-    """
-    if not value:
-        return ()
-    try:
-        patterns = json.loads(value)
-    except ValueError:
-        patterns = None
-    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
-        raise _HTTPError(HTTPStatus.BAD_REQUEST,
-                         'ignore_layers must be a JSON list of strings, e.g. ["*.key.bias"]')
-    return tuple(patterns)
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> Response:
+    """The JSON error answer ``{"error": message, "kind": kind}``."""
+    return JSONResponse({"error": message, "kind": kind}, status, headers)
+
+
+def _read_error(exc: StoreError) -> _HTTPError:
+    """The HTTP answer to a refused or failed read (status and ``kind`` by cause)."""
+    if isinstance(exc, QueryTimeoutError):
+        return _HTTPError(HTTPStatus.REQUEST_TIMEOUT, str(exc), "timeout")
+    if isinstance(exc, ReadRefusedError):
+        return _HTTPError(HTTPStatus.FORBIDDEN, str(exc), "refused")
+    if isinstance(exc, ReadOnlyViolationError):
+        return _HTTPError(HTTPStatus.FORBIDDEN, str(exc), "read_only")
+    if isinstance(exc, QueryError | ParamError):
+        return _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid")
+    if isinstance(exc, NotFoundError):
+        return _HTTPError(HTTPStatus.NOT_FOUND, str(exc), "not_found")
+    status = HTTPStatus.NOT_FOUND if "unknown run" in str(exc) else HTTPStatus.BAD_REQUEST
+    return _HTTPError(status, str(exc), "invalid")
 
 
 def _safe_stem(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip("._") or "run"
 
 
+def _page(path: str) -> bool:
+    """Whether ``path`` is a page for the browser (a page route, or no ``/api`` path)."""
+    matches = find(path)
+    return matches[0][0].page if matches else not (path == "/api" or path.startswith("/api/"))
+
+
+class _StaticFiles(StaticFiles):
+    """Starlette's static files, serving only the names of
+    :data:`~analysis.read.routes.STATIC_FILES` (their folders hold other files)."""
+
+    def lookup_path(self, path: str) -> tuple[str, os.stat_result | None]:
+        if path not in STATIC_FILES:
+            return "", None
+        return super().lookup_path(path)
+
+
 class Dashboard:
-    """The dashboard application: routes requests to read-only cursors.
+    """The dashboard application: answers the routes of
+    :data:`~analysis.read.routes.ROUTES` from read-only cursors.
 
     Args:
         cursors: provider of read-only cursors on the store.
@@ -340,6 +270,62 @@ class Dashboard:
             OrderedDict()
         )
         self._cache_lock = threading.Lock()
+        self._static_files = _StaticFiles(packages=sorted(set(STATIC_FILES.values())))
+
+    # -- the ASGI application -----------------------------------------------------------
+
+    def asgi(self, port: int, loopback: bool) -> Starlette:
+        """The Starlette application of the server on ``port`` (the cookie's name);
+        ``loopback``: the server is bound to a loopback address (Host and Origin checks)."""
+        routes: list[BaseRoute] = []
+        for route in ROUTES:
+            if route.answer == "static":
+                routes.append(Mount(route.path.removesuffix("/{name}"), app=self._static))
+            else:
+                routes.append(StarletteRoute(route.path, self._endpoint(route),
+                                             methods=[route.method]))
+        return Starlette(
+            routes=routes,
+            middleware=[Middleware(ResponseHeaders), Middleware(LoopbackOnly, enabled=loopback),
+                        Middleware(TokenRequired, token=self.token, port=port,
+                                   sidecar=sidecar_path(self.cursors.db).name)],
+            exception_handlers={HTTPException: self._http_exception},
+        )
+
+    def _endpoint(self, route: Route) -> Callable[[Request], Awaitable[Response]]:
+        """The Starlette endpoint of ``route``: parse the query, read a POST body, then run
+        the handler on a worker thread; errors become JSON answers."""
+        handler = getattr(self, route.handler)
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                args: dict[str, Any] = {"query": _query(request),
+                                        "accept": request.headers.get("accept", "")}
+                if route.method == "POST":
+                    args["body"] = await _body(request)
+                name = str(request.path_params.get("name", ""))
+                return await run_in_threadpool(handler, route, name, args)  # type: ignore[no-any-return]
+            except _HTTPError as exc:
+                return _error(exc.status, str(exc), exc.kind)
+            except Exception as exc:  # a bug: answer 500 rather than drop the connection
+                log.exception("%s %s failed", request.method, request.url.path)
+                return _error(500, f"internal error: {type(exc).__name__}: {exc}", "internal")
+
+        return endpoint
+
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        """Starlette's 404 (no route) and 405 (another method) as JSON errors."""
+        assert isinstance(exc, HTTPException)
+        path = request.url.path
+        if exc.status_code == 405:
+            allowed = ", ".join(sorted({route.method for route, _ in find(path)}))
+            method = request.method
+            return _error(405, f"{path} answers {allowed}, not {method}", "not_found")
+        if exc.status_code == 404:
+            return _error(404, f"no page {path}", "not_found")
+        return _error(exc.status_code, str(exc.detail), "error")
+
+    # -- helpers -------------------------------------------------------------------------
 
     def cached(
         self, cur: Any, run_id: str, key: tuple[object, ...], compute: Callable[[], object]
@@ -386,130 +372,9 @@ class Dashboard:
         }
         return template.replace("__CONFIG_JSON__", script_safe_json(config)).encode("utf-8")
 
-
-class DashboardServer:
-    """A :class:`Dashboard` served over HTTP on a background thread.
-
-    Args:
-        app: the application.
-        host: address to bind (loopback by default).
-        port: TCP port; 0 picks a free one (see :attr:`url`).
-
-    Raises:
-        OSError: the address is in use or cannot be bound.
-    """
-
-    def __init__(self, app: Dashboard, host: str = "127.0.0.1", port: int = 8765) -> None:
-        self.app = app
-        handler = type("Handler", (_Handler,), {"app": app, "loopback": _is_loopback(host)})
-        family_server = _server_class(host)
-        self.httpd = family_server((host, port), handler)
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:8765`` (IPv6 hosts in brackets)."""
-        host, port = self.httpd.server_address[:2]
-        host = str(host)
-        shown = f"[{host}]" if ":" in host else host
-        return f"http://{shown}:{port}"
-
-    def start(self) -> None:
-        """Serve on a daemon thread (returns at once)."""
-        self._thread = threading.Thread(
-            target=self.httpd.serve_forever, name="gradstream-dashboard", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop serving, wait for the thread, close the socket."""
-        self.httpd.shutdown()
-        if self._thread is not None:
-            self._thread.join(10)
-        self.httpd.server_close()
-
-
-def _server_class(host: str) -> type[ThreadingHTTPServer]:
-    import socket
-
-    if ":" in host:
-        return type("V6Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6,
-                                                         "daemon_threads": True})
-    return type("V4Server", (ThreadingHTTPServer,), {"daemon_threads": True})
-
-
-class _Handler(BaseHTTPRequestHandler):
-    app: Dashboard
-    loopback: bool
-    server_version = "gradstream-dashboard"
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-    # -- plumbing ----------------------------------------------------------------------
-
-    def _send(self, status: int, body: bytes, content_type: str,
-              extra: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Cache-Control", "no-store")
-        if self.command == "POST" and status >= 400:
-            # The body may be unread (a refused request): do not parse it as the next one.
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        for key, value in (extra or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _json(self, payload: object, status: int = 200) -> None:
-        body = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        self._send(status, body, "application/json; charset=utf-8")
-
-    def _error(self, exc: _HTTPError) -> None:
-        self._json({"error": str(exc), "kind": exc.kind}, exc.status)
-
-    def _check_host(self) -> None:
-        if not self.loopback:
-            return
-        host = self.headers.get("Host", "")
-        name = urlsplit(f"//{host}").hostname or ""
-        if not _is_loopback(name):
-            raise _HTTPError(HTTPStatus.FORBIDDEN, f"Host {host!r} is not a loopback name",
-                             "forbidden")
-        origin = self.headers.get("Origin")
-        if origin and origin != "null":
-            origin_host = urlsplit(origin).hostname or ""
-            if not _is_loopback(origin_host):
-                raise _HTTPError(HTTPStatus.FORBIDDEN, f"cross-origin request from {origin}",
-                                 "forbidden")
-
-    def _params(self) -> dict[str, str]:
-        query = urlsplit(self.path).query
-        return {k: v[-1] for k, v in parse_qs(query, keep_blank_values=False).items()}
-
-    @staticmethod
-    def _int(params: dict[str, str], name: str, default: int | None) -> int | None:
-        raw = params.get(name)
-        if raw is None or raw == "":
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer, got {raw!r}",
-                             "invalid") from None
-        if name in LIMITS:
-            low, high = LIMITS[name]
-            value = min(max(value, low), high)
-        return value
-
     def _timeout(self, wanted: object) -> float:
         """The read's time limit: the server's, or ``wanted`` (seconds) when smaller."""
-        limit = self.app.query_timeout_s
+        limit = self.query_timeout_s
         if isinstance(wanted, str):
             try:
                 wanted = float(wanted)
@@ -521,279 +386,128 @@ class _Handler(BaseHTTPRequestHandler):
         return limit
 
     @contextlib.contextmanager
-    def _read(self, timeout: float) -> Iterator[Any]:
-        """A read-only cursor under the time limit; read errors become HTTP errors."""
+    def _cursor(self, query: dict[str, str]) -> Iterator[Any]:
+        """A read-only cursor under the request's time limit; errors of the read become
+        HTTP errors (unknown run or analysis 404, bad argument 400, closed store 503)."""
+        timeout = self._timeout(query.get("timeout_s"))
         try:
-            with self.app.cursors.cursor() as cur, time_limit(cur, timeout):
+            with self.cursors.cursor() as cur, time_limit(cur, timeout):
                 yield cur
         except StoreClosedError as exc:
             raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "closed") from None
-        except QueryError as exc:
-            raise _read_error(exc) from None
-
-    def _accepts(self, media: str) -> bool:
-        return media in self.headers.get("Accept", "")
-
-    @staticmethod
-    def _run(params: dict[str, str]) -> str:
-        run = params.get("run")
-        if not run:
-            raise _HTTPError(HTTPStatus.BAD_REQUEST, "the run parameter is required", "invalid")
-        return run
-
-    # -- access ------------------------------------------------------------------------
-
-    def _port(self) -> int:
-        return int(self.server.server_address[1])
-
-    def _authorized(self) -> bool:
-        """Whether the request carries the token: ``Authorization: Bearer`` or this
-        server's cookie."""
-        token = self.app.token
-        scheme, _, supplied = self.headers.get("Authorization", "").strip().partition(" ")
-        if scheme.lower() == "bearer" and _same_secret(supplied.strip(), token):
-            return True
-        name = cookie_name(self._port())
-        return any(key == name and _same_secret(value, token)
-                   for header in self.headers.get_all("Cookie") or ()
-                   for key, value in _cookies(header))
-
-    def _login(self, split: Any) -> bool:
-        """A page URL carrying ``?token=``: when right, set the cookie and redirect (303)
-        to the same URL without it, and return True; when wrong, False (refused next).
-        The redirect stays on this server whatever the path (:func:`_same_origin_path`)."""
-        pairs = parse_qsl(split.query, keep_blank_values=True)
-        supplied = [value for key, value in pairs if key == TOKEN_PARAM]
-        if not supplied or not _same_secret(supplied[-1], self.app.token):
-            return False
-        rest = urlencode([(key, value) for key, value in pairs if key != TOKEN_PARAM])
-        cookie = (f"{cookie_name(self._port())}={self.app.token}; Path=/; HttpOnly; "
-                  "SameSite=Strict")
-        self._send(HTTPStatus.SEE_OTHER, b"", "text/plain; charset=utf-8",
-                   {"Location": _same_origin_path(split.path) + (f"?{rest}" if rest else ""),
-                    "Set-Cookie": cookie, "Referrer-Policy": "no-referrer"})
-        return True
-
-    def _refuse(self, page: bool) -> None:
-        """401: no or wrong token. A page gets a short HTML page saying where the URL is,
-        an ``/api/`` route a JSON error."""
-        sidecar = sidecar_path(self.app.cursors.db).name
-        extra = {"WWW-Authenticate": 'Bearer realm="gradstream"'}
-        if not page:
-            message = (f"missing or wrong token: send 'Authorization: Bearer <token>' (the "
-                       f"token field of {sidecar}, beside the store), or open the URL "
-                       "printed by `gradstream serve` / `gradstream demo`")
-            body = json.dumps({"error": message, "kind": "unauthorized"}).encode("utf-8")
-            self._send(HTTPStatus.UNAUTHORIZED, body, _JSON, extra)
-            return
-        body = _LOGIN_PAGE.format(sidecar=escape(sidecar), param=TOKEN_PARAM).encode("utf-8")
-        self._send(HTTPStatus.UNAUTHORIZED, body, "text/html; charset=utf-8",
-                   {**extra, "Content-Security-Policy": _CSP})
-
-    # -- dispatch ----------------------------------------------------------------------
-
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def _dispatch(self, method: str) -> None:
-        """Host check, token check, then the route's handler (404 / 405 when none)."""
-        try:
-            self._check_host()
-            split = urlsplit(self.path)
-            path = split.path
-            matches = [(route, name) for route in ROUTES
-                       if (name := route.match(path)) is not None]
-            page = (matches[0][0].page if matches
-                    else not (path == "/api" or path.startswith("/api/")))
-            if method == "GET" and page and self._login(split):
-                return
-            if not self._authorized():
-                self._refuse(page)
-                return
-            chosen = [(route, name) for route, name in matches if route.method == method]
-            if not chosen:
-                if matches:
-                    allowed = ", ".join(sorted({route.method for route, _ in matches}))
-                    raise _HTTPError(HTTPStatus.METHOD_NOT_ALLOWED,
-                                     f"{path} answers {allowed}, not {method}", "not_found")
-                raise _HTTPError(HTTPStatus.NOT_FOUND, f"no page {path}", "not_found")
-            route, name = chosen[0]
-            getattr(self, route.handler)(self._params(), name)
-        except _HTTPError as exc:
-            self._error(exc)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        except Exception as exc:  # a bug: answer 500 rather than drop the connection
-            log.exception("%s %s failed", method, self.path)
-            self._error(_HTTPError(HTTPStatus.INTERNAL_SERVER_ERROR,
-                                   f"internal error: {type(exc).__name__}: {exc}", "internal"))
-
-    # -- pages -------------------------------------------------------------------------
-
-    def _index(self, _params: dict[str, str], _name: str) -> None:
-        self._send(200, self.app.index_html(), "text/html; charset=utf-8",
-                   {"Content-Security-Policy": _CSP, "Referrer-Policy": "no-referrer"})
-
-    def _static(self, _params: dict[str, str], name: str) -> None:
-        entry = _STATIC.get(name)
-        if entry is None:
-            raise _HTTPError(HTTPStatus.NOT_FOUND, f"no file {name}", "not_found")
-        package, media = entry
-        body = resources.files(package).joinpath(name).read_bytes()
-        self._send(200, body, media)
-
-    # -- /api --------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _api_read(self, params: dict[str, str]) -> Iterator[Any]:
-        """A read cursor under the request's time limit; errors of the read become HTTP
-        errors (unknown run or analysis 404, bad argument 400)."""
-        try:
-            with self._read(self._timeout(params.get("timeout_s"))) as cur:
-                yield cur
-        except UnknownAnalysisError as exc:
-            raise _HTTPError(HTTPStatus.NOT_FOUND, str(exc), "not_found") from None
         except StoreError as exc:
-            status = HTTPStatus.NOT_FOUND if "unknown run" in str(exc) else HTTPStatus.BAD_REQUEST
-            raise _HTTPError(status, str(exc), "invalid") from None
+            raise _read_error(exc) from None
         except ValueError as exc:
             raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid") from None
 
-    def _status(self, _params: dict[str, str], _name: str) -> None:
+    @staticmethod
+    def _parse(route: Route, query: dict[str, str]) -> dict[str, object]:
+        try:
+            return route.parse(query)
+        except ParamError as exc:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc), "invalid") from None
+
+    # -- pages ---------------------------------------------------------------------------
+
+    def _index(self, _route: Route, _name: str, _args: dict[str, Any]) -> Response:
+        return Response(self.index_html(), 200, {"Content-Security-Policy": _CSP,
+                                                 "Referrer-Policy": "no-referrer"},
+                        "text/html; charset=utf-8")
+
+    async def _static(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``/static/{name}``: Starlette's static files, the names of
+        :data:`~analysis.read.routes.STATIC_FILES` only."""
+        await self._static_files(scope, receive, send)
+
+    # -- /api ----------------------------------------------------------------------------
+
+    def _status(self, _route: Route, _name: str, _args: dict[str, Any]) -> Response:
         payload: dict[str, Any] = {
-            "db": str(self.app.cursors.db),
-            "writer": self.app.cursors.writer,
+            "db": str(self.cursors.db),
+            "writer": self.cursors.writer,
             "pid": os.getpid(),
         }
-        if self.app.status is not None:
-            payload.update(self.app.status())
-        self._json(payload)
+        if self.status is not None:
+            payload.update(self.status())
+        return _json(payload)
 
-    def _runs(self, params: dict[str, str], _name: str) -> None:
-        with self._api_read(params) as cur:
-            self._json(api.runs(cur))
+    def _runs(self, _route: Route, _name: str, args: dict[str, Any]) -> Response:
+        with self._cursor(args["query"]) as cur:
+            return _json(api.runs(cur))
 
-    def _alerts(self, params: dict[str, str], _name: str) -> None:
-        with self._api_read(params) as cur:
-            self._json(api.alerts(cur, params.get("run") or None,
-                                  self._int(params, "limit", 50) or 50))
+    def _alerts(self, route: Route, _name: str, args: dict[str, Any]) -> Response:
+        values = self._parse(route, args["query"])
+        with self._cursor(args["query"]) as cur:
+            return _json(api.alerts(cur, values["run"] or None, values["limit"]))  # type: ignore[arg-type]
 
-    def _grid(self, params: dict[str, str], _name: str) -> None:
-        with self._api_read(params) as cur:
-            run = self._run(params)
-            args = (self._int(params, "max_steps", 1000) or 1000,
-                    self._int(params, "max_layers", 400) or 400,
-                    self._int(params, "from_step", None),
-                    self._int(params, "to_step", None))
-            if self._accepts(ARROW_STREAM):
-                table = grid_to_arrow(api.grid_model(cur, run, *args))
-                self._send(200, table_to_ipc(table), ARROW_STREAM)
-            else:
-                body = self.app.cached(cur, run, ("grid", run, *args),
-                                       lambda: api.grid(cur, run, *args))
-                self._send(200, body, _JSON)
+    def _layer(self, route: Route, _name: str, args: dict[str, Any]) -> Response:
+        values = self._parse(route, args["query"])
+        run = str(values.pop("run"))
+        with self._cursor(args["query"]) as cur:
+            key = ("layer", run, *values.values())
+            body = self.cached(cur, run, key, lambda: api.layer(cur, run, **values))  # type: ignore[arg-type]
+            return Response(body, 200, media_type=_JSON)
 
-    def _report(self, params: dict[str, str], _name: str) -> None:
-        with self._api_read(params) as cur:
-            run = self._run(params)
-            summary = api.report(cur, run, self._int(params, "from_step", None),
-                                 self._int(params, "to_step", None),
-                                 _patterns(params.get("ignore_layers")),
-                                 params.get("exclude_rounding", "false") == "true",
-                                 params.get("order", "model"),
-                                 params.get("nonfinite_rule", "critical"))
-            self._model(summary)
+    def _analyses(self, _route: Route, _name: str, args: dict[str, Any]) -> Response:
+        with self._cursor(args["query"]):
+            return _json(api.analyses())
 
-    def _heatmap(self, params: dict[str, str], _name: str) -> None:
-        with self._api_read(params) as cur:
-            run = self._run(params)
-            drawing = api.heatmap(cur, run, self._int(params, "max_columns", 100) or 100,
-                                  self._int(params, "from_step", None),
-                                  self._int(params, "to_step", None),
-                                  params.get("style", "gradstream"))
-            self._send(200, drawing.encode("utf-8"), "text/plain; charset=utf-8")
+    def _read(self, route: Route, name: str, args: dict[str, Any]) -> Response:
+        """A reader's read (:attr:`Route.read`): the route's builder on a cursor, answered
+        as :attr:`Route.answer` says and the ``Accept`` header asks."""
+        values = self._parse(route, args["query"])
+        accept = args["accept"]
+        with self._cursor(args["query"]) as cur:
+            if route.answer == "text":
+                text = route.run(cur, name, values)
+                return Response(text.encode("utf-8"), 200, media_type="text/plain; charset=utf-8")
+            if route.answer == "grid" and ARROW_STREAM in accept:
+                grid = route.run(cur, name, values)
+                return Response(table_to_ipc(grid_to_arrow(grid)), 200, media_type=ARROW_STREAM)
+            if route.answer == "model" and MODEL_JSON in accept:
+                return Response(model_to_json(route.run(cur, name, values)), 200,
+                                media_type=MODEL_JSON)
 
-    def _layer(self, params: dict[str, str], _name: str) -> None:
-        with self._api_read(params) as cur:
-            run = self._run(params)
-            layer = self._int(params, "layer", None)
-            if layer is None:
-                raise _HTTPError(HTTPStatus.BAD_REQUEST, "the layer parameter is required",
-                                 "invalid")
-            args = (layer, self._int(params, "max_points", 1000) or 1000,
-                    self._int(params, "from_step", None),
-                    self._int(params, "to_step", None))
-            body = self.app.cached(cur, run, ("layer", run, *args),
-                                   lambda: api.layer(cur, run, *args))
-            self._send(200, body, _JSON)
+            def page_json() -> object:
+                result = route.run(cur, name, values)
+                return result.to_json() if route.answer == "grid" else json.loads(
+                    result.model_dump_json())
 
-    def _analyses(self, params: dict[str, str], _name: str) -> None:
-        with self._api_read(params):
-            self._json(api.analyses())
+            if not route.cached:
+                return _json(page_json())
+            run = str(values["run"])
+            key = (route.path, name, *sorted((k, str(v)) for k, v in values.items()))
+            return Response(self.cached(cur, run, key, page_json), 200, media_type=_JSON)
 
-    def _model(self, report: Any) -> None:
-        """A pydantic report: :data:`MODEL_JSON` when asked for, else the page's JSON."""
-        if self._accepts(MODEL_JSON):
-            self._send(200, model_to_json(report), MODEL_JSON)
-        else:
-            self._send(200, report.model_dump_json().encode("utf-8"), _JSON)
-
-    def _analysis(self, params: dict[str, str], name: str) -> None:
-        with self._api_read(params) as cur:
-            run = self._run(params)
-            steps = (self._int(params, "from_step", None), self._int(params, "to_step", None))
-            options = {k: v for k, v in params.items() if k not in _RANGE_PARAMS}
-            if self._accepts(MODEL_JSON):
-                self._model(api.analysis_report(cur, name, run, *steps, options))
-                return
-            key = ("analysis", name, run, *steps, tuple(sorted(options.items())))
-            body = self.app.cached(cur, run, key,
-                                   lambda: api.analysis(cur, name, run, *steps, options))
-            self._send(200, body, _JSON)
-
-    def _export(self, params: dict[str, str], _name: str) -> None:
-        with self._api_read(params) as cur:
-            self._export_run(cur, params)
-
-    def _export_run(self, cur: Any, params: dict[str, str]) -> None:
-        run = self._run(params)
-        fmt = params.get("format", "csv")
+    def _export(self, route: Route, _name: str, args: dict[str, Any]) -> Response:
+        values = self._parse(route, args["query"])
+        fmt = str(values["format"])
         if fmt not in EXPORT_FORMATS:
             raise _HTTPError(HTTPStatus.BAD_REQUEST,
                              f"format must be one of {', '.join(EXPORT_FORMATS)}", "invalid")
-        order = params.get("order", "name")
-        start, end = self._int(params, "from_step", None), self._int(params, "to_step", None)
-        with tempfile.TemporaryDirectory(prefix="gradstream-export-") as tmp:
-            target = Path(tmp) / f"export.{fmt}"
-            rows = export_run(cur, run, target, fmt, start, end, order,  # type: ignore[arg-type]
-                              style=params.get("style", "gradstream"))  # type: ignore[arg-type]
-            size = target.stat().st_size
-            name = f"{_safe_stem(run)}.{fmt}"
-            self.send_response(200)
-            self.send_header("Content-Type", _MEDIA[fmt])
-            self.send_header("Content-Length", str(size))
-            self.send_header("X-Gradstream-Rows", str(rows))
-            self.send_header("Content-Disposition",
-                             f"attachment; filename=\"{name}\"; filename*=UTF-8''{quote(name)}")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.end_headers()
-            with target.open("rb") as fh:
-                while chunk := fh.read(1 << 20):
-                    self.wfile.write(chunk)
-
-    def _query(self, _params: dict[str, str], _name: str) -> None:
-        if self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
-            raise _HTTPError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
-                             "send the query as application/json", "invalid")
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_QUERY_BODY:
-            raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                             f"query body over {MAX_QUERY_BODY} bytes", "invalid")
+        run = str(values["run"])
+        folder = tempfile.mkdtemp(prefix="gradstream-export-")
         try:
-            request = json.loads(self.rfile.read(length).decode("utf-8"))
+            target = Path(folder) / f"export.{fmt}"
+            with self._cursor(args["query"]) as cur:
+                rows = export_run(cur, run, target, fmt, values["from_step"],  # type: ignore[arg-type]
+                                  values["to_step"], values["order"],  # type: ignore[arg-type]
+                                  style=values["style"])  # type: ignore[arg-type]
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        name = f"{_safe_stem(run)}.{fmt}"
+        headers = {
+            "X-Gradstream-Rows": str(rows),
+            "Content-Disposition":
+                f"attachment; filename=\"{name}\"; filename*=UTF-8''{quote(name)}",
+        }
+        return FileResponse(target, headers=headers, media_type=_MEDIA[fmt],
+                            background=BackgroundTask(shutil.rmtree, folder, ignore_errors=True))
+
+    def _query(self, _route: Route, _name: str, args: dict[str, Any]) -> Response:
+        try:
+            request = json.loads(args["body"].decode("utf-8"))
             sql = request["sql"]
             wanted = request.get("timeout_s")
             params = request.get("params")
@@ -806,21 +520,235 @@ class _Handler(BaseHTTPRequestHandler):
                              "invalid")
         timeout = self._timeout(wanted)
         try:
-            with self.app.cursors.cursor() as cur:
+            with self.cursors.cursor() as cur:
                 table = execute_read_only(cur, sql, timeout, params)
         except StoreClosedError as exc:
             raise _HTTPError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "closed") from None
         except QueryError as exc:
             raise _read_error(exc) from None
-        self._send(200, table_to_ipc(table), ARROW_STREAM)
+        return Response(table_to_ipc(table), 200, media_type=ARROW_STREAM)
 
 
-@contextlib.contextmanager
-def serving(app: Dashboard, host: str = "127.0.0.1", port: int = 8765):  # type: ignore[no-untyped-def]
-    """Context manager: a started :class:`DashboardServer`, stopped on exit."""
-    server = DashboardServer(app, host, port)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def _json(payload: object, status: int = 200) -> Response:
+    body = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    return Response(body, status, media_type=_JSON)
+
+
+def _query(request: Request) -> dict[str, str]:
+    """The URL's query parameters, the last value of each; blank values dropped."""
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    return {k: v[-1] for k, v in parse_qs(query, keep_blank_values=False).items()}
+
+
+async def _body(request: Request) -> bytes:
+    """The JSON body of a POST (at most :data:`MAX_QUERY_BODY` bytes).
+
+    Raises:
+        _HTTPError: 415 not JSON, 413 too large.
+    """
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        raise _HTTPError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "send the query as application/json",
+                         "invalid")
+    declared = request.headers.get("content-length") or "0"
+    if not declared.isdigit() or int(declared) > MAX_QUERY_BODY:
+        raise _HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                         f"query body over {MAX_QUERY_BODY} bytes", "invalid")
+    return await request.body()
+
+
+def _canonical(name: bytes) -> bytes:
+    """A header name in its usual spelling (``content-type`` -> ``Content-Type``), as
+    clients that compare names case-sensitively expect."""
+    text = name.decode("latin-1")
+    if text.lower() == "www-authenticate":
+        return b"WWW-Authenticate"
+    return "-".join(part.capitalize() for part in text.split("-")).encode("latin-1")
+
+
+class ResponseHeaders:
+    """ASGI middleware: every answer gets ``X-Content-Type-Options: nosniff`` and
+    ``Cache-Control: no-store``; a refused POST (status >= 400) closes the connection, so
+    that its body, maybe unread, is never taken for the next request. Header names go out
+    in their usual spelling (:func:`_canonical`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers.setdefault("X-Content-Type-Options", "nosniff")
+                headers.setdefault("Cache-Control", "no-store")
+                if scope["method"] == "POST" and message["status"] >= 400:
+                    headers["Connection"] = "close"
+                message["headers"] = [(_canonical(k), v) for k, v in message["headers"]]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class LoopbackOnly:
+    """ASGI middleware of a loopback-bound server (``enabled``): a request whose ``Host``
+    is not a loopback name (DNS rebinding) or whose ``Origin`` is another host is refused
+    (403 ``forbidden``)."""
+
+    def __init__(self, app: ASGIApp, enabled: bool) -> None:
+        self.app = app
+        self.enabled = enabled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.enabled:
+            headers = Headers(scope=scope)
+            host = headers.get("host", "")
+            refusal = None
+            if not _is_loopback(urlsplit(f"//{host}").hostname or ""):
+                refusal = f"Host {host!r} is not a loopback name"
+            origin = headers.get("origin")
+            if refusal is None and origin and origin != "null" and not _is_loopback(
+                    urlsplit(origin).hostname or ""):
+                refusal = f"cross-origin request from {origin}"
+            if refusal is not None:
+                await _error(403, refusal, "forbidden")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class TokenRequired:
+    """ASGI middleware: the token rules of the module docstring (*Access*), before routing.
+
+    A page URL with the right ``?token=`` gets the cookie and a 303 to the same URL
+    without it; a request with the token (``Authorization: Bearer`` or the cookie
+    :func:`cookie_name` of ``port``) goes on; any other is refused with 401 (a page: the
+    HTML page naming ``sidecar``; an ``/api/`` route: a JSON error).
+    """
+
+    def __init__(self, app: ASGIApp, token: str, port: int, sidecar: str) -> None:
+        self.app = app
+        self.token = token
+        self.cookie = cookie_name(port)
+        self.sidecar = sidecar
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw_path = (scope.get("raw_path") or scope["path"].encode("utf-8")).decode("latin-1")
+        page = _page(scope["path"])
+        if scope["method"] == "GET" and page:
+            login = self._login(raw_path, scope.get("query_string", b"").decode("latin-1"))
+            if login is not None:
+                await login(scope, receive, send)
+                return
+        if not self._authorized(Headers(scope=scope)):
+            await self._refusal(page)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, headers: Headers) -> bool:
+        """Whether the request carries the token: ``Authorization: Bearer`` or this
+        server's cookie."""
+        scheme, _, supplied = headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and _same_secret(supplied.strip(), self.token):
+            return True
+        return any(key == self.cookie and _same_secret(value, self.token)
+                   for header in headers.getlist("cookie")
+                   for key, value in _cookies(header))
+
+    def _login(self, path: str, query: str) -> Response | None:
+        """The 303 that sets the cookie, for a page URL carrying the right ``?token=``;
+        ``None`` otherwise. The redirect stays on this server whatever the path
+        (:func:`_same_origin_path`)."""
+        pairs = parse_qsl(query, keep_blank_values=True)
+        supplied = [value for key, value in pairs if key == TOKEN_PARAM]
+        if not supplied or not _same_secret(supplied[-1], self.token):
+            return None
+        rest = urlencode([(key, value) for key, value in pairs if key != TOKEN_PARAM])
+        return Response(b"", HTTPStatus.SEE_OTHER, {
+            "Location": _same_origin_path(path) + (f"?{rest}" if rest else ""),
+            "Set-Cookie": f"{self.cookie}={self.token}; Path=/; HttpOnly; SameSite=Strict",
+            "Referrer-Policy": "no-referrer"}, "text/plain; charset=utf-8")
+
+    def _refusal(self, page: bool) -> Response:
+        """401: no or wrong token. A page gets a short HTML page saying where the URL is,
+        an ``/api/`` route a JSON error."""
+        extra = {"WWW-Authenticate": 'Bearer realm="gradstream"'}
+        if not page:
+            message = (f"missing or wrong token: send 'Authorization: Bearer <token>' (the "
+                       f"token field of {self.sidecar}, beside the store), or open the URL "
+                       "printed by `gradstream serve` / `gradstream demo`")
+            return _error(401, message, "unauthorized", extra)
+        body = _LOGIN_PAGE.format(sidecar=escape(self.sidecar), param=TOKEN_PARAM)
+        return Response(body.encode("utf-8"), 401, {**extra, "Content-Security-Policy": _CSP},
+                        "text/html; charset=utf-8")
+
+
+class DashboardServer:
+    """A :class:`Dashboard` served by uvicorn on a background thread.
+
+    Args:
+        app: the application.
+        host: address to bind (loopback by default).
+        port: TCP port; 0 picks a free one (see :attr:`url`).
+
+    The socket is bound here, so that a busy address fails at once; :meth:`start` serves
+    it and :meth:`stop` stops serving.
+
+    Raises:
+        OSError: the address is in use or cannot be bound.
+    """
+
+    def __init__(self, app: Dashboard, host: str = "127.0.0.1", port: int = 8765) -> None:
+        import uvicorn
+
+        self.app = app
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._socket.bind((host, port))
+        except OSError:
+            self._socket.close()
+            raise
+        bound = self._socket.getsockname()[1]
+        config = uvicorn.Config(app.asgi(bound, _is_loopback(host)), log_config=None,
+                                access_log=False, lifespan="off", server_header=False,
+                                timeout_graceful_shutdown=int(STOP_GRACE_S))
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8765`` (IPv6 hosts in brackets)."""
+        host, port = self._socket.getsockname()[:2]
+        host = str(host)
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Serve on a daemon thread; returns once the server accepts connections.
+
+        Raises:
+            RuntimeError: uvicorn did not start within ``timeout_s``.
+        """
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._socket]},
+                                        name="gradstream-dashboard", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the dashboard's server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Stop serving (requests in flight get :data:`STOP_GRACE_S` to finish), wait for
+        the thread, close the socket."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(STOP_GRACE_S + 10)
+        self._socket.close()

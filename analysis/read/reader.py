@@ -21,6 +21,10 @@ what to do. Every read, on either path, is one statement or one builder call und
 time limit (:func:`analysis.read.query.resolve_timeout`: ``timeout_s``, else
 ``GRADSTREAM_QUERY_TIMEOUT_S``, else 60 s).
 
+Each read but ``sql`` and ``export`` is a route of :data:`analysis.read.routes.READS`, made
+by the one method :meth:`StoreReader.read`: a file reader runs the route's builder, an
+endpoint reader asks the route and decodes the answer.
+
 Example::
 
     with open_reader("gradstream.duckdb") as reader:
@@ -56,6 +60,7 @@ from analysis.read.query import (
     resolve_timeout,
     time_limit,
 )
+from analysis.read.routes import EXPORT, QUERY, READS, Route, checked_analysis
 from analysis.read.sidecar import ServeInfo, read_sidecar
 
 if TYPE_CHECKING:
@@ -135,6 +140,20 @@ class StoreReader(ABC):
         return pick_run(self.run_ids(), run)
 
     @abstractmethod
+    def read(self, route: Route, run_id: str, name: str = "", **values: object) -> Any:
+        """The read of ``route`` (a route of :data:`analysis.read.routes.READS`) for
+        ``run_id``: its builder's result, built in this process or by the endpoint.
+
+        Args:
+            route: which read.
+            run_id: the run.
+            name: the analysis of an ``options`` route.
+            values: the route's other parameters by name (``None`` = default).
+
+        Raises:
+            StoreError: see the class docstring.
+        """
+
     def report(
         self, run_id: str, from_step: int | None = None, to_step: int | None = None,
         ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
@@ -145,17 +164,20 @@ class StoreReader(ABC):
         the run's own), ``exclude_rounding``, ``order`` (of the layer lists: ``model`` or
         ``name``, the reference's) and ``nonfinite_rule`` (``critical`` or ``reference``,
         ``schemas.health.NONFINITE_VERDICTS``) as there."""
+        return self.read(READS["report"], run_id, from_step=from_step, to_step=to_step,
+                         ignore_layers=tuple(ignore_layers), exclude_rounding=exclude_rounding,
+                         order=order, nonfinite_rule=nonfinite_rule)  # type: ignore[no-any-return]
 
-    @abstractmethod
     def heatmap(
         self, run_id: str, max_columns: int = 100, from_step: int | None = None,
         to_step: int | None = None, style: str = "gradstream",
     ) -> str:
         """The ASCII flow-intensity heatmap (:func:`analysis.heatmap.ascii_heatmap`), at most
-        ``max_columns`` step columns; ``style="reference"`` draws the reference
-        implementation's layout exactly (name order, one column per frame)."""
+        ``max_columns`` step columns; ``style="reference"`` draws the reference's layout
+        exactly (name order, one column per frame)."""
+        return self.read(READS["heatmap"], run_id, max_columns=max_columns,  # type: ignore[no-any-return]
+                         from_step=from_step, to_step=to_step, style=style)
 
-    @abstractmethod
     def analysis(
         self, name: str, run_id: str, from_step: int | None = None, to_step: int | None = None,
         options: Mapping[str, str] | None = None,
@@ -169,14 +191,17 @@ class StoreReader(ABC):
         Raises:
             StoreError: unknown analysis, invalid option, unknown run, empty range.
         """
+        return self.read(READS["analysis"], run_id, name, from_step=from_step,  # type: ignore[no-any-return]
+                         to_step=to_step, options=dict(options or {}))
 
-    @abstractmethod
     def grid(
         self, run_id: str, max_steps: int = 1000, max_layers: int = 400,
         from_step: int | None = None, to_step: int | None = None,
     ) -> GradientGrid:
         """The run's layers x steps grid (:func:`analysis.plots.grid.load_grid`), at most
         ``max_layers x max_steps`` cells (an endpoint caps them at 4096 x 8192)."""
+        return self.read(READS["grid"], run_id, max_steps=max_steps,  # type: ignore[no-any-return]
+                         max_layers=max_layers, from_step=from_step, to_step=to_step)
 
     @abstractmethod
     def export(
@@ -204,28 +229,6 @@ class StoreReader(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {str(self.db)!r} via {self.via}>"
-
-
-def _check_options(name: str, options: Mapping[str, str] | None) -> dict[str, str]:
-    """``options`` as a dict, checked against the options model of analysis ``name``.
-
-    Raises:
-        StoreError: unknown analysis, or an option it does not declare.
-    """
-    from analysis.registry import UnknownAnalysisError, get
-
-    try:
-        entry = get(name)
-    except UnknownAnalysisError as exc:
-        raise StoreError(str(exc)) from None
-    values = dict(options or {})
-    unknown = sorted(set(values) - set(entry.option_names))
-    if unknown:
-        raise StoreError(
-            f"{name} has no option {', '.join(unknown)}; its options: "
-            f"{', '.join(entry.option_names) or 'none'}"
-        )
-    return values
 
 
 class FileReader(StoreReader):
@@ -276,61 +279,11 @@ class FileReader(StoreReader):
         finally:
             cur.close()
 
-    def report(
-        self, run_id: str, from_step: int | None = None, to_step: int | None = None,
-        ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
-        order: str = "model", nonfinite_rule: str = "critical",
-    ) -> GradientFlowSummary:
-        """See :meth:`StoreReader.report`."""
-        from analysis.report import build_report
-
-        try:
-            return self._call(lambda cur: build_report(
-                cur, run_id, from_step, to_step, ignore_layers=tuple(ignore_layers),
-                exclude_rounding=exclude_rounding, order=order,
-                nonfinite_rule=nonfinite_rule))
-        except ValueError as exc:
-            raise StoreError(str(exc)) from None
-
-    def heatmap(
-        self, run_id: str, max_columns: int = 100, from_step: int | None = None,
-        to_step: int | None = None, style: str = "gradstream",
-    ) -> str:
-        """See :meth:`StoreReader.heatmap`."""
-        from analysis.heatmap import ascii_heatmap
-
-        try:
-            return self._call(lambda cur: ascii_heatmap(
-                cur, run_id, max_columns, from_step=from_step, to_step=to_step,
-                style=style))  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise StoreError(str(exc)) from None
-
-    def analysis(
-        self, name: str, run_id: str, from_step: int | None = None, to_step: int | None = None,
-        options: Mapping[str, str] | None = None,
-    ) -> BaseModel:
-        """See :meth:`StoreReader.analysis`."""
-        from analysis.registry import get
-
-        values = _check_options(name, options)
-        try:
-            return self._call(lambda cur: get(name).run(cur, run_id, from_step, to_step, values))
-        except ValueError as exc:
-            raise StoreError(str(exc)) from None
-
-    def grid(
-        self, run_id: str, max_steps: int = 1000, max_layers: int = 400,
-        from_step: int | None = None, to_step: int | None = None,
-    ) -> GradientGrid:
-        """See :meth:`StoreReader.grid`."""
-        from analysis.plots.grid import load_grid
-
-        try:
-            return self._call(lambda cur: load_grid(
-                cur, run_id, max_steps, max_layers, from_step=from_step, to_step=to_step))
-        except ValueError as exc:
-            raise StoreError(str(exc)) from None
+    def read(self, route: Route, run_id: str, name: str = "", **values: object) -> Any:
+        """See :meth:`StoreReader.read` (the route's builder on a cursor of the file)."""
+        if route.options:
+            checked_analysis(name, dict(values.get("options") or {}))  # type: ignore[call-overload]
+        return self._call(lambda cur: route.run(cur, name, {"run": run_id, **values}))
 
     def export(
         self, run_id: str, fmt: str, path: str | os.PathLike[str], from_step: int | None = None,
@@ -436,67 +389,24 @@ class EndpointReader(StoreReader):
         payload: dict[str, object] = {"sql": sql}
         if params:
             payload["params"] = params
-        return table_from_ipc(self._get("/api/query", accept=ARROW_STREAM,
+        return table_from_ipc(self._get(QUERY.path, accept=ARROW_STREAM,
                                         timeout_s=timeout_s, body=payload))
 
-    def report(
-        self, run_id: str, from_step: int | None = None, to_step: int | None = None,
-        ignore_layers: Sequence[str] = (), exclude_rounding: bool = False,
-        order: str = "model", nonfinite_rule: str = "critical",
-    ) -> GradientFlowSummary:
-        """See :meth:`StoreReader.report` (``GET /api/report``; ``ignore_layers`` as a JSON
-        list)."""
-        from analysis.read.wire import MODEL_JSON
-        from analysis.report import GradientFlowSummary
+    def read(self, route: Route, run_id: str, name: str = "", **values: object) -> Any:
+        """See :meth:`StoreReader.read` (``GET`` the route; the answer decoded as
+        :attr:`~analysis.read.routes.Route.answer` says: a pydantic model, text or a grid)."""
+        from analysis.read.wire import MODEL_JSON, grid_from_arrow, model_from_json, table_from_ipc
 
-        body = self._get("/api/report", {
-            "run": run_id, "from_step": from_step, "to_step": to_step,
-            "ignore_layers": json.dumps(list(ignore_layers)) if ignore_layers else None,
-            "exclude_rounding": "true" if exclude_rounding else None,
-            "order": None if order == "model" else order,
-            "nonfinite_rule": None if nonfinite_rule == "critical" else nonfinite_rule,
-        }, MODEL_JSON)
-        return GradientFlowSummary.model_validate_json(body)
-
-    def heatmap(
-        self, run_id: str, max_columns: int = 100, from_step: int | None = None,
-        to_step: int | None = None, style: str = "gradstream",
-    ) -> str:
-        """See :meth:`StoreReader.heatmap` (``GET /api/heatmap``, plain text back)."""
-        body = self._get("/api/heatmap", {"run": run_id, "max_columns": max_columns,
-                                          "from_step": from_step, "to_step": to_step,
-                                          "style": style},
-                         "text/plain")
+        if route.options:
+            checked_analysis(name, dict(values.get("options") or {}))  # type: ignore[call-overload]
+        query = route.query({"run": run_id, **values})
+        accept = {"model": MODEL_JSON, "grid": ARROW_STREAM}.get(route.answer, "text/plain")
+        body = self._get(route.url(name), query, accept)
+        if route.answer == "model":
+            return model_from_json(route.model_type(name), body)
+        if route.answer == "grid":
+            return grid_from_arrow(table_from_ipc(body))
         return body.decode("utf-8")
-
-    def analysis(
-        self, name: str, run_id: str, from_step: int | None = None, to_step: int | None = None,
-        options: Mapping[str, str] | None = None,
-    ) -> BaseModel:
-        """See :meth:`StoreReader.analysis` (``GET /api/analysis/<name>``)."""
-        from analysis.read.wire import MODEL_JSON, model_from_json, report_model
-        from analysis.registry import get
-
-        values = _check_options(name, options)
-        query: dict[str, object] = {"run": run_id, "from_step": from_step, "to_step": to_step}
-        query.update(values)
-        body = self._get(f"/api/analysis/{urllib.parse.quote(name)}", query, MODEL_JSON)
-        return model_from_json(report_model(get(name)), body)
-
-    def grid(
-        self, run_id: str, max_steps: int = 1000, max_layers: int = 400,
-        from_step: int | None = None, to_step: int | None = None,
-    ) -> GradientGrid:
-        """See :meth:`StoreReader.grid` (``GET /api/grid`` asked for Arrow)."""
-        from analysis.read.wire import grid_from_arrow, table_from_ipc
-
-        if max_steps < 1 or max_layers < 1:
-            raise StoreError(
-                f"max_steps and max_layers must be >= 1, got {max_steps}, {max_layers}")
-        body = self._get("/api/grid", {"run": run_id, "max_steps": max_steps,
-                                       "max_layers": max_layers, "from_step": from_step,
-                                       "to_step": to_step}, ARROW_STREAM)
-        return grid_from_arrow(table_from_ipc(body))
 
     def export(
         self, run_id: str, fmt: str, path: str | os.PathLike[str], from_step: int | None = None,
@@ -508,15 +418,15 @@ class EndpointReader(StoreReader):
         target = Path(path)
         if target.is_dir():
             raise StoreError(f"output path {str(target)!r} is a directory")
-        query = {"run": run_id, "format": fmt, "order": order, "from_step": from_step,
-                 "to_step": to_step, "style": style}
+        query = EXPORT.query({"run": run_id, "format": fmt, "order": order,
+                              "from_step": from_step, "to_step": to_step, "style": style})
         failure = f"export through {self.via} failed"
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"{failure}: {exc}") from None
         with written_atomically(target, failure) as part, \
-                self._open("/api/export", query, accept="*/*") as response, \
+                self._open(EXPORT.path, query, accept="*/*") as response, \
                 part.open("wb") as out:
             total = int(response.headers.get("Content-Length") or 0)
             rows = int(response.headers.get("X-Gradstream-Rows") or 0)

@@ -1,7 +1,7 @@
 """Every route of the dashboard server requires its token.
 
-The routes are enumerated from the server's own routing table
-(:data:`analysis.dashboard.server.ROUTES`; ``{name}`` filled with every static file and
+The routes are enumerated from the one route table
+(:data:`analysis.read.routes.ROUTES`; ``{name}`` filled with every static file and
 every registered analysis), so a route added later is covered without editing this file.
 Each is refused (401) without the token, with a wrong one (header or cookie, or the right
 value under another server's cookie name), and answered (200) with ``Authorization:
@@ -22,15 +22,10 @@ import numpy as np
 import pytest
 
 from analysis.dashboard import server as server_module
-from analysis.dashboard.server import (
-    ROUTES,
-    STATIC_FILES,
-    Dashboard,
-    DashboardServer,
-    Route,
-    cookie_name,
-)
+from analysis.dashboard.server import Dashboard, DashboardServer, cookie_name
+from analysis.read import routes as routes_module
 from analysis.read.cursors import ReadCursors
+from analysis.read.routes import ROUTES, STATIC_FILES, Route
 from analysis.read.sidecar import check_token, dashboard_url, new_token
 from analysis.registry import ANALYSES
 from tests.analysis.crafted import write_history
@@ -117,10 +112,10 @@ def send(address: tuple[str, int], method: str, path: str, body: bytes | None = 
 def test_the_table_covers_the_routes() -> None:
     """Every route of the table is documented in the module docstring, every handler
     exists, and every page / API route is exercised below (at least one request each)."""
-    doc = server_module.__doc__ or ""
+    doc = routes_module.__doc__ or ""
     for route in ROUTES:
         assert f"``{route.method} {route.path}``" in doc or route.path == "/index.html", route
-        assert callable(getattr(server_module._Handler, route.handler, None)), route
+        assert callable(getattr(Dashboard, route.handler, None)), route
         assert route.page == (not route.path.startswith("/api/")), route
     assert {r for r, *_ in REQUESTS} == set(ROUTES)
     assert len(REQUESTS) >= len(ROUTES) + len(STATIC_FILES) + len(ANALYSES) - 2

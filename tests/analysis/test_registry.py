@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 from analysis import registry
 from analysis.dashboard import api
 from analysis.read.connect import require_run
+from analysis.read.routes import READS
 from analysis.read.sql import stats_params
 from analysis.registry import ANALYSES, Analysis, UnknownAnalysisError
 from deploy.cli import analyze as analyze_cli
@@ -215,9 +216,11 @@ def test_added_analysis_is_served_by_the_dashboard_api(toy_registered: typer.Typ
     assert listed == ["flow", "enhanced", "explosion", "weights", "toy"]
     con = open_read(store)
     try:
-        report = api.analysis(con, "toy", "r", 2, None, {"min_norm": "2.5"})
+        served = READS["analysis"].run(con, "toy", {"run": "r", "from_step": 2,
+                                                     "options": {"min_norm": "2.5"}})
+        report = json.loads(served.model_dump_json())
         with pytest.raises(ValueError, match="toy has no option bins"):
-            api.analysis(con, "toy", "r", None, None, {"bins": "3"})
+            READS["analysis"].run(con, "toy", {"run": "r", "options": {"bins": "3"}})
     finally:
         con.close()
     assert report == {"run_id": "r", "min_norm": 2.5, "layers": 2}
