@@ -105,15 +105,6 @@ def nearest_rank_percentiles(
     return median, p5, p95
 
 
-def pair_diffs(x: np.ndarray) -> np.ndarray:
-    """``x[:, t] - x[:, t-1]`` for consecutive samples; NaN where either is absent.
-
-    Returns:
-        float64 ``[L, W - 1]``.
-    """
-    return np.diff(x, axis=1)
-
-
 def flow_consistency(x: np.ndarray) -> np.ndarray:
     """Flow consistency (``compute_flow_consistency``): ``1 / (1 + mean_t r_t)`` with the relative
     change ``r_t = |x_t - x_{t-1}| / x_{t-1}``.
