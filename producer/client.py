@@ -154,7 +154,7 @@ class GradientProducer:
             ignore_layers: shell-style layer-name patterns
                 (:func:`schemas.health.match_layers`) whose vanishing and exploding flags
                 the run's health, issue frames and alerts leave out, explicitly: the
-                patterns travel in RunStarted (schema 1.5), are recorded with the run and
+                patterns travel in RunStarted, are recorded with the run and
                 named in its report. Unlike ``settings.exclude``, the layers are still
                 sent, stored and analysed; a NaN/Inf gradient in them still counts. Use it
                 for parameters whose gradient is zero by construction (e.g. the key bias of

@@ -25,9 +25,9 @@ per-block passes run and make a NaN cheap):
    that overflows) the block is redone with masking while it is still in L1 (no second
    read of the layer, and BLOCK elements of masked work per NaN): elements whose exponent
    field is all ones (IEEE 754 NaN/Inf) are counted and excluded, the NaN among them (a
-   non-zero mantissa) counted apart; a sum that still
-   overflows (float64 squares above ~1.8e308) is +inf, as in the reference implementation's
-   f64 arithmetic (never a capped number).
+   non-zero mantissa) counted apart; a sum that still overflows (float64 squares above
+   ~1.8e308) is +inf, as in the f64 arithmetic of the reference (trustformers-debug,
+   gradient_flow), never a capped number.
 
 Weight statistics (:func:`weights_f32`, :func:`weights_f64`) use the same scheme. Per
 block: one vectorised pass for S1..S4 and, against the kept float32 copy, the update's
@@ -45,8 +45,8 @@ clamped re-biasing for float64), is counted in one of ``TABLES`` interleaved int
 tables at fixed offsets; at the end of the layer the keys the layer can have touched are
 folded into histogram columns (``schemas.stats.exponent_lut``). Elements below 2^-126
 (zeros, subnormals) share key 0 and are re-binned exactly, only in blocks that hold one.
-This scalar scatter (about 0.4 ns an element here) is still the largest single cost of the
-weight statistics.
+This scalar scatter is the largest single cost of the weight statistics (figures:
+``bench/README.md``).
 
 Threads: every kernel runs on the calling thread only (no ``parallel``/``prange``): the
 producer summarises on the training thread, which should not take cores from the data
@@ -83,9 +83,7 @@ __all__ = [
 #: masked (a NaN costs one masked pass over BLOCK elements, not over the layer); the
 #: histogram, extremes and copy passes re-read the block while it is in L1. Small blocks
 #: keep the memory stream steady (the next block's lines are fetched while the current
-#: block's passes run) and make a NaN cheap. 1024 and 2048 measured no faster on the cases
-#: of ``bench/producer_overhead.py``; 4096 (one pass per block before) was slower for the
-#: weight statistics of large layers.
+#: block's passes run) and make a NaN cheap (the sizes compared: ``bench/README.md``).
 BLOCK = 512
 #: Count tables of the exponent histogram (see :func:`_block_hist`, unrolled for 8).
 TABLES = 8
@@ -93,8 +91,7 @@ TABLES = 8
 KEYS = 512
 #: Distance between two count tables, in counters: KEYS plus one cache line of padding, so
 #: that the same key in two tables is never a multiple of 4 KiB apart (loads 4 KiB apart
-#: from a pending store wait for it on x86; without the padding the histogram ran ~1.1x
-#: slower, measured).
+#: from a pending store wait for it on x86).
 STRIDE = KEYS + 16
 #: Elements between two folds of the int32 count tables into the int64 histogram, so that
 #: no counter can overflow (each sees at most FOLD / TABLES < 2^31 increments).
@@ -127,8 +124,8 @@ def _cast_like_numba(value, like):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _block_fast(x, u, absmask):  # pragma: no cover - compiled
     # The magnitude bits stay in the width of the format (numba widens uint32 & uint32 to
-    # 64 bits, and a 64-bit unsigned max is emulated on 4 AVX2 lanes: the whole layer ran
-    # 1.7x slower), so the max / min below are vpmaxud / vpminud on 8 lanes for float32.
+    # 64 bits, and a 64-bit unsigned max is emulated on 4 AVX2 lanes), so the max / min
+    # below are vpmaxud / vpminud on 8 lanes for float32.
     sum_abs = 0.0
     sum_sq = 0.0
     top = _cast_like(0, absmask)
@@ -231,9 +228,8 @@ def _block_hist(x, u, absmask, tables, row, hist_min, tiny):  # pragma: no cover
     element j goes to table j % TABLES, so a run of equal keys (weights near one magnitude)
     does not serialise on one counter. The tables sit at compile-time offsets and every key
     is below KEYS, so the compiler can see that the increments of one round never alias
-    and overlaps them; a lookup table from the bit pattern to the column instead (one more
-    load per element, at offsets the compiler cannot tell apart) made the histogram about
-    1.4x slower on the cases of ``bench/producer_overhead.py``.
+    and overlaps them, which a lookup table from the bit pattern to the column (one more
+    load per element, at offsets the compiler cannot tell apart) would prevent.
     row: int64[B], the layer's histogram row. :func:`_fold_hist` puts every count of the
     zero key in column 0 (zeros); when ``tiny`` (the caller saw a magnitude below 2^-126,
     the smallest binary32 normal, in this block: a zero, a subnormal or, binary64, a
@@ -252,7 +248,7 @@ def _block_hist(x, u, absmask, tables, row, hist_min, tiny):  # pragma: no cover
         tables[6 * STRIDE + _hist_key(u[i + 6])] += 1
         tables[7 * STRIDE + _hist_key(u[i + 7])] += 1
         i += TABLES
-    for j in range(i, n):  # (a for loop: a while loop here made the loop above 1.2x slower)
+    for j in range(i, n):  # a for loop: a while loop here slows the unrolled loop above
         tables[_hist_key(u[j])] += 1
     if not tiny:
         return
@@ -381,7 +377,7 @@ def _order_key_numba(bits):  # pragma: no cover - compiled
     their magnitude bits flipped, ``bits ^ ((bits >> (w - 1)) & (2^(w-1) - 1))``. The map is
     its own inverse; -0 sorts just below +0. Every step is cast back to the input's width:
     numba widens int32 arithmetic to int64, and int32 keys are what lets the min / max
-    loops run on 8 AVX2 lanes (about 3x faster than on widened keys, measured)."""
+    loops run on 8 AVX2 lanes instead of 4."""
     ity = bits
     shift = bits.bitwidth - 1
     mask = (1 << shift) - 1

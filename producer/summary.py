@@ -207,7 +207,8 @@ class LayerSummaries:
         names: layer names, length L, in the order of the input mapping.
         numel: int64[L], elements per layer (finite or not).
         sum_abs: float64[L], sum of |g| over finite elements (+inf when the float64 sum
-            overflows, as in the reference implementation; only float64 input can get
+            overflows, as in the reference (trustformers-debug, gradient_flow); only
+            float64 input can get
             there); None in norms mode (``summarize(..., norms_only=True)``).
         sum_sq: float64[L], sum of g^2 over finite elements (+inf when it overflows:
             float64 elements above ~1.34e154 in magnitude square past the largest double).
@@ -222,7 +223,7 @@ class LayerSummaries:
         local: the summaries of this rank's own gradient before the cross-rank reduction
             (the per-rank local view; its own ``names``), or None.
         nan: int64[L], how many of the ``nonfinite`` elements are NaN (the others are
-            +-Inf; wire schema 1.7), or None when the backend did not count them.
+            +-Inf), or None when the backend did not count them.
     """
 
     names: tuple[str, ...]
@@ -429,9 +430,8 @@ def _summarize_numba(
         # both dtypes count binary32 keys, folded through the binary32 table
         extra32 = extra64 = (counts, backend.histogram_tables(kernels),
                              backend.BINARY32_EXPONENT_LUT, EXP_HIST_MIN)
-    # One compiled call per layer, no other per-layer work: numba unboxes an array
-    # argument in ~0.1 us, far less than building a numba typed List of the arrays
-    # (~1.3 us per array), a reflected list (~7 us) or reading their data pointers (~1 us).
+    # One compiled call per layer, no other per-layer work: unboxing an array argument is
+    # the cheapest way to hand numba the layers (the alternatives: bench/README.md).
     for i, (name, value) in enumerate(gradients.items()):
         arr = value if type(value) is np.ndarray else np.asarray(value)
         dtype = arr.dtype

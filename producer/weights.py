@@ -22,13 +22,6 @@ float64 sums differ from a correctly rounded sum by at most about (BLOCK / 4 + 2
 sum |w|^k (u = 2^-53; recursive summation bound of Higham 2002, section 4.2, per lane),
 below 1e-13 relative for S2 and S4 and 1e-13 sum |w|^k absolute for the signed S1 and S3;
 counts, extremes and the histogram are exact.
-
-Cost (``bench/producer_overhead.py``, 2-core development machine, CPU time of the calling
-thread): the default configuration (statistics, update norm and ``refresh=True``) is one
-pass that reads the weights, reads the kept copy and writes it back, about 3.0-3.6x one
-``np.add.reduce`` read pass and 2.5-3.8x the update floor (a NumPy pass moving the same
-bytes) for 100 x 500k and 1000 x 4k float32 layers; the scalar exponent-histogram scatter
-is about a third of it. Without the update norm 2.5-3.0x.
 """
 
 from __future__ import annotations

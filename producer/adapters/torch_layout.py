@@ -104,7 +104,7 @@ def gradient_piece(grad: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
 
     A parameter is cut into ``shard_count`` disjoint pieces that together make the whole
     tensor; ranks holding the same piece are replicas of it, which the consumer counts once
-    and checks for agreement (schema 1.3 shard layout).
+    and checks for agreement (``StepSummary.shard_index`` / ``shard_count``).
 
     - A plain tensor is the whole parameter: piece 0 of 1. Under DDP every rank holds the
       same all-reduced gradient (a replica); in a single process, or when one pipeline

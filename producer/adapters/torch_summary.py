@@ -50,7 +50,7 @@ def _values(grad: torch.Tensor, torch: Any) -> torch.Tensor:
 Accumulate = str
 
 #: Below this many elements in all, the CPU summary runs on one thread (a hand-off to a
-#: worker thread costs tens of microseconds).
+#: worker thread costs more than it saves).
 _PARALLEL_MIN_ELEMENTS = 1 << 20
 #: Groups of elements per thread in the threaded CPU summary: more groups than threads let
 #: a thread that runs take the share of one that does not (see :func:`_summarize_threads`).
@@ -452,7 +452,8 @@ def summarize_tensors(
 
     Per tensor: ``numel`` (all elements; the dense size for a sparse COO gradient);
     over the finite elements ``sum_abs`` = sum |g| and ``sum_sq`` = sum g^2 (both +inf
-    when the float64 sum overflows, as in the reference implementation) and ``max_abs`` =
+    when the float64 sum overflows, as in the reference (trustformers-debug,
+    gradient_flow)) and ``max_abs`` =
     max |g| (exact; 0.0 when none); ``nonfinite`` = number of NaN/+-Inf elements.
 
     CPU (default): dense float16/32/64 tensors are summarised by
