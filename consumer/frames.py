@@ -14,7 +14,7 @@ Formulas (README.md, "How it works"; semantics follow trustformers-debug's
   (when a norm overflowed to +inf, as float64 sums of squares above ~1.8e308 do, that
   layer's intensity is inf / inf = NaN and the others' 0, as in the reference)
 
-Norms mode (schema 1.2): when some shard of a layer came without ``sum_abs``/``max_abs``,
+Norms mode: when some shard of a layer came without ``sum_abs``/``max_abs``,
 those two and ``mean_abs_grad`` are unknown (NaN, stored as NULL), and the flags use the
 RMS ``rms = sqrt(sum_sq / numel)`` as a bound. Over the same n elements (non-finite ones
 counting 0), Cauchy-Schwarz gives ``mean |g| <= rms`` and the maximum is at least the
@@ -27,8 +27,8 @@ every flag raised is one the full statistics would raise; a layer with a few ele
 above the exploding threshold but a smaller RMS is not flagged.
 
 Non-finite elements are left out of the sums by the producer and counted in
-``nonfinite`` (the NaN among them in ``nan``, wire schema 1.7, so that the reference
-implementation's values can be rebuilt: ``analysis.nonfinite``); ``numel`` counts every
+``nonfinite`` (the NaN among them in ``nan``, so that the reference's values can be
+rebuilt: ``analysis.nonfinite``); ``numel`` counts every
 element, finite or not.
 
 The merged sums are the statistic objects of :mod:`schemas.stats` (one per statistic,
@@ -70,7 +70,7 @@ class MergedShards:
         histogram: exponent histogram of the gradient, or None while no shard carried one.
         weight_norm, update_norm: sums of squares ``weight_sum_sq`` / ``update_sum_sq``,
             or None while no shard carried them.
-        weight_moments: weight distribution (schema 1.2), or None while no shard carried it.
+        weight_moments: weight distribution, or None while no shard carried it.
     """
 
     gradient: GradientSums
@@ -292,8 +292,8 @@ class GradientFrame:
         refused_ranks: rank -> why its data for this frame was refused (its RunStarted was
             refused, or its summary of this step was dead-lettered): a missing rank listed
             here sent data, one not listed sent nothing.
-        nan: int64[n], how many of the ``nonfinite`` elements are NaN (the others +-Inf;
-            wire schema 1.7), -1 where some shard of the layer did not send the count;
+        nan: int64[n], how many of the ``nonfinite`` elements are NaN (the others +-Inf),
+            -1 where some shard of the layer did not send the count;
             None for a frame built without it.
 
     In norms mode ``sum_abs``, ``max_abs_grad`` and ``mean_abs_grad`` are NaN for the

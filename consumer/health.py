@@ -2,11 +2,11 @@
 gradients). Semantics follow trustformers-debug's ``gradient_flow`` module.
 
 Over the frames considered (the whole run, or the ``max_frames`` highest steps when a
-rolling window is set, as the reference implementation's ``max_frames``):
+rolling window is set, as the reference's ``max_frames``):
 
 - ``issue_ratio = issue_frames / max(frames, 1)``, where an issue frame has any vanishing,
-  exploding or non-finite layer (a NaN/Inf gradient is an issue: the reference
-  implementation counts an infinite gradient as exploding, its max |g| being inf);
+  exploding or non-finite layer (a NaN/Inf gradient is an issue: the reference counts an
+  infinite gradient as exploding, its max |g| being inf);
 - Critical if any non-finite gradient (gradstream's rule), or any exploding layer and
   ``issue_ratio > 0.5``; ProblemsDetected if any exploding layer or ``issue_ratio > 0.3``;
   MinorIssues if any vanishing layer or ``issue_ratio > 0.1``; else Healthy.
@@ -16,15 +16,15 @@ The non-finite verdict is an option (``nonfinite_rule``, ``--nonfinite-rule``,
 
 - ``"critical"`` (default, gradstream's addition): a layer with NaN/Inf elements makes its
   frame an issue frame and the run Critical.
-- ``"reference"``: the reference implementation's own rule, which has none: there a NaN
+- ``"reference"``: the reference's own rule, which has none: there a NaN
   makes mean |g| NaN (never below the vanishing threshold) and is ignored by max |g|, so a
   NaN-only layer is no issue at all; an Inf makes max |g| inf, so the layer is exploding.
-  The tracker then counts a layer with ``nonfinite - nan > 0`` (an Inf element, wire
-  schema 1.7) as exploding and a layer with NaN only as nothing. Where the NaN/Inf split
-  is unknown (a producer before schema 1.7 sends no ``nan`` count) the reference's verdict
+  The tracker then counts a layer with ``nonfinite - nan > 0`` (an Inf element) as
+  exploding and a layer with NaN only as nothing. Where the NaN/Inf split is unknown (a
+  producer that sends no ``nan`` count) the reference's verdict
   cannot be known: such a layer keeps gradstream's rule (Critical), never a guess.
 
-By default every layer counts, as in the reference implementation: no layer is left out
+By default every layer counts, as in the reference: no layer is left out
 because of its magnitude. Layers leave the counts only by an explicit, visible choice:
 
 - ``excluded`` (the run's ``ignore_layers`` patterns, from ``start_run(...,
@@ -71,7 +71,7 @@ _EMPTY = np.empty(0, dtype=np.int32)
 
 def reference_exploding(is_exploding: np.ndarray, nonfinite: np.ndarray,
                         nan: np.ndarray | None) -> np.ndarray:
-    """bool[n]: the reference implementation's ``is_exploding`` of n rows: gradstream's
+    """bool[n]: the reference's ``is_exploding`` of n rows: gradstream's
     flag (finite max |g| above the threshold) or an Inf element (``nonfinite - nan > 0``:
     the reference's max |g| is then inf). Rows whose ``nan`` is unknown (< 0, or ``nan``
     None) keep gradstream's flag.
@@ -127,7 +127,7 @@ class RunHealthTracker:
         exclude_rounding: leave out the vanishing flag of the layers of
             :attr:`no_gradient` (module doc; off by default, as in the reference).
         nonfinite_rule: ``"critical"`` (default: a NaN/Inf gradient makes the run
-            Critical) or ``"reference"`` (the reference implementation's rule: an Inf
+            Critical) or ``"reference"`` (the reference's rule: an Inf
             counts as exploding, a NaN as nothing; module doc).
 
     Attributes:

@@ -6,7 +6,7 @@ missing ranks recorded. A shard arriving later for a partial frame is merged int
 stored sums and the frame is finalised again (the store rewrites it). A duplicate shard
 (same run, step, rank) changes nothing (README.md, "How it works").
 
-Parts (schema 1.4). A rank whose summary was too large for one Kafka message sends it as
+Parts. A rank whose summary was too large for one Kafka message sends it as
 ``part_count`` messages over disjoint layer ranges. Pieces are keyed by (rank, part): each
 part is merged once (a repeated part is a duplicate), and the rank counts as reported only
 when all its parts arrived. A frame finalised as partial lists only complete ranks in
@@ -19,7 +19,7 @@ a piece (layer, shard_index) of a frame has it counted, and every later rank rep
 same piece holds a replica: its statistics are compared with the counted ones
 (:class:`PieceLedger`) and not added. Replicas that disagree beyond
 :data:`REPLICA_RTOL` are recorded on the frame (``replica_divergence``). Without a layout
-each rank's statistics are a disjoint shard of their own, as in schema 1.2.
+each rank's statistics are a disjoint shard of their own.
 
 Pieces must fit their parameter (:func:`check_shard`, :func:`check_layout`). A summary
 whose entries cannot be pieces of the parameters RunStarted declared (more elements than
@@ -62,7 +62,7 @@ can differ only by the order in which a kernel added the terms. Recursive summat
 non-negative terms has a relative error of at most gamma_n = n u / (1 - n u), u = 2^-53
 (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 4.2), which is
 below 1e-6 for every n up to 9e9 elements. Element counts (``numel``, ``nonfinite``, and
-``nan`` where both replicas sent it, wire schema 1.7) must be equal exactly."""
+``nan`` where both replicas sent it) must be equal exactly."""
 
 VIOLATION_NUMEL = 1
 """Layout violation: the counted pieces of a layer hold more elements than the parameter

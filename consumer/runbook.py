@@ -32,7 +32,7 @@ class RunBook:
         ignore_layers: the process's own ``--ignore-layers`` patterns, excluded in every
             run besides the run's own ``ignore_layers`` (``schemas.health.match_layers``).
         exclude_rounding: the tracker's ``exclude_rounding`` (``--exclude-rounding-level``;
-            off by default: every layer counts, as in the reference implementation).
+            off by default: every layer counts, as in the reference).
         nonfinite_rule: the tracker's ``nonfinite_rule`` (``--nonfinite-rule``;
             ``"critical"`` by default, ``schemas.health.NONFINITE_VERDICTS``).
 

@@ -20,10 +20,10 @@ class RunInfo:
         layer_names: L names, model order. numel: int64[L] full-tensor element counts.
         vanishing_threshold, exploding_threshold: per-layer flag thresholds on mean |g|
             and max |g| (|g| units).
-        dtypes: L gradient dtype names (``RunStarted.dtypes``, schema 1.3; None entries
+        dtypes: L gradient dtype names (``RunStarted.dtypes``; None entries
             unknown), or None when the producer sent none.
-        ignore_layers: the run's ``ignore_layers`` patterns (``RunStarted.ignore_layers``,
-            schema 1.5): layers it excludes from its health, explicitly.
+        ignore_layers: the run's ``ignore_layers`` patterns (``RunStarted.ignore_layers``):
+            layers it excludes from its health, explicitly.
     """
 
     run_id: str

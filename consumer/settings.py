@@ -52,13 +52,13 @@ class LoopSettings(TopicCreationSettings):
             Empty = every layer counts.
         exclude_rounding_level: also leave out the vanishing flag of layers with no
             gradient by construction (``schemas.rounding``; ``consumer.health``). Off by
-            default: every layer counts, as in the reference implementation.
+            default: every layer counts, as in the reference.
         nonfinite_rule: how a NaN/Inf gradient counts in the live health
             (``GRADSTREAM_NONFINITE_RULE``; ``schemas.health.NONFINITE_VERDICTS``):
             ``"critical"`` (default, gradstream's rule: the run is Critical) or
-            ``"reference"`` (the reference implementation's: an Inf element makes the layer
-            exploding, a NaN-only layer is no issue; a layer whose NaN/Inf split is
-            unknown, from a producer before wire schema 1.7, keeps the Critical rule).
+            ``"reference"`` (the reference's: an Inf element makes the layer exploding, a
+            NaN-only layer is no issue; a layer whose NaN/Inf split is unknown, from a
+            producer that sends no ``nan`` count, keeps the Critical rule).
     """
 
     dlq_topic: str = DEFAULT_DLQ_TOPIC

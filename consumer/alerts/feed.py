@@ -30,9 +30,8 @@ class AlertFeed:
         wait_s: how long to wait for the topic to appear (s); 0 = fail at once.
         on_wait: called once if the topic is not there yet (e.g. to print a notice).
 
-    The consumer fetches with ``fetch_max_wait_ms=100`` (kafka-python's default is 500):
-    measured with ``bench/alert_latency.py``, the p99 time to see an alert fell from ~500 ms
-    to ~190 ms.
+    The consumer fetches with ``fetch_max_wait_ms=100`` (kafka-python's default is 500),
+    which shortens the time to see an alert (``bench/README.md``, ``alert_latency.py``).
 
     Raises:
         TopicMissingError: the topic did not appear within ``wait_s``.

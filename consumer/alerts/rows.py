@@ -74,7 +74,7 @@ def write_alerts(con: duckdb.DuckDBPyConnection, alerts: list[Alert]) -> None:
 def load_active_incidents(con: duckdb.DuckDBPyConnection) -> list[ActiveIncident]:
     """Incidents whose latest stored event (per run and rule) is ``firing``.
 
-    Rows without ``incident_id`` (none are written by this version) and rows of rules not
+    Rows without ``incident_id`` and rows of rules not
     in the registry (``consumer.alerts.rules.RULES``) are ignored.
     """
     rows = con.execute(

@@ -20,10 +20,12 @@ from schemas.alert import Alert, AlertSeverity, AlertState, RunStatus
 from schemas.health import HEALTH_COLOR
 from schemas.wire import GradientHealth
 
-HEALTH_STYLE = {
+WATCH_HEALTH_STYLE = {
     health: f"bold {color}" if health is GradientHealth.CRITICAL else color
     for health, color in HEALTH_COLOR.items()
 }
+"""``rich`` style of each run health in the watch table: its colour
+(:data:`schemas.health.HEALTH_COLOR`), Critical in bold."""
 SEVERITY_STYLE = {
     AlertSeverity.INFO: "cyan",
     AlertSeverity.WARNING: "yellow",
@@ -99,7 +101,7 @@ class WatchState:
             open_rules = sorted(rule for (r, rule) in self.open if r == run_id)
             runs.add_row(
                 run_id, Text(label, style=style),
-                Text(status.health.value, style=HEALTH_STYLE[status.health]),
+                Text(status.health.value, style=WATCH_HEALTH_STYLE[status.health]),
                 str(status.step), f"{len(status.ranks_seen)}/{status.world_size}",
                 f"{age(now - status.emitted_at)} ago",
                 Text(", ".join(open_rules) or "-", style="red" if open_rules else "dim"),

@@ -67,7 +67,7 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
     distribution) is included only when it is known for every layer of the frame; otherwise
     it is left out for the whole frame (a layer-mixed frame only arises when ranks of one
     run use different producer settings). The frame's per-rank local view rows travel
-    along (``local_ranks``). So do (schema 1.8) the frame's layout violations that its sums
+    along (``local_ranks``). So do the frame's layout violations that its sums
     cannot show (the worker's ledger rows: replicas of another numel, other shard counts;
     the ``numel`` kind the store checks again from the sums) and its refused ranks.
 
@@ -78,7 +78,7 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
     if _all_known(frame.sum_abs) and _all_known(frame.max_abs_grad):
         optional.update(sum_abs=frame.sum_abs.tolist(), max_abs=frame.max_abs_grad.tolist())
     if frame.nan is not None and frame.nonfinite.any() and (frame.nan >= 0).all():
-        optional["nan"] = frame.nan.tolist()  # schema 1.7, known everywhere
+        optional["nan"] = frame.nan.tolist()  # known for every layer
     if frame.exp_hist is not None and (frame.exp_hist[:, 0] >= 0).all():
         off, cols, counts = _csr(frame.exp_hist)
         optional.update(exp_hist_offsets=off, exp_hist_columns=cols, exp_hist_counts=counts)
@@ -140,7 +140,7 @@ def message_to_merged(message: MergedFrame, num_layers: int) -> MergedShards:
 
 def message_violations(message: MergedFrame) -> np.ndarray:
     """int64[v, 5] layout-violation rows (layer_index, kind, rank, got, expected) a
-    MergedFrame carries (schema 1.8; none for an older worker's frame)."""
+    MergedFrame carries (none when it carries no ``layout_violations``)."""
     if message.layout_violations is None:
         return np.empty((0, 5), np.int64)
     return np.asarray(message.layout_violations, np.int64).reshape(-1, 5)
@@ -155,7 +155,7 @@ key is its run id alone, and a run id holds no NUL byte in practice."""
 class RankRefused(BaseModel):
     """A rank of a run whose RunStarted was refused (it contradicted the run's), kept in the
     compacted runs topic by scale-out workers (JSON). Consumer-internal: producers never
-    send it; a worker of a version before it skips it with a warning."""
+    send it; :func:`load_runs_topic` skips an unusable one with a warning."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 

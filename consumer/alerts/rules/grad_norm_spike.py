@@ -43,11 +43,8 @@ class SpikeRuleConfig(RuleConfig):
             multiplicatively: a 10x jump is as notable at 1e-3 as at 1e2).
         refresh_every: frames between recomputations of the window's median and MAD
             (``consumer.alerts.robust.RollingRobustZ``); None = ``max(1, window // 10)``,
-            so at most a tenth of the window is newer than the statistics. Measured with
-            1000 layers and window 100 (2-core VM): one refresh takes about 1.2 ms, and
-            with the default the rule costs about 0.36 µs CPU per layer-row over a
-            1000-step run (``bench/pipeline_throughput.py``, stage ``rules``). Nothing is
-            computed before ``min_samples`` frames.
+            so at most a tenth of the window is newer than the statistics (costs in
+            ``bench/README.md``). Nothing is computed before ``min_samples`` frames.
     """
 
     window: int = Field(default=100, ge=3)
