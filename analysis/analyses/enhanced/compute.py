@@ -315,47 +315,37 @@ def _comparisons(
     return out
 
 
-_ACTIONS: dict[str, list[PrioritizedAction]] = {
-    RISK_VANISHING: [PrioritizedAction(
-        action_name="Re-initialise the layer (He/Xavier) or add a residual path",
-        action_type=ActionType.PARAMETER_ADJUSTMENT,
-        implementation_effort=ImplementationEffort.MODERATE,
-        prerequisites=["Restart training from the new initialisation"],
-    )],
-    RISK_DEAD: [PrioritizedAction(
-        action_name="Replace dying activations (e.g. LeakyReLU) or reconnect the layer",
-        action_type=ActionType.ARCHITECTURAL_CHANGE,
-        implementation_effort=ImplementationEffort.HIGH,
-        prerequisites=["Model code change", "Retraining"],
-    )],
-    RISK_EXPLODING: [
-        PrioritizedAction(
-            action_name="Reduce the learning rate",
-            action_type=ActionType.LEARNING_RATE_SCHEDULING,
-            implementation_effort=ImplementationEffort.MINIMAL, prerequisites=[],
-        ),
-        PrioritizedAction(
-            action_name="Clip the global gradient norm",
-            action_type=ActionType.OPTIMIZATION_TECHNIQUE,
-            implementation_effort=ImplementationEffort.LOW, prerequisites=[],
-        ),
+_ACTIONS: dict[str, list[tuple[str, ActionType, ImplementationEffort, list[str]]]] = {
+    RISK_VANISHING: [
+        ("Re-initialise the layer (He/Xavier) or add a residual path",
+         ActionType.PARAMETER_ADJUSTMENT, ImplementationEffort.MODERATE,
+         ["Restart training from the new initialisation"]),
     ],
-    RISK_NONFINITE: [PrioritizedAction(
-        action_name="Skip non-finite steps; dynamic loss scaling under mixed precision",
-        action_type=ActionType.OPTIMIZATION_TECHNIQUE,
-        implementation_effort=ImplementationEffort.LOW, prerequisites=[],
-    )],
-    RISK_UNSTABLE: [PrioritizedAction(
-        action_name="Clip the gradient norm",
-        action_type=ActionType.OPTIMIZATION_TECHNIQUE,
-        implementation_effort=ImplementationEffort.LOW, prerequisites=[],
-    )],
-    RISK_OSCILLATING: [PrioritizedAction(
-        action_name="Lower the learning rate or lengthen the warm-up",
-        action_type=ActionType.LEARNING_RATE_SCHEDULING,
-        implementation_effort=ImplementationEffort.MINIMAL, prerequisites=[],
-    )],
+    RISK_DEAD: [
+        ("Replace dying activations (e.g. LeakyReLU) or reconnect the layer",
+         ActionType.ARCHITECTURAL_CHANGE, ImplementationEffort.HIGH,
+         ["Model code change", "Retraining"]),
+    ],
+    RISK_EXPLODING: [
+        ("Reduce the learning rate", ActionType.LEARNING_RATE_SCHEDULING,
+         ImplementationEffort.MINIMAL, []),
+        ("Clip the global gradient norm", ActionType.OPTIMIZATION_TECHNIQUE,
+         ImplementationEffort.LOW, []),
+    ],
+    RISK_NONFINITE: [
+        ("Skip non-finite steps; dynamic loss scaling under mixed precision",
+         ActionType.OPTIMIZATION_TECHNIQUE, ImplementationEffort.LOW, []),
+    ],
+    RISK_UNSTABLE: [
+        ("Clip the gradient norm", ActionType.OPTIMIZATION_TECHNIQUE,
+         ImplementationEffort.LOW, []),
+    ],
+    RISK_OSCILLATING: [
+        ("Lower the learning rate or lengthen the warm-up", ActionType.LEARNING_RATE_SCHEDULING,
+         ImplementationEffort.MINIMAL, []),
+    ],
 }
+"""Actions per risk factor: (action name, type, effort, prerequisites)."""
 
 _URGENCY_RANK = {u: k for k, u in enumerate(UrgencyLevel)}
 
@@ -363,8 +353,11 @@ _URGENCY_RANK = {u: k for k, u in enumerate(UrgencyLevel)}
 def _actions(risks: list[str]) -> list[PrioritizedAction]:
     seen: dict[str, PrioritizedAction] = {}
     for risk in risks:
-        for action in _ACTIONS[risk]:
-            seen.setdefault(action.action_name, action)
+        for name, kind, effort, prerequisites in _ACTIONS[risk]:
+            seen.setdefault(name, PrioritizedAction(
+                action_name=name, action_type=kind, implementation_effort=effort,
+                prerequisites=prerequisites,
+            ))
     return list(seen.values())
 
 

@@ -302,58 +302,49 @@ def _comparisons(
 def _suggestions(ref: ReferenceFacts, i: int) -> list[LayerOptimizationSuggestion]:
     """``generate_layer_optimization_suggestions``: mean below 1e-5, above 10,
     oscillation frequency above 0.5 (gradstream's wording)."""
-    out = []
-    if ref.mean[i] < LOW_MEAN:
-        out.append(LayerOptimizationSuggestion(
-            suggestion_type=SuggestionType.WEIGHT_INITIALIZATION,
-            description="Re-initialise the layer with a better scheme.",
-            rationale=f"Mean gradient norm {ref.mean[i]:.3g} is below 1e-5.",
-            implementation_complexity=ImplementationComplexity.SIMPLE,
-            side_effects=["Training may have to restart from scratch."],
-        ))
-    if ref.mean[i] > SUGGEST_LR_MEAN:
-        out.append(LayerOptimizationSuggestion(
-            suggestion_type=SuggestionType.LEARNING_RATE_ADJUSTMENT,
-            description="Lower this layer's learning rate.",
-            rationale=f"Mean gradient norm {ref.mean[i]:.3g} is above 10.",
-            implementation_complexity=ImplementationComplexity.SIMPLE,
-            side_effects=["Convergence may slow down."],
-        ))
-    if ref.oscillation[i] > 0.5:
-        out.append(LayerOptimizationSuggestion(
-            suggestion_type=SuggestionType.REGULARIZATION_ADD,
-            description="Add dropout or weight decay.",
-            rationale=f"Oscillation frequency {ref.oscillation[i]:.2f} is above 0.5.",
-            implementation_complexity=ImplementationComplexity.MODERATE,
-            side_effects=["May reduce the model's capacity."],
-        ))
-    return out
+    mean, oscillation = ref.mean[i], ref.oscillation[i]
+    rules = (
+        (mean < LOW_MEAN, SuggestionType.WEIGHT_INITIALIZATION,
+         "Re-initialise the layer with a better scheme.",
+         f"Mean gradient norm {mean:.3g} is below 1e-5.",
+         ImplementationComplexity.SIMPLE, ["Training may have to restart from scratch."]),
+        (mean > SUGGEST_LR_MEAN, SuggestionType.LEARNING_RATE_ADJUSTMENT,
+         "Lower this layer's learning rate.",
+         f"Mean gradient norm {mean:.3g} is above 10.",
+         ImplementationComplexity.SIMPLE, ["Convergence may slow down."]),
+        (oscillation > 0.5, SuggestionType.REGULARIZATION_ADD,
+         "Add dropout or weight decay.",
+         f"Oscillation frequency {oscillation:.2f} is above 0.5.",
+         ImplementationComplexity.MODERATE, ["May reduce the model's capacity."]),
+    )
+    return [
+        LayerOptimizationSuggestion(
+            suggestion_type=kind, description=text, rationale=why,
+            implementation_complexity=complexity, side_effects=side,
+        )
+        for hit, kind, text, why, complexity, side in rules if hit
+    ]
 
 
 def _actions(ref: ReferenceFacts, i: int) -> list[PrioritizedAction]:
     """``generate_prioritized_actions``: mean below 1e-5, above 10, stability below 0.5."""
-    out = []
-    if ref.mean[i] < LOW_MEAN:
-        out.append(PrioritizedAction(
-            action_name="Improve the weight initialisation",
-            action_type=ActionType.PARAMETER_ADJUSTMENT,
-            implementation_effort=ImplementationEffort.MODERATE,
-            prerequisites=["Review of the model architecture"],
-        ))
-    if ref.mean[i] > SUGGEST_LR_MEAN:
-        out.append(PrioritizedAction(
-            action_name="Reduce the learning rate",
-            action_type=ActionType.LEARNING_RATE_SCHEDULING,
-            implementation_effort=ImplementationEffort.MINIMAL, prerequisites=[],
-        ))
-    if ref.stability[i] < 0.5:
-        out.append(PrioritizedAction(
-            action_name="Clip the gradient norm",
-            action_type=ActionType.OPTIMIZATION_TECHNIQUE,
-            implementation_effort=ImplementationEffort.LOW,
-            prerequisites=["Hyperparameter tuning"],
-        ))
-    return out
+    rules = (
+        (ref.mean[i] < LOW_MEAN, "Improve the weight initialisation",
+         ActionType.PARAMETER_ADJUSTMENT, ImplementationEffort.MODERATE,
+         ["Review of the model architecture"]),
+        (ref.mean[i] > SUGGEST_LR_MEAN, "Reduce the learning rate",
+         ActionType.LEARNING_RATE_SCHEDULING, ImplementationEffort.MINIMAL, []),
+        (ref.stability[i] < 0.5, "Clip the gradient norm",
+         ActionType.OPTIMIZATION_TECHNIQUE, ImplementationEffort.LOW,
+         ["Hyperparameter tuning"]),
+    )
+    return [
+        PrioritizedAction(
+            action_name=name, action_type=kind, implementation_effort=effort,
+            prerequisites=prerequisites,
+        )
+        for hit, name, kind, effort, prerequisites in rules if hit
+    ]
 
 
 def _urgency(health: LayerHealth, stability: float) -> UrgencyLevel:
