@@ -1,7 +1,8 @@
 """The analyses of a stored run, registered in one place: ``gradstream analyze`` and the
 dashboard's ``/api/analyses`` and ``/api/analysis/<name>`` are generic over this list.
 
-An analysis is one module that ends with an :class:`Analysis` entry named ``ANALYSIS``:
+An analysis is one folder, ``analysis/analyses/<name>/``, whose ``__init__.py`` ends with
+an :class:`Analysis` entry named ``ANALYSIS``:
 
 - ``name`` and ``help``: the ``--kind`` value and a one-line description;
 - ``options``: a frozen pydantic model whose fields are the analysis's options, each with a
@@ -13,10 +14,13 @@ An analysis is one module that ends with an :class:`Analysis` entry named ``ANAL
 How to add an analysis
 ----------------------
 
-1. Write ``analysis/<name>.py`` (or a package) with the options model, the build and render
-   functions, and ``ANALYSIS = Analysis(name="<name>", help=..., options=...,
-   build=..., render=...)``.
-2. Add one line ``"<name>": "analysis.<name>",`` to :data:`ANALYSES` below.
+1. Write the folder ``analysis/analyses/<name>/`` in the shape of the others
+   (:mod:`analysis.analyses`): ``models.py`` (the pydantic report models), ``render.py``
+   (the rich rendering), modules only it needs (``compute.py``, ``load.py``,
+   ``reference.py``), and ``__init__.py`` with the options model, the build function and
+   ``ANALYSIS = Analysis(name="<name>", help=..., options=..., build=..., render=...)``.
+   What more than one analysis uses comes from :mod:`analysis.blocks`.
+2. Add one line ``"<name>": "analysis.analyses.<name>",`` to :data:`ANALYSES` below.
 
 Nothing else changes: ``gradstream analyze --kind <name>`` accepts it, its options are set
 with the existing flags whose names match its fields (``--window``, ``--alpha``,
