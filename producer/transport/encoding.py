@@ -12,6 +12,7 @@ import numpy as np
 
 from producer.summary import LayerSummaries
 from producer.weights import WeightSummaries
+from schemas.stats import csr_from_dense
 from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message, split_step_summary
 
 
@@ -165,11 +166,10 @@ def encode_within(
 
 
 def _sparse_histogram(prefix: str, hist: np.ndarray) -> dict[str, list[int]]:
-    """CSR wire form (``<prefix>_offsets/_columns/_counts``) of an int64[k, B] histogram."""
-    rows, cols = np.nonzero(hist)
-    offsets = np.zeros(hist.shape[0] + 1, np.int64)
-    np.cumsum(np.bincount(rows, minlength=hist.shape[0]), out=offsets[1:])
+    """CSR wire form (``<prefix>_offsets/_columns/_counts``) of an int64[k, B] histogram
+    (:func:`schemas.stats.csr_from_dense`)."""
+    offsets, columns, counts = csr_from_dense(hist)
     return {
-        f"{prefix}_offsets": offsets.tolist(), f"{prefix}_columns": cols.tolist(),
-        f"{prefix}_counts": hist[rows, cols].tolist(),
+        f"{prefix}_offsets": offsets.tolist(), f"{prefix}_columns": columns.tolist(),
+        f"{prefix}_counts": counts.tolist(),
     }
