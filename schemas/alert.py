@@ -27,20 +27,18 @@ from __future__ import annotations
 import hashlib
 import re
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PlainSerializer,
     PlainValidator,
     TypeAdapter,
     ValidationError,
     WithJsonSchema,
-    field_validator,
 )
 
+from schemas.versioned import VersionedMessage
 from schemas.wire import MAX_RUN_ID_LENGTH, GradientHealth, WireError
 
 ALERT_SCHEMA_MAJOR = 1
@@ -134,25 +132,13 @@ class AlertState(StrEnum):
     RESOLVED = "resolved"
 
 
-class _AlertWire(BaseModel):
-    """Common base: frozen, tolerant of unknown fields, checks the major version."""
+class _AlertWire(VersionedMessage):
+    """Common base of the alerts-topic records (:class:`schemas.versioned.VersionedMessage`)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    schema_major: ClassVar[int] = ALERT_SCHEMA_MAJOR
+    schema_label: ClassVar[str] = "alert schema"
 
     schema_version: str = ALERT_SCHEMA_VERSION
-
-    @field_validator("schema_version")
-    @classmethod
-    def _known_major(cls, value: str) -> str:
-        major, _, minor = value.partition(".")
-        if not (major.isdigit() and minor.isdigit()):
-            raise ValueError(f"schema_version must look like 'MAJOR.MINOR', got {value!r}")
-        if int(major) != ALERT_SCHEMA_MAJOR:
-            raise ValueError(
-                f"unsupported alert schema major version {major} "
-                f"(this build reads {ALERT_SCHEMA_MAJOR}.x)"
-            )
-        return value
 
 
 class Alert(_AlertWire):

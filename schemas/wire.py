@@ -26,16 +26,14 @@ from __future__ import annotations
 import json
 import math
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     TypeAdapter,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -44,6 +42,7 @@ from pydantic import (
 from schemas.stats import EXP_HIST_BINS as EXP_HIST_BINS
 from schemas.stats import EXP_HIST_MAX as EXP_HIST_MAX
 from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
+from schemas.versioned import VersionedMessage
 
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 8
@@ -128,24 +127,14 @@ RunId = Annotated[str, Field(min_length=1, max_length=MAX_RUN_ID_LENGTH)]
 WallTime = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
-class _Wire(BaseModel):
-    """Common base: strict about types, tolerant of unknown fields (newer minor versions)."""
+class _Wire(VersionedMessage):
+    """Common base of the wire messages (:class:`schemas.versioned.VersionedMessage`);
+    non-finite floats serialise as JSON constants."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True, ser_json_inf_nan="constants")
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+    schema_major: ClassVar[int] = SCHEMA_MAJOR
 
     schema_version: str = SCHEMA_VERSION
-
-    @field_validator("schema_version")
-    @classmethod
-    def _known_major(cls, value: str) -> str:
-        major, _, minor = value.partition(".")
-        if not (major.isdigit() and minor.isdigit()):
-            raise ValueError(f"schema_version must look like 'MAJOR.MINOR', got {value!r}")
-        if int(major) != SCHEMA_MAJOR:
-            raise ValueError(
-                f"unsupported schema major version {major} (this build reads {SCHEMA_MAJOR}.x)"
-            )
-        return value
 
 
 class RunStarted(_Wire):
