@@ -39,6 +39,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from analysis.read.sidecar import pid_alive
+
 __all__ = [
     "DEFAULT_STATE_DIR",
     "KAFKA_VERSION",
@@ -310,26 +312,18 @@ def _new_cluster_id() -> str:
 
 
 def _pid_alive(pid: int, server_properties: Path | None = None) -> bool:
-    """Whether ``pid`` is a live (non-zombie) process, and our broker if /proc tells."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """Whether ``pid`` is a live (non-zombie) process
+    (:func:`analysis.read.sidecar.pid_alive`), and our broker if /proc tells."""
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    proc = Path("/proc") / str(pid)
-    if proc.is_dir():
-        try:
-            stat = (proc / "stat").read_text()
-            if stat[stat.rindex(")") + 2 :].startswith("Z"):
-                return False
-            if server_properties is not None:
-                cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-                # A recycled pid belongs to another program: not our broker.
-                return b"kafka.Kafka" in cmdline and str(server_properties).encode() in cmdline
-        except (OSError, ValueError):
-            return True
-    return True
+    if server_properties is None:
+        return True
+    try:
+        cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    # A recycled pid belongs to another program: not our broker.
+    return b"kafka.Kafka" in cmdline and str(server_properties).encode() in cmdline
 
 
 def _read_tail(path: Path, lines: int = 20) -> str:

@@ -144,14 +144,21 @@ def _load(path: Path) -> ServeInfo | None:
         return None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host and is not a zombie (its state in
+    ``/proc/<pid>/stat``, where ``/proc`` tells). A process of another user counts as
+    alive."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by someone else
-    return True
+        return True
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+        return not stat[stat.rindex(")") + 2 :].startswith("Z")
+    except (OSError, ValueError):
+        return True
 
 
 def read_sidecar(db: str | os.PathLike[str]) -> ServeInfo | None:
@@ -165,6 +172,6 @@ def read_sidecar(db: str | os.PathLike[str]) -> ServeInfo | None:
         return None
     if Path(info.db) != Path(db).resolve():
         return None
-    if info.host == socket.gethostname() and not _alive(info.pid):
+    if info.host == socket.gethostname() and not pid_alive(info.pid):
         return None
     return info
