@@ -1,5 +1,7 @@
 """Building blocks shared by the analyses (:mod:`analysis.analyses`) and the reports.
 
+- :mod:`analysis.blocks.run_range`: the preamble of every build (check the step range,
+  resolve the run, apply the report's exclusion).
 - :mod:`analysis.blocks.gradient_arrays`: one run's gradient history from the store as
   dense ``layers x steps`` NumPy arrays (model order), loaded in one SQL pass.
 - :mod:`analysis.blocks.series`: per-layer time-series statistics vectorised over layers

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from analysis.read.connect import StoreError, require_run
-from analysis.read.exclusion import Exclusion, run_exclusion
-from analysis.read.sql import stats_params, step_range
+from analysis.blocks.run_range import open_run_range
+from analysis.read.connect import StoreError
+from analysis.read.exclusion import Exclusion
+from analysis.read.sql import step_range
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -309,8 +310,8 @@ def load_history(
     Raises:
         StoreError: unknown run, invalid step range.
     """
-    params = stats_params(run_id, from_step, to_step)
-    require_run(con, run_id)
+    run_range = open_run_range(con, run_id, from_step, to_step, ignore_layers)
+    params = run_range.params
     run_rows = con.execute(_RUN_SQL, {"run_id": run_id}).fetchall()
     # The run exists (checked by require_run).
     van, exp, world, _num_layers, run_first_step = run_rows[0]
@@ -339,7 +340,7 @@ def load_history(
         raise StoreError(f"run {run_id!r} has NULL or NaN grad_norm values in layer_stats")
     norms[(flags & FLAG_NONFINITE) != 0] = np.nan
     valid = ~np.isnan(norms)
-    exclusion = run_exclusion(con, run_id, ignore_layers)
+    exclusion = run_range.exclusion
     excluded = np.isin(layer_index, np.asarray(exclusion.layer_index, dtype=np.int64))
     flags[excluded] &= np.uint8(~(FLAG_VANISHING | FLAG_EXPLODING | FLAG_DEAD) & 0xFF)
 

@@ -60,9 +60,9 @@ from analysis.analyses.explosion.reference import (
 )
 from analysis.analyses.explosion.render import render_explosion
 from analysis.blocks.rules import DEFAULT_RULES, Rules
-from analysis.read.connect import StoreError, require_run
-from analysis.read.exclusion import run_exclusion, split_patterns
-from analysis.read.sql import stats_params
+from analysis.blocks.run_range import open_run_range
+from analysis.read.connect import StoreError
+from analysis.read.exclusion import split_patterns
 from analysis.registry import Analysis
 
 if TYPE_CHECKING:
@@ -101,8 +101,7 @@ def build_explosion_analysis(
         StoreError: unknown run, invalid step range, no rows in the range.
         ValueError: a non-positive threshold.
     """
-    params = stats_params(run_id, from_step, to_step)
-    require_run(con, run_id)
+    run_range = open_run_range(con, run_id, from_step, to_step, ignore_layers)
     if threshold is None:
         rows = con.execute(
             "SELECT exploding_threshold FROM runs WHERE run_id = $run_id", {"run_id": run_id}
@@ -110,8 +109,8 @@ def build_explosion_analysis(
         threshold = float(rows[0][0])
     if not threshold > 0:
         raise ValueError(f"threshold must be > 0, got {threshold}")
-    exclusion = run_exclusion(con, run_id, ignore_layers)
-    params = {**params, "threshold": threshold, "excluded": exclusion.layer_index}
+    exclusion = run_range.exclusion
+    params = {**run_range.params, "threshold": threshold, "excluded": exclusion.layer_index}
     layers = layer_peaks(con, params)
     if not layers:
         raise StoreError(f"run {run_id!r} has no gradient rows in the step range")

@@ -42,9 +42,8 @@ from analysis.analyses.weights.load import (
 from analysis.analyses.weights.models import WeightAnalysisReport
 from analysis.analyses.weights.render import render_weights
 from analysis.blocks.rules import DEFAULT_RULES, Rules
+from analysis.blocks.run_range import open_run_range
 from analysis.blocks.significance import DEFAULT_ALPHA
-from analysis.read.connect import require_run
-from analysis.read.sql import stats_params
 from analysis.registry import Analysis
 
 if TYPE_CHECKING:
@@ -80,8 +79,7 @@ def build_weight_analysis(
             weight statistics in the range (the message says how to turn them on).
         ValueError: ``alpha`` outside (0, 1).
     """
-    params = stats_params(run_id, from_step, to_step)
-    require_run(con, run_id)
+    params = open_run_range(con, run_id, from_step, to_step).params
     require_weight_columns(con)
     a, b = weight_step_range(con, params)
     last = fetch_step(con, run_id, b)

@@ -1,0 +1,54 @@
+"""The preamble every analysis's build runs first: check the step range, resolve the run,
+and apply the report's explicit exclusion (:func:`analysis.read.exclusion.run_exclusion`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from analysis.read.connect import require_run
+from analysis.read.exclusion import Exclusion, run_exclusion
+from analysis.read.sql import stats_params
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import duckdb
+
+
+@dataclass(frozen=True)
+class RunRange:
+    """One stored run's inclusive step range, checked.
+
+    Attributes:
+        params: the named parameters of :data:`analysis.read.sql.STATS_SQL` and
+            :func:`analysis.read.sql.step_range` (``run_id``, ``from_step``, ``to_step``).
+        exclusion: the layers the run's ``ignore_layers`` and the reader's patterns match.
+    """
+
+    params: dict[str, object]
+    exclusion: Exclusion
+
+
+def open_run_range(
+    con: duckdb.DuckDBPyConnection,
+    run_id: str,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    ignore_layers: Sequence[str] = (),
+) -> RunRange:
+    """Check ``from_step``/``to_step``, check that ``run_id`` is stored, and resolve the
+    exclusion.
+
+    Args:
+        con: a connection from :func:`analysis.read.connect.open_store` (or a cursor).
+        run_id: the run.
+        from_step, to_step: inclusive step range (``None`` = open).
+        ignore_layers: patterns excluded besides the run's own ``ignore_layers``.
+
+    Raises:
+        StoreError: invalid step range, or unknown run.
+    """
+    params = stats_params(run_id, from_step, to_step)
+    require_run(con, run_id)
+    return RunRange(params, run_exclusion(con, run_id, ignore_layers))
