@@ -69,9 +69,8 @@ URL is in the sidecar)."""
 DEFAULT_MAX_READERS = max(1, (os.cpu_count() or 1) // 2)
 """Read requests a process answers at once (the others wait): half the cores, at least one.
 The other half is the writer's (the loop thread and the DuckDB writer thread), and DuckDB
-parallelises each query over the instance's threads anyway. Measured on 2 cores
-(``bench/read_contention.py``, 4 readers querying back to back): one read at a time kept
-ingestion at 1.02-1.14 of its rate without readers, two at a time at 0.82-0.92."""
+parallelises each query over the instance's threads anyway (the ingest rates under
+concurrent readers: ``bench/README.md``, ``read_contention.py``)."""
 
 READER_NICE = 19
 """Nice value of the threads that answer reads in a writing process (Linux): 19, the
@@ -137,8 +136,8 @@ class BoundedReadCursors:
     Args:
         cursors: the cursors to bound (closed by :meth:`close`).
         max_readers: slots (>= 1); ``None``: no bound.
-        nice: nice value (0-19) of the threads that take a cursor (Linux; a request
-            thread of the dashboard serves one connection, then ends). 0: unchanged.
+        nice: nice value (0-19) of the threads that take a cursor (Linux; the server's
+            worker threads, which answer reads only). 0: unchanged.
 
     Raises:
         ValueError: ``max_readers`` < 1 or ``nice`` outside 0-19.
