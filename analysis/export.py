@@ -21,6 +21,7 @@ Progress is the fraction of rows written (a ``count(*)`` of the range first).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,6 +64,13 @@ shows the reference's values of the layers holding NaN/Inf elements (``analysis.
 mean and norm NaN with a NaN, inf with an Inf; max inf with an Inf; an Inf layer exploding;
 the step's intensities rebuilt), and refuses (``StoreError``) a range holding such a row
 stored without its NaN count."""
+
+
+def file_stem(run_id: str) -> str:
+    """``run_id`` as a portable file-name stem: each run of characters other than ASCII
+    letters, digits, ``.``, ``_`` and ``-`` becomes one ``_``, leading and trailing ``.`` and
+    ``_`` are dropped, and ``"run"`` stands for an empty result (``"a/1"`` -> ``"a_1"``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip("._") or "run"
 
 
 def rust_exp_sql(column: str) -> str:

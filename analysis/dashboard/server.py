@@ -51,7 +51,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -80,7 +79,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from analysis.dashboard import api
-from analysis.export import EXPORT_FORMATS, export_run
+from analysis.export import EXPORT_FORMATS, export_run, file_stem
 from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, norm_palette
 from analysis.read.connect import StoreError
 from analysis.read.cursors import ReadCursors, StoreClosedError
@@ -212,10 +211,6 @@ def _read_error(exc: StoreError) -> _HTTPError:
         return _HTTPError(HTTPStatus.NOT_FOUND, str(exc), "not_found")
     status = HTTPStatus.NOT_FOUND if "unknown run" in str(exc) else HTTPStatus.BAD_REQUEST
     return _HTTPError(status, str(exc), "invalid")
-
-
-def _safe_stem(run_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip("._") or "run"
 
 
 def _page(path: str) -> bool:
@@ -496,7 +491,7 @@ class Dashboard:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        name = f"{_safe_stem(run)}.{fmt}"
+        name = f"{file_stem(run)}.{fmt}"
         headers = {
             "X-Gradstream-Rows": str(rows),
             "Content-Disposition":

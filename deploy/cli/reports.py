@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -41,10 +40,11 @@ if TYPE_CHECKING:
 def exclusion_patterns(given: list[str] | None) -> list[str]:
     """``--ignore-layers`` as given, else ``$GRADSTREAM_IGNORE_LAYERS`` split on commas (as
     the consumer's settings read it), else none."""
+    from analysis.read.exclusion import split_patterns
+
     if given:
         return list(given)
-    env = os.environ.get("GRADSTREAM_IGNORE_LAYERS", "")
-    return [p.strip() for p in env.split(",") if p.strip()]
+    return list(split_patterns(os.environ.get("GRADSTREAM_IGNORE_LAYERS", "")))
 
 
 def exclude_rounding(given: bool | None) -> bool:
@@ -137,12 +137,6 @@ def _progress_bar(description: str) -> Iterator[Callable[[float | None], None]]:
                 bar.update(task, total=1.0, completed=fraction)
 
         yield update
-
-
-def _safe_filename(run_id: str) -> str:
-    """``run_id`` reduced to a portable file-name stem (other characters become ``_``)."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip("._")
-    return stem or "run"
 
 
 def report(
@@ -263,10 +257,12 @@ def export(
     step, with each layer's fields and flow intensity), Parquet or JSON Lines (every
     stored column). Streamed, with a progress bar; while another process writes the store,
     that process reads the rows and this one writes the file."""
+    from analysis.export import file_stem
+
     ext = output_format.value
     with reading(db, timeout) as reader, _progress_bar(f"exporting {ext}") as on_progress:
         run_id = reader.resolve_run(run)
-        target = output or Path("out") / f"{_safe_filename(run_id)}.{ext}"
+        target = output or Path("out") / f"{file_stem(run_id)}.{ext}"
         count = reader.export(run_id, ext, target, from_step, to_step, order.value, on_progress,
                               style.value)
     unit = "frames" if output_format is ExportFormat.JSON else "rows"
@@ -306,15 +302,16 @@ def plot(
     """Draw a run: PNG heatmap of log10 gradient norm (layers in model order x steps,
     vanishing/exploding cells marked), PNG of per-layer norms over time, and the
     gradient-flow animation as one offline HTML file (step slider, play button)."""
+    from analysis.export import file_stem
     from analysis.plots.files import write_pictures
 
     with reading(db, timeout) as reader:
         run_id = reader.resolve_run(run)
         with Console(stderr=True).status(f"drawing run {run_id}"):
-            files = write_pictures(reader, run_id, out, _safe_filename(run_id),
-                               max_steps=max_steps, max_layers=max_layers,
-                               max_frames=max_frames, width_px=width, from_step=from_step,
-                               to_step=to_step)
+            files = write_pictures(reader, run_id, out, file_stem(run_id),
+                                   max_steps=max_steps, max_layers=max_layers,
+                                   max_frames=max_frames, width_px=width, from_step=from_step,
+                                   to_step=to_step)
     console = Console(stderr=True, highlight=False)
     console.print(f"run {run_id!r}: {files.heatmap_caption}", markup=False, soft_wrap=True)
     for path in (files.heatmap, files.series, files.animation):
