@@ -1,15 +1,18 @@
 """DuckDB table definitions: the store's half of the contract.
 
-Written by the consumer's sink, read by ``analysis``. All statements are idempotent
-(``CREATE ... IF NOT EXISTS``). Times are unix seconds (DOUBLE); steps are optimiser steps.
+Written by the consumer's DuckDB output, read by ``analysis``. :data:`CREATE_TABLES`
+declares the current schema; :data:`SCHEMA_DDL` is what a writer runs on opening a store:
+those statements, then the migrations of :mod:`schemas.migrations` that bring a store
+created by an older version to the same columns (each a no-op on a current store). All
+statements are idempotent. Times are unix seconds (DOUBLE); steps are optimiser steps.
 
 Tables
 ------
 runs
     One row per run: world size, thresholds, host, times, config, the layer-name patterns
-    the run excludes from its health (``ignore_layers``, schema 1.5; NULL = none, and in
-    stores written before), and the incremental health counters kept by the worker
-    (``frames``, ``issue_frames``, ``health``...).
+    the run excludes from its health (``ignore_layers``; NULL = none), and the
+    incremental health counters kept by the worker (``frames``, ``issue_frames``,
+    ``health``...).
 run_ranks
     One row per (run, rank) that sent RunFinished: its last step, steps it recorded and
     step summaries it dropped (queue full while Kafka was unreachable).
@@ -19,7 +22,7 @@ refused_ranks
     (``refused_rank``) instead of merging them.
 layers
     Layer names in model order (``layer_index``), their full-tensor element counts and,
-    when the producer sent it (schema 1.3), the gradient ``dtype``.
+    when the producer sent it, the gradient ``dtype``.
 layer_stats
     One row per (run, step, layer): the exactly-mergeable sums over every rank
     (``numel``, ``sum_abs``, ``sum_sq``, ``max_abs_grad``, ``nonfinite``) and the
@@ -33,22 +36,22 @@ layer_stats
     ``max_abs_grad`` and ``mean_abs_grad`` are NULL for a layer some rank sent in norms
     mode. Unique on (run_id, step, layer_index) without an index: the sink writes a
     frame by deleting the batch's (run_id, step) rows, then appending the new ones, in one
-    transaction (an index would cost more per inserted row than the rest of the insert).
-    Stores created before carry that primary key; it stays and the same writes keep it
-    satisfied. The weight distribution over the finite weights (schema 1.2; NULL unless every
+    transaction (an index would cost more per inserted row than the rest of the insert;
+    a store that carries that primary key keeps it, and the same writes keep it
+    satisfied). The weight distribution over the finite weights (NULL unless every
     shard sent it): ``weight_sum`` = sum w, ``weight_sum_cube`` = sum w^3,
     ``weight_sum_quad`` = sum w^4, ``weight_min``, ``weight_max``, ``weight_zeros`` (exact
     zeros), ``weight_nonfinite`` and the exponent histogram of |w|
     (``weight_exp_hist_columns`` / ``weight_exp_hist_counts``, same layout). Like the
     gradient sums, the weight sums add over the pieces of a parameter: a sharded tensor
     (FSDP) adds up to the whole tensor, and a replicated one (DDP) is counted once when the
-    producer sends a shard layout (schema 1.3), so ``layer_stats.numel = layers.numel``.
-    Runs stored by a 1.2 producer under DDP hold ``R = layer_stats.numel / layers.numel``
+    producer sends a shard layout, so ``layer_stats.numel = layers.numel``. A run whose
+    producer sent no shard layout under DDP holds ``R = layer_stats.numel / layers.numel``
     identical copies; dividing the sums by ``R`` gives one copy in both cases.
-    ``nan`` (wire schema 1.7): how many of the ``nonfinite`` elements are NaN, the others
-    being +-Inf; NULL where some shard of the layer did not send the count (a producer
-    before 1.7) and in rows stored before (``analysis.nonfinite`` then cannot rebuild the
-    reference implementation's values of a row with ``nonfinite > 0``).
+    ``nan``: how many of the ``nonfinite`` elements are NaN, the others being +-Inf; NULL
+    where some shard of the layer did not send the count (``analysis.nonfinite`` then
+    cannot rebuild the reference's (trustformers-debug) values of a row with
+    ``nonfinite > 0``).
 local_layer_stats
     One row per (run, step, rank, layer) of the per-rank *local* view: the statistics of
     that rank's own gradient before the cross-rank reduction (``numel``, ``sum_abs``,
@@ -56,17 +59,26 @@ local_layer_stats
     is on. Never merged into ``layer_stats``; it tells which rank's gradient went bad first.
 frames
     One row per (run, step): run health after this frame, per-frame counts, whether every
-    rank reported (``complete``), the ranks seen and missing.
+    rank reported (``complete``), the ranks seen and missing, and why a frame is partial
+    besides ``missing_ranks``: the missing ranks whose data was refused
+    (``refused_ranks``: a refused RunStarted, a dead-lettered summary; the others sent
+    nothing) and how many layers hold pieces that do not fit their parameter
+    (``layout_violations``: numel that does not add up, a replica of another size, another
+    shard count).
 alerts
     Alert events raised by workers (``schemas.alert.Alert``): one row per firing or
     resolved event, keyed by ``alert_id``; the two events of an incident share
-    ``incident_id``; ``frame_values`` (JSON) holds the frame values behind the event.
+    ``incident_id`` and ``first_step`` (the step it began); ``frame_values`` (JSON) holds
+    the frame values behind the event and ``wall_time`` the producer wall time of that
+    frame.
 kafka_offsets
     Next Kafka offset to consume per (consumer group, topic, partition), written in the
     same transaction as the rows it covers (exactly-once into the store).
 """
 
-SCHEMA_DDL: tuple[str, ...] = (
+from schemas.migrations import MIGRATIONS
+
+CREATE_TABLES: tuple[str, ...] = (
     """
     CREATE TABLE IF NOT EXISTS runs (
         run_id              VARCHAR PRIMARY KEY,
@@ -82,12 +94,10 @@ SCHEMA_DDL: tuple[str, ...] = (
         frames              BIGINT NOT NULL DEFAULT 0,
         issue_frames        BIGINT NOT NULL DEFAULT 0,
         last_step           BIGINT,
-        first_nonfinite_step BIGINT
+        first_nonfinite_step BIGINT,
+        ignore_layers       VARCHAR[]
     )
     """,
-    # The run's explicit layer exclusion (RunStarted.ignore_layers, schema 1.5): NULL in
-    # stores written before, and for runs that set none.
-    "ALTER TABLE runs ADD COLUMN IF NOT EXISTS ignore_layers VARCHAR[]",
     """
     CREATE TABLE IF NOT EXISTS run_ranks (
         run_id         VARCHAR NOT NULL,
@@ -113,6 +123,7 @@ SCHEMA_DDL: tuple[str, ...] = (
         layer_index INTEGER NOT NULL,
         name        VARCHAR NOT NULL,
         numel       BIGINT NOT NULL,
+        dtype       VARCHAR,
         PRIMARY KEY (run_id, layer_index)
     )
     """,
@@ -135,33 +146,19 @@ SCHEMA_DDL: tuple[str, ...] = (
         update_sum_sq  DOUBLE,
         update_to_weight DOUBLE,
         exp_hist_columns SMALLINT[],
-        exp_hist_counts  BIGINT[]
+        exp_hist_counts  BIGINT[],
+        weight_sum       DOUBLE,
+        weight_sum_cube  DOUBLE,
+        weight_sum_quad  DOUBLE,
+        weight_min       DOUBLE,
+        weight_max       DOUBLE,
+        weight_zeros     BIGINT,
+        weight_nonfinite BIGINT,
+        weight_exp_hist_columns SMALLINT[],
+        weight_exp_hist_counts  BIGINT[],
+        nan              BIGINT
     )
     """,
-    # Stores created by schema 1.0 gain the richer-statistics columns (NULL when not sent).
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_sq DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS update_sum_sq DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS update_to_weight DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS exp_hist_columns SMALLINT[]",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS exp_hist_counts BIGINT[]",
-    # Schema 1.2: norms mode leaves sum_abs, max_abs_grad, mean_abs_grad NULL; the weight
-    # distribution (power sums, extremes, zeros, exponent histogram of |w|) is NULL unless
-    # the producer sent it.
-    "ALTER TABLE layer_stats ALTER COLUMN sum_abs DROP NOT NULL",
-    "ALTER TABLE layer_stats ALTER COLUMN max_abs_grad DROP NOT NULL",
-    "ALTER TABLE layer_stats ALTER COLUMN mean_abs_grad DROP NOT NULL",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_cube DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_quad DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_min DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_max DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_zeros BIGINT",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_nonfinite BIGINT",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_columns SMALLINT[]",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_counts BIGINT[]",
-    # Wire schema 1.7: how many of the non-finite elements are NaN (the others +-Inf); NULL
-    # where some shard did not send the count, and in every row stored before.
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS nan BIGINT",
     """
     CREATE TABLE IF NOT EXISTS local_layer_stats (
         run_id        VARCHAR NOT NULL,
@@ -175,7 +172,6 @@ SCHEMA_DDL: tuple[str, ...] = (
         nonfinite     BIGINT NOT NULL
     )
     """,
-    "ALTER TABLE layers ADD COLUMN IF NOT EXISTS dtype VARCHAR",
     """
     CREATE TABLE IF NOT EXISTS frames (
         run_id           VARCHAR NOT NULL,
@@ -190,15 +186,11 @@ SCHEMA_DDL: tuple[str, ...] = (
         missing_ranks    INTEGER[] NOT NULL,
         wall_time        DOUBLE NOT NULL,
         finalized_at     DOUBLE NOT NULL,
+        refused_ranks    INTEGER[],
+        layout_violations INTEGER,
         PRIMARY KEY (run_id, step)
     )
     """,
-    # Why a frame is partial, besides ``missing_ranks``: the missing ranks whose data was
-    # refused (a refused RunStarted, a dead-lettered summary; the others sent nothing) and
-    # how many layers hold pieces that do not fit their parameter (numel that does not add
-    # up, a replica of another size, another shard count). NULL in frames stored before.
-    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS refused_ranks INTEGER[]",
-    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS layout_violations INTEGER",
     """
     CREATE TABLE IF NOT EXISTS alerts (
         alert_id   VARCHAR PRIMARY KEY,
@@ -210,15 +202,13 @@ SCHEMA_DDL: tuple[str, ...] = (
         layers     VARCHAR[] NOT NULL,
         ranks      INTEGER[] NOT NULL,
         message    VARCHAR NOT NULL,
-        created_at DOUBLE NOT NULL
+        created_at DOUBLE NOT NULL,
+        incident_id  VARCHAR,
+        first_step   BIGINT,
+        frame_values JSON,
+        wall_time    DOUBLE
     )
     """,
-    # Alert events (schemas.alert.Alert): the incident they belong to, the step it began,
-    # the frame values behind the event (JSON) and the producer wall time of that frame.
-    "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS incident_id VARCHAR",
-    "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS first_step BIGINT",
-    "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS frame_values JSON",
-    "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS wall_time DOUBLE",
     """
     CREATE TABLE IF NOT EXISTS kafka_offsets (
         consumer_group VARCHAR NOT NULL,
@@ -229,6 +219,12 @@ SCHEMA_DDL: tuple[str, ...] = (
     )
     """,
 )
+
+"""Every table at the current schema (``CREATE TABLE IF NOT EXISTS``); columns in the order
+a migrated older store has them, so positional inserts fit both."""
+
+SCHEMA_DDL: tuple[str, ...] = (*CREATE_TABLES, *MIGRATIONS)
+"""What a writer runs on opening a store: the tables, then the migrations of older stores."""
 
 LAYER_STATS_COLUMNS: tuple[str, ...] = (
     "run_id", "step", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs_grad",
@@ -254,5 +250,5 @@ FRAMES_COLUMNS: tuple[str, ...] = (
 ``layout_violations`` follow, see :data:`FRAMES_OPTIONAL_COLUMNS`)."""
 
 FRAMES_OPTIONAL_COLUMNS: tuple[str, ...] = ("refused_ranks", "layout_violations")
-"""Columns of ``frames`` added later (NULL in frames stored before): the missing ranks whose
-data was refused, and the number of layers whose pieces do not fit their parameter."""
+"""The nullable columns of ``frames``: the missing ranks whose data was refused, and the
+number of layers whose pieces do not fit their parameter."""
