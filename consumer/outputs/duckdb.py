@@ -39,6 +39,7 @@ from consumer.outputs.base import (
 from consumer.runs import RunInfo
 from schemas.rounding import rounding_rows_sql
 from schemas.stats import ExponentHistogram, GradientSums, SumOfSquares, WeightMoments
+from schemas.stats.csr import csr_from_dense, offsets_from_lengths
 from schemas.tables import LAYER_STATS_COLUMNS, LOCAL_LAYER_STATS_COLUMNS, SCHEMA_DDL
 from schemas.wire import EXP_HIST_BINS, RunFinished, RunStarted
 
@@ -108,13 +109,11 @@ def _histogram_columns(
         for f in fs
     ])
     valid = dense[:, 0] >= 0
-    rows, cols = np.nonzero((dense > 0) & valid[:, None])
-    offsets = np.zeros(total + 1, np.int32)
-    np.cumsum(np.bincount(rows, minlength=total), out=offsets[1:])
-    mask = pa.array(~valid)
+    offsets, cols, counts = csr_from_dense(dense, keep=valid)
+    list_offsets, mask = pa.array(offsets.astype(np.int32)), pa.array(~valid)
     return (
-        pa.ListArray.from_arrays(pa.array(offsets), pa.array(cols.astype(np.int16)), mask=mask),
-        pa.ListArray.from_arrays(pa.array(offsets), pa.array(dense[rows, cols]), mask=mask),
+        pa.ListArray.from_arrays(list_offsets, pa.array(cols.astype(np.int16)), mask=mask),
+        pa.ListArray.from_arrays(list_offsets, pa.array(counts), mask=mask),
     )
 
 
@@ -127,8 +126,7 @@ def _run_column(values: list[str], lengths: np.ndarray) -> pa.Array:
 def _csr(tbl: pa.Table, columns: str, counts: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(offsets int64[n+1], columns int64[nnz], counts int64[nnz]) of two non-null list
     columns of ``tbl``."""
-    lengths = pc_list_lengths(tbl[columns])
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    offsets = offsets_from_lengths(pc_list_lengths(tbl[columns]))
     flat_cols = np.asarray(pa.concat_arrays([c.flatten() for c in tbl[columns].chunks]),
                            np.int64)
     flat_counts = np.asarray(pa.concat_arrays([c.flatten() for c in tbl[counts].chunks]),

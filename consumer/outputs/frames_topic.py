@@ -35,6 +35,7 @@ from consumer.merge import VIOLATION_NUMEL
 from consumer.outputs.base import Batch, KnownState, Output, PartitionKey, commit_offsets
 from consumer.settings import ConsumerSettings
 from consumer.topic_admin import ensure_topics
+from schemas.stats.csr import csr_from_dense
 from schemas.wire import (
     MAX_MESSAGE_BYTES,
     MergedFrame,
@@ -49,11 +50,10 @@ log = logging.getLogger("gradstream.consumer")
 
 
 def _csr(hist: np.ndarray) -> tuple[list[int], list[int], list[int]]:
-    """(offsets, columns, counts) of an int64[n, B] histogram."""
-    rows, cols = np.nonzero(hist)
-    offsets = np.zeros(hist.shape[0] + 1, np.int64)
-    np.cumsum(np.bincount(rows, minlength=hist.shape[0]), out=offsets[1:])
-    return offsets.tolist(), cols.tolist(), hist[rows, cols].tolist()
+    """(offsets, columns, counts) of an int64[n, B] histogram as lists for the wire
+    (:func:`schemas.stats.csr.csr_from_dense`)."""
+    offsets, columns, counts = csr_from_dense(hist)
+    return offsets.tolist(), columns.tolist(), counts.tolist()
 
 
 def _all_known(values: np.ndarray | None) -> bool:
