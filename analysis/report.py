@@ -34,7 +34,7 @@ window too (:class:`LiveHealth`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Group, RenderableType
@@ -530,8 +530,6 @@ def build_report(
     frames, issue_frames, last_step, first_nonfinite_step, first_step = rows[0][:5]
     world_size, num_layers, *stored, partial_frames, ranks_finished, dropped = run_row
     live = _live_health(con, run_id, *stored)
-    missing_ranks, refused_ranks, misfit_pieces = _partial_reasons(con, params)
-    origin = _local_origin(con, params)
     health = classify_health(
         bool(vanishing), bool(exploding), issue_frames, frames,
         bool(nonfinite) and not reference,
@@ -549,9 +547,7 @@ def build_report(
         issue_frames=issue_frames,
         issue_ratio=issue_frames / max(frames, 1),
         partial_frames=partial_frames,
-        partial_missing_ranks=missing_ranks,
-        partial_refused_ranks=refused_ranks,
-        partial_misfit_pieces=misfit_pieces,
+        **_partial_reasons(con, params),
         ranks_finished=ranks_finished,
         dropped_summaries=int(dropped),
         layers_with_nonfinite_grads=nonfinite,
@@ -560,18 +556,10 @@ def build_report(
         num_layers=num_layers,
         from_step=from_step,
         to_step=to_step,
-        first_bad_local_step=None if origin is None else origin[0],
-        first_bad_local_ranks=[] if origin is None else list(origin[1]),
-        first_bad_local_nonfinite=origin is not None and bool(origin[2]),
-        first_bad_local_exploding=origin is not None and bool(origin[3]),
+        **_local_origin(con, params),
         layers_without_gradient=no_gradient,
         no_gradient_since_step=min(since) if since else None,
-        ignore_layers=exclusion.patterns,
-        layers_excluded=exclusion.names,
-        run_ignore_layers=exclusion.run_patterns,
-        report_ignore_layers=exclusion.given_patterns,
-        layers_excluded_by_run=exclusion.names_by_run,
-        layers_excluded_by_report=exclusion.names_by_given,
+        **_exclusion_fields(exclusion),
         excluded_rounding_level=exclude_rounding,
         nonfinite_rule=nonfinite_rule,
         findings=build_findings(no_gradient, min(since) if since else None,
@@ -652,9 +640,10 @@ def live_health_text(summary: GradientFlowSummary) -> str | None:
 
 
 def _partial_reasons(con: duckdb.DuckDBPyConnection,
-                     params: dict[str, object]) -> tuple[int, int, int]:
-    """(frames with a missing rank, with a refused rank, with misfit pieces) in the range;
-    the last two 0 for a store without ``frames.refused_ranks`` / ``layout_violations``."""
+                     params: dict[str, object]) -> dict[str, int]:
+    """The partial frames of the range counted by reason: the summary's
+    ``partial_missing_ranks``, ``partial_refused_ranks`` and ``partial_misfit_pieces`` (the
+    last two 0 for a store without ``frames.refused_ranks`` / ``layout_violations``)."""
     known = has_column(con, "frames", "layout_violations")
     refused = "len(coalesce(f.refused_ranks, [])) > 0" if known else "false"
     misfit = "coalesce(f.layout_violations, 0) > 0" if known else "false"
@@ -666,20 +655,38 @@ def _partial_reasons(con: duckdb.DuckDBPyConnection,
         {k: params[k] for k in ("run_id", "from_step", "to_step")},
     ).fetchone()
     assert row is not None  # an aggregate
-    return int(row[0]), int(row[1]), int(row[2])
+    return {"partial_missing_ranks": int(row[0]), "partial_refused_ranks": int(row[1]),
+            "partial_misfit_pieces": int(row[2])}
 
 
-def _local_origin(
-    con: duckdb.DuckDBPyConnection, params: dict[str, object]
-) -> tuple[int, list[int], bool, bool] | None:
-    """``(step, ranks, any NaN/Inf, any max |g| > threshold)`` of :data:`_LOCAL_ORIGIN_SQL`,
-    or None (no bad local row, or a store without ``local_layer_stats``)."""
+def _local_origin(con: duckdb.DuckDBPyConnection, params: dict[str, object]) -> dict[str, Any]:
+    """The summary's ``first_bad_local_step``, ``_ranks``, ``_nonfinite`` and ``_exploding``
+    from :data:`_LOCAL_ORIGIN_SQL`: the step, its ranks, whether NaN/Inf and whether a max
+    |g| above the threshold made it bad; none, no ranks and false without a bad local row
+    or in a store without ``local_layer_stats``."""
     import duckdb
 
     try:
-        return con.execute(_LOCAL_ORIGIN_SQL, params).fetchone()
+        row = con.execute(_LOCAL_ORIGIN_SQL, params).fetchone()
     except duckdb.CatalogException:
-        return None
+        row = None
+    step, ranks, nonfinite, exploding = row if row is not None else (None, [], False, False)
+    return {"first_bad_local_step": step, "first_bad_local_ranks": list(ranks),
+            "first_bad_local_nonfinite": bool(nonfinite),
+            "first_bad_local_exploding": bool(exploding)}
+
+
+def _exclusion_fields(exclusion: Exclusion) -> dict[str, list[str]]:
+    """The summary's exclusion fields (:class:`GradientFlowSummary`: ``ignore_layers``,
+    ``layers_excluded``, and each apart by the setting that made it) of ``exclusion``."""
+    return {
+        "ignore_layers": exclusion.patterns,
+        "layers_excluded": exclusion.names,
+        "run_ignore_layers": exclusion.run_patterns,
+        "report_ignore_layers": exclusion.given_patterns,
+        "layers_excluded_by_run": exclusion.names_by_run,
+        "layers_excluded_by_report": exclusion.names_by_given,
+    }
 
 
 def local_origin_text(summary: GradientFlowSummary) -> str | None:
