@@ -10,7 +10,11 @@ validated against the same pydantic models: binary arrays by vectorised NumPy ch
 each field's element rule and the models' own cross-field validators, never per element in
 Python. Consumers accept every minor version of the major version they know
 (unknown fields are ignored, so a newer minor version still parses) and reject any other
-major version with :class:`WireError`.
+major version with :class:`WireError` (:class:`schemas.versioned.VersionedMessage`).
+
+The container is read and written here (:func:`read_binary_container`) rather than
+through the ``safetensors`` library, which measured slower on the decode path
+(``bench/wire_codec.py``); the library reads every container :func:`encode_binary` writes.
 
 Per-layer statistics are columnar: one array per statistic, aligned with ``layer_indices``,
 which index the layer list sent in :class:`RunStarted` (model order). The statistics merge
@@ -47,36 +51,25 @@ from schemas.versioned import VersionedMessage
 SCHEMA_MAJOR = 1
 SCHEMA_MINOR = 8
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
-"""1.0: per-layer numel, sum_abs, sum_sq, max_abs, nonfinite. 1.1 adds the optional richer
-statistics (exponent histogram, weight and update norms); 1.0 messages still parse (the new
-fields default to None) and 1.0 consumers ignore the new fields. 1.2 makes ``sum_abs`` and
-``max_abs`` optional together (the producer's "norms" mode sends only ``sum_sq`` and
-``nonfinite``) and adds the weight-distribution statistics (power sums, extremes, exponent
-histogram of the weights). A 1.2 message in full mode still parses in a 1.1 consumer; a
-norms-mode message does not (1.1 requires ``sum_abs``) and goes to its dead-letter topic.
-1.3 adds the shard layout of a StepSummary (``shard_index``/``shard_count``: which disjoint
-piece of each parameter a rank's statistics cover, so that replicas count once), the
-per-rank *local* view (statistics of the rank's own gradient before the reduction) and the
-gradient dtype of each layer in RunStarted. A 1.2 consumer ignores them and would count
-replicas once per rank. 1.4 adds the optional ``part_index``/``part_count`` of a
-StepSummary: a summary too large for the cluster's message limit travels as several
-messages, each holding a disjoint range of layers; a 1.3 consumer would take every part
-after the first for a duplicate. 1.5 adds the optional ``ignore_layers`` of RunStarted
-(layer-name patterns the run excludes from its health, explicitly); a 1.4 consumer ignores
-it and counts every layer. 1.6 lets ``sum_abs`` / ``sum_sq`` (and their local views) be
-+inf, a float64 sum that overflowed, instead of the largest double (JSON: ``Infinity``); a
-1.5 consumer dead-letters such a message, which only a float64 gradient with elements
-above ~1.34e154 (or sums above ~1.8e308) produces. 1.7 adds the optional ``nan`` of a
-StepSummary / MergedFrame: how many of a layer's ``nonfinite`` elements are NaN (the others
-are +-Inf), so that the reference implementation's values, in which a NaN and an Inf act
-differently, can be rebuilt (``analysis.nonfinite``); a 1.6 consumer ignores it, and a
-message without it (an older producer, or a summary without any non-finite element, where
-the producer leaves it out) leaves the split of its non-finite layers unknown. 1.8 adds the
-optional ``layout_violations`` and ``refused_ranks`` of a MergedFrame (scale-out mode): the
-pieces the worker found not to fit their parameter (a replica of another size, another
-shard count), which the frame's sums do not show, and the missing ranks whose data was
-refused; the store stores such a frame as partial. A 1.7 store ignores them (and could store
-such a frame as complete); a 1.7 MergedFrame still parses (no violation known)."""
+"""The version this build writes. What each minor version carries (a consumer of an older
+minor version ignores the fields it does not know):
+
+=====  ================================================================================
+1.0    per-layer ``numel``, ``sum_abs``, ``sum_sq``, ``max_abs``, ``nonfinite``
+1.1    the optional exponent histogram (``exp_hist_*``), ``weight_sum_sq``,
+       ``update_sum_sq``
+1.2    ``sum_abs`` / ``max_abs`` optional together (norms mode; a 1.1 consumer
+       dead-letters such a message); the weight distribution (``weight_*``)
+1.3    the shard layout (``shard_index``/``shard_count``), the local view (``local_*``),
+       RunStarted ``dtypes``
+1.4    the parts of a StepSummary (``part_index``/``part_count``)
+1.5    RunStarted ``ignore_layers``
+1.6    ``sum_abs`` / ``sum_sq`` (and their local views) may be +inf, a float64 sum that
+       overflowed (JSON ``Infinity``; a 1.5 consumer dead-letters such a message)
+1.7    the NaN count ``nan`` of a StepSummary / MergedFrame
+1.8    MergedFrame ``layout_violations`` and ``refused_ranks``
+=====  ================================================================================
+"""
 
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -698,8 +691,23 @@ def _check_elements(name: str, kind: int, values: np.ndarray) -> None:
     raise ValueError(f"{name}.{i}: must be {rule}, got {values[i]}")
 
 
-def _binary_parts(raw: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Scalars and arrays of a binary message, unvalidated (ValueError when malformed)."""
+def read_binary_container(raw: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Scalars and arrays of a binary message (:func:`encode_binary`), unvalidated.
+
+    The safetensors container is read here rather than with the ``safetensors`` library:
+    the library copies every buffer and has no reader for the metadata of an in-memory
+    container, and measured slower on this path (``bench/wire_codec.py``; figures in
+    ``bench/README.md``). Arrays are read-only views of ``raw``
+    (``np.frombuffer``); every offset and size is checked against the buffer first.
+
+    Returns:
+        (the scalar fields, a dict ``name -> 1-D array`` of the dtype the header names).
+
+    Raises:
+        WireError: an unknown binary layout ("unknown wire encoding").
+        ValueError: a malformed container (truncated, a header that is not a JSON object,
+            no gradstream metadata, an unsupported dtype, offsets outside the buffer).
+    """
     layout = raw[3:4]
     if layout != BINARY_LAYOUT_SAFETENSORS:
         raise WireError(
@@ -738,7 +746,7 @@ def _decode_binary(raw: bytes, allowed: tuple[str, ...]) -> StepSummary:
     """Validate a binary message: scalars by pydantic, arrays by NumPy, then the model's
     own cross-field validators."""
     try:
-        scalars, arrays = _binary_parts(raw)
+        scalars, arrays = read_binary_container(raw)
     except WireError:
         raise
     except (ValueError, TypeError, AttributeError) as exc:
@@ -919,7 +927,7 @@ def to_display(raw: bytes | str | None) -> dict[str, Any] | str | None:
         return None
     if is_binary(raw):
         try:
-            scalars, arrays = _binary_parts(bytes(raw))
+            scalars, arrays = read_binary_container(bytes(raw))
         except (ValueError, TypeError, AttributeError):
             return None
         return {**scalars, **{k: _json_safe(v) for k, v in arrays.items()}}
@@ -1001,12 +1009,3 @@ def split_step_summary(
         parts.append(message.model_copy(update=update))
     return parts
 
-
-def is_finite_number(value: object) -> bool:
-    """True for an int or a finite float (helper for callers building messages)."""
-    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
-
-
-def dumps_config(config: dict[str, Any]) -> str:
-    """JSON text of a run's free-form config (for storage)."""
-    return json.dumps(config, sort_keys=True, default=str)
