@@ -1,7 +1,7 @@
 """The dashboard's HTTP endpoints on a store written by this process (no browser).
 
 Requests carry the server's token as ``Authorization: Bearer`` (the access rules
-themselves are tested in ``test_dashboard_auth.py``)."""
+themselves are tested in ``test_auth.py``)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ read directly and a writer's endpoint (``GET /api/report``) give the same summar
 from __future__ import annotations
 
 from analysis.read.reader import StoreReader
-from tests.analysis.test_read_hardening import reader, store, writer
+from tests.analysis.read.test_hardening import reader, store, writer
 
 __all__ = ["reader", "store", "writer"]  # fixtures used below
 
