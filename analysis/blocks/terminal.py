@@ -65,6 +65,24 @@ def excluded_text(patterns: Sequence[str], names: Sequence[str]) -> Text:
     return text
 
 
+def report_head(title: str, run_id: str, detail: str) -> Text:
+    """The first line of an analysis's rendering: ``<title> of run <run>`` in bold, then
+    ``  (<detail>)`` dimmed."""
+    head = Text(f"{title} of run ", style="bold")
+    head.append(show_name(run_id))
+    head.append(f"  ({detail})", style="dim")
+    return head
+
+
+def summary_grid() -> Table:
+    """The two-column summary of an analysis's rendering: bold labels, then values
+    (``add_row(label, value)``)."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    return grid
+
+
 def num(value: float | None, digits: int = 3) -> str:
     """A number for a table cell: ``-`` for None/NaN, general format otherwise."""
     if value is None or (isinstance(value, float) and math.isnan(value)):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from analysis.analyses.enhanced.models import (
@@ -19,7 +18,9 @@ from analysis.blocks.terminal import (
     excluded_text,
     names_text,
     num,
+    report_head,
     show_name,
+    summary_grid,
     table,
 )
 
@@ -55,13 +56,10 @@ def render_enhanced(report: EnhancedLayerGradientAnalysis) -> RenderableType:
     conv = net.convergence_indicators
     dyn = net.training_dynamics
     stab = net.stability_assessment
-    head = Text("enhanced gradient analysis of run ", style="bold")
-    head.append(show_name(report.run_id))
-    head.append(f"  ({report.layers} layers, {report.steps} steps, {report.rules} rules, "
-                f"{report.analysis_depth.value} depth)", style="dim")
-    summary = Table.grid(padding=(0, 2))
-    summary.add_column(style="bold", no_wrap=True)
-    summary.add_column()
+    head = report_head("enhanced gradient analysis", report.run_id,
+                       f"{report.layers} layers, {report.steps} steps, {report.rules} rules, "
+                       f"{report.analysis_depth.value} depth")
+    summary = summary_grid()
     health = net.overall_gradient_health
     summary.add_row("overall health", Text(health.value, style=LAYER_HEALTH_STYLE[health]))
     if report.ignore_layers:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from analysis.analyses.explosion.models import ExplosionSeverity, GradientExplosionAnalysis
@@ -12,7 +11,9 @@ from analysis.blocks.terminal import (
     add_more_row,
     excluded_text,
     num,
+    report_head,
     show_name,
+    summary_grid,
     table,
 )
 
@@ -31,12 +32,9 @@ def render_explosion(report: GradientExplosionAnalysis) -> RenderableType:
     Returns:
         A rich renderable.
     """
-    head = Text("gradient explosion analysis of run ", style="bold")
-    head.append(show_name(report.run_id))
-    head.append(f"  ({report.layers} layers, {report.steps} steps)", style="dim")
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold", no_wrap=True)
-    grid.add_column()
+    head = report_head("gradient explosion analysis", report.run_id,
+                       f"{report.layers} layers, {report.steps} steps")
+    grid = summary_grid()
     grid.add_row("severity", Text(report.overall_severity.value,
                                   style=_SEVERITY_STYLE[report.overall_severity]))
     grid.add_row("threshold (L2 norm)", num(report.threshold))

@@ -16,6 +16,7 @@ from analysis.blocks.terminal import (
     add_more_row,
     excluded_text,
     num,
+    report_head,
     show_name,
     table,
 )
@@ -35,10 +36,8 @@ def render_flow(report: GradientFlowVisualization) -> RenderableType:
     cfg = report.visualization_config
     palette = PALETTES[cfg.color_scheme]
     parts: list[RenderableType] = []
-    head = Text("gradient flow of run ", style="bold")
-    head.append(show_name(report.run_id))
-    head.append(f"  ({report.layers} layers, {report.steps} steps, {cfg.rules} rules)",
-                style="dim")
+    head = report_head("gradient flow", report.run_id,
+                       f"{report.layers} layers, {report.steps} steps, {cfg.rules} rules")
     parts.append(head)
     if report.ignore_layers:
         excluded = Text("excluded ", style="bold")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from analysis.analyses.weights.models import DistributionHealthStatus, WeightAnalysisReport
@@ -15,7 +14,9 @@ from analysis.blocks.terminal import (
     add_more_row,
     joined_names,
     num,
+    report_head,
     show_name,
+    summary_grid,
     table,
 )
 
@@ -45,12 +46,9 @@ def render_weights(report: WeightAnalysisReport) -> RenderableType:
     """
     dist = report.distribution
     o = dist.overall_statistics
-    head = Text("weight analysis of run ", style="bold")
-    head.append(show_name(report.run_id))
-    head.append(f"  (step {dist.step}, {len(dist.layer_analyses)} layers)", style="dim")
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold", no_wrap=True)
-    grid.add_column()
+    head = report_head("weight analysis", report.run_id,
+                       f"step {dist.step}, {len(dist.layer_analyses)} layers")
+    grid = summary_grid()
     status = dist.distribution_health.status
     grid.add_row("distribution health", Text(f"{status.value} ({dist.distribution_health.score:g})",
                                              style=_STATUS_STYLE[status]))
