@@ -115,7 +115,7 @@ class LayerOrder(StrEnum):
 
 class Style(StrEnum):
     """Presentation of the ASCII heatmap and the CSV export: gradstream's, or exactly the
-    reference implementation's (trustformers-debug ``gradient_flow``)."""
+    reference's (trustformers-debug ``gradient_flow``)."""
 
     GRADSTREAM = "gradstream"
     REFERENCE = "reference"
@@ -161,8 +161,8 @@ def report(
     heatmap_style: Annotated[
         Style,
         typer.Option("--heatmap-style", help="gradstream: model order, at most --max-columns "
-                     "columns, NaN/Inf glyph, legend; reference: the reference "
-                     "implementation's drawing exactly (name order, one column per step)."),
+                     "columns, NaN/Inf glyph, legend; reference: trustformers-debug's "
+                     "drawing exactly (name order, one column per step)."),
     ] = Style.GRADSTREAM,
     output_format: Annotated[
         ReportFormat,
@@ -174,12 +174,12 @@ def report(
     order: Annotated[
         LayerOrder,
         typer.Option("--order", help="Flagged-layer lists in model order, or by name (the "
-                     "reference implementation's order)."),
+                     "order of trustformers-debug)."),
     ] = LayerOrder.MODEL,
     timeout: TimeoutOption = None,
 ) -> None:
     """Summarise a run's gradient health: flagged layers, health class, findings,
-    recommendations. Every layer counts, as in the reference implementation, except those
+    recommendations. Every layer counts, as in trustformers-debug, except those
     the run's ignore_layers or --ignore-layers exclude; the report names them."""
     from analysis.read.connect import StoreError
     from analysis.report import render_report
@@ -247,7 +247,7 @@ def export(
         Style,
         typer.Option("--style", help="csv and json. gradstream: CSV names quoted when they "
                      "hold a comma, quote or line break, one compact JSON frame per line; "
-                     "reference: the reference implementation's bytes exactly (name order, "
+                     "reference: trustformers-debug's bytes exactly (name order, "
                      "CSV names raw, JSON pretty-printed as serde_json does)."),
     ] = Style.GRADSTREAM,
     timeout: TimeoutOption = None,
