@@ -23,9 +23,10 @@ Modules, one job each:
 - :mod:`analysis.export`: CSV and JSON exports (plus Parquet and JSON Lines), streamed
   from the read connection as Arrow batches and written by this process (read connections
   have no file access).
-- :mod:`analysis.registry`: the analyses (``flow``, ``enhanced``, ``explosion``,
-  ``weights``), one module each, registered in one place and used by ``gradstream analyze``
-  and the dashboard.
+- :mod:`analysis.analyses`: the analyses (``flow``, ``enhanced``, ``explosion``,
+  ``weights``), one folder each of the same shape, registered in one place
+  (:mod:`analysis.registry`) and used by ``gradstream analyze`` and the dashboard;
+  :mod:`analysis.blocks`: the building blocks they share.
 - :mod:`analysis.plots`: the heatmap grid, its PNG figures and the HTML animation.
 - :mod:`analysis.dashboard`: the read endpoint every writing process serves (the live
   dashboard's HTTP server, its read cursors and the sidecar that advertises it).
