@@ -8,31 +8,10 @@ import time
 
 import numpy as np
 import pytest
-from kafka import KafkaConsumer
 
 from producer import GradientProducer, ProducerSettings, summarize
-from schemas.wire import RunStarted, StepSummary, decode_message
-
-UNREACHABLE = "127.0.0.1:9"  # discard port: nothing listens, connections are refused
-
-
-def grads(n_layers: int = 3, size: int = 8) -> dict[str, np.ndarray]:
-    return {f"layer{i}.weight": np.full(size, i + 1.0, np.float32) for i in range(n_layers)}
-
-
-def numel(g: dict[str, np.ndarray]) -> dict[str, int]:
-    return {k: v.size for k, v in g.items()}
-
-
-def read_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 30.0) -> list:
-    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                             consumer_timeout_ms=2000)
-    out: list = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < expected and time.monotonic() < deadline:
-        out.extend(decode_message(m.value) for m in consumer)
-    consumer.close()
-    return out
+from schemas.wire import RunStarted, StepSummary
+from tests.producer import UNREACHABLE, grads, numel, read_all
 
 
 def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,39 +53,6 @@ def test_record_step_errors_name_the_problem() -> None:
             gp.start_run(numel(grads()))
     with pytest.raises(ValueError, match="rank 2"):
         GradientProducer("r", rank=2, world_size=2)
-
-
-def test_never_blocks_and_drops_oldest_when_kafka_is_unreachable() -> None:
-    gp = GradientProducer("r", bootstrap_servers=UNREACHABLE, queue_size=10)
-    g = grads()
-    gp.start_run(numel(g))
-    worst = 0.0
-    for step in range(200):
-        t0 = time.perf_counter()
-        gp.record_step(step, g)
-        worst = max(worst, time.perf_counter() - t0)
-    stats = gp.stats()
-    assert stats.recorded == 200
-    assert stats.dropped >= 189 and stats.queued <= 11  # RunStarted is never dropped
-    assert worst < 0.05
-    t0 = time.perf_counter()
-    final = gp.close(timeout=0.5)
-    assert time.perf_counter() - t0 < 10
-    assert final.sent == 0 and final.dropped == stats.dropped
-
-
-def test_enqueue_timeout_bounds_the_wait() -> None:
-    gp = GradientProducer("r", bootstrap_servers=UNREACHABLE, queue_size=2,
-                          enqueue_timeout_s=0.2)
-    gp.start_run(numel(grads()))
-    for step in range(3):
-        gp.record_step(step, grads())
-    t0 = time.perf_counter()
-    gp.record_step(3, grads())  # queue full: waits the bound, then drops the oldest
-    elapsed = time.perf_counter() - t0
-    assert 0.15 < elapsed < 1.0
-    assert gp.stats().dropped >= 1
-    gp.close(timeout=0)
 
 
 def test_selection_and_sampling_through_the_broker(kafka_bootstrap: str, unique_name: str):

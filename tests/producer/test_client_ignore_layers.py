@@ -10,7 +10,7 @@ import pytest
 
 from producer import GradientProducer
 from schemas.wire import RunStarted
-from tests.producer.test_client import read_all
+from tests.producer import read_all
 
 
 def test_ignore_layers_travel_in_run_started(kafka_bootstrap: str, unique_name: str,

@@ -1,6 +1,6 @@
-"""GradientTap's batched paths on CPU tensors: the parallel chunked NumPy summary, float32
-accumulation against its documented bound, the deferred (next-step) read (opt-in, for CUDA),
-and the training-thread time accounting."""
+"""producer.adapters.torch_summary on CPU tensors: the parallel chunked NumPy summary, float32
+accumulation against its documented bound; through GradientTap, the deferred (next-step)
+read (opt-in, for CUDA) and the training-thread time accounting."""
 
 from __future__ import annotations
 
