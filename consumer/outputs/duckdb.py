@@ -134,6 +134,24 @@ def _csr(tbl: pa.Table, columns: str, counts: str) -> tuple[np.ndarray, np.ndarr
     return offsets, flat_cols, flat_counts
 
 
+def _execute_with(con: duckdb.DuckDBPyConnection, tables: dict[str, pa.Table],
+                  *statements: str) -> None:
+    """Run ``statements`` in order on ``con`` with each Arrow table of ``tables`` registered
+    under its name, for those statements only.
+
+    Raises:
+        duckdb.Error: a statement failed (the tables are unregistered all the same).
+    """
+    for name, table in tables.items():
+        con.register(name, table)
+    try:
+        for statement in statements:
+            con.execute(statement)
+    finally:
+        for name in tables:
+            con.unregister(name)
+
+
 def pc_list_lengths(column: pa.ChunkedArray) -> np.ndarray:
     """int64 lengths of the lists of a list column (nulls count 0)."""
     import pyarrow.compute as pc
@@ -479,9 +497,8 @@ class DuckDBSink:
                     "kafka_partition": pa.array([k[1] for k in keys], pa.int32()),
                     "next_offset": pa.array(list(batch.offsets.values()), pa.int64()),
                 })
-                con.register("gs_offsets", offsets)
-                con.execute("INSERT OR REPLACE INTO kafka_offsets SELECT * FROM gs_offsets")
-                con.unregister("gs_offsets")
+                _execute_with(con, {"gs_offsets": offsets},
+                              "INSERT OR REPLACE INTO kafka_offsets SELECT * FROM gs_offsets")
             con.commit()
         except BaseException:
             con.rollback()
@@ -514,21 +531,15 @@ class DuckDBSink:
                 pa.string(),
             ),
         })
-        con = self._wcon
-        con.register("gs_runs", runs)
-        con.register("gs_layers", layers)
-        con.execute(
+        _execute_with(
+            self._wcon, {"gs_runs": runs, "gs_layers": layers},
             "INSERT INTO runs (run_id, world_size, num_layers, vanishing_threshold, "
             "exploding_threshold, host, start_time, config, ignore_layers) SELECT run_id, "
             "world_size, num_layers, vanishing_threshold, exploding_threshold, host, "
-            "start_time, config::JSON, ignore_layers FROM gs_runs ON CONFLICT DO NOTHING"
-        )
-        con.execute(
+            "start_time, config::JSON, ignore_layers FROM gs_runs ON CONFLICT DO NOTHING",
             "INSERT OR IGNORE INTO layers (run_id, layer_index, name, numel, dtype) "
-            "SELECT run_id, layer_index, name, numel, dtype FROM gs_layers"
+            "SELECT run_id, layer_index, name, numel, dtype FROM gs_layers",
         )
-        con.unregister("gs_runs")
-        con.unregister("gs_layers")
 
     def _write_frames(self, frames: list[tuple[GradientFrame, str]]) -> None:
         fs = [f for f, _ in frames]
@@ -592,21 +603,15 @@ class DuckDBSink:
         # instead of being converted and appended value by value.
         columns = [name for name in LAYER_STATS_COLUMNS
                    if stats[name].null_count < stats.num_rows or name in _REQUIRED_STATS]
-        con = self._wcon
-        con.register("gs_stats", stats)
-        con.register("gs_frames", frame_rows)
         # A rewritten frame may report fewer layers than before: clear its old rows first.
-        con.execute(
+        _execute_with(
+            self._wcon, {"gs_stats": stats, "gs_frames": frame_rows},
             "DELETE FROM layer_stats USING (SELECT DISTINCT run_id, step FROM gs_frames) f "
-            "WHERE layer_stats.run_id = f.run_id AND layer_stats.step = f.step"
-        )
-        con.execute(
+            "WHERE layer_stats.run_id = f.run_id AND layer_stats.step = f.step",
             f"INSERT INTO layer_stats ({', '.join(columns)}) "
-            f"SELECT {', '.join(columns)} FROM gs_stats"
+            f"SELECT {', '.join(columns)} FROM gs_stats",
+            "INSERT OR REPLACE INTO frames BY NAME SELECT * FROM gs_frames",
         )
-        con.execute("INSERT OR REPLACE INTO frames BY NAME SELECT * FROM gs_frames")
-        con.unregister("gs_stats")
-        con.unregister("gs_frames")
         self._write_local([f for f in fs if f.local is not None and len(f.local)])
 
     def _write_local(self, fs: list[GradientFrame]) -> None:
@@ -631,18 +636,14 @@ class DuckDBSink:
             "max_abs_grad": pa.array(cat("max_abs")),
             "nonfinite": pa.array(cat("nonfinite")),
         })
-        con = self._wcon
-        con.register("gs_local", rows)
-        con.execute(
+        _execute_with(
+            self._wcon, {"gs_local": rows},
             "DELETE FROM local_layer_stats USING (SELECT DISTINCT run_id, step, rank FROM "
             "gs_local) f WHERE local_layer_stats.run_id = f.run_id AND "
-            "local_layer_stats.step = f.step AND local_layer_stats.rank = f.rank"
-        )
-        con.execute(
+            "local_layer_stats.step = f.step AND local_layer_stats.rank = f.rank",
             f"INSERT INTO local_layer_stats ({', '.join(LOCAL_LAYER_STATS_COLUMNS)}) "
-            f"SELECT {', '.join(LOCAL_LAYER_STATS_COLUMNS)} FROM gs_local"
+            f"SELECT {', '.join(LOCAL_LAYER_STATS_COLUMNS)} FROM gs_local",
         )
-        con.unregister("gs_local")
 
     def _write_states(self, states: dict[str, RunState]) -> None:
         ids = list(states)
@@ -656,13 +657,12 @@ class DuckDBSink:
                 [states[r].first_nonfinite_step for r in ids], pa.int64()
             ),
         })
-        self._wcon.register("gs_states", tbl)
-        self._wcon.execute(
+        _execute_with(
+            self._wcon, {"gs_states": tbl},
             "UPDATE runs SET health = s.health, frames = s.frames, issue_frames = "
             "s.issue_frames, last_step = s.last_step, first_nonfinite_step = "
-            "s.first_nonfinite_step FROM gs_states s WHERE runs.run_id = s.run_id"
+            "s.first_nonfinite_step FROM gs_states s WHERE runs.run_id = s.run_id",
         )
-        self._wcon.unregister("gs_states")
 
     def _write_finished(self, finished: list[RunFinished]) -> None:
         tbl = pa.table({
@@ -673,14 +673,13 @@ class DuckDBSink:
             "dropped": pa.array([m.dropped for m in finished], pa.int64()),
             "end_time": pa.array([m.end_time for m in finished], pa.float64()),
         })
-        self._wcon.register("gs_finished", tbl)
-        self._wcon.execute("INSERT OR REPLACE INTO run_ranks SELECT * FROM gs_finished")
-        self._wcon.execute(
+        _execute_with(
+            self._wcon, {"gs_finished": tbl},
+            "INSERT OR REPLACE INTO run_ranks SELECT * FROM gs_finished",
             "UPDATE runs SET end_time = r.end_time FROM (SELECT run_id, max(end_time) AS "
             "end_time, count(*) AS n FROM run_ranks GROUP BY run_id) r "
-            "WHERE runs.run_id = r.run_id AND r.n >= runs.world_size"
+            "WHERE runs.run_id = r.run_id AND r.n >= runs.world_size",
         )
-        self._wcon.unregister("gs_finished")
 
 
 class DuckDBOutput(Output):
