@@ -14,10 +14,11 @@ Modules, one job each:
   :class:`~analysis.notebook.Run`): runs, per-layer and per-rank statistics, frames and
   alerts as pandas / Arrow / polars tables, reports, analyses and the heatmap figure; its
   SQL in :mod:`analysis.notebook_sql`, its Jupyter HTML in :mod:`analysis.notebook_html`.
-- :mod:`analysis.read.reader`: the one read path (the file read-only, or the writing process's
-  endpoint).
-- :mod:`analysis.read`: the read path: open the store read-only, list runs, resolve a
-  run argument, the SQL fragments every query uses.
+- :mod:`analysis.read`: the read path, at the bottom of the package: open the store
+  read-only and name runs, the SQL fragments every query uses, the hardened statement,
+  the request cursors, the route table, the endpoint wire and sidecar, and the one reader
+  (:func:`analysis.read.reader.open_reader`: the file read-only, or the writing
+  process's endpoint).
 - :mod:`analysis.report`: run summary (health, flagged layers, recommendations).
 - :mod:`analysis.heatmap`: ASCII heatmap of flow intensity (layers x steps).
 - :mod:`analysis.export`: CSV and JSON exports (plus Parquet and JSON Lines), streamed
@@ -28,8 +29,8 @@ Modules, one job each:
   (:mod:`analysis.registry`) and used by ``gradstream analyze`` and the dashboard;
   :mod:`analysis.blocks`: the building blocks they share.
 - :mod:`analysis.plots`: the heatmap grid, its PNG figures and the HTML animation.
-- :mod:`analysis.dashboard`: the read endpoint every writing process serves (the live
-  dashboard's HTTP server, its read cursors and the sidecar that advertises it).
+- :mod:`analysis.dashboard`: the read endpoint and live dashboard every writing process
+  serves (a Starlette application of the routes of :mod:`analysis.read.routes`).
 
 The commands that read the store are wired in :mod:`deploy.cli`.
 
