@@ -53,7 +53,7 @@ class EngineCounters:
 
 
 @dataclass(slots=True)
-class _RunState:
+class _RunRules:
     """A run's shared context, its enabled rules' instances (registry order), and those
     of them that want shards."""
 
@@ -103,7 +103,7 @@ class AlertEngine:
         self._is_finished = is_finished or (lambda _run_id: False)
         self._clock = clock
         self._wall = wall_clock
-        self._runs: dict[str, _RunState] = {}
+        self._runs: dict[str, _RunRules] = {}
         self._incidents: dict[tuple[str, str], Incident] = {}
         self._partial: dict[str, OrderedDict[int, None]] = {}
         self._finished: set[str] = set()
@@ -239,13 +239,13 @@ class AlertEngine:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _state(self, run: RunInfo) -> _RunState:
+    def _state(self, run: RunInfo) -> _RunRules:
         state = self._runs.get(run.run_id)
         if state is None:
             context = RunContext(run, self.rules.max_layer_values)
             rules = [r(context, self.rules.rule(r.name)) for r in self._enabled]
             shard_rules = [r for r in rules if type(r).note_shard is not Rule.note_shard]
-            state = self._runs[run.run_id] = _RunState(context, rules, shard_rules)
+            state = self._runs[run.run_id] = _RunRules(context, rules, shard_rules)
         return state
 
     def _incident(self, run_id: str, rule: RuleName) -> Incident:
