@@ -1,7 +1,7 @@
 """Per-row gradient flags: one definition of each flag bit and of its SQL predicate.
 
 A ``layer_stats`` row (one layer at one step) carries the flags the consumer computed when it
-built the frame (``consumer.frames``, the reference implementation's rule, trustformers-debug
+built the frame (``consumer.frames``, the reference's rule: trustformers-debug
 ``gradient_flow``): ``is_vanishing`` (mean |g| below the run's vanishing threshold, or the
 RMS in norms mode, and no NaN/Inf element), ``is_exploding`` (max |g| above the exploding
 threshold, or the RMS in norms mode) and ``nonfinite`` (count of NaN/Inf elements). Every

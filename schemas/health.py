@@ -60,10 +60,10 @@ def classify_health(
     """Run health from its counters (README.md, "How it works").
 
     With ``issue_ratio = issue_frames / max(frames, 1)`` (frames == 0 counts as 1, as in
-    the reference implementation), the first rule that holds wins:
+    the reference, trustformers-debug ``gradient_flow``), the first rule that holds wins:
 
     1. any non-finite gradient (gradstream's rule, :data:`NONFINITE_VERDICTS`; pass
-       ``any_nonfinite=False`` for the reference implementation's rule) -> Critical
+       ``any_nonfinite=False`` for the reference's rule) -> Critical
     2. an exploding layer and ``issue_ratio > 0.5`` -> Critical
     3. an exploding layer or ``issue_ratio > 0.3`` -> ProblemsDetected
     4. a vanishing layer or ``issue_ratio > 0.1`` -> MinorIssues
@@ -72,7 +72,7 @@ def classify_health(
     The ratio comparisons are done exactly in integers (``10 * issue_frames > frames``
     for 0.1, and so on), so a ratio of exactly 0.1, 0.3 or 0.5 is never "above".
 
-    Note (inherited from the reference implementation): an issue frame always contains a
+    Note (as in the reference): an issue frame always contains a
     vanishing, an exploding or a non-finite layer, so with counters taken from data rule 4's
     ``issue_ratio > 0.1`` never decides anything (any issue frame already sets a flag); it
     matters only for callers passing independent counts.

@@ -16,15 +16,15 @@ NonfiniteVerdict = Literal["critical", "reference"]
 NONFINITE_VERDICTS: tuple[NonfiniteVerdict, ...] = get_args(NonfiniteVerdict)
 """The non-finite verdict options, in the order of :data:`NonfiniteVerdict`:
 
-- ``"critical"`` (default; gradstream's addition to the reference implementation's rule):
-  a layer with NaN/Inf gradient elements makes its frame an issue frame and the run
-  Critical, whatever else the frame shows.
-- ``"reference"``: the reference implementation's verdicts exactly. It has no non-finite
+- ``"critical"`` (default; gradstream's addition to the reference's rule,
+  trustformers-debug ``gradient_flow``): a layer with NaN/Inf gradient elements makes its
+  frame an issue frame and the run Critical, whatever else the frame shows.
+- ``"reference"``: the reference's verdicts exactly. It has no non-finite
   rule; its values decide: a NaN element makes mean |g| and the norm NaN (NaN is never
   below the vanishing threshold) and is ignored by max |g|, so a layer with NaN only is
   neither vanishing nor exploding; an Inf element makes max |g| inf, so the layer is
-  exploding. Needs the NaN/Inf split of each non-finite layer (the wire's ``nan`` count,
-  schema 1.7): the live consumer keeps the ``"critical"`` verdict for a layer whose split
+  exploding. Needs the NaN/Inf split of each non-finite layer (the wire's ``nan``
+  count): the live consumer keeps the ``"critical"`` verdict for a layer whose split
   is unknown, and the stored-run report refuses such a range with an error.
 """
 

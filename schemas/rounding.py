@@ -79,7 +79,7 @@ import numpy as np
 
 DEFAULT_DTYPE = "float32"
 """Dtype assumed for a layer whose gradient dtype was not sent (``RunStarted.dtypes`` is
-optional, schema 1.3) or is not in :data:`DTYPE_EPS`."""
+optional) or is not in :data:`DTYPE_EPS`."""
 
 DTYPE_EPS: dict[str, float] = {
     "float64": float(np.finfo(np.float64).eps),  # 2^-52
@@ -176,9 +176,9 @@ def rounding_rows_sql(with_dtype: bool = True, with_nan: bool | None = None) -> 
     """SQL relation: one run's ``layer_stats`` rows up to a step, judged (module doc).
 
     Args:
-        with_dtype: read ``layers.dtype``; False for a store written before schema 1.3,
-            whose ``layers`` table has no such column (every layer counts as float32).
-        with_nan: also give the row's NaN count, ``nan`` (wire schema 1.7): True reads
+        with_dtype: read ``layers.dtype``; False for a store whose ``layers`` table has
+            no such column (every layer counts as float32).
+        with_nan: also give the row's NaN count, ``nan``: True reads
             ``layer_stats.nan``; False gives NULL (a store without the column); None
             (default) leaves the column out.
 

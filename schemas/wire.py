@@ -136,7 +136,7 @@ class RunStarted(_Wire):
     Fields: ``layer_names`` in model order (index i is layer i everywhere else),
     ``numel`` elements per layer (full tensor, all ranks together), ``world_size`` ranks,
     the per-layer flag thresholds (``vanishing_threshold`` on mean |g|, default 1e-7;
-    ``exploding_threshold`` on max |g|, default 1e3; the reference implementation's defaults),
+    ``exploding_threshold`` on max |g|, default 1e3; the reference's defaults, trustformers-debug),
     ``host``, ``start_time`` (unix seconds) and free-form JSON ``config``.
     ``dtypes`` (schema 1.3, optional): each layer's gradient dtype name (``float32``,
     ``bfloat16``, ``float16``, ``float64``, ...), used to tell a gradient that is zero up to
@@ -190,12 +190,12 @@ class StepSummary(_Wire):
     Arrays are aligned with ``layer_indices`` (indices into RunStarted.layer_names):
     ``numel`` elements of this rank's shard (int > 0), ``sum_abs`` = sum |g| and
     ``sum_sq`` = sum g^2 over the finite elements (float64, >= 0; +inf when the float64
-    sum overflowed, as the reference implementation's f64 sums do: squares of elements
+    sum overflowed, as the reference's (trustformers-debug) f64 sums do: squares of elements
     above ~1.34e154; schema 1.6), ``max_abs`` = max |g|
     over the finite elements (0 when none), ``nonfinite`` = count of NaN/+-Inf elements,
     ``nan`` (optional, schema 1.7) = how many of those are NaN (``nonfinite - nan`` are
     +-Inf). Without it a layer with ``nonfinite = 0`` has no NaN either and the split of
-    the others is unknown (a producer before 1.7); the producer sends it only when some
+    the others is unknown; the producer sends it only when some
     layer has a non-finite element, so the all-finite common case costs no byte.
     ``wall_time`` is the producer's unix time (s) when the step was recorded.
     ``sum_abs`` and ``max_abs`` are both present (full mode) or both None (norms mode,

@@ -142,16 +142,21 @@ class ExponentHistogram(LayerStatistic):
     2^EXP_HIST_MAX); NaN/Inf are counted apart in ``nonfinite``. Counts merge by addition,
     exactly.
 
-    Attributes:
+    Parameters:
         counts: int64[L, B].
         nonfinite: int64[L] NaN/Inf elements (not binned); ``counts.sum(1) + nonfinite``
             is the number of elements covered.
 
-    >>> h = ExponentHistogram.empty(1).update(np.array([0.0, 1.0, 1.5, 3.0, np.inf]))
-    >>> int(h.counts[0, 0]), int(h.counts[0, exp_hist_column(0)]), int(h.nonfinite[0])
-    (1, 2, 1)
-    >>> round(float(h.entropy()[0]), 6)  # p = (1/4, 1/2, 1/4)
-    1.5
+    Examples:
+        >>> h = ExponentHistogram.empty(1).update(np.array([0.0, 1.0, 1.5, 3.0, np.inf]))
+        >>> int(h.counts[0, 0]), int(h.counts[0, exp_hist_column(0)]), int(h.nonfinite[0])
+        (1, 2, 1)
+        >>> round(float(h.entropy()[0]), 6)  # p = (1/4, 1/2, 1/4)
+        1.5
+
+    References:
+        IEEE Std 754-2019 [1], section 3.4 (the exponent field the columns come from);
+        Shannon [2] (the entropy in bits).
     """
 
     counts: np.ndarray = field(metadata=COUNT)

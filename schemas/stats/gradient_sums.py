@@ -136,40 +136,44 @@ def gradient_sums_of_layers(
 class GradientSums(LayerStatistic):
     """The per-layer gradient statistics every rank sends (``schemas.wire.StepSummary``).
 
-    Attributes (all [L]):
-        numel: int64 elements (finite or not).
-        abs_numel: int64 elements whose |g| is in ``sum_abs`` / ``max_abs``: equal to
-            ``numel`` in full mode; a norms-mode shard (schema 1.2) adds its elements to
-            ``numel`` only, leaving ``sum_abs``/``max_abs`` unknown for that layer.
-        sum_abs: float64 sum |g| over the finite elements.
-        sum_sq: float64 sum g^2 over the finite elements.
-        max_abs: float64 max |g| over the finite elements (0 when none).
-        nonfinite: int64 NaN/+-Inf elements (left out of the float statistics).
-        nan: int64 NaN elements among ``nonfinite`` (the others are +-Inf), where known.
-        nan_numel: int64 elements whose NaN/Inf split is known (wire schema 1.7): equal to
-            ``numel`` when every shard sent its ``nan`` count or had no non-finite element
-            (then it has no NaN either); a shard with non-finite elements and no count (an
-            older producer) adds its elements to ``numel`` only, leaving the split
-            unknown.
+    Parameters:
+        numel: int64[L] elements (finite or not).
+        abs_numel: int64[L] elements whose |g| is in ``sum_abs`` / ``max_abs``: equal to
+            ``numel`` in full mode; a norms-mode shard adds its elements to ``numel`` only,
+            leaving ``sum_abs``/``max_abs`` unknown for that layer.
+        sum_abs: float64[L] sum |g| over the finite elements.
+        sum_sq: float64[L] sum g^2 over the finite elements.
+        max_abs: float64[L] max |g| over the finite elements (0 when none).
+        nonfinite: int64[L] NaN/+-Inf elements (left out of the float statistics).
+        nan: int64[L] NaN elements among ``nonfinite`` (the others are +-Inf), where known.
+        nan_numel: int64[L] elements whose NaN/Inf split is known: equal to ``numel`` when
+            every shard sent its ``nan`` count or had no non-finite element (then it has no
+            NaN either); a shard with non-finite elements and no count adds its elements to
+            ``numel`` only, leaving the split unknown.
 
     Frame fields (:meth:`get`; ``consumer.frames``):
     ``mean_abs = sum_abs / numel``, ``norm = sqrt(sum_sq)``, ``rms = sqrt(sum_sq / numel)``.
-    The NaN and Inf counts are what the reference implementation's values need besides the
-    finite sums (its mean and norm are NaN with a NaN element, else inf with an Inf one;
-    its max ignores NaN and is inf with an Inf element; ``analysis.nonfinite``).
+    The NaN and Inf counts are what the reference's values need besides the finite sums
+    (its mean and norm are NaN with a NaN element, else inf with an Inf one; its max
+    ignores NaN and is inf with an Inf element; ``analysis.nonfinite``).
 
-    >>> g = GradientSums.empty(2)
-    >>> g.update(np.array([3.0, -4.0]), 0) is g
-    True
-    >>> g += GradientSums.empty(2).update(np.array([1.0, np.nan]), 1)
-    >>> out = g.get()
-    >>> out["norm"].tolist(), out["mean_abs"].tolist(), out["nonfinite"].tolist()
-    ([5.0, 1.0], [3.5, 0.5], [0, 1])
-    >>> out["nan"].tolist()
-    [0, 1]
-    >>> norms = GradientSums.from_columns([2], None, [25.0], None, [0])  # norms mode
-    >>> (g.take(np.array([0])) + norms).get()["sum_abs"].tolist()
-    [nan]
+    Examples:
+        >>> g = GradientSums.empty(2)
+        >>> g.update(np.array([3.0, -4.0]), 0) is g
+        True
+        >>> g += GradientSums.empty(2).update(np.array([1.0, np.nan]), 1)
+        >>> out = g.get()
+        >>> out["norm"].tolist(), out["mean_abs"].tolist(), out["nonfinite"].tolist()
+        ([5.0, 1.0], [3.5, 0.5], [0, 1])
+        >>> out["nan"].tolist()
+        [0, 1]
+        >>> norms = GradientSums.from_columns([2], None, [25.0], None, [0])  # norms mode
+        >>> (g.take(np.array([0])) + norms).get()["sum_abs"].tolist()
+        [nan]
+
+    References:
+        trustformers-debug, ``gradient_flow`` module (the frame fields and the NaN / Inf
+        behaviour of its values). Higham [1] (the rounding of merged sums).
     """
 
     numel: np.ndarray = field(metadata=COUNT)
@@ -300,8 +304,8 @@ class GradientSums(LayerStatistic):
     def saturate(self) -> GradientSums:
         """Clip ``sum_abs`` and ``sum_sq`` at the largest finite double, in place, for a
         caller that needs finite numbers. Returns ``self``. The producer does not: an
-        overflowing gradient sum travels as +inf (wire schema 1.6), as the reference
-        implementation's f64 sums overflow."""
+        overflowing gradient sum travels as +inf, as the reference's (trustformers-debug) f64
+        sums overflow."""
         np.minimum(self.sum_abs, MAX_DOUBLE, out=self.sum_abs)
         np.minimum(self.sum_sq, MAX_DOUBLE, out=self.sum_sq)
         return self

@@ -96,7 +96,7 @@ def central_moments(
 class PowerSums(LayerStatistic):
     """Power sums ``S_k = sum x^k`` (k = 1..4) and extremes of the finite elements, per layer.
 
-    Attributes (all [L]):
+    Parameters (all [L]):
         count: int64 finite elements. nonfinite: int64 NaN/Inf elements (left out).
         s1, s2, s3, s4: float64 sum x, sum x^2, sum x^3, sum x^4.
         minimum, maximum: float64 extremes (+inf / -inf while count = 0).
@@ -104,13 +104,21 @@ class PowerSums(LayerStatistic):
     Derived values (:meth:`get`): mean, population std, skewness and excess kurtosis
     (:func:`central_moments`), min and max.
 
-    >>> p = PowerSums.empty(1).update(np.array([1.0, 2.0, 3.0, 4.0]))
-    >>> q = PowerSums.empty(1).update(np.array([np.nan, 10.0]))
-    >>> out = (p + q).get()
-    >>> out["mean"].tolist(), out["min"].tolist(), out["max"].tolist(), out["count"].tolist()
-    ([4.0], [1.0], [10.0], [5])
-    >>> round(float(p.get()["std_dev"][0]) ** 2, 12), float(p.get()["skewness"][0])
-    (1.25, 0.0)
+    Examples:
+        >>> p = PowerSums.empty(1).update(np.array([1.0, 2.0, 3.0, 4.0]))
+        >>> q = PowerSums.empty(1).update(np.array([np.nan, 10.0]))
+        >>> out = (p + q).get()
+        >>> out["mean"].tolist(), out["min"].tolist(), out["max"].tolist()
+        ([4.0], [1.0], [10.0])
+        >>> out["count"].tolist()
+        [5]
+        >>> round(float(p.get()["std_dev"][0]) ** 2, 12), float(p.get()["skewness"][0])
+        (1.25, 0.0)
+
+    References:
+        Chan, Golub and LeVeque [1]; Pebay [2] (the moments from power sums);
+        trustformers-debug, ``weight_analysis`` module (skewness and kurtosis 0 for a
+        constant set).
     """
 
     count: np.ndarray = field(metadata=COUNT)

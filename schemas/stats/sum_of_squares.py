@@ -24,13 +24,19 @@ class SumOfSquares(LayerStatistic):
     """Sum of squares of a tensor's finite elements per layer: the squared weight norm
     ``weight_sum_sq`` and the squared update norm ``update_sum_sq`` of the wire.
 
-    Attributes:
+    Parameters:
         numel: int64[L] elements covered (0: the layer has no such statistic).
         sum_sq: float64[L] sum x^2 over the finite elements.
 
-    >>> s = SumOfSquares.empty(1).update(np.array([3.0, 4.0]))
-    >>> (s + SumOfSquares.from_columns([1], [np.nan])).norm().tolist()  # NULL covers nothing
-    [5.0]
+    Examples:
+        >>> s = SumOfSquares.empty(1).update(np.array([3.0, 4.0]))
+        >>> null = SumOfSquares.from_columns([1], [np.nan])  # a NULL covers nothing
+        >>> (s + null).norm().tolist()
+        [5.0]
+
+    References:
+        Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., SIAM, 2002,
+        section 4.2 (the rounding of merged sums).
     """
 
     numel: np.ndarray = field(metadata=COUNT)

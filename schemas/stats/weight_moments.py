@@ -19,22 +19,28 @@ class WeightMoments(LayerStatistic):
     finite weights: power sums and extremes (:class:`PowerSums`) and the exponent histogram
     of |w| (:class:`ExponentHistogram`, whose column 0 counts the exact zeros).
 
-    Attributes:
+    Parameters:
         power: PowerSums[L]. exp_hist: ExponentHistogram[L] of the same weights.
 
     Raises:
         ValueError: (construction) the two parts disagree on the number of layers or on the
             finite / non-finite counts.
 
-    >>> w = WeightMoments.empty(1).update(np.array([0.0, 0.5, -1.0, 2.0, np.nan]))
-    >>> out = w.get()
-    >>> out["mean"].tolist(), out["zero_fraction"].tolist(), out["nonfinite"].tolist()
-    ([0.375], [0.25], [1])
-    >>> round(float(out["entropy"][0]), 6)  # four weights in four binades
-    2.0
-    >>> cols = w.to_columns()
-    >>> WeightMoments.from_columns(**cols).state()["power.s4"].tolist()
-    [17.0625]
+    Examples:
+        >>> w = WeightMoments.empty(1).update(np.array([0.0, 0.5, -1.0, 2.0, np.nan]))
+        >>> out = w.get()
+        >>> out["mean"].tolist(), out["zero_fraction"].tolist(), out["nonfinite"].tolist()
+        ([0.375], [0.25], [1])
+        >>> round(float(out["entropy"][0]), 6)  # four weights in four binades
+        2.0
+        >>> cols = w.to_columns()
+        >>> WeightMoments.from_columns(**cols).state()["power.s4"].tolist()
+        [17.0625]
+
+    References:
+        trustformers-debug, ``weight_analysis`` module (the fields of a weight
+        distribution); :mod:`schemas.stats.power_sums` and
+        :mod:`schemas.stats.exponent_histogram` (their references).
     """
 
     power: PowerSums = field(metadata=PART)
@@ -101,7 +107,7 @@ class WeightMoments(LayerStatistic):
     @classmethod
     def from_message(cls, message: SummaryMessage) -> WeightMoments | None:
         """The weight distribution of a StepSummary / MergedFrame (k layers), or None when
-        the message carries none (schema 1.2 fields ``weight_*``)."""
+        the message carries none (the ``weight_*`` fields)."""
         power = PowerSums.from_message(message)
         hist = ExponentHistogram.from_message(message, weights=True)
         return None if power is None or hist is None else cls(power, hist)
