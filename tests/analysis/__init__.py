@@ -1,9 +1,9 @@
 """Tests of the ``analysis`` package, and the store builder they share.
 
-:class:`StoreBuilder` writes a real DuckDB file with ``schemas.tables.SCHEMA_DDL`` and
-bulk-inserts rows from pyarrow tables (as the consumer's sink does), deriving the frame
-fields (mean |g|, max |g|, L2 norm, flow intensity, vanishing / exploding flags) from a
-few per-layer numbers per step.
+:class:`StoreBuilder` writes a real DuckDB file through
+:func:`tests.analysis.crafted.write_run` (the one writer of the analysis tests' stores),
+deriving the frame fields (mean |g|, max |g|, L2 norm, flow intensity, vanishing / exploding
+flags) from a few per-layer numbers per step.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import duckdb
 import pyarrow as pa
 
-from schemas.tables import FRAMES_COLUMNS, LAYER_STATS_COLUMNS, SCHEMA_DDL
+from schemas.tables import FRAMES_COLUMNS, LAYER_STATS_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -127,45 +126,18 @@ class StoreBuilder:
         return self
 
     def write(self) -> Path:
-        """Create the file, the tables and every row; return the path."""
-        con = duckdb.connect(str(self.path))
-        try:
-            for ddl in SCHEMA_DDL:
-                con.execute(ddl)
-            for run_id, run in self.runs.items():
-                con.execute(
-                    "INSERT INTO runs (run_id, world_size, num_layers, vanishing_threshold,"
-                    " exploding_threshold, host, start_time) VALUES (?, ?, ?, ?, ?, 'test', 0)",
-                    [
-                        run_id,
-                        run.world_size,
-                        len(run.names),
-                        run.vanishing_threshold,
-                        run.exploding_threshold,
-                    ],
-                )
-                layers = pa.table(
-                    {
-                        "run_id": [run_id] * len(run.names),
-                        "layer_index": pa.array(range(len(run.names)), pa.int32()),
-                        "name": run.names,
-                        "numel": pa.array([run.numel] * len(run.names), pa.int64()),
-                    }
-                )
-                con.register("layers_in", layers)
-                con.execute("INSERT INTO layers BY NAME SELECT * FROM layers_in")
-                con.unregister("layers_in")
-                if run.stats:
-                    stats = pa.Table.from_pylist(run.stats).select(list(LAYER_STATS_COLUMNS[:13]))
-                    con.register("stats_in", stats)
-                    con.execute("INSERT INTO layer_stats BY NAME SELECT * FROM stats_in")
-                    con.unregister("stats_in")
-                    frames = pa.Table.from_pylist(run.frames).select(list(FRAMES_COLUMNS))
-                    con.register("frames_in", frames)
-                    con.execute("INSERT INTO frames BY NAME SELECT * FROM frames_in")
-                    con.unregister("frames_in")
-        finally:
-            con.close()
+        """Write every run (:func:`tests.analysis.crafted.write_run`); return the path."""
+        from tests.analysis.crafted import write_run
+
+        for run_id, run in self.runs.items():
+            stats = frames = None
+            if run.stats:
+                stats = pa.Table.from_pylist(run.stats).select(list(LAYER_STATS_COLUMNS[:13]))
+                frames = pa.Table.from_pylist(run.frames).select(list(FRAMES_COLUMNS))
+            write_run(self.path, run_id, run.names, [run.numel] * len(run.names),
+                      stats=stats, frames=frames, world_size=run.world_size,
+                      vanishing_threshold=run.vanishing_threshold,
+                      exploding_threshold=run.exploding_threshold)
         return self.path
 
 

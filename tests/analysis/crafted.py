@@ -22,19 +22,6 @@ import pyarrow as pa
 from schemas.tables import SCHEMA_DDL
 from schemas.wire import EXP_HIST_BINS, EXP_HIST_MAX, EXP_HIST_MIN
 
-WEIGHT_DDL: tuple[str, ...] = (
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_cube DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_sum_quad DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_min DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_max DOUBLE",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_zeros BIGINT",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_nonfinite BIGINT",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_columns SMALLINT[]",
-    "ALTER TABLE layer_stats ADD COLUMN IF NOT EXISTS weight_exp_hist_counts BIGINT[]",
-)
-"""The weight-distribution columns (schema 1.2), added here if the DDL lacks them."""
-
 
 def exp_hist(values: np.ndarray) -> tuple[list[int], list[int]]:
     """Sparse base-2 exponent histogram of the finite ``values`` (layout of
@@ -178,42 +165,67 @@ def write_history(
             column = pa.array(values, pa.float64())
         table = table.append_column(key, column)
 
+    seen = np.flatnonzero(present.any(axis=0))
+    frames = pa.table({
+        "run_id": [run_id] * seen.size,
+        "step": step_arr[seen],
+        "health": ["Healthy"] * seen.size,
+        "num_layers": pa.array(present[:, seen].sum(axis=0), pa.int32()),
+        "vanishing_layers": pa.array(np.zeros(seen.size), pa.int32()),
+        "exploding_layers": pa.array(np.zeros(seen.size), pa.int32()),
+        "nonfinite_layers": pa.array(np.zeros(seen.size), pa.int32()),
+        "complete": [True] * seen.size,
+        "ranks_seen": [list(range(world_size))] * seen.size,
+        "missing_ranks": [[]] * seen.size,
+        "wall_time": 1.7e9 + step_arr[seen].astype(np.float64),
+        "finalized_at": 1.7e9 + step_arr[seen].astype(np.float64),
+    })
+    return write_run(path, run_id, names, numel_arr.tolist(), stats=table, frames=frames,
+                     world_size=world_size, vanishing_threshold=vanishing_threshold,
+                     exploding_threshold=exploding_threshold)
+
+
+def write_run(
+    path: str | os.PathLike[str],
+    run_id: str,
+    names: Sequence[str],
+    numel: Sequence[int],
+    *,
+    stats: pa.Table | None,
+    frames: pa.Table | None,
+    world_size: int = 1,
+    vanishing_threshold: float = 1e-7,
+    exploding_threshold: float = 1e3,
+) -> Path:
+    """Write one run into the store at ``path``, the one writer of the analysis tests'
+    stores: the tables of ``schemas.tables.SCHEMA_DDL`` created if absent (other runs are
+    kept), then the run's ``runs`` row, its ``layers`` rows (``names`` in model order, with
+    ``numel``) and the ``layer_stats`` / ``frames`` rows of ``stats`` / ``frames`` (Arrow
+    tables, inserted by column name, as the consumer's sink does).
+
+    Returns:
+        ``path``.
+    """
     con = duckdb.connect(str(path))
     try:
-        for ddl in (*SCHEMA_DDL, *WEIGHT_DDL):
+        for ddl in SCHEMA_DDL:
             con.execute(ddl)
         con.execute(
             "INSERT INTO runs (run_id, world_size, num_layers, vanishing_threshold, "
             "exploding_threshold, host, start_time) VALUES (?, ?, ?, ?, ?, 'test', 0)",
-            [run_id, world_size, count, vanishing_threshold, exploding_threshold],
+            [run_id, world_size, len(names), vanishing_threshold, exploding_threshold],
         )
-        layers = pa.table({
-            "run_id": [run_id] * count,
-            "layer_index": pa.array(range(count), pa.int32()),
-            "name": names,
-            "numel": pa.array(numel_arr, pa.int64()),
-        })
-        con.register("layers_in", layers)
-        con.execute("INSERT INTO layers BY NAME SELECT * FROM layers_in")
-        con.register("stats_in", table)
-        con.execute("INSERT INTO layer_stats BY NAME SELECT * FROM stats_in")
-        seen = np.flatnonzero(present.any(axis=0))
-        frames = pa.table({
-            "run_id": [run_id] * seen.size,
-            "step": step_arr[seen],
-            "health": ["Healthy"] * seen.size,
-            "num_layers": pa.array(present[:, seen].sum(axis=0), pa.int32()),
-            "vanishing_layers": pa.array(np.zeros(seen.size), pa.int32()),
-            "exploding_layers": pa.array(np.zeros(seen.size), pa.int32()),
-            "nonfinite_layers": pa.array(np.zeros(seen.size), pa.int32()),
-            "complete": [True] * seen.size,
-            "ranks_seen": [list(range(world_size))] * seen.size,
-            "missing_ranks": [[]] * seen.size,
-            "wall_time": 1.7e9 + step_arr[seen].astype(np.float64),
-            "finalized_at": 1.7e9 + step_arr[seen].astype(np.float64),
-        })
-        con.register("frames_in", frames)
-        con.execute("INSERT INTO frames BY NAME SELECT * FROM frames_in")
+        rows = {"layers": pa.table({
+            "run_id": [run_id] * len(names),
+            "layer_index": pa.array(range(len(names)), pa.int32()),
+            "name": list(names),
+            "numel": pa.array(numel, pa.int64()),
+        }), "layer_stats": stats, "frames": frames}
+        for table, incoming in rows.items():
+            if incoming is not None and incoming.num_rows:
+                con.register("incoming", incoming)
+                con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM incoming")
+                con.unregister("incoming")
     finally:
         con.close()
     return Path(path)

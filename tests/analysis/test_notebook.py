@@ -352,7 +352,7 @@ def test_missing_store_is_refused(tmp_path: Path) -> None:
 
 
 def test_package_import_stays_lazy() -> None:
-    """`import analysis` loads neither DuckDB nor pandas; `analysis.Store` loads the notebook module."""
+    """`import analysis` loads neither DuckDB nor pandas; `analysis.Store` loads the notebook."""
     probe = (
         "import sys, analysis\n"
         "assert not any(m.split('.')[0] in ('duckdb', 'pandas', 'pyarrow') or "
