@@ -94,7 +94,7 @@ from analysis.read.query import (
 )
 from analysis.read.routes import ROUTES, STATIC_FILES, NotFoundError, ParamError, Route, find
 from analysis.read.sidecar import TOKEN_CHARS, sidecar_path
-from analysis.read.wire import MODEL_JSON, grid_to_arrow, model_to_json, table_to_ipc
+from analysis.read.wire import MODEL_JSON, model_to_json, table_to_ipc
 from schemas.flags import FLAG_BITS
 
 log = logging.getLogger("gradstream.dashboard")
@@ -458,7 +458,7 @@ class Dashboard:
                 return Response(text.encode("utf-8"), 200, media_type="text/plain; charset=utf-8")
             if route.answer == "grid" and ARROW_STREAM in accept:
                 grid = route.run(cur, name, values)
-                return Response(table_to_ipc(grid_to_arrow(grid)), 200, media_type=ARROW_STREAM)
+                return Response(table_to_ipc(grid.to_arrow()), 200, media_type=ARROW_STREAM)
             if route.answer == "model" and MODEL_JSON in accept:
                 return Response(model_to_json(route.run(cur, name, values)), 200,
                                 media_type=MODEL_JSON)

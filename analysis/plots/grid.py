@@ -21,6 +21,7 @@ after downsampling.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from analysis.read.sql import stats_params, step_buckets, step_range
 
 if TYPE_CHECKING:
     import duckdb
+    import pyarrow as pa
 
 # Cell flag bits, defined once (schemas.flags): a cell has FLAG_VANISHING / FLAG_EXPLODING /
 # FLAG_NONFINITE when some row of it has that stored flag; FLAG_NO_DATA, FLAG_ZERO as there.
@@ -273,6 +275,46 @@ class GradientGrid:
             "flags": self.flags.tolist(),
             "caption": self.caption(),
         }
+
+    def to_arrow(self) -> pa.Table:
+        """The grid as one Arrow table, exact: columns ``max_norm``, ``max_flow`` (float64)
+        and ``flags`` (uint8), each ``R x C`` cells row-major; :meth:`fields` as JSON in the
+        schema metadata (key ``gradstream.grid``). :meth:`from_arrow` inverts it."""
+        import pyarrow as pa
+
+        table = pa.table({
+            "max_norm": pa.array(np.ascontiguousarray(self.max_norm, np.float64).ravel()),
+            "max_flow": pa.array(np.ascontiguousarray(self.max_flow, np.float64).ravel()),
+            "flags": pa.array(np.ascontiguousarray(self.flags, np.uint8).ravel()),
+        })
+        return table.replace_schema_metadata(
+            {_ARROW_META: json.dumps(self.fields(), allow_nan=True)})
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table) -> GradientGrid:
+        """The grid of :meth:`to_arrow`'s table.
+
+        Raises:
+            ValueError: the table carries no grid metadata, or its cell count is not R x C.
+        """
+        raw = (table.schema.metadata or {}).get(_ARROW_META)
+        if raw is None:
+            raise ValueError("the table is not a gradstream grid (no grid metadata)")
+        fields = json.loads(raw)
+        shape = (len(fields["row_labels"]), len(fields["col_first_step"]))
+        if table.num_rows != shape[0] * shape[1]:
+            raise ValueError(f"grid of {table.num_rows} cells, expected {shape[0]} x {shape[1]}")
+
+        def cells(name: str, dtype: type) -> np.ndarray:
+            column = table.column(name).to_numpy(zero_copy_only=False)
+            return np.asarray(column, dtype=dtype).reshape(shape).copy()
+
+        return cls.from_fields(fields, cells("max_norm", np.float64),
+                               cells("max_flow", np.float64), cells("flags", np.uint8))
+
+
+_ARROW_META = b"gradstream.grid"
+"""Schema-metadata key of :meth:`GradientGrid.to_arrow`'s fields (JSON)."""
 
 
 def json_floats(values: np.ndarray) -> list[Any]:

@@ -45,7 +45,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from analysis.export import written_atomically
 from analysis.read.connect import StoreError, StoreLockedError, open_store, pick_run
 from analysis.read.query import (
     ARROW_STREAM,
@@ -395,7 +394,7 @@ class EndpointReader(StoreReader):
     def read(self, route: Route, run_id: str, name: str = "", **values: object) -> Any:
         """See :meth:`StoreReader.read` (``GET`` the route; the answer decoded as
         :attr:`~analysis.read.routes.Route.answer` says: a pydantic model, text or a grid)."""
-        from analysis.read.wire import MODEL_JSON, grid_from_arrow, model_from_json, table_from_ipc
+        from analysis.read.wire import MODEL_JSON, model_from_json, table_from_ipc
 
         if route.options:
             checked_analysis(name, dict(values.get("options") or {}))  # type: ignore[call-overload]
@@ -405,7 +404,9 @@ class EndpointReader(StoreReader):
         if route.answer == "model":
             return model_from_json(route.model_type(name), body)
         if route.answer == "grid":
-            return grid_from_arrow(table_from_ipc(body))
+            from analysis.plots.grid import GradientGrid
+
+            return GradientGrid.from_arrow(table_from_ipc(body))
         return body.decode("utf-8")
 
     def export(
@@ -415,6 +416,8 @@ class EndpointReader(StoreReader):
     ) -> int:
         """See :meth:`StoreReader.export` (``GET /api/export``, streamed to ``<path>.part``
         and renamed when complete); ``progress`` gets the fraction of bytes received."""
+        from analysis.export import written_atomically
+
         target = Path(path)
         if target.is_dir():
             raise StoreError(f"output path {str(target)!r} is a directory")

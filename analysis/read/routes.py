@@ -10,7 +10,7 @@ EndpointReader` calls, so that no path, parameter or encoding is spelled twice.
 ``GET /api/grid``             ``run``, ``max_steps``, ``max_layers``, ``from_step``, ``to_step``:
                               the downsampled heatmap grid (:mod:`analysis.plots.grid`); with
                               ``Accept: application/vnd.apache.arrow.stream`` the exact grid as
-                              Arrow (:func:`analysis.plots.grid.grid_to_arrow`)
+                              Arrow (:meth:`analysis.plots.grid.GradientGrid.to_arrow`)
 ``GET /api/report``           ``run``, ``from_step``, ``to_step``, ``ignore_layers`` (a JSON
                               list of patterns), ``exclude_rounding=true``, ``order``
                               (``model`` or ``name``), ``nonfinite_rule`` (``critical`` or

@@ -9,9 +9,9 @@ Three encodings, each written once and used by both ends:
   ``NaN`` / ``Infinity`` / ``-Infinity`` (Python's :mod:`json` extension, which pydantic
   parses), so the rebuilt model equals the one built on the server; the page's JSON (NaN
   as ``null``) would not validate back into ``float`` fields;
-- heatmap grids (``/api/grid`` asked with ``Accept: ARROW_STREAM``): one Arrow table
-  holding the cell arrays row-major (:func:`grid_to_arrow` / :func:`grid_from_arrow`),
-  exact float64 values instead of the page's rounded log10.
+- heatmap grids (``/api/grid`` asked with ``Accept: ARROW_STREAM``): the grid's own Arrow
+  codec (:meth:`analysis.plots.grid.GradientGrid.to_arrow` / ``from_arrow``), exact
+  float64 values instead of the page's rounded log10, sent as a table.
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from analysis.plots.grid import GradientGrid
-
 if TYPE_CHECKING:
     import pyarrow as pa
     from pydantic import BaseModel
@@ -33,9 +29,6 @@ if TYPE_CHECKING:
 
 MODEL_JSON = "application/vnd.gradstream.model+json"
 """Media type of a pydantic report with non-finite floats as JSON literals (see above)."""
-
-_GRID_META = b"gradstream.grid"
-"""Schema-metadata key of the grid's scalar fields and row/column vectors (JSON)."""
 
 
 def table_to_ipc(table: pa.Table) -> bytes:
@@ -87,40 +80,3 @@ def report_model(entry: Analysis[Any, Any]) -> type[BaseModel]:
         raise TypeError(f"the build function of analysis {entry.name!r} must be annotated "
                         "with the pydantic model it returns")
     return annotation
-
-
-def grid_to_arrow(grid: GradientGrid) -> pa.Table:
-    """``grid`` as one Arrow table: columns ``max_norm``, ``max_flow`` (float64) and
-    ``flags`` (uint8), each ``R x C`` cells row-major; the other fields as JSON in the
-    schema metadata."""
-    import pyarrow as pa
-
-    meta = grid.fields()
-    table = pa.table({
-        "max_norm": pa.array(np.ascontiguousarray(grid.max_norm, np.float64).ravel()),
-        "max_flow": pa.array(np.ascontiguousarray(grid.max_flow, np.float64).ravel()),
-        "flags": pa.array(np.ascontiguousarray(grid.flags, np.uint8).ravel()),
-    })
-    return table.replace_schema_metadata({_GRID_META: json.dumps(meta, allow_nan=True)})
-
-
-def grid_from_arrow(table: pa.Table) -> GradientGrid:
-    """Rebuild the :class:`GradientGrid` written by :func:`grid_to_arrow`.
-
-    Raises:
-        ValueError: the table carries no grid metadata, or its cell count is not R x C.
-    """
-    raw = (table.schema.metadata or {}).get(_GRID_META)
-    if raw is None:
-        raise ValueError("the response is not a gradstream grid (no grid metadata)")
-    meta = json.loads(raw)
-    shape = (len(meta["row_labels"]), len(meta["col_first_step"]))
-    if table.num_rows != shape[0] * shape[1]:
-        raise ValueError(f"grid of {table.num_rows} cells, expected {shape[0]} x {shape[1]}")
-
-    def cells(name: str, dtype: type) -> np.ndarray:
-        column = table.column(name).to_numpy(zero_copy_only=False)
-        return np.asarray(column, dtype=dtype).reshape(shape).copy()
-
-    return GradientGrid.from_fields(meta, cells("max_norm", np.float64),
-                                    cells("max_flow", np.float64), cells("flags", np.uint8))
