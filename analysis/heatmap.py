@@ -31,7 +31,7 @@ from rich.cells import cell_len
 
 from analysis.nonfinite import has_nan_column, reference_stats_sql, require_nan_split
 from analysis.read.connect import require_run
-from analysis.read.sql import STATS_SQL, stats_params
+from analysis.read.sql import STATS_SQL, stats_params, step_buckets
 
 if TYPE_CHECKING:
     import duckdb
@@ -58,19 +58,9 @@ LEGEND = (
 rounded to quarters, blank below 1/8 or for a layer absent from the frame;
 :data:`NONFINITE_GLYPH`); at most 80 terminal cells."""
 
-_HEATMAP_SQL = """
-    WITH s AS ({stats}),
-    steps AS (
-        SELECT step,
-               row_number() OVER (ORDER BY step) - 1 AS col,
-               count(*) OVER () AS n_frames
-        FROM (SELECT DISTINCT step FROM s)
-    ),
-    k AS (SELECT coalesce(max(ceil(n_frames / $max_columns)::BIGINT), 1) AS k FROM steps),
-    bucketed AS (
-        SELECT steps.step, steps.col // k.k AS bucket, steps.n_frames, k.k
-        FROM steps, k
-    )
+_HEATMAP_SQL = f"""
+    WITH s AS ({{stats}}),
+    {step_buckets("s", "max_columns")}
     SELECT s.layer_index, any_value(s.name) AS name, b.bucket,
            sum(s.flow_intensity) AS intensity_sum,
            coalesce(bool_or(s.nonfinite > 0 OR NOT isfinite(s.grad_norm)
