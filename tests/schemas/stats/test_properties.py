@@ -15,8 +15,6 @@ import pkgutil
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from hypothesis.extra.numpy import arrays
 
 import schemas.stats
 from schemas import wire
@@ -28,48 +26,8 @@ from schemas.stats import (
     PowerSums,
     SumOfSquares,
     WeightMoments,
-    exp_hist_column,
 )
-
-TINY = 5e-324  # smallest subnormal: the absolute rounding step of sums of subnormals
-VALUES = st.one_of(
-    st.floats(min_value=-1e60, max_value=1e60, allow_subnormal=True),
-    st.sampled_from([0.0, -0.0, np.nan, np.inf, -np.inf, 5e-324, -2.2e-308, 1e-300, -1e60,
-                     65504.0, 3.4e38]),
-)
-
-
-@st.composite
-def samples(draw: st.DrawFn) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-    """(L, values[n] of a random float dtype, layer int64[n] in [0, L), split bool[n])."""
-    num_layers = draw(st.integers(1, 4))
-    n = draw(st.integers(0, 300))
-    values = draw(arrays(np.float64, n, elements=VALUES))
-    dtype = draw(st.sampled_from([np.float16, np.float32, np.float64]))
-    with np.errstate(over="ignore"):  # too large for float16/32: becomes inf, counted
-        values = values.astype(dtype)
-    layer = draw(arrays(np.int64, n, elements=st.integers(0, num_layers - 1)))
-    split = draw(arrays(np.bool_, n))
-    return num_layers, values, layer, split
-
-
-def assert_same(
-    got: LayerStatistic, want: LayerStatistic, bound: LayerStatistic | None = None,
-    n: int = 0,
-) -> None:
-    """Exact equality of the exact fields; float sums within 1e-12 * the same sums over |x|
-    (exact too when ``bound`` is None)."""
-    a, b = got.state(), want.state()
-    assert a.keys() == b.keys()
-    exact = want.exact_fields()
-    limits = None if bound is None else bound.state()
-    for key in b:
-        assert a[key].shape == b[key].shape, key
-        if key in exact or limits is None:
-            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
-        else:
-            tol = 1e-12 * np.abs(limits[key]) + n * TINY
-            assert np.all(np.abs(a[key] - b[key]) <= tol), (key, a[key], b[key], tol)
+from tests.schemas.stats.samples import assert_same, samples
 
 
 @pytest.mark.parametrize("cls", STATISTICS, ids=lambda c: c.__name__)
@@ -114,20 +72,6 @@ def test_merged_parts_equal_the_whole(cls: type[LayerStatistic], sample) -> None
                 bound.pooled(), x.size)
 
 
-@settings(max_examples=60, deadline=None)
-@given(sample=samples())
-def test_sparse_histogram_merge_equals_the_dense_one(sample) -> None:
-    num_layers, x, layer, _ = sample
-    part = ExponentHistogram.empty(num_layers).update(x, layer)
-    at = np.arange(num_layers)[::-1] * 2
-    dense = ExponentHistogram.empty(2 * num_layers).merge_at(at, part)
-    sparse = ExponentHistogram.empty(2 * num_layers)
-    assert sparse.merge_columns(at, **part.to_columns()) is sparse
-    assert_same(sparse, dense)
-    with pytest.raises(ValueError, match="one row per layer"):
-        sparse.merge_columns(at[:-1], **part.to_columns())
-
-
 @pytest.mark.parametrize("cls", STATISTICS, ids=lambda c: c.__name__)
 def test_merging_checks_class_and_layer_count(cls: type[LayerStatistic]) -> None:
     with pytest.raises(ValueError, match="layers"):
@@ -154,75 +98,12 @@ def test_doctests_run() -> None:
     assert result.attempted > 10 and result.failed == 0
 
 
-def test_histogram_bins_by_exact_exponent_in_every_dtype() -> None:
-    x = np.array([0.0, -0.0, 1.0, -1.5, 2.0**-140, 2.0**-134, 2.0**30, np.nan, -np.inf])
-    for dtype in (np.float16, np.float32, np.float64):
-        with np.errstate(over="ignore", under="ignore"):
-            v = x.astype(dtype)
-        h = ExponentHistogram.empty(1).update(v)
-        expected = np.zeros(schemas.stats.EXP_HIST_BINS, np.int64)
-        for value in v.astype(np.float64):
-            if np.isfinite(value):
-                col = 0 if value == 0 else exp_hist_column(np.frexp(abs(value))[1] - 1)
-                expected[col] += 1
-        np.testing.assert_array_equal(h.counts[0], expected, err_msg=str(dtype))
-        assert h.nonfinite[0] == int((~np.isfinite(v)).sum())
-
-
-def test_moments_match_scipy() -> None:
-    from scipy import stats as sps
-
-    rng = np.random.default_rng(2)
-    x = rng.gamma(2.0, 0.1, 5000) - 0.1
-    got = PowerSums.empty(1).update(x).get()
-    assert got["mean"][0] == pytest.approx(x.mean(), rel=1e-12)
-    assert got["std_dev"][0] == pytest.approx(x.std(), rel=1e-9)
-    assert got["skewness"][0] == pytest.approx(sps.skew(x), rel=1e-8)
-    assert got["kurtosis"][0] == pytest.approx(sps.kurtosis(x), rel=1e-8)
-    edge = PowerSums.empty(3).update(np.array([1.0, 2.0, 7.0, 7.0]), np.array([0, 0, 1, 1]))
-    out = edge.get()
-    assert out["skewness"].tolist()[:2] == [0.0, 0.0]  # n < 3, std = 0
-    assert np.isnan(out["mean"][2]) and np.isnan(out["min"][2])
-
-
-def test_gradient_sums_frame_fields_and_norms_mode() -> None:
-    full = GradientSums.empty(1).update(np.array([3.0, -4.0, np.nan]))
-    norms = GradientSums.from_columns([2], None, [2.0], None, [0])
-    got = full.get()
-    assert (got["numel"][0], got["nonfinite"][0], got["max_abs"][0]) == (3, 1, 4.0)
-    assert (got["mean_abs"][0], got["norm"][0]) == (7.0 / 3.0, 5.0)
-    mixed = (full + norms).get()
-    assert np.isnan(mixed["sum_abs"][0]) and np.isnan(mixed["max_abs"][0])
-    assert np.isnan(mixed["mean_abs"][0]) and mixed["rms"][0] == pytest.approx(np.sqrt(27 / 5))
-
-
 def test_saturate_clips_overflowing_sums() -> None:
     big = float(np.finfo(np.float64).max)
     g = GradientSums.empty(1).update(np.array([big, big])).saturate()
     assert g.sum_abs[0] == big and g.sum_sq[0] == big
     p = PowerSums.empty(1).update(np.array([-big, -big])).saturate()
     assert (p.s1[0], p.s2[0], p.s3[0], p.s4[0]) == (-big, big, -big, big)
-
-
-def test_weight_moments_per_copy_and_pooled_for_the_analysis() -> None:
-    """A replicated layer (R identical copies merged) reads as one copy; pooling the
-    layers gives the statistics of all the weights together."""
-    rng = np.random.default_rng(8)
-    w0, w1 = rng.standard_normal(100), np.concatenate([np.zeros(5), rng.standard_normal(50)])
-    one = WeightMoments.empty(2).update(w0, 0).update(w1, 1)
-    three = WeightMoments.empty(2)
-    for _ in range(3):
-        three.update(w0, 0)
-    three.update(w1, 1)
-    copies = np.array([3.0, 1.0])
-    got, want = three.per_copy(copies).get(), one.get()
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-12, err_msg=key)
-    pooled = one.pooled().get()
-    everything = WeightMoments.empty(1).update(np.concatenate([w0, w1])).get()
-    for key in everything:
-        np.testing.assert_allclose(pooled[key], everything[key], rtol=1e-12, err_msg=key)
-    assert pooled["zero_fraction"][0] == pytest.approx(5 / 155)
 
 
 def _message(layers: list[int], grads: list[np.ndarray], weights: list[np.ndarray],
@@ -297,24 +178,3 @@ def test_from_message_reads_back_what_was_sent() -> None:
     assert GradientSums.from_message(msg).to_columns()["nan"].tolist() == [1, 0]
 
 
-def test_nan_and_inf_are_counted_apart() -> None:
-    """``nan`` counts the NaN elements among ``nonfinite`` (the sign of an Inf does not
-    matter), by both update paths; the split is known only where every piece gave it."""
-    x = np.array([np.nan, np.inf, -np.inf, 1.0, -np.nan, 2.0])
-    one = GradientSums.empty(1).update(x, 0)
-    assert (one.nonfinite.tolist(), one.nan.tolist()) == ([4], [2])
-    per_element = GradientSums.empty(2).update(x, np.array([0, 0, 1, 1, 1, 0]))
-    assert per_element.nonfinite.tolist() == [2, 2]
-    assert per_element.nan.tolist() == [1, 1] and per_element.has_nan().all()
-    assert GradientSums.from_layers([x, x[:2]]).nan.tolist() == [2, 1]
-    unknown = GradientSums.from_columns([3], [1.0], [1.0], [1.0], [1], [np.nan])
-    assert not unknown.has_nan()[0]
-    assert not (one + GradientSums.from_columns([6], [1.0], [1.0], [1.0], [1])).has_nan()[0]
-
-
-def test_weight_moments_reject_parts_that_disagree() -> None:
-    hist = ExponentHistogram.empty(1).update(np.array([1.0, 2.0]))
-    with pytest.raises(ValueError, match="disagree"):
-        WeightMoments(PowerSums.empty(1).update(np.array([1.0])), hist)
-    with pytest.raises(ValueError, match="same layers"):
-        WeightMoments(PowerSums.empty(2), hist)
