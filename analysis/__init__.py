@@ -21,6 +21,8 @@ Modules, one job each:
   process's endpoint).
 - :mod:`analysis.report`: run summary (health, flagged layers, recommendations).
 - :mod:`analysis.heatmap`: ASCII heatmap of flow intensity (layers x steps).
+- :mod:`analysis.nonfinite`: the reference's values of layers holding NaN/Inf elements
+  (for the reference styles and verdict).
 - :mod:`analysis.export`: CSV and JSON exports (plus Parquet and JSON Lines), streamed
   from the read connection as Arrow batches and written by this process (read connections
   have no file access).
