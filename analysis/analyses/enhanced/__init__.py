@@ -62,14 +62,13 @@ the option ``rules="reference"`` restores those marked R, from
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from analysis.analyses.enhanced.compute import (
     DEFAULT_CONVERGENCE_WINDOW,
     DEFAULT_INTERACTION_WINDOW,
-    DEFAULT_SIMILAR_COUNT,
     DEFAULT_STABILITY_THRESHOLD,
     enhanced_from_history,
 )
@@ -96,14 +95,8 @@ def build_enhanced_analysis(
     from_step: int | None = None,
     to_step: int | None = None,
     *,
-    convergence_window: int = DEFAULT_CONVERGENCE_WINDOW,
-    interaction_window: int = DEFAULT_INTERACTION_WINDOW,
-    similar_count: int = DEFAULT_SIMILAR_COUNT,
-    alpha: float = DEFAULT_ALPHA,
-    rules: Rules = DEFAULT_RULES,
-    depth: AnalysisDepth = AnalysisDepth.STANDARD,
-    stability_threshold: float = DEFAULT_STABILITY_THRESHOLD,
     ignore_layers: Sequence[str] = (),
+    **settings: Any,
 ) -> EnhancedLayerGradientAnalysis:
     """The enhanced analysis (``generate_enhanced_analysis``) over one run's stored history.
 
@@ -111,15 +104,9 @@ def build_enhanced_analysis(
         con: a connection from :func:`analysis.read.connect.open_store`.
         run_id: the run.
         from_step, to_step: inclusive step range (``None`` = open).
-        convergence_window: W, samples used by the convergence and trend fits (>= 3).
-        interaction_window: model-order distance of the layer pairs tested (>= 1).
-        similar_count: similar layers listed per layer (>= 0).
-        alpha: significance level of the tests, in (0, 1).
-        rules: ``"gradstream"`` or ``"reference"`` (the reference's verdicts; see the
-            module docstring).
-        depth: :class:`~analysis.analyses.enhanced.models.AnalysisDepth`, the sections
-            computed.
-        stability_threshold: the analyzer's stability threshold, in [0, 1].
+        settings: the keyword settings of :func:`.compute.enhanced_from_history`
+            (``convergence_window``, ``interaction_window``, ``similar_count``, ``alpha``,
+            ``rules``, ``depth``, ``stability_threshold``), each with its default there.
         ignore_layers: patterns excluded besides the run's own ``ignore_layers``: the
             layers of the report's exclusion have no vanishing, exploding or dead flag here
             (:func:`analysis.blocks.gradient_arrays.load_history`), so they count in no risk and
@@ -133,16 +120,7 @@ def build_enhanced_analysis(
         ValueError: a parameter out of range.
     """
     history = load_history(con, run_id, from_step, to_step, ignore_layers)
-    return enhanced_from_history(
-        history,
-        convergence_window=convergence_window,
-        interaction_window=interaction_window,
-        similar_count=similar_count,
-        alpha=alpha,
-        rules=rules,
-        depth=depth,
-        stability_threshold=stability_threshold,
-    )
+    return enhanced_from_history(history, **settings)
 
 
 class EnhancedOptions(BaseModel):

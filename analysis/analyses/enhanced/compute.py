@@ -82,7 +82,27 @@ def enhanced_from_history(
     depth: AnalysisDepth = AnalysisDepth.STANDARD,
     stability_threshold: float = DEFAULT_STABILITY_THRESHOLD,
 ) -> EnhancedLayerGradientAnalysis:
-    """The analysis of an already loaded history (see :func:`build_enhanced_analysis`)."""
+    """The enhanced analysis of a loaded history (:mod:`analysis.analyses.enhanced`).
+
+    Args:
+        history: from :func:`analysis.blocks.gradient_arrays.load_history`.
+        convergence_window: W, samples used by the convergence and trend fits (>= 3).
+        interaction_window: model-order distance of the layer pairs tested (>= 1).
+        similar_count: similar layers listed per layer (>= 0).
+        alpha: significance level of the tests, in (0, 1).
+        rules: ``"gradstream"`` or ``"reference"`` (the reference's verdicts; see the
+            package docstring).
+        depth: :class:`~analysis.analyses.enhanced.models.AnalysisDepth`, the sections
+            computed.
+        stability_threshold: the analyzer's stability threshold, in [0, 1].
+
+    Returns:
+        The :class:`~analysis.analyses.enhanced.models.EnhancedLayerGradientAnalysis`.
+
+    Raises:
+        StoreError: the history has no rows.
+        ValueError: a parameter out of range.
+    """
     if convergence_window < 3:
         raise ValueError(f"convergence_window must be >= 3, got {convergence_window}")
     if interaction_window < 1:
