@@ -10,7 +10,6 @@ messages are never dropped).
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import socket
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from producer.selection import select_names
 from producer.settings import ProducerSettings
 from producer.summary import LayerSummaries, summarize, warmup
 from producer.transport.encoding import StepRecord, step_summary
@@ -169,7 +169,8 @@ class GradientProducer:
         """
         if self._layer_index:
             raise RuntimeError("start_run() was already called for this producer")
-        selected = [name for name in layer_numel if self._selected(name)]
+        selected = select_names(layer_numel, self.settings.include or None,
+                                self.settings.exclude)
         if not selected:
             raise ValueError(
                 f"include={self.settings.include} / exclude={self.settings.exclude} select "
@@ -209,12 +210,6 @@ class GradientProducer:
         self._sender.put(Pending("start", message))
         # Compile (or load from cache) the summary kernels now, not on the first step.
         warmup(histogram=self.settings.exp_histogram)
-
-    def _selected(self, name: str) -> bool:
-        s = self.settings
-        if s.include and not any(fnmatch.fnmatchcase(name, p) for p in s.include):
-            return False
-        return not any(fnmatch.fnmatchcase(name, p) for p in s.exclude)
 
     def record_step(
         self,

@@ -25,7 +25,6 @@ function here is called.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
 import time
@@ -51,6 +50,7 @@ from producer.adapters.torch_summary import (
     launch_summaries,
     summarize_tensors,
 )
+from producer.selection import select_names
 from producer.summary import LayerSummaries
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -76,51 +76,6 @@ class SummaryRecorder(Protocol):
 
     def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
         """Queue precomputed statistics of one step (see ``GradientProducer``)."""
-
-
-def _patterns(value: str | Iterable[str] | None, what: str) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return (value,)
-    out = tuple(value)
-    for p in out:
-        if not isinstance(p, str):
-            raise TypeError(f"{what} patterns must be str, got {type(p).__name__}")
-    return out
-
-
-def select_names(
-    names: Iterable[str],
-    include: str | Iterable[str] | None = None,
-    exclude: str | Iterable[str] | None = None,
-) -> list[str]:
-    """Filter layer names with fnmatch-style glob patterns (case-sensitive).
-
-    Args:
-        names: layer names (normalised), in model order.
-        include: a pattern or patterns; when given, a name is kept only if it matches at
-            least one (``None`` keeps every name). ``*`` matches across dots, e.g.
-            ``"encoder.*"`` or ``"*.weight"``.
-        exclude: a pattern or patterns; a name matching any of them is dropped (applied
-            after ``include``).
-
-    Returns:
-        The kept names, in the input order.
-
-    Raises:
-        TypeError: a pattern is not a ``str``.
-    """
-    inc = _patterns(include, "include")
-    exc = _patterns(exclude, "exclude")
-    kept = []
-    for name in names:
-        if inc is not None and not any(fnmatch.fnmatchcase(name, p) for p in inc):
-            continue
-        if exc is not None and any(fnmatch.fnmatchcase(name, p) for p in exc):
-            continue
-        kept.append(name)
-    return kept
 
 
 def check_every_n_steps(value: object) -> int:

@@ -18,9 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from producer.adapters.torch import GradientTap, select_names
+from producer.adapters.torch import GradientTap
 from producer.adapters.torch_layout import gradient_piece
 from producer.adapters.torch_summary import summarize_tensors
+from producer.selection import select_names
 from producer.summary import LayerSummaries, summarize
 from tests.producer.adapters import FakeProducer, FakeSettings
 
