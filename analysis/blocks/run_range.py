@@ -4,7 +4,7 @@ and apply the report's explicit exclusion (:func:`analysis.read.exclusion.run_ex
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from analysis.read.connect import require_run
 from analysis.read.exclusion import Exclusion, run_exclusion
@@ -28,6 +28,19 @@ class RunRange:
 
     params: dict[str, object]
     exclusion: Exclusion
+
+    def report_header(self) -> dict[str, Any]:
+        """The run, range and exclusion fields of a report over this range, as keyword
+        arguments of its model: ``run_id``, ``from_step``, ``to_step`` (as requested),
+        ``ignore_layers`` (the exclusion's patterns) and ``layers_excluded`` (the run's
+        layers they match, model order)."""
+        return {
+            "run_id": self.params["run_id"],
+            "from_step": self.params["from_step"],
+            "to_step": self.params["to_step"],
+            "ignore_layers": self.exclusion.patterns,
+            "layers_excluded": self.exclusion.names,
+        }
 
 
 def open_run_range(

@@ -109,8 +109,8 @@ def build_explosion_analysis(
         threshold = float(rows[0][0])
     if not threshold > 0:
         raise ValueError(f"threshold must be > 0, got {threshold}")
-    exclusion = run_range.exclusion
-    params = {**run_range.params, "threshold": threshold, "excluded": exclusion.layer_index}
+    params = {**run_range.params, "threshold": threshold,
+              "excluded": run_range.exclusion.layer_index}
     layers = layer_peaks(con, params)
     if not layers:
         raise StoreError(f"run {run_id!r} has no gradient rows in the step range")
@@ -141,9 +141,7 @@ def build_explosion_analysis(
     ratio = len(exploding) / len(layers)
     overall = overall_severity(ratio, counted_top, threshold, any_nonfinite)
     return GradientExplosionAnalysis(
-        run_id=run_id,
-        from_step=from_step,
-        to_step=to_step,
+        **run_range.report_header(),
         threshold=threshold,
         steps=steps,
         layers=len(layers),
@@ -163,8 +161,6 @@ def build_explosion_analysis(
             )
         ),
         rules=rules,
-        ignore_layers=exclusion.patterns,
-        layers_excluded=exclusion.names,
     )
 
 
