@@ -416,27 +416,32 @@ _CATEGORIES = (
     "Mild", "Moderate", "Severe", "Critical",
 )
 
-PALETTES: dict[ColorScheme, dict[str, str]] = {
-    ColorScheme.DEFAULT: dict(zip(_CATEGORIES, (
+_COLOURS: dict[ColorScheme, tuple[str, ...]] = {
+    ColorScheme.DEFAULT: (
         "#1f77b4", "#7f7f7f", "#d62728", "#ff7f0e", "#2ca02c",
         "#2ca02c", "#bcbd22", "#ff7f0e", "#d62728",
         "#bcbd22", "#ff7f0e", "#d62728", "#8c0000",
-    ), strict=True)),
-    ColorScheme.HIGH_CONTRAST: dict(zip(_CATEGORIES, (
+    ),
+    ColorScheme.HIGH_CONTRAST: (
         "#0000ff", "#808080", "#ff0000", "#ff00ff", "#00ff00",
         "#00ff00", "#ffff00", "#ff00ff", "#ff0000",
         "#ffff00", "#ff8000", "#ff0000", "#ff0000",
-    ), strict=True)),
-    ColorScheme.COLOR_BLIND: dict(zip(_CATEGORIES, (
+    ),
+    ColorScheme.COLOR_BLIND: (
         "#0072b2", "#999999", "#d55e00", "#e69f00", "#009e73",
         "#009e73", "#f0e442", "#e69f00", "#d55e00",
         "#f0e442", "#e69f00", "#d55e00", "#cc79a7",
-    ), strict=True)),
-    ColorScheme.MONOCHROME: dict(zip(_CATEGORIES, (
+    ),
+    ColorScheme.MONOCHROME: (
         "#ffffff", "#808080", "#404040", "#e0e0e0", "#c0c0c0",
         "#ffffff", "#a0a0a0", "#808080", "#404040",
         "#c0c0c0", "#a0a0a0", "#808080", "#606060",
-    ), strict=True)),
+    ),
+}
+"""Hex colours of each scheme, in the order of ``_CATEGORIES``."""
+
+PALETTES: dict[ColorScheme, dict[str, str]] = {
+    scheme: dict(zip(_CATEGORIES, colours, strict=True)) for scheme, colours in _COLOURS.items()
 }
 """Colours of every :class:`ColorScheme` for the categories of node types, edge types and
 severities."""
