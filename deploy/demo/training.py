@@ -88,6 +88,20 @@ class RankError(RuntimeError):
         self.exitcode = exitcode
         self.remote_traceback = remote_traceback
 
+    @classmethod
+    def exited(cls, rank: int, proc: Any, step: int | None, when: str) -> RankError:
+        """The error of a rank process that died, after waiting up to 5 s for its exit code.
+
+        Args:
+            rank: the rank.
+            proc: its ``multiprocessing.Process``.
+            step: the optimiser step the parent was at, or None.
+            when: what the rank had not done yet, e.g. ``"without reporting"``.
+        """
+        proc.join(timeout=5)
+        return cls(rank, f"process exited (exit code {proc.exitcode}) {when}", step=step,
+                   exitcode=proc.exitcode)
+
 
 @dataclass
 class TrainingResult:
@@ -253,13 +267,7 @@ def _receive_all(
                 try:
                     msg = conn.recv()
                 except (EOFError, ConnectionResetError, OSError):
-                    proc.join(timeout=5)
-                    raise RankError(
-                        rank,
-                        f"process exited (exit code {proc.exitcode}) without reporting",
-                        step=step,
-                        exitcode=proc.exitcode,
-                    ) from None
+                    raise RankError.exited(rank, proc, step, "without reporting") from None
                 if msg[0] == "error":
                     _, err_step, text, tb = msg
                     raise RankError(rank, text, step=err_step, remote_traceback=tb)
@@ -268,12 +276,7 @@ def _receive_all(
                 messages[rank] = msg
                 pending.discard(rank)
             elif not proc.is_alive():
-                raise RankError(
-                    rank,
-                    f"process exited (exit code {proc.exitcode}) without reporting",
-                    step=step,
-                    exitcode=proc.exitcode,
-                )
+                raise RankError.exited(rank, proc, step, "without reporting")
     return [m for m in messages if m is not None]
 
 
@@ -288,13 +291,8 @@ def _send_avg(
     try:
         conn.send(("avg", step, avg))
     except (BrokenPipeError, ConnectionResetError, OSError):
-        proc.join(timeout=5)
-        raise RankError(
-            rank,
-            f"process exited (exit code {proc.exitcode}) before receiving the averaged gradient",
-            step=step,
-            exitcode=proc.exitcode,
-        ) from None
+        raise RankError.exited(rank, proc, step,
+                               "before receiving the averaged gradient") from None
 
 
 def _shutdown(
