@@ -39,7 +39,6 @@ from producer.adapters.optional import import_torch
 from producer.adapters.torch_layout import (
     UnsupportedParallelismError,
     check_ranks_agree,
-    dtype_name,
     full_numel,
     gradient_piece,
     unsupported_wrapping,
@@ -76,6 +75,11 @@ class SummaryRecorder(Protocol):
 
     def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
         """Queue precomputed statistics of one step (see ``GradientProducer``)."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype's short name (``torch.bfloat16`` -> ``"bfloat16"``), as on the wire."""
+    return str(dtype).removeprefix("torch.")
 
 
 def check_every_n_steps(value: object) -> int:

@@ -139,11 +139,6 @@ def gradient_piece(grad: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
     return to_local(), index, count
 
 
-def dtype_name(dtype: Any) -> str:
-    """A torch dtype's short name (``torch.bfloat16`` -> ``"bfloat16"``), as on the wire."""
-    return str(dtype).removeprefix("torch.")
-
-
 def check_ranks_agree(layer_numel: Mapping[str, int], world_size: object) -> None:
     """Refuse the run when the ranks of the default process group announce different
     layer lists (names and sizes), e.g. one tap per pipeline stage.
