@@ -5,9 +5,9 @@ last commit: the batch being filled, the next offset to consume per partition re
 offsets stored with the rows and those written but not yet acknowledged to Kafka. It never
 asks which output it writes to (:class:`consumer.outputs.base.Output`).
 
-:meth:`Checkpoint.commit`, run by the loop when ``flush_interval_s`` has passed and the
-output has no write in flight, when ``max_batch_rows`` layer rows wait, before partitions
-are revoked and at stop:
+The loop runs :meth:`Checkpoint.commit` when the checkpoint is :meth:`due
+<Checkpoint.due>` (``max_batch_rows`` layer rows wait, or ``flush_interval_s`` has passed
+and the output has no write in flight), before partitions are revoked and at stop:
 
 1. For every partition read, the offset to store is the next one to consume, but never
    past the first record of a frame still waiting for ranks (``pending``): a crash then
@@ -39,6 +39,7 @@ that stores none (the frames topic) leaves the consumer at the group's committed
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,10 @@ class Checkpoint:
     """The batch being filled and the offsets it covers, committed in the numbered steps
     of the module docstring.
 
+    Args:
+        flush_interval_s: seconds between commits when the output has no write in flight.
+        max_batch_rows: layer rows put into the batch that make a commit due at once.
+
     Attributes:
         batch: the batch the loop fills (written and replaced by :meth:`commit`).
         positions: (topic, partition) -> the next offset to consume (after the last
@@ -57,11 +62,39 @@ class Checkpoint:
         unacknowledged: offsets written but not acknowledged to Kafka yet (step 5).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, flush_interval_s: float, max_batch_rows: int) -> None:
+        self.flush_interval_s = flush_interval_s
+        self.max_batch_rows = max_batch_rows
         self.batch = Batch()
         self.positions: dict[PartitionKey, int] = {}
         self.stored: dict[PartitionKey, int] = {}
         self.unacknowledged: dict[PartitionKey, int] = {}
+        self._last_commit = time.monotonic()
+        self._rows_at_commit = 0  # the loop's layer-row count at the last commit
+
+    def due(self, output: Output | None, layer_rows: int) -> bool:
+        """Whether to commit now (checked after every record, so cheap):
+        ``max_batch_rows`` layer rows were put into the batch since the last commit
+        (``layer_rows``: the loop's running count, an upper bound), or
+        ``flush_interval_s`` has passed and ``output`` has no write in flight. While a
+        write-behind transaction runs, the batch keeps growing instead of the loop
+        blocking on it, so under load transactions grow to cover the time one takes (a
+        DuckDB transaction smaller than a row group costs more per row to commit).
+
+        Raises:
+            duckdb.Error: the write in flight failed.
+        """
+        if layer_rows - self._rows_at_commit >= self.max_batch_rows:
+            return True
+        if time.monotonic() - self._last_commit < self.flush_interval_s:
+            return False
+        return output is None or output.settle(wait=False)
+
+    def started(self, layer_rows: int) -> None:
+        """A commit starts now, with the loop's layer-row count at ``layer_rows``: the
+        interval and the row limit of :meth:`due` count from here."""
+        self._last_commit = time.monotonic()
+        self._rows_at_commit = layer_rows
 
     def consumed(self, topic: str, partition: int, offset: int) -> None:
         """The record at ``offset`` of (``topic``, ``partition``) was handed to the loop."""

@@ -11,8 +11,9 @@ Where a batch goes is an :class:`consumer.outputs.base.Output`, which the loop n
 the kind of; when and how a batch is committed with its offsets is the
 :class:`consumer.checkpoint.Checkpoint` (the commit protocol, numbered steps).
 
-A commit runs when ``flush_interval_s`` has passed and the output has no write in flight,
-when ``max_batch_rows`` layer rows wait, before partitions are revoked and at stop.
+A commit runs when the checkpoint says it is due (``max_batch_rows`` layer rows wait, or
+``flush_interval_s`` has passed and the output has no write in flight), before partitions
+are revoked and at stop.
 
 Stuck-partition watchdog (:mod:`consumer.stuck_partition`, ``stuck_partition_timeout_s``):
 at most every ``stuck_partition_timeout_s / 4`` the loop reads the end offset of every
@@ -96,15 +97,13 @@ class ConsumerLoop(ABC):
         self.watchdog = StuckPartitionWatchdog(settings.stuck_partition_timeout_s)
         self.error: BaseException | None = None
         self.output: Output | None = None
-        self.checkpoint = Checkpoint()
+        self.checkpoint = Checkpoint(settings.flush_interval_s, settings.max_batch_rows)
         self.dlq = DeadLetterQueue(settings.dlq_topic, None)
         self._consumer: Any = None
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._lock = threading.RLock()
         self._started = time.monotonic()
-        self._last_flush = self._started
-        self._rows_at_flush = 0  # counters.layer_rows at the last flush
         self._resumed = False
 
     # -- hooks ---------------------------------------------------------------------------
@@ -315,21 +314,12 @@ class ConsumerLoop(ABC):
     # -- writes --------------------------------------------------------------------------
 
     def _due(self) -> bool:
-        """Whether to flush now (checked after every record, so cheap): ``max_batch_rows``
-        layer rows wait, or ``flush_interval_s`` has passed and the output has no write in
-        flight. While a
-        write-behind transaction runs, the batch keeps growing instead of the loop
-        blocking on it, so under load transactions grow to cover the time one takes (a
-        DuckDB transaction smaller than a row group costs more per row to commit).
+        """Whether to commit now (:meth:`consumer.checkpoint.Checkpoint.due`).
 
         Raises:
             duckdb.Error: the write in flight failed.
         """
-        if self.counters.layer_rows - self._rows_at_flush >= self.settings.max_batch_rows:
-            return True  # rows put into the batch since the last flush (an upper bound)
-        if time.monotonic() - self._last_flush < self.settings.flush_interval_s:
-            return False
-        return self.output is None or self.output.settle(wait=False)
+        return self.checkpoint.due(self.output, self.counters.layer_rows)
 
     def flush(self, blocking: bool = True, settle: bool = False) -> None:
         """Commit the batch with its offsets (:meth:`consumer.checkpoint.Checkpoint.commit`,
@@ -345,8 +335,7 @@ class ConsumerLoop(ABC):
                 write-behind the one before); its offsets were not stored, so the
                 records are read again after a restart.
         """
-        self._last_flush = time.monotonic()
-        self._rows_at_flush = self.counters.layer_rows
+        self.checkpoint.started(self.counters.layer_rows)
         if self.output is None:
             return
         written = self.checkpoint.commit(self.output, self._consumer, self.pending_offsets(),

@@ -41,7 +41,7 @@ class RecordingOutput(Output):
 def test_steps_in_order_and_offsets_never_pass_a_pending_frame() -> None:
     """Dead letters are flushed before the write (3), the stored offset stops at the first
     record of a pending frame (1), and the offsets are acknowledged after the write (5)."""
-    checkpoint, out = Checkpoint(), RecordingOutput()
+    checkpoint, out = Checkpoint(1.0, 1000), RecordingOutput()
     checkpoint.consumed("t", 0, 9)
     checkpoint.consumed("t", 1, 4)
     written = checkpoint.commit(out, object(), {("t", 0): 7},
@@ -54,7 +54,7 @@ def test_steps_in_order_and_offsets_never_pass_a_pending_frame() -> None:
 
 def test_nothing_new_writes_nothing() -> None:
     """Step 2: with neither rows nor changed offsets, nothing is written."""
-    checkpoint, out = Checkpoint(), RecordingOutput()
+    checkpoint, out = Checkpoint(1.0, 1000), RecordingOutput()
     checkpoint.consumed("t", 0, 3)
     checkpoint.commit(out, object(), {}, lambda: None)
     out.calls.clear()
@@ -64,7 +64,7 @@ def test_nothing_new_writes_nothing() -> None:
 
 def test_offsets_wait_until_the_output_says_they_are_durable() -> None:
     """Step 5: a write still in flight acknowledges nothing; a later acknowledge does."""
-    checkpoint, out = Checkpoint(), RecordingOutput()
+    checkpoint, out = Checkpoint(1.0, 1000), RecordingOutput()
     out.durable = False
     checkpoint.consumed("t", 0, 0)
     checkpoint.commit(out, object(), {}, lambda: None)
@@ -89,7 +89,7 @@ def test_assignment_seeks_to_the_stored_offsets_and_revocation_forgets() -> None
         def seek_to_beginning(self, tp: Any) -> None:
             self.seeks.append((tp, "beginning"))
 
-    checkpoint, consumer = Checkpoint(), Consumer()
+    checkpoint, consumer = Checkpoint(1.0, 1000), Consumer()
     parts = [TopicPartition("t", 0), TopicPartition("t", 1)]
     checkpoint.assign(RecordingOutput({("t", 0): 12}), consumer, parts)
     assert consumer.seeks == [(parts[0], 12), (parts[1], "beginning")]
@@ -100,3 +100,18 @@ def test_assignment_seeks_to_the_stored_offsets_and_revocation_forgets() -> None
     other = Consumer()
     checkpoint.assign(RecordingOutput(None), other, parts)
     assert other.seeks == []
+
+
+def test_due_on_rows_or_on_the_interval_once_the_output_is_settled() -> None:
+    """A commit is due once ``max_batch_rows`` layer rows wait; otherwise only after
+    ``flush_interval_s`` and while the output has no write in flight."""
+    out = RecordingOutput()
+    checkpoint = Checkpoint(3600.0, 10)
+    checkpoint.started(5)
+    assert not checkpoint.due(out, 14)
+    assert checkpoint.due(out, 15)
+    waiting = Checkpoint(0.0, 10)
+    out.durable = False
+    assert not waiting.due(out, 0)
+    out.durable = True
+    assert waiting.due(out, 0)
