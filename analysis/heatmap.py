@@ -132,8 +132,8 @@ def ascii_heatmap(
         order: rows in model order (``layers.layer_index``) or by name (the reference order).
         from_step: first step drawn (inclusive), ``None`` = from the start.
         to_step: last step drawn (inclusive), ``None`` = to the end.
-        style: ``"gradstream"`` (the layout above) or ``"reference"``: the reference
-            implementation's drawing, exactly (see the module docstring; ``order`` and
+        style: ``"gradstream"`` (the layout above) or ``"reference"``: the reference's
+            drawing, exactly (see the module docstring; ``order`` and
             ``max_columns`` are then ignored: name order, one column per frame).
 
     Returns:
