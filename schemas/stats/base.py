@@ -151,6 +151,28 @@ class LayerStatistic:
     element); subclasses implement ``empty``, ``_update_layer`` and ``_update_elements``
     (what raw values add), ``from_columns``, ``to_columns``, ``from_message`` and
     ``get``.
+
+    Examples:
+        A statistic of its own (counts add, the peak takes the maximum):
+
+        >>> from dataclasses import dataclass, field
+        >>> @dataclass(slots=True, eq=False)
+        ... class Peak(LayerStatistic):
+        ...     numel: np.ndarray = field(metadata=COUNT)
+        ...     peak: np.ndarray = field(metadata=MAXIMUM)
+        ...     @classmethod
+        ...     def empty(cls, num_layers):
+        ...         return cls(np.zeros(num_layers, np.int64), np.full(num_layers, -np.inf))
+        ...     def _update_layer(self, flat, layer):
+        ...         self.numel[layer] += flat.size
+        ...         self.peak[layer] = max(self.peak[layer], flat.max(initial=-np.inf))
+        >>> a = Peak.empty(2).update(np.array([1.0, 5.0]), 0)
+        >>> b = Peak.empty(2).update(np.array([7.0]), 0).update(np.array([2.0]), 1)
+        >>> merged = a + b
+        >>> merged.numel.tolist(), merged.peak.tolist(), merged.pooled().peak.tolist()
+        ([3, 1], [7.0, 2.0], [7.0])
+        >>> sorted(merged.exact_fields())
+        ['numel', 'peak']
     """
 
     __slots__ = ()
