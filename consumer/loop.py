@@ -74,10 +74,10 @@ class ConsumerLoop(ABC):
             <consumer.outputs.base.Output.on_open>`; ``gradstream serve`` takes a read
             cursor on the DuckDB file).
 
-    Subclasses set ``Counters`` (a LoopCounters subclass) and ``join_group`` (True: a
-    consumer-group member with rebalances; False: assign every partition of ``topics()``
-    to itself, for a single reader that keeps its offsets in its output and must not wait
-    for a group), and implement :meth:`open_output`,
+    Subclasses set ``process_name``, ``Counters`` (a LoopCounters subclass) and
+    ``join_group`` (True: a consumer-group member with rebalances; False: assign every
+    partition of ``topics()`` to itself, for a single reader that keeps its offsets in its
+    output and must not wait for a group), and implement :meth:`open_output`,
     :meth:`topics` and :meth:`handle`; the other hooks are optional.
 
     ``run()`` blocks until ``stop()``; ``error`` holds what ended it abnormally. The
@@ -86,6 +86,8 @@ class ConsumerLoop(ABC):
 
     join_group = True
     Counters: type[LoopCounters] = LoopCounters
+    process_name = "consumer"
+    """What the process is called in its log lines (``worker``, ``store``)."""
 
     def __init__(self, settings: Any, on_open: Callable[[Any], None] | None = None) -> None:
         self.settings = settings
@@ -197,7 +199,7 @@ class ConsumerLoop(ABC):
         except BaseException:
             self._close()
             raise
-        log.info("%s reads %s, writing %s", type(self).__name__.lower(),
+        log.info("%s reads %s, writing %s", self.process_name,
                  ", ".join(self.topics()), self.describe_output())
         try:
             self._consume()
@@ -292,7 +294,7 @@ class ConsumerLoop(ABC):
             try:
                 step()
             except Exception:
-                log.exception("error while closing %s", type(self).__name__)
+                log.exception("error while closing the %s", self.process_name)
 
     # -- records -------------------------------------------------------------------------
 

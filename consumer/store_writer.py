@@ -71,6 +71,7 @@ class StoreWriter(ConsumerLoop):
     ``run()`` blocks until ``stop()``.
     """
 
+    process_name = "store"
     join_group = False
     Counters = StoreWriterCounters
     counters: StoreWriterCounters

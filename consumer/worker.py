@@ -70,6 +70,7 @@ class Worker(ConsumerLoop):
     or on a background thread in the demo and tests.
     """
 
+    process_name = "worker"
     Counters = WorkerCounters
     counters: WorkerCounters
     settings: ConsumerSettings

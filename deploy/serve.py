@@ -345,7 +345,7 @@ class ServedLoop(Generic[LoopT]):
         try:
             self.loop.run()
         except Exception as exc:  # kept in loop.error; reported by start() / failure()
-            log.error("%s stopped: %s", type(self.loop).__name__.lower(), exc)
+            log.error("%s stopped: %s", self.loop.process_name, exc)
         finally:  # a loop that ended by itself answers nothing more
             if self.endpoint is not None:
                 self.endpoint.close()
