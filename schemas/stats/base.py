@@ -146,7 +146,8 @@ class LayerStatistic:
     Subclasses are dataclasses whose fields are arrays with the layer on axis 0 (or nested
     statistics), each declared with its merge rule (add / max / min). This base implements,
     from those rules: :meth:`merge_at`, ``+=``, ``+``, :meth:`copy`, :meth:`take`,
-    :meth:`per_copy`, :meth:`pooled`, :meth:`state` and :meth:`exact_fields`, and
+    :meth:`per_copy`, :meth:`pooled`, :meth:`saturate`, :meth:`state` and
+    :meth:`exact_fields`, and
     :meth:`update`'s layer dispatch (validate ``layer``, then one layer or one layer per
     element); subclasses implement ``empty``, ``_update_layer`` and ``_update_elements``
     (what raw values add), ``from_columns``, ``to_columns``, ``from_message`` and
@@ -352,6 +353,19 @@ class LayerStatistic:
             return value.min(axis=0, keepdims=True, initial=np.inf)
 
         return self._rebuild(convert)
+
+    def saturate(self) -> Self:
+        """Clip every float sum (the fields merged by addition and compared up to rounding;
+        those of nested statistics too) to [-MAX_DOUBLE, MAX_DOUBLE], in place: an
+        overflowing sum is reported as that bound, NaN stays NaN. For a caller that needs
+        finite numbers. Returns ``self``."""
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.metadata["merge"] == "nested":
+                value.saturate()
+            elif f.metadata["merge"] == "add" and not f.metadata["exact"]:
+                np.clip(value, -MAX_DOUBLE, MAX_DOUBLE, out=value)
+        return self
 
     def state(self) -> dict[str, np.ndarray]:
         """The arrays that make up the statistic, by field name (nested statistics as

@@ -19,7 +19,6 @@ import numpy as np
 
 from schemas.stats.base import (
     COUNT,
-    MAX_DOUBLE,
     MAXIMUM,
     SUM,
     LayerStatistic,
@@ -150,6 +149,9 @@ class GradientSums(LayerStatistic):
             every shard sent its ``nan`` count or had no non-finite element (then it has no
             NaN either); a shard with non-finite elements and no count adds its elements to
             ``numel`` only, leaving the split unknown.
+
+    The producer does not :meth:`~LayerStatistic.saturate` these sums: an overflowing
+    gradient sum travels as +inf, as the reference's f64 sums overflow.
 
     Frame fields (:meth:`get`; ``consumer.frames``):
     ``mean_abs = sum_abs / numel``, ``norm = sqrt(sum_sq)``, ``rms = sqrt(sum_sq / numel)``.
@@ -300,15 +302,6 @@ class GradientSums(LayerStatistic):
         numel = np.array([f.size for f in flats], np.int64)
         return cls(numel, numel.copy(), sums[0].copy(), sums[1].copy(), sums[2].copy(),
                    nonfinite, nan, numel.copy())
-
-    def saturate(self) -> GradientSums:
-        """Clip ``sum_abs`` and ``sum_sq`` at the largest finite double, in place, for a
-        caller that needs finite numbers. Returns ``self``. The producer does not: an
-        overflowing gradient sum travels as +inf, as the reference's (trustformers-debug) f64
-        sums overflow."""
-        np.minimum(self.sum_abs, MAX_DOUBLE, out=self.sum_abs)
-        np.minimum(self.sum_sq, MAX_DOUBLE, out=self.sum_sq)
-        return self
 
     def has_abs(self) -> np.ndarray:
         """bool[L]: ``sum_abs`` and ``max_abs`` cover every element of the layer."""

@@ -24,7 +24,6 @@ import numpy as np
 
 from schemas.stats.base import (
     COUNT,
-    MAX_DOUBLE,
     MAXIMUM,
     MINIMUM,
     SUM,
@@ -245,14 +244,6 @@ class PowerSums(LayerStatistic):
             sums[i] = rest
         return cls(counts[:, 0].copy(), *(sums[:, j].copy() for j in range(6)),
                    counts[:, 1].copy())
-
-    def saturate(self) -> PowerSums:
-        """Clip ``s1``..``s4`` to [-max double, max double], in place (an overflowing power
-        sum is reported as that bound; NaN stays NaN). Returns ``self``."""
-        for name in ("s1", "s2", "s3", "s4"):
-            values = getattr(self, name)
-            np.clip(values, -MAX_DOUBLE, MAX_DOUBLE, out=values)
-        return self
 
     def mean(self) -> np.ndarray:
         """float64[L] mean of the finite elements (NaN where count = 0)."""

@@ -9,7 +9,6 @@ import numpy as np
 
 from schemas.stats.base import (
     COUNT,
-    MAX_DOUBLE,
     SUM,
     LayerStatistic,
     SummaryMessage,
@@ -93,11 +92,6 @@ class SumOfSquares(LayerStatistic):
         with np.errstate(over="ignore"):
             self.sum_sq += np.bincount(where[finite], weights=v[finite] ** 2,
                                        minlength=self.num_layers)
-
-    def saturate(self) -> SumOfSquares:
-        """Clip ``sum_sq`` at the largest finite double, in place; returns ``self``."""
-        np.minimum(self.sum_sq, MAX_DOUBLE, out=self.sum_sq)
-        return self
 
     def norm(self) -> np.ndarray:
         """float64[L] sqrt(sum x^2)."""

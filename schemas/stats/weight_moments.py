@@ -140,11 +140,6 @@ class WeightMoments(LayerStatistic):
         self.power._update_elements(flat, where)
         self.exp_hist._update_elements(flat, where)
 
-    def saturate(self) -> WeightMoments:
-        """:meth:`PowerSums.saturate` in place; returns ``self``."""
-        self.power.saturate()
-        return self
-
     def numel(self) -> np.ndarray:
         """int64[L] weights covered (finite and not)."""
         return self.power.count + self.power.nonfinite
