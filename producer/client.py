@@ -444,16 +444,8 @@ class GradientProducer:
         """Current counters (thread-safe snapshot)."""
         delivery = self._sender.counts()
         with self._lock:
-            return ProducerStats(
-                recorded=self._recorded,
-                skipped=self._skipped,
-                sent=delivery.sent,
-                dropped=delivery.dropped,
-                failed=delivery.failed,
-                queued=delivery.queued,
-                in_flight=delivery.in_flight,
-                training_thread_s=self._training_s,
-            )
+            return ProducerStats(recorded=self._recorded, skipped=self._skipped,
+                                 training_thread_s=self._training_s, **delivery._asdict())
 
     def __enter__(self) -> GradientProducer:
         return self
