@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import PrivateAttr
 
-from analysis.notebook_html import heatmap_png, report_html
+from analysis.notebook_html import report_html
 from analysis.notebook_sql import (
     ALERTS_SQL,
     FRAMES_SQL,
@@ -391,6 +391,8 @@ class Run:
 
     def _heatmap_png(self, steps: Steps = None, max_steps: int = 1000, max_layers: int = 400,
                      width_px: int = 1600) -> bytes:
+        from analysis.plots.png import heatmap_png
+
         return heatmap_png(self.grid(steps, max_steps, max_layers), width_px)
 
     def plot(self, steps: Steps = None, max_steps: int = 1000, max_layers: int = 400,
@@ -414,10 +416,8 @@ class Run:
         """
         from analysis.plots.png import heatmap_figure
 
-        grid = self.grid(steps, max_steps, max_layers)
-        if grid.n_frames == 0:
-            raise StoreError(f"run {self.run_id!r} has no gradient frame in the requested steps")
-        return heatmap_figure(grid, width_px)
+        return heatmap_figure(self.grid(steps, max_steps, max_layers).require_frames(),
+                              width_px)
 
     def _repr_html_(self) -> str:
         return self.report()._repr_html_()

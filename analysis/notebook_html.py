@@ -1,41 +1,20 @@
 """The Jupyter rendering of a run summary: HTML with the health badge, the flagged layers,
-the recommendations and the heatmap as an inline PNG (used by
+the recommendations and the heatmap as an inline PNG (its bytes from
+:func:`analysis.plots.png.heatmap_png`; used by
 :meth:`analysis.notebook.RunReport._repr_html_`)."""
 
 from __future__ import annotations
 
 import base64
 import html
-import io
-from typing import TYPE_CHECKING
 
 from analysis.blocks.terminal import more_suffix
-from analysis.read.connect import StoreError
 from analysis.report import (
     NAMES_IN_TABLE,
     GradientFlowSummary,
     exclusion_rows,
     local_origin_text,
 )
-
-if TYPE_CHECKING:
-    from analysis.plots.grid import GradientGrid
-
-
-def heatmap_png(grid: GradientGrid, width_px: int = 1600) -> bytes:
-    """The bytes of the PNG heatmap of ``grid`` (:func:`analysis.plots.png.heatmap_figure`,
-    drawn without pyplot, so a notebook's backend and figures are left alone).
-
-    Raises:
-        StoreError: the grid has no frame.
-    """
-    from analysis.plots.png import DPI, heatmap_figure
-
-    if grid.n_frames == 0:
-        raise StoreError(f"run {grid.run_id!r} has no gradient frame in the requested steps")
-    buffer = io.BytesIO()
-    heatmap_figure(grid, width_px).savefig(buffer, format="png", dpi=DPI)
-    return buffer.getvalue()
 
 
 def _names(names: list[str], limit: int = NAMES_IN_TABLE) -> str:

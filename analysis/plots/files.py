@@ -63,9 +63,7 @@ def write_pictures(
             cannot be written.
         ValueError: a limit < 1.
     """
-    grid = reader.grid(run_id, max_steps, max_layers, from_step, to_step)
-    if grid.n_frames == 0:
-        raise StoreError(f"run {run_id!r} has no gradient frame in the requested steps")
+    grid = reader.grid(run_id, max_steps, max_layers, from_step, to_step).require_frames()
     frames = (
         grid
         if max_frames >= grid.shape[1]

@@ -183,6 +183,17 @@ class GradientGrid:
         """Whether a column or a row covers more than one frame or layer."""
         return self.steps_per_col > 1 or self.layers_per_row > 1
 
+    def require_frames(self) -> GradientGrid:
+        """This grid, when it has a frame to draw.
+
+        Raises:
+            StoreError: no frame was recorded in the grid's step range.
+        """
+        if self.n_frames == 0:
+            raise StoreError(
+                f"run {self.run_id!r} has no gradient frame in the requested steps")
+        return self
+
     def log_norm(self) -> np.ndarray:
         """float64[R, C]: log10 of :attr:`max_norm`; NaN where there is no data or the
         norm is 0 (see FLAG_NO_DATA, FLAG_ZERO)."""

@@ -4,6 +4,7 @@
   gradient L2 norm; vanishing, exploding and non-finite cells marked in colours outside the
   norm scale (hollow squares when cells are large enough to keep the norm colour visible,
   solid cells otherwise); the grid's downsampling caption under the title.
+- :func:`heatmap_png`: the heatmap's PNG bytes (the notebook's inline picture).
 - :func:`plot_series`: one line per row (layer, or bin of layers) of the maximum gradient
   norm over each column's steps, log scale, flagged points marked.
 
@@ -16,6 +17,7 @@ no mathtext, control characters escaped).
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from contextlib import contextmanager
@@ -204,6 +206,19 @@ def plot_heatmap(
         OSError: the file cannot be written.
     """
     return _save(heatmap_figure(grid, width_px, height_px), path)
+
+
+def heatmap_png(grid: GradientGrid, width_px: int = 1600) -> bytes:
+    """The bytes of the PNG of :func:`heatmap_figure` (drawn without pyplot, so a
+    notebook's backend and figures are left alone).
+
+    Raises:
+        StoreError: the grid has no frame (:meth:`GradientGrid.require_frames`).
+    """
+    buffer = io.BytesIO()
+    with _figure_context():
+        heatmap_figure(grid.require_frames(), width_px).savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
 
 
 def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
