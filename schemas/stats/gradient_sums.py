@@ -54,6 +54,8 @@ def gradient_sums_of_array(
     >>> gradient_sums_of_array(np.array([3.0, -4.0, np.nan], np.float32))
     (7.0, 25.0, 4.0, 1, 1)
     """
+    if flat.dtype.kind != "f":  # |x| of an integer must not wrap (abs(int8(-128)))
+        flat = flat.astype(np.float64)
     if buf is None:
         buf = np.empty(min(flat.size, CHUNK))
     sum_abs = sum_sq = max_abs = 0.0
@@ -96,6 +98,7 @@ def gradient_sums_of_layers(
     >>> sums.tolist(), bad.tolist(), nan.tolist()
     ([[7.0, 0.0], [25.0, 0.0], [4.0, 0.0]], [0, 1], [0, 0])
     """
+    flats = [f if f.dtype.kind == "f" else f.astype(np.float64) for f in flats]
     count = len(flats)
     sums = np.zeros((3, count))  # sum |g|, sum g^2, max |g|
     nonfinite = np.zeros(count, np.int64)
