@@ -34,7 +34,7 @@ layer_stats
     elements as sparse ``exp_hist_columns`` / ``exp_hist_counts`` (column layout in
     ``schemas.wire``: EXP_HIST_MIN, EXP_HIST_MAX, EXP_HIST_BINS). ``sum_abs``,
     ``max_abs_grad`` and ``mean_abs_grad`` are NULL for a layer some rank sent in norms
-    mode. Unique on (run_id, step, layer_index) without an index: the sink writes a
+    mode. Unique on (run_id, step, layer_index) without an index: the DuckDB output writes a
     frame by deleting the batch's (run_id, step) rows, then appending the new ones, in one
     transaction (an index would cost more per inserted row than the rest of the insert;
     a store that carries that primary key keeps it, and the same writes keep it
@@ -234,7 +234,7 @@ LAYER_STATS_COLUMNS: tuple[str, ...] = (
     "weight_min", "weight_max", "weight_zeros", "weight_nonfinite", "weight_exp_hist_columns",
     "weight_exp_hist_counts", "nan",
 )
-"""Column order of ``layer_stats`` (the sink's bulk inserts follow it)."""
+"""Column order of ``layer_stats`` (the DuckDB output's bulk inserts follow it)."""
 
 LOCAL_LAYER_STATS_COLUMNS: tuple[str, ...] = (
     "run_id", "step", "rank", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs_grad",

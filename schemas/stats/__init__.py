@@ -3,8 +3,8 @@
 The one home of the sums that travel from a training rank to the store: a rank computes
 them (``producer.summary``, ``producer.weights``) and sends them in a StepSummary, a worker
 merges the ranks of a step (``consumer.merge``, ``consumer.frames``), the store keeps them
-in ``layer_stats`` and reloads them to merge a late rank (``consumer.sink``), and the frame
-fields and the weight analysis are derived from them.
+in ``layer_stats`` and reloads them to merge a late rank (``consumer.outputs.duckdb``), and
+the frame fields and the weight analysis are derived from them.
 
 Protocol. Every class follows River's statistics protocol (``river.stats.Var`` and its
 siblings): ``update`` folds raw values in and returns the statistic itself, ``a += b``
