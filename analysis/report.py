@@ -39,10 +39,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Group, RenderableType
 from rich.panel import Panel
-from rich.table import Table
 from rich.text import Text
 
-from analysis.blocks.terminal import joined_names, names_text
+from analysis.blocks.terminal import joined_names, names_text, summary_grid
 from analysis.nonfinite import has_nan_column, require_nan_split
 from analysis.read.connect import has_column, require_run
 from analysis.read.exclusion import Exclusion, run_exclusion
@@ -754,6 +753,11 @@ def exclusion_rows(summary: GradientFlowSummary) -> dict[str, tuple[list[str], l
     return rows
 
 
+def _bullets(lines: list[str]) -> Text:
+    """``lines`` as a bulleted list, one per line (plain text, never parsed as markup)."""
+    return Text("\n".join(f"• {line}" for line in lines))
+
+
 def render_report(summary: GradientFlowSummary) -> RenderableType:
     """Terminal rendering of a summary: a key/value table and the recommendations.
 
@@ -773,9 +777,7 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     Returns:
         A rich renderable (print it with ``rich.console.Console.print``).
     """
-    table = Table.grid(padding=(0, 2))
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column()
+    table = summary_grid()
     health = summary.overall_health
     health_cell = Text(health.value, style=HEALTH_STYLE[health])
     health_cell.append(f" over {health_window_text(summary)}")
@@ -823,19 +825,15 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     origin = local_origin_text(summary)
     if origin is not None:
         table.add_row("started in", Text(origin))
-    recs = Text()
-    for i, rec in enumerate(summary.recommendations):
-        recs.append(("\n" if i else "") + f"• {rec}")
     parts: list[RenderableType] = [table]
     if summary.findings:
-        found = Text()
-        for i, line in enumerate(summary.findings):
-            found.append(("\n" if i else "") + f"• {line}")
-        parts += [Text(""), Text("Findings", style="bold underline"), found]
+        parts += [Text(""), Text("Findings", style="bold underline"),
+                  _bullets(summary.findings)]
     title = Text("gradient flow: run ")
     title.append(_show_name(summary.run_id), style="bold")
     return Panel(
-        Group(*parts, Text(""), Text("Recommendations", style="bold underline"), recs),
+        Group(*parts, Text(""), Text("Recommendations", style="bold underline"),
+              _bullets(summary.recommendations)),
         title=title,
         border_style=HEALTH_STYLE[health].removeprefix("bold "),
     )
