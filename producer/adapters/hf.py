@@ -23,19 +23,20 @@ layer's share of the norm is unaffected. DeepSpeed keeps gradients outside ``.gr
 is not supported.
 
 Structural exclusion (``ignore_attention_key_bias``, off by default). The key bias of a
-softmax self-attention gets a gradient that is zero by construction: it adds ``q . b_k``, the
-same constant, to every score of a query's row, and softmax is invariant to that shift, so
-its gradient is the rounding residue of an exact cancellation, below the vanishing
-threshold at every step. By default such a layer counts as vanishing, as in the reference
-implementation, and the report lists it as a finding ("gradient at rounding level since
-step 0"), so a BERT run is not Healthy. With ``ignore_attention_key_bias=True`` the callback
-finds those parameters from the model's structure (:func:`attention_key_biases`: every
-module whose class name ends with ``SelfAttention`` holding a ``key`` ``nn.Linear`` with a
-bias, as ``BertSelfAttention``, ``RobertaSelfAttention``, ``ViTSelfAttention``), never from
-their magnitude, and sends their exact layer names as the run's ``ignore_layers``: the run
-records them, the health leaves their vanishing / exploding flags out, and the report names
-them ("excluded by run setting"). Fused projections (GPT-2's ``c_attn``) hold the key bias in
-a slice of one parameter and are not excluded.
+softmax self-attention gets a gradient that is zero by construction: it adds ``q . b_k``,
+the same constant, to every score of a query's row, and softmax is invariant to that
+shift, so its gradient is the rounding residue of an exact cancellation, below the
+vanishing threshold at every step. By default such a layer counts as vanishing, as in the
+reference (trustformers-debug, gradient_flow), and the report lists it as a finding
+("gradient at rounding level since step 0"), so a BERT run is not Healthy. With
+``ignore_attention_key_bias=True`` the callback finds those parameters from the model's
+structure (:func:`attention_key_biases`: every module whose class name ends with
+``SelfAttention`` holding a ``key`` ``nn.Linear`` with a bias, as ``BertSelfAttention``,
+``RobertaSelfAttention``, ``ViTSelfAttention``), never from their magnitude, and sends
+their exact layer names as the run's ``ignore_layers``: the run records them, the health
+leaves their vanishing / exploding flags out, and the report names them ("excluded by run
+setting"). Fused projections (GPT-2's ``c_attn``) hold the key bias in a slice of one
+parameter and are not excluded.
 
 ``GradstreamCallback`` is created on first access, as a subclass of
 ``transformers.TrainerCallback``: importing this module works without transformers, and

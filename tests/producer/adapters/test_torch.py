@@ -21,7 +21,6 @@ from hypothesis.extra.numpy import arrays
 from producer.adapters.torch import GradientTap
 from producer.adapters.torch_layout import gradient_piece
 from producer.adapters.torch_summary import summarize_tensors
-from producer.selection import select_names
 from producer.summary import LayerSummaries, summarize
 from tests.producer.adapters import FakeProducer, FakeSettings
 
@@ -386,17 +385,6 @@ def test_producer_selection_settings_are_honoured() -> None:
     fake = FakeProducer(settings=FakeSettings(include=["2.*", "4.*"], exclude=["*.weight"]))
     tap = GradientTap(mlp(), fake, exclude="4.*")
     assert tap.layer_names == ["2.bias"]
-
-
-def test_select_names() -> None:
-    names = ["a.w", "a.b", "b.w", "a.x.w"]
-    assert select_names(names) == names
-    assert select_names(names, include="a.*") == ["a.w", "a.b", "a.x.w"]
-    assert select_names(names, include=["*.w"], exclude=["a.x.*"]) == ["a.w", "b.w"]
-    assert select_names(names, exclude="*") == []
-    assert select_names(["A.w"], include="a.*") == []  # case-sensitive
-    with pytest.raises(TypeError, match="str"):
-        select_names(names, include=[1])  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize(
