@@ -47,7 +47,7 @@ def render_enhanced(report: EnhancedLayerGradientAnalysis) -> RenderableType:
     strongest significant interactions.
 
     Args:
-        report: from :func:`build_enhanced_analysis`.
+        report: from :func:`analysis.analyses.enhanced.build_enhanced_analysis`.
 
     Returns:
         A rich renderable.

@@ -27,7 +27,7 @@ def render_explosion(report: GradientExplosionAnalysis) -> RenderableType:
     """The explosion analysis as terminal tables (summary, exploding layers, advice).
 
     Args:
-        report: from :func:`build_explosion_analysis`.
+        report: from :func:`analysis.analyses.explosion.build_explosion_analysis`.
 
     Returns:
         A rich renderable.

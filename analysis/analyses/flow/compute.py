@@ -51,11 +51,11 @@ _SEVERITY_ORDER = ("Mild", "Moderate", "Severe", "Critical")
 def flow_from_history(
     history: GradientHistory, config: GradientVisualizationConfig | None = None
 ) -> GradientFlowVisualization:
-    """Compute the visualisation data from a loaded history (see the module docstring).
+    """Compute the visualisation data from a loaded history (see :mod:`analysis.analyses.flow`).
 
     Args:
         history: from :func:`analysis.blocks.gradient_arrays.load_history`.
-        config: see :func:`build_flow_visualization`.
+        config: see :func:`analysis.analyses.flow.build_flow_visualization`.
 
     Returns:
         The :class:`GradientFlowVisualization`.
@@ -178,7 +178,7 @@ def _reference_temporal_flows(
     history: GradientHistory, packed: Packed
 ) -> list[TemporalGradientFlow]:
     """Temporal flows by the reference's rules: direction from the last three samples,
-    stability ``1 / (1 + variance)`` of the last five (:mod:`.flow_reference`)."""
+    stability ``1 / (1 + variance)`` of the last five (:mod:`.reference`)."""
     values, steps, counts = packed.values, packed.steps, packed.counts
     directions = flow_reference.latest_directions(values, counts)
     stable = flow_reference.stability_scores(values, counts)
@@ -256,7 +256,7 @@ def _reference_regions(
     history: GradientHistory, packed: Packed
 ) -> tuple[list[VanishingRegion], list[ExplodingRegion], list[GradientDeadZone]]:
     """Regions and dead zones by the reference's rules: one per layer, from the layer's
-    finite samples (:mod:`.flow_reference`); ``duration_steps`` the layer's samples,
+    finite samples (:mod:`.reference`); ``duration_steps`` the layer's samples,
     ``affected_parameters`` its ``numel``."""
     values, counts = packed.values, packed.counts
     vanishing, exploding, dead = [], [], []

@@ -28,7 +28,7 @@ def render_flow(report: GradientFlowVisualization) -> RenderableType:
     directions, coloured with the report's colour scheme.
 
     Args:
-        report: from :func:`build_flow_visualization`.
+        report: from :func:`analysis.analyses.flow.build_flow_visualization`.
 
     Returns:
         A rich renderable.
