@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from analysis.analyses.history import load_history
+from analysis.blocks.gradient_arrays import load_history
 from analysis.read.connect import open_store
 from analysis.report import build_report
 from consumer.frames import compute_frame
