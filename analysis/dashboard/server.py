@@ -349,8 +349,8 @@ class Dashboard:
 
     def index_html(self) -> bytes:
         """The page with its configuration (colours, the flag bits of
-        ``schemas.flags.FLAG_BITS`` that ``heatmap.js`` reads, refresh interval) embedded as
-        JSON."""
+        ``schemas.flags.FLAG_BITS`` that ``heatmap.js`` reads, refresh interval, the paths
+        of the ``/api/`` routes by read or handler name) embedded as JSON."""
         from analysis.plots.animation import script_safe_json
 
         template = resources.files("analysis.dashboard.static").joinpath(
@@ -364,6 +364,8 @@ class Dashboard:
             "db": str(self.cursors.db),
             "writer": self.cursors.writer,
             "export_formats": list(EXPORT_FORMATS),
+            "routes": {route.read or route.handler.lstrip("_"): route.path
+                       for route in ROUTES if not route.page},
         }
         return template.replace("__CONFIG_JSON__", script_safe_json(config)).encode("utf-8")
 

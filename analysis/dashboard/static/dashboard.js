@@ -5,6 +5,7 @@
 (function () {
   "use strict";
   const config = JSON.parse(document.getElementById("config").textContent);
+  const routes = config.routes;  // read name -> path, from the server's route table
   const H = window.GradHeatmap;
   H.useFlagBits(config.flag_bits);
   const opts = { palette: config.palette, flagColors: config.flag_colors };
@@ -221,7 +222,7 @@
 
   // The registered analyses (name, help), fetched once: one report link each.
   let analyses = [];
-  getJSON("/api/analyses").then((body) => {
+  getJSON(routes.analyses).then((body) => {
     analyses = body.analyses;
     updateExports();
   }).catch(() => {});
@@ -237,7 +238,7 @@
     for (const fmt of config.export_formats) {
       const a = el("a", "export", fmt.toUpperCase());
       a.dataset.format = fmt;
-      a.href = "/api/export?run=" + q(state.run) + "&format=" + fmt + range;
+      a.href = routes.export + "?run=" + q(state.run) + "&format=" + fmt + range;
       a.setAttribute("download", "");
       box.appendChild(a);
     }
@@ -245,7 +246,7 @@
       const a = el("a", "analysis", analysis.name);
       a.dataset.analysis = analysis.name;
       a.title = analysis.help;
-      a.href = "/api/analysis/" + q(analysis.name) + "?run=" + q(state.run) + range;
+      a.href = routes.analysis.replace("{name}", q(analysis.name)) + "?run=" + q(state.run) + range;
       a.target = "_blank";
       a.rel = "noopener";
       reports.appendChild(a);
@@ -285,17 +286,17 @@
     clearTimeout(timer);
     const pill = $("status");
     try {
-      const status = await getJSON("/api/status");
-      const runs = (await getJSON("/api/runs")).runs;
+      const status = await getJSON(routes.status);
+      const runs = (await getJSON(routes.runs)).runs;
       renderRuns(runs);
       const canvas = $("heatmap"), ratio = window.devicePixelRatio || 1;
-      const jobs = [getJSON("/api/alerts?limit=50")];
+      const jobs = [getJSON(routes.alerts + "?limit=50")];
       if (state.run !== null) {
-        jobs.push(getJSON("/api/grid?run=" + q(state.run) + "&max_steps=" +
+        jobs.push(getJSON(routes.grid + "?run=" + q(state.run) + "&max_steps=" +
           Math.max(1, Math.round(canvas.clientWidth * ratio)) + "&max_layers=" +
           Math.max(1, Math.round(canvas.clientHeight * ratio / 2))));
         if (state.layer !== null) {
-          jobs.push(getJSON("/api/layer?run=" + q(state.run) + "&layer=" + state.layer +
+          jobs.push(getJSON(routes.layer + "?run=" + q(state.run) + "&layer=" + state.layer +
             "&max_points=" + Math.max(1, Math.round($("series").clientWidth * ratio))));
         }
       }
