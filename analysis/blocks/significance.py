@@ -1,4 +1,4 @@
-"""Scalar statistics shared by the analyses: significance thresholds and robust fences.
+"""Significance thresholds and robust fences shared by the analyses.
 
 The reference (trustformers-debug) classifies with fixed cut-offs
 (``avg < 1e-5``, ``ratio <= 1.2``...). gradstream replaces those with standard statistical
