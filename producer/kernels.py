@@ -657,7 +657,7 @@ def summarize_hist_f64(x, out, i, counts, tables, lut, hist_min):  # pragma: no 
 
 _HIST_ARGS_DOC = """
         counts: int64[L, B]; the layer's exponent histogram is added to row i (layout:
-            ``producer.summary.exp_hist_edges``; NaN/Inf not counted): pass zeros.
+            ``producer.histogram.exp_hist_edges``; NaN/Inf not counted): pass zeros.
         tables: int32[TABLES * STRIDE] scratch count tables, all zero; left all zero (one
             allocation serves every layer of a call).
         lut: uint16[512], ``schemas.stats.exponent_lut(8, 127)``: the histogram column of

@@ -11,7 +11,7 @@ Per layer, over this rank's shard of the weights, everything exactly mergeable a
   (``sum`` = sum w, ``sum_cube`` = sum w^3, ``sum_quad`` = sum w^4), ``min`` / ``max``
   (0.0 on the wire when a layer has no finite weight), ``nonfinite`` = count of NaN/Inf
   weights, plus the base-2 exponent histogram of |w| (same layout as the gradient histogram,
-  :func:`producer.summary.exp_hist_edges`; column 0 counts exact zeros).
+  :func:`producer.histogram.exp_hist_edges`; column 0 counts exact zeros).
 
 Mean, variance, skewness and kurtosis follow from the power sums
 (:meth:`schemas.stats.PowerSums.get`). All sums accumulate in float64.
@@ -33,7 +33,7 @@ from types import ModuleType
 import numpy as np
 
 from producer import backend
-from producer.summary import EXP_HIST_BINS, EXP_HIST_MIN, as_float_array, summarize
+from producer.summary import as_float_array, summarize
 from schemas.stats import (
     MAX_DOUBLE,
     ExponentHistogram,
@@ -41,6 +41,7 @@ from schemas.stats import (
     SumOfSquares,
     WeightMoments,
 )
+from schemas.wire import EXP_HIST_BINS, EXP_HIST_MIN
 
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)

@@ -14,16 +14,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from producer.backend import set_backend
-from producer.summary import (
-    EXP_HIST_BINS,
-    EXP_HIST_MAX,
-    EXP_HIST_MIN,
-    FLOAT_FORMATS,
-    exp_hist_column,
-    exp_hist_edges,
-    summarize,
-    underflow_fraction,
-)
+from producer.histogram import FLOAT_FORMATS, exp_hist_edges, underflow_fraction
+from producer.summary import summarize
+from schemas.stats import exp_hist_column
+from schemas.wire import EXP_HIST_BINS, EXP_HIST_MAX, EXP_HIST_MIN
 
 B = EXP_HIST_BINS
 FLOATS = [np.float16, np.float32, np.float64]

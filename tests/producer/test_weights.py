@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from producer.summary import exp_hist_column
 from producer.weights import summarize_weights
+from schemas.stats import exp_hist_column
 
 
 def test_moments_extremes_and_histogram_against_numpy():
