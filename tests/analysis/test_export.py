@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from analysis.export import CSV_HEADER, export_csv, export_json, rust_exp_sql
 from analysis.read.connect import StoreError, open_store
-from tests.analysis import EXPLODING, NASTY_NAMES, VANISHING, Stat, StoreBuilder
+from tests.analysis.crafted import EXPLODING, NASTY_NAMES, VANISHING, Stat, StoreBuilder
 
 MODEL = ["z_embed", "m_block", "a_head"]
 

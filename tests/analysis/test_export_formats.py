@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from analysis.export import TABLE_COLUMNS, export_jsonl, export_parquet, export_run
 from analysis.read.connect import StoreError, open_store
 from deploy.cli.reports import register
-from tests.analysis import EXPLODING, NASTY_NAMES, VANISHING, Stat, StoreBuilder
+from tests.analysis.crafted import EXPLODING, NASTY_NAMES, VANISHING, Stat, StoreBuilder
 
 MODEL = ["z_embed", "m_block", "a_head"]
 

@@ -11,7 +11,7 @@ from rich.cells import cell_len
 
 from analysis.heatmap import BLOCKS, EMPTY, LEGEND, NONFINITE_GLYPH, TITLE, ascii_heatmap, glyph
 from analysis.read.connect import StoreError, open_store
-from tests.analysis import NASTY_NAMES, Stat, StoreBuilder, healthy_stat
+from tests.analysis.crafted import NASTY_NAMES, Stat, StoreBuilder, healthy_stat
 
 MODEL = ["z_embed", "m_block", "a_head"]
 

@@ -15,7 +15,7 @@ from analysis.read.connect import open_store
 from analysis.report import GradientFlowSummary, build_report, render_report
 from consumer.health import RunHealthTracker
 from schemas.wire import GradientHealth as H
-from tests.analysis import Stat, StoreBuilder, healthy_stat
+from tests.analysis.crafted import Stat, StoreBuilder, healthy_stat
 
 NAMES = ["embed", "attn.key.weight", "attn.key.bias", "head"]
 KEY_BIAS = 2

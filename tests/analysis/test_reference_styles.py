@@ -16,7 +16,7 @@ from analysis.export import export_csv, export_json, export_run, json_float_sql
 from analysis.heatmap import NONFINITE_GLYPH, ascii_heatmap
 from analysis.read.connect import open_store
 from analysis.report import build_report
-from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
+from tests.analysis.crafted import NASTY_NAMES, Stat, StoreBuilder
 from tests.conformance.reference import (
     GradientFlowAnimator,
     GradientFrame,

@@ -18,7 +18,7 @@ from analysis.report import (
     render_report,
 )
 from schemas.wire import GradientHealth
-from tests.analysis import (
+from tests.analysis.crafted import (
     EXPLODING,
     NASTY_NAMES,
     NONFINITE,

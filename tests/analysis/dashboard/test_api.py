@@ -21,7 +21,7 @@ from analysis.plots.grid import FLAG_EXPLODING
 from analysis.read.cursors import ReadCursors
 from analysis.read.sidecar import new_token
 from analysis.registry import ANALYSES
-from tests.analysis import Stat, StoreBuilder
+from tests.analysis.crafted import Stat, StoreBuilder
 
 NAMES = ["embed", "block", "head"]
 TOKEN = new_token()

@@ -27,7 +27,7 @@ from analysis.plots.grid import (
 from analysis.read.connect import StoreError, open_store
 from analysis.read.reader import open_reader
 from deploy.cli.reports import register
-from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
+from tests.analysis.crafted import NASTY_NAMES, Stat, StoreBuilder
 from tests.chromium import chromium_page, image_stats
 
 NAMES = ["embed", "block.0", "block.1", "norm", "head"]

@@ -20,7 +20,7 @@ from analysis.read.connect import (
     require_run,
     resolve_run,
 )
-from tests.analysis import StoreBuilder, healthy_stat
+from tests.analysis.crafted import StoreBuilder, healthy_stat
 
 
 @pytest.fixture

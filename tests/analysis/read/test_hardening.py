@@ -36,7 +36,7 @@ from analysis.read.query import (
 from analysis.read.reader import EndpointReader, FileReader, StoreReader, open_reader
 from analysis.read.sidecar import new_token, remove_sidecar, write_sidecar
 from deploy.cli.reports import register
-from tests.analysis import Stat, StoreBuilder
+from tests.analysis.crafted import Stat, StoreBuilder
 
 REFUSAL = "refused: reads may not touch files outside the store"
 CROSS_JOIN = "SELECT count(*) FROM range(100000000) a, range(100000) b"

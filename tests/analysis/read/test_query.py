@@ -50,7 +50,7 @@ from analysis.read.sidecar import (
     write_sidecar,
 )
 from deploy.cli.reports import register
-from tests.analysis import NASTY_NAMES, Stat, StoreBuilder
+from tests.analysis.crafted import NASTY_NAMES, Stat, StoreBuilder
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -17,7 +17,7 @@ from analysis.read.sidecar import new_token, remove_sidecar, write_sidecar
 from consumer.alerts.rows import write_alerts
 from deploy.cli.alerts import register
 from schemas.alert import Alert
-from tests.analysis import Stat, StoreBuilder
+from tests.analysis.crafted import Stat, StoreBuilder
 
 
 def alert(step: int, rule: str, state: str, created: float) -> Alert:

@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from deploy.cli.reports import register
-from tests.analysis import EXPLODING, NASTY_NAMES, Stat, StoreBuilder, healthy_stat
+from tests.analysis.crafted import EXPLODING, NASTY_NAMES, Stat, StoreBuilder, healthy_stat
 
 MODEL = ["z_embed", "m_block", "a_head"]
 
