@@ -9,12 +9,7 @@ import base64
 import html
 
 from analysis.blocks.terminal import more_suffix
-from analysis.report import (
-    NAMES_IN_TABLE,
-    GradientFlowSummary,
-    exclusion_rows,
-    local_origin_text,
-)
+from analysis.report import NAMES_IN_TABLE, GradientFlowSummary, summary_rows
 
 
 def _names(names: list[str], limit: int = NAMES_IN_TABLE) -> str:
@@ -28,8 +23,9 @@ def _names(names: list[str], limit: int = NAMES_IN_TABLE) -> str:
 def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,
                 note: str = "") -> str:
     """HTML of a run summary for Jupyter: the health badge (``class="gradstream-health"``,
-    colour of :data:`analysis.plots.colors.HEALTH_COLORS`), the counts, the flagged layers,
-    where NaN/Inf or an explosion started, the recommendations, then ``heatmap`` (PNG
+    colour of :data:`analysis.plots.colors.HEALTH_COLORS`), the rows the terminal report
+    shows (:func:`analysis.report.summary_rows`: counts, flagged layers, exclusions, where
+    NaN/Inf or an explosion started), the findings, the recommendations, then ``heatmap`` (PNG
     bytes) as an ``<img src="data:image/png;base64,...">``, or ``note`` when there is none.
     Every text from the store is HTML-escaped."""
     from analysis.plots.colors import HEALTH_COLORS
@@ -38,39 +34,11 @@ def report_html(summary: GradientFlowSummary, heatmap: bytes | None = None,
     colour = HEALTH_COLORS.get(health, "#616161")
     badge = (f'<span class="gradstream-health" style="background:{colour};color:#fff;'
              f'padding:2px 8px;border-radius:10px;font-weight:600">{html.escape(health)}</span>')
-    span = ""
-    if summary.from_step is not None or summary.to_step is not None:
-        last = "last" if summary.to_step is None else summary.to_step
-        span = f" (steps {summary.from_step or 0} to {last})"
-    nonfinite_since = ("" if summary.first_nonfinite_step is None
-                       else f" (first at step {summary.first_nonfinite_step})")
-    rows = [  # (label, HTML)
-        ("total steps", html.escape(f"{summary.total_steps}{span}")),
-        ("frames", html.escape(
-            f"{summary.frames} ({summary.partial_frames} partial, world size "
-            f"{summary.world_size}; {summary.ranks_finished} ranks finished, "
-            f"{summary.dropped_summaries} summaries dropped)")),
-        ("issue frames", html.escape(
-            f"{summary.issue_frames} ({summary.issue_ratio:.1%} of frames)")),
-        ("layers", str(summary.num_layers)),
-        ("vanishing", _names(summary.layers_with_vanishing_grads)),
-        ("exploding", _names(summary.layers_with_exploding_grads)),
-        ("non-finite", _names(summary.layers_with_nonfinite_grads) + nonfinite_since),
-    ]
-    if summary.layers_without_gradient:
-        rows.append(("no gradient", html.escape(
-            f"at rounding level since step {summary.no_gradient_since_step}: ")
-            + _names(summary.layers_without_gradient)))
-    for label, (patterns, names) in exclusion_rows(summary).items():
-        rows.append(("excluded", html.escape(
-            label + " " + ", ".join(map(repr, patterns)) + ": ") + _names(names)))
-    origin = local_origin_text(summary)
-    if origin:
-        rows.append(("started in", html.escape(origin)))
     table = "".join(
-        f'<tr><th style="text-align:left;padding-right:1em">{label}</th>'
-        f'<td style="text-align:left">{value}</td></tr>'
-        for label, value in rows
+        f'<tr><th style="text-align:left;padding-right:1em">{html.escape(row.label)}</th>'
+        f'<td style="text-align:left">{html.escape(row.text)}'
+        f'{"" if row.names is None else _names(row.names)}{html.escape(row.tail)}</td></tr>'
+        for row in summary_rows(summary)
     )
     recommendations = "".join(f"<li>{html.escape(text)}</li>"
                               for text in summary.recommendations)

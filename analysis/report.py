@@ -34,6 +34,7 @@ window too (:class:`LiveHealth`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -758,17 +759,80 @@ def _bullets(lines: list[str]) -> Text:
     return Text("\n".join(f"• {line}" for line in lines))
 
 
+@dataclass(frozen=True)
+class SummaryRow:
+    """One row of a rendered run summary (:func:`summary_rows`): ``label``, then ``text``,
+    then the layer list ``names`` when it is not None ("none" when empty; at most
+    ``NAMES_IN_TABLE`` names, then "... and N more"), then ``tail``. Every part is plain
+    text: each renderer escapes it for its medium."""
+
+    label: str
+    text: str = ""
+    names: list[str] | None = None
+    tail: str = ""
+
+
+def summary_rows(summary: GradientFlowSummary) -> list[SummaryRow]:
+    """The rows every rendering of a summary shows after its health, in order: the live
+    health when its window differs, the step range, counts, the flagged layer lists, the
+    layers with no gradient, the exclusions (:func:`exclusion_rows`) and where bad
+    gradients started; optional rows only when they apply. Used by :func:`render_report`
+    (terminal) and :func:`analysis.notebook_html.report_html` (Jupyter)."""
+    rows: list[SummaryRow] = []
+    live = live_health_text(summary)
+    if live is not None:
+        rows.append(SummaryRow("live health", live.removeprefix("live health ")))
+    if summary.from_step is not None or summary.to_step is not None:
+        rows.append(SummaryRow("steps considered", (
+            f"{'start' if summary.from_step is None else summary.from_step}"
+            f" .. {'end' if summary.to_step is None else summary.to_step}")))
+    rows += [
+        SummaryRow("total steps", str(summary.total_steps)),
+        SummaryRow("frames", (
+            f"{summary.frames} ({summary.partial_frames} partial{_partial_why(summary)}, "
+            f"world size {summary.world_size}; {summary.ranks_finished} ranks finished, "
+            f"{summary.dropped_summaries} summaries dropped by producers)")),
+        SummaryRow("issue frames",
+                   f"{summary.issue_frames} ({summary.issue_ratio:.1%} of frames)"),
+        SummaryRow("layers", str(summary.num_layers)),
+        SummaryRow("vanishing", names=summary.layers_with_vanishing_grads),
+        SummaryRow("exploding", names=summary.layers_with_exploding_grads),
+    ]
+    tail = ("" if summary.first_nonfinite_step is None
+            else f" (first at step {summary.first_nonfinite_step})")
+    if summary.nonfinite_rule == "reference" and summary.layers_with_nonfinite_grads:
+        tail += " (reference rule: an Inf counts as exploding, a NaN as no issue)"
+    rows.append(SummaryRow("non-finite", names=summary.layers_with_nonfinite_grads, tail=tail))
+    if summary.layers_without_gradient:
+        rows.append(SummaryRow(
+            "no gradient", f"at rounding level since step {summary.no_gradient_since_step}: ",
+            summary.layers_without_gradient,
+            " (excluded: exclude layers at rounding level)"
+            if summary.excluded_rounding_level else ""))
+    for label, (patterns, names) in exclusion_rows(summary).items():
+        shown = patterns[:NAMES_IN_TABLE]
+        more = len(patterns) - len(shown)
+        rows.append(SummaryRow("excluded", label + " " + ", ".join(map(repr, shown))
+                               + (f" and {more} more patterns" if more else "") + ": ",
+                               names))
+    origin = local_origin_text(summary)
+    if origin is not None:
+        rows.append(SummaryRow("started in", origin))
+    return rows
+
+
 def render_report(summary: GradientFlowSummary) -> RenderableType:
     """Terminal rendering of a summary: a key/value table and the recommendations.
 
     Layer names are printed as plain text (never parsed as rich markup); each layer list
     shows at most ``NAMES_IN_TABLE`` names followed by "... and N more". The health row
-    names its window (:func:`health_window_text`); a "live health" row follows when the
-    consumer's stored health covers another window (:func:`live_health_text`). Layers
-    with no gradient by construction get their own row ("no gradient: at rounding level
-    since step S: ...") and a "Findings" section, only when there are some; layers excluded
-    by ``ignore_layers`` get an "excluded" row per setting (:func:`exclusion_rows`: "by run
-    setting" and "by this report's --ignore-layers") naming its patterns and layers. Under
+    names its window (:func:`health_window_text`), then come the rows of
+    :func:`summary_rows`: a "live health" row when the consumer's stored health covers
+    another window (:func:`live_health_text`); layers with no gradient by construction get
+    their own row ("no gradient: at rounding level since step S: ...") and a "Findings"
+    section, only when there are some; layers excluded by ``ignore_layers`` get an
+    "excluded" row per setting (:func:`exclusion_rows`: "by run setting" and "by this
+    report's --ignore-layers") naming its patterns and layers. Under
     ``nonfinite_rule="reference"`` the non-finite row says how those layers counted.
 
     Args:
@@ -782,49 +846,12 @@ def render_report(summary: GradientFlowSummary) -> RenderableType:
     health_cell = Text(health.value, style=HEALTH_STYLE[health])
     health_cell.append(f" over {health_window_text(summary)}")
     table.add_row("health", health_cell)
-    live = live_health_text(summary)
-    if live is not None:
-        table.add_row("live health", Text(live.removeprefix("live health ")))
-    span = (
-        f"{'start' if summary.from_step is None else summary.from_step}"
-        f" .. {'end' if summary.to_step is None else summary.to_step}"
-    )
-    if summary.from_step is not None or summary.to_step is not None:
-        table.add_row("steps considered", span)
-    table.add_row("total steps", str(summary.total_steps))
-    table.add_row(
-        "frames",
-        f"{summary.frames} ({summary.partial_frames} partial{_partial_why(summary)}, "
-        f"world size {summary.world_size}; "
-        f"{summary.ranks_finished} ranks finished, {summary.dropped_summaries} summaries "
-        "dropped by producers)",
-    )
-    table.add_row("issue frames", f"{summary.issue_frames} ({summary.issue_ratio:.1%} of frames)")
-    table.add_row("layers", str(summary.num_layers))
-    table.add_row("vanishing", _names_cell(summary.layers_with_vanishing_grads))
-    table.add_row("exploding", _names_cell(summary.layers_with_exploding_grads))
-    nonfinite = _names_cell(summary.layers_with_nonfinite_grads)
-    if summary.first_nonfinite_step is not None:
-        nonfinite.append(f" (first at step {summary.first_nonfinite_step})")
-    if summary.nonfinite_rule == "reference" and summary.layers_with_nonfinite_grads:
-        nonfinite.append(" (reference rule: an Inf counts as exploding, a NaN as no issue)")
-    table.add_row("non-finite", nonfinite)
-    if summary.layers_without_gradient:
-        zero = Text(f"at rounding level since step {summary.no_gradient_since_step}: ")
-        zero.append_text(_names_cell(summary.layers_without_gradient))
-        if summary.excluded_rounding_level:
-            zero.append(" (excluded: exclude layers at rounding level)")
-        table.add_row("no gradient", zero)
-    for label, (patterns, names) in exclusion_rows(summary).items():
-        shown = patterns[:NAMES_IN_TABLE]
-        more = len(patterns) - len(shown)
-        excluded = Text(label + " " + ", ".join(map(repr, shown))
-                        + (f" and {more} more patterns" if more else "") + ": ")
-        excluded.append_text(_names_cell(names))
-        table.add_row("excluded", excluded)
-    origin = local_origin_text(summary)
-    if origin is not None:
-        table.add_row("started in", Text(origin))
+    for row in summary_rows(summary):
+        cell = Text(row.text)
+        if row.names is not None:
+            cell.append_text(_names_cell(row.names))
+        cell.append(row.tail)
+        table.add_row(row.label, cell)
     parts: list[RenderableType] = [table]
     if summary.findings:
         parts += [Text(""), Text("Findings", style="bold underline"),
