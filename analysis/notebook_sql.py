@@ -22,7 +22,6 @@ Layers = str | Sequence[str] | None
 """Layers to keep: an ``fnmatch`` pattern, a list of exact names, or ``None`` (all)."""
 
 
-
 def step_params(steps: Steps) -> dict[str, object]:
     """``$from_step`` / ``$to_step`` of an inclusive ``steps`` range.
 
