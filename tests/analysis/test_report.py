@@ -11,6 +11,7 @@ from rich.console import Console
 from analysis.read.connect import StoreError, open_store
 from analysis.report import (
     GradientFlowSummary,
+    build_recommendations,
     build_report,
     health_window_text,
     live_health_text,
@@ -313,3 +314,33 @@ def test_store_without_live_health(tmp_path: Path) -> None:
     assert health_window_text(summary) == "steps 0..3, 4 frames"
     assert "live health" not in render(summary)
     assert health_window_text(report_of(tmp_path / "s.duckdb", from_step=50)) == "no frames"
+
+
+@pytest.mark.parametrize("health", list(GradientHealth))
+def test_one_health_line_per_level(health: GradientHealth) -> None:
+    recs = build_recommendations(health, [], [])
+    assert len(recs) == 1
+    others = {build_recommendations(h, [], [])[0] for h in GradientHealth}
+    assert len(others) == len(GradientHealth)
+
+
+def test_recommendation_structure() -> None:
+    recs = build_recommendations(
+        H.CRITICAL, ["v1", "v2"], ["e1"], nonfinite=["n1"], first_nonfinite_step=42
+    )
+    assert len(recs) == 1 + 2 + 2 + 1
+    assert "n1" in recs[0] and "42" in recs[0]
+    assert "v1, v2" in recs[1]
+    assert "initialis" in recs[2].lower()
+    assert "e1" in recs[3] and "clip" in recs[3].lower()
+    assert "learning rate" in recs[4].lower()
+    assert recs[-1] == build_recommendations(H.CRITICAL, [], [])[0]
+
+
+def test_recommendation_truncates_and_quotes_names() -> None:
+    names = [f"layer{i}" for i in range(20)] + ["a,b", "x\ny"]
+    rec = build_recommendations(H.MINOR_ISSUES, names, [])[0]
+    assert "layer7" in rec and "layer8" not in rec
+    assert "... and 14 more" in rec
+    rec = build_recommendations(H.MINOR_ISSUES, ["a,b", "x\ny", ""], [])[0]
+    assert "'a,b'" in rec and "'x\\ny'" in rec and "''" in rec
