@@ -238,7 +238,7 @@ def test_dtype_from_the_layers_table(tmp_path):
 def test_store_without_dtype_column_counts_float32(tmp_path):
     path = write(tmp_path, bert_like(6))
     con = duckdb.connect(str(path))
-    con.execute("ALTER TABLE layers DROP COLUMN dtype")  # a store written before schema 1.3
+    con.execute("ALTER TABLE layers DROP COLUMN dtype")  # an older store, without dtypes
     con.close()
     assert report_of(path).layers_without_gradient == ["attn.key.bias"]
 
@@ -307,8 +307,8 @@ def test_notebook_html_shows_the_finding_and_the_exclusion(tmp_path):
 
 
 def test_store_without_ignore_layers_column_still_reports(tmp_path):
-    """A store written before schema 1.5 has no runs.ignore_layers: the report opens it,
-    applies only its own patterns, and the consumer's sink adds the column on open."""
+    """An older store without runs.ignore_layers: the report opens it, applies only its
+    own patterns, and the consumer's sink adds the column on open."""
     path = write(tmp_path, bert_like(6))
     con = duckdb.connect(str(path))
     con.execute("ALTER TABLE runs DROP COLUMN ignore_layers")

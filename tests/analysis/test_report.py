@@ -216,7 +216,7 @@ def test_first_bad_local_rank_from_the_local_view(tmp_path: Path) -> None:
     assert "started in" not in render(report_of(path, to_step=1))
 
     con = duckdb.connect(str(path))
-    con.execute("DROP TABLE local_layer_stats")  # a store written before schema 1.3
+    con.execute("DROP TABLE local_layer_stats")  # an older store, without the local view
     con.close()
     old = report_of(path)
     assert old.first_bad_local_step is None and old.first_bad_local_ranks == []
