@@ -23,6 +23,8 @@ Modules, one job each:
 - :mod:`analysis.heatmap`: ASCII heatmap of flow intensity (layers x steps).
 - :mod:`analysis.nonfinite`: the reference's values of layers holding NaN/Inf elements
   (for the reference styles and verdict).
+- :mod:`analysis.presentation`: the choices of the report, the heatmap and the exports
+  (layer order, style, export format), standard library only.
 - :mod:`analysis.export`: CSV and JSON exports (plus Parquet and JSON Lines), streamed
   from the read connection as Arrow batches and written by this process (read connections
   have no file access).

@@ -16,6 +16,20 @@ bytes are those DuckDB's ``COPY`` writers produced (CSV quoted when a field is e
 holds a comma, quote, CR or LF; a JSON array ``[\n\t{...},\n\t{...}\n]\n``; one object
 per line; zstd Parquet). The file is written to ``<path>.part`` and renamed when complete.
 Progress is the fraction of rows written (a ``count(*)`` of the range first).
+
+Styles (``csv`` and ``json``, :data:`analysis.presentation.Style`): ``"gradstream"``: the
+CSV quotes a name that needs it (RFC 4180: empty, or holding a comma, quote, CR or LF); the
+JSON is one compact frame per line, non-finite floats ``null``. ``"reference"``: byte for
+byte what the reference's (trustformers-debug, ``gradient_flow``) ``export_csv`` /
+``export_json`` write for the same frames, layers in name order: CSV names raw (a name
+holding a comma or a line break then breaks the CSV's columns); JSON pretty-printed as
+``serde_json::to_string_pretty`` does (two-space indent, floats as ryu's shortest round-trip
+text: ``0.1``, ``1.0``, ``1e-7``, ``1.5e300``; non-finite floats ``null``; control
+characters escaped ``\\u00xx`` in lower case; no trailing newline). The reference style also
+shows the reference's values of the layers holding NaN/Inf elements (``analysis.nonfinite``:
+mean and norm NaN with a NaN, inf with an Inf; max inf with an Inf; an Inf layer exploding;
+the step's intensities rebuilt), and refuses (``StoreError``) a range holding such a row
+stored without its NaN count.
 """
 
 from __future__ import annotations
@@ -26,9 +40,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from analysis.nonfinite import has_nan_column, reference_stats_sql, require_nan_split
+from analysis.presentation import (
+    EXPORT_FORMATS,
+    LAYER_ORDERS,
+    STYLES,
+    LayerOrder,
+    Style,
+    check_choice,
+)
 from analysis.read.connect import StoreError, require_run
 from analysis.read.sql import STATS_SQL, stats_params
 from schemas.tables import LAYER_STATS_COLUMNS
@@ -43,27 +65,9 @@ Progress = Callable[[float | None], None]
 BATCH_ROWS = 65_536
 """Rows per Arrow record batch fetched from DuckDB and written at once (a few MB)."""
 
-EXPORT_FORMATS: tuple[str, ...] = ("csv", "json", "parquet", "jsonl")
-"""Formats of :func:`export_run` (also the file extensions)."""
-
 CSV_HEADER = "step,layer,mean_abs_grad,max_abs_grad,grad_norm,is_vanishing,is_exploding"
 """Header line of the CSV export, as in the reference format."""
 
-Order = Literal["name", "model"]
-Style = Literal["gradstream", "reference"]
-"""Presentation of :func:`export_csv` and :func:`export_json`. ``"gradstream"``: the CSV quotes
-a name that needs it (RFC 4180: empty, or holding a comma, quote, CR or LF); the JSON is one
-compact frame per line, non-finite floats ``null``. ``"reference"``: byte for byte what the
-reference's (trustformers-debug, ``gradient_flow``) ``export_csv`` / ``export_json`` write
-for the same frames, layers in name order: CSV names raw (a name holding a comma or a line
-break then breaks the CSV's columns); JSON pretty-printed as
-``serde_json::to_string_pretty`` does (two-space indent, floats as ryu's shortest round-trip
-text: ``0.1``, ``1.0``, ``1e-7``, ``1.5e300``; non-finite floats ``null``; control
-characters escaped ``\\u00xx`` in lower case; no trailing newline). The reference style also
-shows the reference's values of the layers holding NaN/Inf elements (``analysis.nonfinite``:
-mean and norm NaN with a NaN, inf with an Inf; max inf with an Inf; an Inf layer exploding;
-the step's intensities rebuilt), and refuses (``StoreError``) a range holding such a row
-stored without its NaN count."""
 
 
 def file_stem(run_id: str) -> str:
@@ -104,11 +108,9 @@ def _finite_or_null(column: str) -> str:
 
 
 def _order_sql(order: str) -> str:
-    if order == "name":
-        return "name, layer_index"
-    if order == "model":
-        return "layer_index"
-    raise ValueError(f"order must be 'name' or 'model', got {order!r}")
+    """The ``ORDER BY`` terms of the layers within a step (:data:`LayerOrder`)."""
+    check_choice("order", order, LAYER_ORDERS)
+    return "name, layer_index" if order == "name" else "layer_index"
 
 
 def _target(path: str | os.PathLike[str]) -> Path:
@@ -374,10 +376,6 @@ def _count_sql(frames: bool) -> str:
     return f"WITH s AS ({STATS_SQL}) SELECT {what} FROM s"
 
 
-STYLES: tuple[str, ...] = ("gradstream", "reference")
-"""Presentation styles (:data:`Style`); ``"reference"`` exists for ``csv`` and ``json``."""
-
-
 def _csv_select(stats_sql: str, order: str, style: str) -> str:
     """One CSV line per (step, layer) row (:data:`CSV_HEADER` columns)."""
     name_sql = "name" if style == "reference" else _csv_field("name")
@@ -490,7 +488,7 @@ def export_run(
     fmt: str,
     from_step: int | None = None,
     to_step: int | None = None,
-    order: Order = "name",
+    order: LayerOrder = "name",
     progress: Progress | None = None,
     style: Style = "gradstream",
 ) -> int:
@@ -507,7 +505,7 @@ def export_run(
         order: layer order within a step, ``"name"`` (reference order: code points) or
             ``"model"`` (``layer_index``); the reference style is always in name order.
         progress: optional callback of the fraction done (see :data:`Progress`).
-        style: ``"gradstream"`` or ``"reference"`` (:data:`Style`; ``csv`` and ``json``).
+        style: ``"gradstream"`` or ``"reference"`` (module doc, "Styles"; ``csv`` and ``json``).
 
     Returns:
         Rows written: data rows for ``csv`` (header excluded), ``parquet`` and ``jsonl``;
@@ -518,12 +516,10 @@ def export_run(
             jsonl.
         StoreError: unknown run, invalid step range, or unusable output path.
     """
-    spec = _FORMATS.get(fmt)
-    if spec is None:
-        raise ValueError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
+    check_choice("format", fmt, EXPORT_FORMATS)
+    spec = _FORMATS[fmt]
+    check_choice("style", style, STYLES)
     if style not in spec.styles:
-        if spec.styles == STYLES:
-            raise ValueError(f"style must be 'gradstream' or 'reference', got {style!r}")
         raise ValueError(f"style {style!r} exists for the csv and json formats only, not {fmt}")
     params = stats_params(run_id, from_step, to_step)
     stats_sql = STATS_SQL
@@ -542,7 +538,7 @@ class ExportOptions(TypedDict, total=False):
 
     from_step: int | None
     to_step: int | None
-    order: Order
+    order: LayerOrder
     progress: Progress | None
     style: Style
 
@@ -555,7 +551,7 @@ def export_csv(con: duckdb.DuckDBPyConnection, run_id: str, path: str | os.PathL
     (:data:`CSV_HEADER`). Floats as Rust ``{:.8e}`` (:func:`rust_exp_sql`), flags as 0/1.
     One row per (step, layer) stored, ordered by step, then layer name or model order.
     Fields are RFC 4180-quoted when needed (style ``"gradstream"``); the reference style
-    writes names raw, in name order: the reference's bytes exactly (:data:`Style`).
+    writes names raw, in name order: the reference's bytes exactly (module doc, "Styles").
     Arguments, return value (data rows) and errors: :func:`export_run`.
     """
     return export_run(con, run_id, path, "csv", **options)
@@ -572,7 +568,7 @@ def export_json(con: duckdb.DuckDBPyConnection, run_id: str, path: str | os.Path
     with ``GROUP BY step`` and ``list(struct_pack(...) ORDER BY ...)``, each frame rendered
     by DuckDB's ``to_json``; one compact frame per line inside ``[`` and ``]`` (the layout
     of DuckDB's ``FORMAT json, ARRAY true`` writer). ``style="reference"`` writes the
-    reference's bytes instead (:data:`Style`: serde_json's pretty layout and float text,
+    reference's bytes instead (module doc, "Styles": serde_json's pretty layout and float text,
     name order). Arguments, return value (frames) and errors: :func:`export_run`.
     """
     return export_run(con, run_id, path, "json", **options)

@@ -24,20 +24,18 @@ counted and may stick out), padding counted in characters. The conformance suite
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.cells import cell_len
 
 from analysis.nonfinite import has_nan_column, reference_stats_sql, require_nan_split
+from analysis.presentation import LAYER_ORDERS, STYLES, LayerOrder, Style, check_choice
 from analysis.read.connect import require_run
 from analysis.read.sql import STATS_SQL, stats_params, step_buckets
 
 if TYPE_CHECKING:
     import duckdb
-
-HeatmapStyle = Literal["gradstream", "reference"]
-"""``ascii_heatmap``'s layouts: gradstream's, or the reference's exactly."""
 
 BLOCKS: tuple[str, ...] = (" ", "░", "▒", "▓", "█")
 """Intensity glyphs, from 0 (no flow) to 1 (the step's strongest layer)."""
@@ -102,11 +100,11 @@ def ascii_heatmap(
     con: duckdb.DuckDBPyConnection,
     run_id: str,
     max_columns: int = 100,
-    order: Literal["model", "name"] = "model",
+    order: LayerOrder = "model",
     *,
     from_step: int | None = None,
     to_step: int | None = None,
-    style: HeatmapStyle = "gradstream",
+    style: Style = "gradstream",
 ) -> str:
     """Render a run's flow intensity as text: one row per layer, one column per step.
 
@@ -146,10 +144,8 @@ def ascii_heatmap(
     """
     if max_columns < 1:
         raise ValueError(f"max_columns must be >= 1, got {max_columns}")
-    if order not in ("model", "name"):
-        raise ValueError(f"order must be 'model' or 'name', got {order!r}")
-    if style not in ("gradstream", "reference"):
-        raise ValueError(f"style must be 'gradstream' or 'reference', got {style!r}")
+    check_choice("order", order, LAYER_ORDERS)
+    check_choice("style", style, STYLES)
     reference = style == "reference"
     if reference:  # one column per frame: no bucket can hold two frames
         order, max_columns = "name", _ONE_COLUMN_PER_FRAME

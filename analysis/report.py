@@ -44,6 +44,7 @@ from rich.text import Text
 
 from analysis.blocks.terminal import joined_names, names_text, summary_grid
 from analysis.nonfinite import has_nan_column, require_nan_split
+from analysis.presentation import LAYER_ORDERS, LayerOrder, check_choice
 from analysis.read.connect import has_column, require_run
 from analysis.read.exclusion import Exclusion, run_exclusion
 from analysis.read.sql import layer_name, stats_params, step_range
@@ -462,7 +463,7 @@ def build_report(
     *,
     ignore_layers: tuple[str, ...] = (),
     exclude_rounding: bool = False,
-    order: str = "model",
+    order: LayerOrder = "model",
     nonfinite_rule: str = "critical",
 ) -> GradientFlowSummary:
     """Summarise one run from the store: flagged layers, health, recommendations.
@@ -495,8 +496,7 @@ def build_report(
             a range holding NaN/Inf rows whose NaN count is unknown.
         ValueError: unknown ``order`` or ``nonfinite_rule``.
     """
-    if order not in ("model", "name"):
-        raise ValueError(f"order must be 'model' or 'name', got {order!r}")
+    check_choice("order", order, LAYER_ORDERS)
     reference = check_nonfinite_verdict(nonfinite_rule) == "reference"
     params = stats_params(run_id, from_step, to_step)
     require_run(con, run_id)

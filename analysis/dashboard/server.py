@@ -79,8 +79,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from analysis.dashboard import api
-from analysis.export import EXPORT_FORMATS, export_run, file_stem
+from analysis.export import export_run, file_stem
 from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, norm_palette
+from analysis.presentation import EXPORT_FORMATS
 from analysis.read.connect import StoreError
 from analysis.read.cursors import ReadCursors, StoreClosedError
 from analysis.read.query import (

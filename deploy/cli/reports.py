@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from analysis.presentation import EXPORT_FORMATS, LAYER_ORDERS, STYLES
 from deploy.cli.errors import fail
 from deploy.cli.options import (
     DEFAULT_DB,
@@ -89,13 +90,10 @@ class ReportFormat(StrEnum):
     JSON = "json"
 
 
-class ExportFormat(StrEnum):
-    """File format of ``gradstream export``."""
-
-    CSV = "csv"
-    JSON = "json"
-    PARQUET = "parquet"
-    JSONL = "jsonl"
+ExportFormat = StrEnum(  # type: ignore[misc]
+    "ExportFormat", [(f.upper(), f) for f in EXPORT_FORMATS], module=__name__)
+ExportFormat.__doc__ = ("File format of ``gradstream export``: the choices of "
+                        ":data:`analysis.presentation.EXPORT_FORMATS`.")
 
 
 class QueryFormat(StrEnum):
@@ -106,19 +104,15 @@ class QueryFormat(StrEnum):
     JSON = "json"
 
 
-class LayerOrder(StrEnum):
-    """Layer order within a step in exports."""
+LayerOrder = StrEnum(  # type: ignore[misc]
+    "LayerOrder", [(o.upper(), o) for o in LAYER_ORDERS], module=__name__)
+LayerOrder.__doc__ = ("Layer order within a step (report lists, exports): the choices of "
+                      ":data:`analysis.presentation.LAYER_ORDERS`.")
 
-    NAME = "name"
-    MODEL = "model"
-
-
-class Style(StrEnum):
-    """Presentation of the ASCII heatmap and the CSV export: gradstream's, or exactly the
-    reference's (trustformers-debug ``gradient_flow``)."""
-
-    GRADSTREAM = "gradstream"
-    REFERENCE = "reference"
+Style = StrEnum(  # type: ignore[misc]
+    "Style", [(s.upper(), s) for s in STYLES], module=__name__)
+Style.__doc__ = ("Presentation of the ASCII heatmap and the CSV / JSON exports: the choices "
+                 "of :data:`analysis.presentation.STYLES`.")
 
 
 @contextmanager
