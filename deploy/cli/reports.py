@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -90,10 +90,17 @@ class ReportFormat(StrEnum):
     JSON = "json"
 
 
-ExportFormat = StrEnum(  # type: ignore[misc]
-    "ExportFormat", [(f.upper(), f) for f in EXPORT_FORMATS], module=__name__)
-ExportFormat.__doc__ = ("File format of ``gradstream export``: the choices of "
-                        ":data:`analysis.presentation.EXPORT_FORMATS`.")
+def _choice_enum(name: str, values: tuple[str, ...], doc: str) -> Any:
+    """A command-line choice: the ``StrEnum`` ``name`` with one member per value
+    (``NAME = "name"``, in the tuple's order) and docstring ``doc``."""
+    choice = StrEnum(name, [(value.upper(), value) for value in values],  # type: ignore[misc]
+                     module=__name__)
+    choice.__doc__ = doc
+    return choice
+
+
+ExportFormat = _choice_enum("ExportFormat", EXPORT_FORMATS, "File format of ``gradstream "
+                            "export`` (:data:`analysis.presentation.EXPORT_FORMATS`).")
 
 
 class QueryFormat(StrEnum):
@@ -104,15 +111,10 @@ class QueryFormat(StrEnum):
     JSON = "json"
 
 
-LayerOrder = StrEnum(  # type: ignore[misc]
-    "LayerOrder", [(o.upper(), o) for o in LAYER_ORDERS], module=__name__)
-LayerOrder.__doc__ = ("Layer order within a step (report lists, exports): the choices of "
-                      ":data:`analysis.presentation.LAYER_ORDERS`.")
-
-Style = StrEnum(  # type: ignore[misc]
-    "Style", [(s.upper(), s) for s in STYLES], module=__name__)
-Style.__doc__ = ("Presentation of the ASCII heatmap and the CSV / JSON exports: the choices "
-                 "of :data:`analysis.presentation.STYLES`.")
+LayerOrder = _choice_enum("LayerOrder", LAYER_ORDERS, "Layer order within a step (report "
+                          "lists, exports; :data:`analysis.presentation.LAYER_ORDERS`).")
+Style = _choice_enum("Style", STYLES, "Presentation of the ASCII heatmap and the CSV / JSON "
+                     "exports (:data:`analysis.presentation.STYLES`).")
 
 
 @contextmanager
