@@ -134,8 +134,8 @@ def report_runs(console: Console, db: Path, run_ids: list[str], out: Path, heatm
     and write its CSV and JSON exports into ``out``."""
     from analysis.export import export_csv, export_json
     from analysis.heatmap import ascii_heatmap
-    from analysis.report import build_report, render_report
     from analysis.read.connect import open_store
+    from analysis.report import build_report, render_report
 
     con = open_store(db, read_only=True)
     try:
