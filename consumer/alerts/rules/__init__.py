@@ -38,7 +38,6 @@ Adding a rule: one module plus one line. The module, e.g. ``norm_ceiling.py``::
         name: ClassVar[RuleName] = "norm_ceiling"
         title: ClassVar[str] = "gradient norm ceiling"
         description: ClassVar[str] = "A layer's gradient norm above `max_norm`."
-        config_model: ClassVar[type[RuleConfig]] = NormCeilingRuleConfig
 
         def evaluate(self, ctx: FrameContext) -> Finding:
             """Bad when any layer's grad_norm exceeds max_norm (NaN norms do not)."""

@@ -12,7 +12,7 @@ machine (``consumer.alerts.incident``) turns the findings into firing / resolved
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -154,7 +154,8 @@ class Rule(Generic[ConfigT]):
         description: one sentence on the condition (the rules-file model's field
             description).
         config_model: the rule's settings, a :class:`RuleConfig` subclass whose defaults
-            are the rule's defaults.
+            are the rule's defaults: the class parameter of ``Rule[...]`` (or of a generic
+            base such as ``StreakRule[...]``), unless the subclass sets it.
         resolves_when_run_finishes: an open incident resolves when every rank of the run
             has finished (conditions about the run still sending frames).
         marks_run_stalled: an open incident sets ``RunStatus.stalled``.
@@ -172,6 +173,18 @@ class Rule(Generic[ConfigT]):
     config_model: ClassVar[type[RuleConfig]]
     resolves_when_run_finishes: ClassVar[bool] = False
     marks_run_stalled: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Take ``config_model`` from the class parameter (``Rule[XConfig]``) when the
+        subclass does not set it."""
+        super().__init_subclass__(**kwargs)
+        if "config_model" in cls.__dict__:
+            return
+        for base in getattr(cls, "__orig_bases__", ()):
+            for arg in get_args(base):
+                if isinstance(arg, type) and issubclass(arg, RuleConfig):
+                    cls.config_model = arg
+                    return
 
     def __init__(self, run: RunContext, config: ConfigT) -> None:
         self.run = run

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field
 
-from consumer.alerts.rules.base import Finding, FrameContext, RuleConfig, RunContext
+from consumer.alerts.rules.base import Finding, FrameContext, RunContext
 from consumer.alerts.rules.shared import LocalOrigin
 from consumer.alerts.rules.streak import StreakRule, StreakRuleConfig
 from schemas.alert import AlertRule, RuleName
@@ -36,7 +36,6 @@ class ExplodingRule(StreakRule[ExplodingRuleConfig]):
         "A layer's max |g| above the run's exploding threshold for `consecutive` frames "
         "in a row."
     )
-    config_model: ClassVar[type[RuleConfig]] = ExplodingRuleConfig
     adjective: ClassVar[str] = "exploding"
     comparison: ClassVar[str] = "max |g| >"
     nonfinite_extends: ClassVar[bool] = True

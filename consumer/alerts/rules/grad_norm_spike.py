@@ -81,7 +81,6 @@ class GradNormSpikeRule(Rule[SpikeRuleConfig]):
         "A layer's gradient norm far above its recent history: robust z-score of ln "
         "grad_norm over a rolling `window`, and at least `min_ratio` times its median."
     )
-    config_model: ClassVar[type[RuleConfig]] = SpikeRuleConfig
 
     def __init__(self, run: RunContext, config: SpikeRuleConfig) -> None:
         super().__init__(run, config)

@@ -41,7 +41,6 @@ class MissingRanksRule(Rule[MissingRanksRuleConfig]):
     description: ClassVar[str] = (
         "`consecutive` frames in a row finalised without every rank (partial frames)."
     )
-    config_model: ClassVar[type[RuleConfig]] = MissingRanksRuleConfig
 
     def __init__(self, run: RunContext, config: MissingRanksRuleConfig) -> None:
         super().__init__(run, config)

@@ -39,7 +39,6 @@ class NonfiniteRule(Rule[NonfiniteRuleConfig]):
     name: ClassVar[RuleName] = AlertRule.NONFINITE
     title: ClassVar[str] = "non-finite gradients"
     description: ClassVar[str] = "NaN/Inf gradient elements in any layer of a frame."
-    config_model: ClassVar[type[RuleConfig]] = NonfiniteRuleConfig
 
     def __init__(self, run: RunContext, config: NonfiniteRuleConfig) -> None:
         super().__init__(run, config)

@@ -37,7 +37,6 @@ class ReplicaDivergenceRule(Rule[ReplicaDivergenceRuleConfig]):
         "Replicas of a layer whose statistics disagree after the all-reduce (a "
         "desynchronised rank)."
     )
-    config_model: ClassVar[type[RuleConfig]] = ReplicaDivergenceRuleConfig
 
     def evaluate(self, ctx: FrameContext) -> Finding:
         """Bad when the frame has replica-divergence rows."""

@@ -32,7 +32,6 @@ class RunHealthRule(Rule[RunHealthRuleConfig]):
     name: ClassVar[RuleName] = AlertRule.RUN_HEALTH
     title: ClassVar[str] = "run health"
     description: ClassVar[str] = "The run's health (consumer.health) at or above `level`."
-    config_model: ClassVar[type[RuleConfig]] = RunHealthRuleConfig
 
     def evaluate(self, ctx: FrameContext) -> Finding:
         """Bad while the tracker's health is at least ``level``."""

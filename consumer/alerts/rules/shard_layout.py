@@ -45,7 +45,6 @@ class ShardLayoutRule(Rule[ShardLayoutRuleConfig]):
         "Pieces merged into a frame that do not fit their parameter's size or shard layout "
         "(the frame is stored as partial)."
     )
-    config_model: ClassVar[type[RuleConfig]] = ShardLayoutRuleConfig
 
     def evaluate(self, ctx: FrameContext) -> Finding:
         """Bad when the frame has layout-violation rows."""

@@ -59,7 +59,6 @@ class StalledRule(Rule[StalledRuleConfig]):
         "No frame for `after_s`, or `interval_factor` x the run's median step interval, "
         "although the run has not finished."
     )
-    config_model: ClassVar[type[RuleConfig]] = StalledRuleConfig
     resolves_when_run_finishes: ClassVar[bool] = True
     marks_run_stalled: ClassVar[bool] = True
 

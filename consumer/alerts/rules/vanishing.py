@@ -15,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 from pydantic import Field
 
-from consumer.alerts.rules.base import FrameContext, RuleConfig
+from consumer.alerts.rules.base import FrameContext
 from consumer.alerts.rules.streak import StreakRule, StreakRuleConfig
 from schemas.alert import AlertRule, RuleName
 
@@ -36,7 +36,6 @@ class VanishingRule(StreakRule[VanishingRuleConfig]):
         "A layer's mean |g| below the run's vanishing threshold for `consecutive` frames "
         "in a row (layers excluded by the run's ignore_layers excepted)."
     )
-    config_model: ClassVar[type[RuleConfig]] = VanishingRuleConfig
     adjective: ClassVar[str] = "vanishing"
     comparison: ClassVar[str] = "mean |g| <"
 
