@@ -45,6 +45,12 @@ class RuleConfig(BaseModel):
     steps stays one incident instead of a pair of events per flicker."""
 
 
+class CriticalRuleConfig(RuleConfig):
+    """Fields of a rule whose events are Critical unless configured otherwise."""
+
+    severity: AlertSeverity = AlertSeverity.CRITICAL
+
+
 @dataclass(slots=True)
 class Finding:
     """A rule's verdict on one observation.

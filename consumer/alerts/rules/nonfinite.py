@@ -16,9 +16,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from consumer.alerts.rules.base import Finding, FrameContext, Rule, RuleConfig, RunContext
+from consumer.alerts.rules.base import (
+    CriticalRuleConfig,
+    Finding,
+    FrameContext,
+    Rule,
+    RunContext,
+)
 from consumer.alerts.rules.shared import LocalOrigin, preview
-from schemas.alert import AlertRule, AlertSeverity, RuleName
+from schemas.alert import AlertRule, RuleName
 from schemas.wire import StepSummary
 
 SHARD_STEPS_PER_RANK = 64
@@ -26,11 +32,9 @@ SHARD_STEPS_PER_RANK = 64
 wait only for their frame, which comes within the worker's shard timeout."""
 
 
-class NonfiniteRuleConfig(RuleConfig):
+class NonfiniteRuleConfig(CriticalRuleConfig):
     """Any NaN/Inf gradient element in any layer of a frame (a non-finite gradient
     makes the frame Critical at once, ``consumer.health``)."""
-
-    severity: AlertSeverity = AlertSeverity.CRITICAL
 
 
 class NonfiniteRule(Rule[NonfiniteRuleConfig]):

@@ -12,20 +12,18 @@ from typing import ClassVar
 
 import numpy as np
 
-from consumer.alerts.rules.base import Finding, FrameContext, Rule, RuleConfig
+from consumer.alerts.rules.base import CriticalRuleConfig, Finding, FrameContext, Rule
 from consumer.alerts.rules.shared import preview
-from schemas.alert import AlertRule, AlertSeverity, RuleName
+from schemas.alert import AlertRule, RuleName
 
 
-class ReplicaDivergenceRuleConfig(RuleConfig):
+class ReplicaDivergenceRuleConfig(CriticalRuleConfig):
     """Replicas of one piece of a parameter (DDP ranks, the replicate dimension of HSDP, a
     DTensor ``Replicate`` placement) whose statistics disagree beyond
     ``consumer.merge.REPLICA_RTOL`` in a frame. After an all-reduce they are bitwise
     identical, so any disagreement is a desynchronised replica (a skipped all-reduce,
     non-deterministic kernels after the reduction, a rank that loaded other weights).
     Critical: the ranks no longer train the same model."""
-
-    severity: AlertSeverity = AlertSeverity.CRITICAL
 
 
 class ReplicaDivergenceRule(Rule[ReplicaDivergenceRuleConfig]):

@@ -12,17 +12,16 @@ from typing import ClassVar
 
 import numpy as np
 
-from consumer.alerts.rules.base import Finding, FrameContext, Rule, RuleConfig
+from consumer.alerts.rules.base import CriticalRuleConfig, Finding, FrameContext, Rule
 from consumer.alerts.rules.shared import num
-from schemas.alert import AlertRule, AlertSeverity, RuleName
+from schemas.alert import AlertRule, RuleName
 from schemas.wire import GradientHealth
 
 
-class RunHealthRuleConfig(RuleConfig):
+class RunHealthRuleConfig(CriticalRuleConfig):
     """Run health (the health rule, see ``consumer.health``) at or above ``level``.
     The default level Critical is the most severe class."""
 
-    severity: AlertSeverity = AlertSeverity.CRITICAL
     level: GradientHealth = GradientHealth.CRITICAL
 
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from consumer.alerts.rules.base import Finding, FrameContext, Rule, RuleConfig
+from consumer.alerts.rules.base import CriticalRuleConfig, Finding, FrameContext, Rule
 from consumer.alerts.rules.shared import preview
 from consumer.merge import (
     VIOLATION_KINDS,
@@ -26,14 +26,12 @@ from consumer.merge import (
     VIOLATION_REPLICA_NUMEL,
     VIOLATION_SHARD_COUNT,
 )
-from schemas.alert import AlertRule, AlertSeverity, RuleName
+from schemas.alert import AlertRule, RuleName
 
 
-class ShardLayoutRuleConfig(RuleConfig):
+class ShardLayoutRuleConfig(CriticalRuleConfig):
     """Frames whose merged pieces do not fit the parameters' sizes or shard layout.
     Critical: the frame is stored as partial and its values mix or miss pieces."""
-
-    severity: AlertSeverity = AlertSeverity.CRITICAL
 
 
 class ShardLayoutRule(Rule[ShardLayoutRuleConfig]):
