@@ -203,7 +203,7 @@ NonfiniteVerdictOption = Annotated[
     typer.Option("--nonfinite-rule", show_default=False, case_sensitive=False,
                  help="How NaN/Inf gradients count in the health: critical (gradstream's "
                  "rule: a layer with NaN/Inf elements makes the run Critical) or reference "
-                 "(the reference implementation's verdict exactly: an Inf element makes the "
+                 "(trustformers-debug's verdict exactly: an Inf element makes the "
                  "layer exploding, a NaN-only layer is no issue; needs the NaN count of "
                  "wire schema 1.7). Default: $GRADSTREAM_NONFINITE_RULE, else critical."),
 ]
