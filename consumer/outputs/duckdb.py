@@ -38,7 +38,13 @@ from consumer.outputs.base import (
 )
 from consumer.runs import RunInfo
 from schemas.rounding import rounding_rows_sql
-from schemas.stats import ExponentHistogram, GradientSums, SumOfSquares, WeightMoments
+from schemas.stats import (
+    WEIGHT_POWER_SUMS,
+    ExponentHistogram,
+    GradientSums,
+    SumOfSquares,
+    WeightMoments,
+)
 from schemas.stats.csr import csr_from_dense, offsets_from_lengths
 from schemas.tables import LAYER_STATS_COLUMNS, LOCAL_LAYER_STATS_COLUMNS, SCHEMA_DDL
 from schemas.wire import EXP_HIST_BINS, RunFinished, RunStarted
@@ -201,10 +207,8 @@ def stored_sums(tbl: pa.Table) -> MergedShards:
     if _has(tbl, "weight_sum").any():
         merged.weight_moments = WeightMoments.from_columns(
             numel, _stored_ints(tbl, "weight_nonfinite"),
-            *(_stored_floats(tbl, name) for name in (
-                "weight_sum", "weight_sum_sq", "weight_sum_cube", "weight_sum_quad",
-                "weight_min", "weight_max")),
             *_csr(tbl, "weight_exp_hist_columns", "weight_exp_hist_counts"),
+            **{name: _stored_floats(tbl, column) for name, column in WEIGHT_POWER_SUMS.items()},
         )
     return merged
 

@@ -86,7 +86,7 @@ from schemas.stats.exponent_histogram import (
     exponent_lut,
 )
 from schemas.stats.gradient_sums import GradientSums, gradient_sums_of_layers
-from schemas.stats.power_sums import PowerSums
+from schemas.stats.power_sums import WEIGHT_POWER_SUMS, PowerSums
 from schemas.stats.sum_of_squares import SumOfSquares
 from schemas.stats.weight_moments import WeightMoments
 
@@ -96,6 +96,7 @@ __all__ = [
     "EXP_HIST_MIN",
     "MAX_DOUBLE",
     "STATISTICS",
+    "WEIGHT_POWER_SUMS",
     "ExponentHistogram",
     "GradientSums",
     "LayerStatistic",

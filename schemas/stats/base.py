@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, get_type_hints
 
 import numpy as np
 
@@ -70,16 +70,26 @@ class SummaryMessage(Protocol):
 
 
 
-COUNT = {"merge": "add", "exact": True}
-"""Field metadata: merged by addition, compared exactly (an integer count)."""
-SUM = {"merge": "add", "exact": False}
-"""Field metadata: merged by addition, equal up to rounding (a float sum)."""
-MAXIMUM = {"merge": "max", "exact": True}
-"""Field metadata: merged by taking the maximum, compared exactly."""
-MINIMUM = {"merge": "min", "exact": True}
-"""Field metadata: merged by taking the minimum, compared exactly."""
+COUNT = {"merge": "add", "exact": True, "neutral": 0, "dtype": np.int64}
+"""Field metadata: merged by addition from 0, compared exactly (an int64 count)."""
+SUM = {"merge": "add", "exact": False, "neutral": 0.0, "dtype": np.float64}
+"""Field metadata: merged by addition from 0.0, equal up to rounding (a float64 sum)."""
+MAXIMUM = {"merge": "max", "exact": True, "neutral": -np.inf, "dtype": np.float64}
+"""Field metadata: merged by taking the maximum from -inf, compared exactly."""
+MAGNITUDE_MAXIMUM = {**MAXIMUM, "neutral": 0.0}
+"""Field metadata: the maximum of magnitudes (values >= 0), whose neutral element is 0.0
+(a layer without elements reads 0)."""
+MINIMUM = {"merge": "min", "exact": True, "neutral": np.inf, "dtype": np.float64}
+"""Field metadata: merged by taking the minimum from +inf, compared exactly."""
 PART = {"merge": "nested", "exact": False}
-"""Field metadata: another statistic, merged by its own rules."""
+"""Field metadata: another statistic (the field's annotated class), merged by its own
+rules."""
+
+
+def per_column(rule: dict[str, Any], columns: int) -> dict[str, Any]:
+    """Field metadata ``rule`` for an array of ``columns`` entries per layer
+    (shape [L, columns]), e.g. a histogram's counts."""
+    return {**rule, "columns": columns}
 
 
 def _layer_of(layer: int | np.ndarray, values: np.ndarray, num_layers: int) -> np.ndarray | int:
@@ -140,16 +150,33 @@ def as_ints(values: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 
+_PARTS: dict[type, dict[str, type[LayerStatistic]]] = {}
+"""Per statistic class, the classes of its nested statistics by field name."""
+
+
+def _part_classes(cls: type) -> dict[str, type[LayerStatistic]]:
+    """The annotated classes of ``cls``'s :data:`PART` fields (resolved once)."""
+    parts = _PARTS.get(cls)
+    if parts is None:
+        hints = get_type_hints(cls)
+        parts = _PARTS[cls] = {
+            f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if f.metadata["merge"] == "nested"
+        }
+    return parts
+
+
 class LayerStatistic:
     """Base of the mergeable statistics: one entry per layer, River-style protocol.
 
     Subclasses are dataclasses whose fields are arrays with the layer on axis 0 (or nested
-    statistics), each declared with its merge rule (add / max / min). This base implements,
-    from those rules: :meth:`merge_at`, ``+=``, ``+``, :meth:`copy`, :meth:`take`,
-    :meth:`per_copy`, :meth:`pooled`, :meth:`saturate`, :meth:`state` and
+    statistics), each declared with its merge rule (add / max / min), whose metadata also
+    carries the rule's neutral element and the array's dtype. This base implements, from
+    those declarations: :meth:`empty`, :meth:`merge_at`, ``+=``, ``+``, :meth:`copy`,
+    :meth:`take`, :meth:`per_copy`, :meth:`pooled`, :meth:`saturate`, :meth:`state` and
     :meth:`exact_fields`, and
     :meth:`update`'s layer dispatch (validate ``layer``, then one layer or one layer per
-    element); subclasses implement ``empty``, ``_update_layer`` and ``_update_elements``
+    element); subclasses implement ``_update_layer`` and ``_update_elements``
     (what raw values add), ``from_columns``, ``to_columns``, ``from_message`` and
     ``get``.
 
@@ -161,9 +188,6 @@ class LayerStatistic:
         ... class Peak(LayerStatistic):
         ...     numel: np.ndarray = field(metadata=COUNT)
         ...     peak: np.ndarray = field(metadata=MAXIMUM)
-        ...     @classmethod
-        ...     def empty(cls, num_layers):
-        ...         return cls(np.zeros(num_layers, np.int64), np.full(num_layers, -np.inf))
         ...     def _update_layer(self, flat, layer):
         ...         self.numel[layer] += flat.size
         ...         self.peak[layer] = max(self.peak[layer], flat.max(initial=-np.inf))
@@ -174,14 +198,26 @@ class LayerStatistic:
         ([3, 1], [7.0, 2.0], [7.0])
         >>> sorted(merged.exact_fields())
         ['numel', 'peak']
+        >>> Peak.empty(1).peak.tolist()  # each field's neutral element
+        [-inf]
     """
 
     __slots__ = ()
 
     @classmethod
     def empty(cls, num_layers: int) -> Self:
-        """The neutral element over ``num_layers`` layers (``empty + a == a``)."""
-        raise NotImplementedError
+        """The neutral element over ``num_layers`` layers (``empty + a == a``): every
+        array field filled with its rule's ``neutral`` value in its ``dtype`` (shape [L],
+        or [L, columns]); every nested statistic its own class's ``empty``."""
+        parts: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            meta = f.metadata
+            if meta["merge"] == "nested":
+                parts[f.name] = _part_classes(cls)[f.name].empty(num_layers)
+            else:
+                shape = (num_layers, meta["columns"]) if "columns" in meta else num_layers
+                parts[f.name] = np.full(shape, meta["neutral"], meta["dtype"])
+        return cls(**parts)
 
     def update(self, values: np.ndarray, layer: int | np.ndarray = 0) -> Self:
         """Fold raw values in and return ``self``: what each element adds is the

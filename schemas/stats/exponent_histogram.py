@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schemas.stats.base import COUNT, LayerStatistic, SummaryMessage, as_ints, as_slice, or_empty
+from schemas.stats.base import (
+    COUNT,
+    LayerStatistic,
+    SummaryMessage,
+    as_ints,
+    as_slice,
+    or_empty,
+    per_column,
+)
 from schemas.stats.chunks import CHUNK
 from schemas.stats.csr import checked_csr, csr_from_dense, dense_from_csr
 
@@ -159,14 +167,8 @@ class ExponentHistogram(LayerStatistic):
         Shannon [2] (the entropy in bits).
     """
 
-    counts: np.ndarray = field(metadata=COUNT)
+    counts: np.ndarray = field(metadata=per_column(COUNT, EXP_HIST_BINS))
     nonfinite: np.ndarray = field(metadata=COUNT)
-
-    @classmethod
-    def empty(cls, num_layers: int) -> ExponentHistogram:
-        """Zero counts for ``num_layers`` layers."""
-        return cls(np.zeros((num_layers, EXP_HIST_BINS), np.int64),
-                   np.zeros(num_layers, np.int64))
 
     @classmethod
     def from_columns(

@@ -19,7 +19,7 @@ import numpy as np
 
 from schemas.stats.base import (
     COUNT,
-    MAXIMUM,
+    MAGNITUDE_MAXIMUM,
     SUM,
     LayerStatistic,
     SummaryMessage,
@@ -185,17 +185,10 @@ class GradientSums(LayerStatistic):
     abs_numel: np.ndarray = field(metadata=COUNT)
     sum_abs: np.ndarray = field(metadata=SUM)
     sum_sq: np.ndarray = field(metadata=SUM)
-    max_abs: np.ndarray = field(metadata=MAXIMUM)
+    max_abs: np.ndarray = field(metadata=MAGNITUDE_MAXIMUM)
     nonfinite: np.ndarray = field(metadata=COUNT)
     nan: np.ndarray = field(metadata=COUNT)
     nan_numel: np.ndarray = field(metadata=COUNT)
-
-    @classmethod
-    def empty(cls, num_layers: int) -> GradientSums:
-        """Zero sums for ``num_layers`` layers."""
-        counts, sums = np.zeros(num_layers, np.int64), np.zeros(num_layers)
-        return cls(counts, counts.copy(), sums, sums.copy(), sums.copy(), counts.copy(),
-                   counts.copy(), counts.copy())
 
     @classmethod
     def from_columns(

@@ -35,6 +35,14 @@ from schemas.stats.base import (
 )
 from schemas.stats.chunks import float64_chunks
 
+WEIGHT_POWER_SUMS = {
+    "s1": "weight_sum", "s2": "weight_sum_sq", "s3": "weight_sum_cube",
+    "s4": "weight_sum_quad", "minimum": "weight_min", "maximum": "weight_max",
+}
+"""The message field and ``layer_stats`` column of each float column of
+:meth:`PowerSums.from_columns` for the weights (the same names on the wire and in the
+store)."""
+
 
 def power_sums_of_array(flat: np.ndarray) -> tuple[int, float, float, float, float, float, float]:
     """(finite count, S1, S2, S3, S4, min, max) of the finite elements of a 1-D array,
@@ -130,13 +138,6 @@ class PowerSums(LayerStatistic):
     nonfinite: np.ndarray = field(metadata=COUNT)
 
     @classmethod
-    def empty(cls, num_layers: int) -> PowerSums:
-        """Zero sums and infinite extremes (the neutral element) for ``num_layers`` layers."""
-        counts, sums = np.zeros(num_layers, np.int64), np.zeros(num_layers)
-        return cls(counts, sums, sums.copy(), sums.copy(), sums.copy(),
-                   np.full(num_layers, np.inf), np.full(num_layers, -np.inf), counts.copy())
-
-    @classmethod
     def from_columns(
         cls,
         count: Sequence[int] | np.ndarray,
@@ -187,18 +188,16 @@ class PowerSums(LayerStatistic):
 
     @classmethod
     def from_message(cls, message: SummaryMessage) -> PowerSums | None:
-        """The weight power sums of a StepSummary / MergedFrame (k layers; ``weight_sum``,
-        ``weight_sum_sq``, ``weight_sum_cube``, ``weight_sum_quad``, ``weight_min``,
-        ``weight_max``, ``weight_nonfinite``), or None without a weight distribution."""
+        """The weight power sums of a StepSummary / MergedFrame (k layers; the fields of
+        :data:`WEIGHT_POWER_SUMS` and ``weight_nonfinite``), or None without a weight
+        distribution."""
         if message.weight_sum is None or message.weight_nonfinite is None:
             return None
         nonfinite = as_ints(message.weight_nonfinite)
         return cls.from_columns(
-            as_ints(message.numel) - nonfinite, message.weight_sum,
-            *(or_empty(getattr(message, name)) for name in (
-                "weight_sum_sq", "weight_sum_cube", "weight_sum_quad", "weight_min",
-                "weight_max")),
-            nonfinite,
+            count=as_ints(message.numel) - nonfinite, nonfinite=nonfinite,
+            **{name: or_empty(getattr(message, wire_name))
+               for name, wire_name in WEIGHT_POWER_SUMS.items()},
         )
 
     def _update_layer(self, flat: np.ndarray, layer: int) -> None:

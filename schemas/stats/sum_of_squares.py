@@ -42,11 +42,6 @@ class SumOfSquares(LayerStatistic):
     sum_sq: np.ndarray = field(metadata=SUM)
 
     @classmethod
-    def empty(cls, num_layers: int) -> SumOfSquares:
-        """Zero sums for ``num_layers`` layers."""
-        return cls(np.zeros(num_layers, np.int64), np.zeros(num_layers))
-
-    @classmethod
     def from_columns(
         cls, numel: Sequence[int] | np.ndarray, sum_sq: Sequence[float] | np.ndarray,
     ) -> SumOfSquares:

@@ -57,52 +57,45 @@ class WeightMoments(LayerStatistic):
             )
 
     @classmethod
-    def empty(cls, num_layers: int) -> WeightMoments:
-        """The neutral element for ``num_layers`` layers."""
-        return cls(PowerSums.empty(num_layers), ExponentHistogram.empty(num_layers))
-
-    @classmethod
     def from_columns(
         cls,
         numel: Sequence[int] | np.ndarray,
         nonfinite: Sequence[int] | np.ndarray,
-        s1: Sequence[float] | np.ndarray,
-        s2: Sequence[float] | np.ndarray,
-        s3: Sequence[float] | np.ndarray,
-        s4: Sequence[float] | np.ndarray,
-        minimum: Sequence[float] | np.ndarray,
-        maximum: Sequence[float] | np.ndarray,
         hist_offsets: Sequence[int] | np.ndarray,
         hist_columns: Sequence[int] | np.ndarray,
         hist_counts: Sequence[int] | np.ndarray,
+        **power_sums: Sequence[float] | np.ndarray,
     ) -> WeightMoments:
         """From the stored ``layer_stats`` columns (k rows): ``numel``,
-        ``weight_nonfinite``, ``weight_sum``, ``weight_sum_sq``, ``weight_sum_cube``,
-        ``weight_sum_quad``, ``weight_min``, ``weight_max`` and the CSR form of
-        ``weight_exp_hist_columns`` / ``weight_exp_hist_counts``
-        (:func:`csr_from_lists`). A row whose ``s1`` is NaN (NULL) has no weight
-        statistics and covers nothing (its histogram row must be empty).
+        ``weight_nonfinite``, the CSR form of ``weight_exp_hist_columns`` /
+        ``weight_exp_hist_counts`` (:func:`csr_from_lists`) and the power sums' float
+        columns by :meth:`PowerSums.from_columns`' names: ``s1``..``s4`` (``weight_sum``,
+        ``weight_sum_sq``, ``weight_sum_cube``, ``weight_sum_quad``), ``minimum``,
+        ``maximum`` (``weight_min``, ``weight_max``). A row whose ``s1`` is NaN (NULL) has
+        no weight statistics and covers nothing (its histogram row must be empty).
 
         Raises:
             ValueError: malformed CSR, or histogram rows that do not sum to
                 ``numel - nonfinite``.
+            TypeError: a power-sum column missing or of another name.
         """
-        power = PowerSums.from_columns(as_ints(numel) - as_ints(nonfinite), s1, s2, s3, s4,
-                                       minimum, maximum, nonfinite)
+        power = PowerSums.from_columns(count=as_ints(numel) - as_ints(nonfinite),
+                                       nonfinite=nonfinite, **power_sums)
         hist = ExponentHistogram.from_columns(hist_offsets, hist_columns, hist_counts,
                                               power.nonfinite)
         return cls(power, hist)
 
     def to_columns(self) -> dict[str, np.ndarray]:
         """The stored form, inverse of :meth:`from_columns` (keys are its parameter names;
-        ``s1``..``s4`` NaN and ``numel`` 0 where a layer covers nothing)."""
-        p, h = self.power.to_columns(), self.exp_hist.to_columns()
-        return {
-            "numel": p["count"] + p["nonfinite"], "nonfinite": p["nonfinite"], "s1": p["s1"],
-            "s2": p["s2"], "s3": p["s3"], "s4": p["s4"], "minimum": p["minimum"],
-            "maximum": p["maximum"], "hist_offsets": h["offsets"],
-            "hist_columns": h["columns"], "hist_counts": h["counts"],
-        }
+        ``s1``..``s4`` NaN and ``numel`` 0 where a layer covers nothing): the power sums'
+        columns (:meth:`PowerSums.to_columns`) with ``count`` read as ``numel`` (finite and
+        non-finite), and the histogram's CSR columns prefixed ``hist_``."""
+        columns = self.power.to_columns()
+        columns["numel"] = columns.pop("count") + columns["nonfinite"]
+        sparse = self.exp_hist.to_columns()
+        for name in ("offsets", "columns", "counts"):
+            columns[f"hist_{name}"] = sparse[name]
+        return columns
 
     @classmethod
     def from_message(cls, message: SummaryMessage) -> WeightMoments | None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from analysis.read.connect import StoreError
 from analysis.read.sql import layer_name, step_range
-from schemas.stats import WeightMoments, csr_from_lists
+from schemas.stats import WEIGHT_POWER_SUMS, WeightMoments, csr_from_lists
 
 if TYPE_CHECKING:
     import duckdb
@@ -202,10 +202,8 @@ def fetch_step(con: duckdb.DuckDBPyConnection, run_id: str, step: int) -> StepWe
     try:
         moments = WeightMoments.from_columns(
             np.asarray(raw["numel"], np.int64), np.asarray(raw["weight_nonfinite"], np.int64),
-            *(floats(key) for key in (
-                "weight_sum", "weight_sum_sq", "weight_sum_cube", "weight_sum_quad",
-                "weight_min", "weight_max")),
             hist_offsets, hist_columns, hist_counts,
+            **{name: floats(column) for name, column in WEIGHT_POWER_SUMS.items()},
         )
     except ValueError as exc:
         raise StoreError(
