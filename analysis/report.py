@@ -16,7 +16,7 @@ says which: the run's ``ignore_layers`` (``start_run(..., ignore_layers=...)``, 
 --ignore-layers``) leave out the vanishing and exploding flags of the layers they match
 (a NaN/Inf gradient still counts); ``exclude_rounding`` (``--exclude-rounding-level``, off
 by default) leaves out the vanishing flag of the layers of the finding. The consumer's
-incremental :mod:`consumer.health` applies the same rule. The row flags are those of
+incremental :mod:`consumer.health_tracker` applies the same rule. The row flags are those of
 :mod:`schemas.flags`, which the analyses read too, and the explicit exclusion has one
 definition (:func:`analysis.read.exclusion.run_exclusion`), which the analyses apply too
 (:func:`analysis.blocks.gradient_arrays.load_history`, ``gradstream analyze --ignore-layers``):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from consumer.health import RunHealthTracker, critical_rows
+from consumer.health_tracker import RunHealthTracker, critical_rows
 from consumer.outputs.base import Batch, RunState, StoredFrames
 from consumer.runs import RunInfo
 from schemas.health import NonfiniteVerdict, check_nonfinite_verdict
@@ -28,7 +28,7 @@ class RunBook:
 
     Args:
         max_frames: rolling window of run health in frames (0 = the whole run), as in
-            :class:`consumer.health.RunHealthTracker`.
+            :class:`consumer.health_tracker.RunHealthTracker`.
         ignore_layers: the process's own ``--ignore-layers`` patterns, excluded in every
             run besides the run's own ``ignore_layers`` (``schemas.health.match_layers``).
         exclude_rounding: the tracker's ``exclude_rounding`` (``--exclude-rounding-level``;

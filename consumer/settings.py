@@ -9,8 +9,8 @@ from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
 from consumer.defaults import DEFAULT_DB
-from schemas.config import TopicCreationSettings
 from schemas.health import NonfiniteVerdict
+from schemas.kafka_settings import TopicCreationSettings
 from schemas.topics import (
     DEFAULT_ALERTS_TOPIC,
     DEFAULT_CONSUMER_GROUP,
@@ -51,7 +51,7 @@ class LoopSettings(TopicCreationSettings):
             mode give the workers (alerts) and the store (health, record) the same ones.
             Empty = every layer counts.
         exclude_rounding_level: also leave out the vanishing flag of layers with no
-            gradient by construction (``schemas.rounding``; ``consumer.health``). Off by
+            gradient by construction (``schemas.rounding``; ``consumer.health_tracker``). Off by
             default: every layer counts, as in the reference.
         nonfinite_rule: how a NaN/Inf gradient counts in the live health
             (``GRADSTREAM_NONFINITE_RULE``; ``schemas.health.NONFINITE_VERDICTS``):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from schemas.config import TopicCreationSettings
+from schemas.kafka_settings import TopicCreationSettings
 
 __all__ = ["PartitionKey", "TopicMissingError", "ensure_topics", "subscribe_with_metadata"]
 

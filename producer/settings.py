@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from schemas.config import KafkaClientSettings
+from schemas.kafka_settings import KafkaClientSettings
 from schemas.topics import DEFAULT_SUMMARIES_TOPIC
 
 

@@ -1,6 +1,6 @@
 """The run-health rule (``classify_health``, extended for non-finite gradients) and the
 layer exclusion a run may set (``match_layers``): pure functions, used by the consumer's
-incremental tracker (``consumer.health``) and by the report computed from the store
+incremental tracker (``consumer.health_tracker``) and by the report computed from the store
 (``analysis.report``), so that both always agree.
 
 Semantics follow trustformers-debug's ``gradient_flow`` module (``classify_health``): every

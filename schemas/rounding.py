@@ -65,7 +65,7 @@ A layer has **no gradient by construction** when it was at rounding level at eve
 of the run in which it was reported, from its first on. The first frame in which it is
 not makes it an ordinary layer for the rest of the run (a layer that had a gradient and
 then lost it is never excluded, even with the option). The consumer decides frame by
-frame, in arrival order (:class:`consumer.health.RunHealthTracker`); the store's SQL
+frame, in arrival order (:class:`consumer.health_tracker.RunHealthTracker`); the store's SQL
 (:func:`rounding_rows_sql`) decides in step order; the two agree whenever frames are
 finalised in step order (a late shard rewriting an earlier frame can differ at that
 frame only).

@@ -27,7 +27,7 @@ page saying where the URL is elsewhere. ``?token=`` is accepted on pages only, n
 Every ``/api/`` read runs under one time limit: the server's ``query_timeout_s``, or the
 request's ``timeout_s`` (query parameter or JSON field) when smaller. A route whose answer
 is a pydantic model (``/api/report``, ``/api/analysis/<name>``) answers ``Accept:``
-:data:`~analysis.read.wire.MODEL_JSON` with the exact report (NaN kept), which
+:data:`~analysis.read.endpoint_codec.MODEL_JSON` with the exact report (NaN kept), which
 :class:`analysis.read.reader.EndpointReader` rebuilds.
 
 Errors are JSON ``{"error": message, "kind": ...}`` with 400 (bad argument), 401
@@ -84,6 +84,7 @@ from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, norm_palette
 from analysis.presentation import EXPORT_FORMATS
 from analysis.read.connect import StoreError
 from analysis.read.cursors import ReadCursors, StoreClosedError
+from analysis.read.endpoint_codec import MODEL_JSON, model_to_json, table_to_ipc
 from analysis.read.query import (
     ARROW_STREAM,
     QueryError,
@@ -95,7 +96,6 @@ from analysis.read.query import (
 )
 from analysis.read.routes import ROUTES, STATIC_FILES, NotFoundError, ParamError, Route, find
 from analysis.read.sidecar import TOKEN_CHARS, sidecar_path
-from analysis.read.wire import MODEL_JSON, model_to_json, table_to_ipc
 from schemas.flags import FLAG_BITS
 
 log = logging.getLogger("gradstream.dashboard")

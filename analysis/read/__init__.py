@@ -9,7 +9,7 @@ module reads through it, and it imports none of them when loaded.
 - :mod:`analysis.read.query_output`: a result table as a terminal table, CSV or JSON.
 - :mod:`analysis.read.cursors`: read-only cursors for a serving process's requests.
 - :mod:`analysis.read.routes`: the one route table of the read endpoint and dashboard.
-- :mod:`analysis.read.wire`: how tables and reports travel over the endpoint.
+- :mod:`analysis.read.endpoint_codec`: how tables and reports travel over the endpoint.
 - :mod:`analysis.read.sidecar`: ``<db>.serve.json``, by which a serving process is found.
 - :mod:`analysis.read.reader`: the one reader (the file read-only, or the endpoint of the
   process that writes it).

@@ -12,7 +12,7 @@ of two :class:`StoreReader` implementations with the same methods and the same r
   endpoint in ``<db>.serve.json`` (:mod:`analysis.read.sidecar`): the same builders
   run in that process, on its hardened read-only cursors
   (:class:`analysis.read.cursors.ReadCursors`), and the results come back over HTTP
-  (:mod:`analysis.read.wire`: Arrow IPC for tables and grids, the pydantic JSON for
+  (:mod:`analysis.read.endpoint_codec`: Arrow IPC for tables and grids, the pydantic JSON for
   reports).
 
 With the file held and no live endpoint, :func:`open_reader` raises
@@ -383,7 +383,7 @@ class EndpointReader(StoreReader):
         self, sql: str, params: Params | None = None, timeout_s: float | None = None
     ) -> pa.Table:
         """See :meth:`StoreReader.sql` (``POST /api/query``, Arrow IPC back)."""
-        from analysis.read.wire import table_from_ipc
+        from analysis.read.endpoint_codec import table_from_ipc
 
         payload: dict[str, object] = {"sql": sql}
         if params:
@@ -394,7 +394,7 @@ class EndpointReader(StoreReader):
     def read(self, route: Route, run_id: str, name: str = "", **values: object) -> Any:
         """See :meth:`StoreReader.read` (``GET`` the route; the answer decoded as
         :attr:`~analysis.read.routes.Route.answer` says: a pydantic model, text or a grid)."""
-        from analysis.read.wire import MODEL_JSON, model_from_json, table_from_ipc
+        from analysis.read.endpoint_codec import MODEL_JSON, model_from_json, table_from_ipc
 
         if route.options:
             checked_analysis(name, dict(values.get("options") or {}))  # type: ignore[call-overload]

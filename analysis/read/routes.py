@@ -41,7 +41,7 @@ the server's. The reads a :class:`~analysis.read.reader.StoreReader` offers (``r
 ``heatmap``, ``grid``, ``analysis``) are the routes with a :attr:`Route.read` name: the
 table names the function that builds the result on a cursor (:attr:`Route.build`), which
 a file reader calls in its own process and the server calls for an endpoint reader, and
-how the result travels (:attr:`Route.answer`, :mod:`analysis.read.wire`).
+how the result travels (:attr:`Route.answer`, :mod:`analysis.read.endpoint_codec`).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class Route:
         params: the query parameters, parsed by the server and sent by the reader.
         options: the route also takes the registered analysis's options, by field name.
         answer: how the result travels: ``page``, ``static``, ``json``, ``model`` (a
-            pydantic report: :data:`~analysis.read.wire.MODEL_JSON` when asked, else the
+            pydantic report: :data:`~analysis.read.endpoint_codec.MODEL_JSON` when asked, else the
             page's JSON), ``text``, ``grid`` (Arrow when asked, else the page's JSON),
             ``download``, ``arrow``.
         read: the :class:`~analysis.read.reader.StoreReader` method that makes this read
@@ -173,7 +173,7 @@ class Route:
         build: ``"module:function"`` building the result: ``function(cursor, run_id,
             **params)`` (and ``name=``, ``options=`` on an ``options`` route).
         model: ``"module:Class"`` of a ``model`` answer (``None``: the analysis's own,
-            :func:`analysis.read.wire.report_model`).
+            :func:`analysis.read.endpoint_codec.report_model`).
         cached: the page's JSON is kept until the run's frames change.
     """
 
@@ -264,7 +264,7 @@ class Route:
         if self.model is not None:
             module, _, cls = self.model.partition(":")
             return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
-        from analysis.read.wire import report_model
+        from analysis.read.endpoint_codec import report_model
 
         return report_model(checked_analysis(name, {}))  # type: ignore[arg-type]
 

@@ -32,7 +32,7 @@ from consumer.alerts.config import AlertRulesBase
 from consumer.alerts.incident import ActiveIncident, Incident, Transition
 from consumer.alerts.rules import Finding, Rule, RunContext, preview
 from consumer.frames import GradientFrame
-from consumer.health import RunHealthTracker
+from consumer.health_tracker import RunHealthTracker
 from consumer.runs import RunInfo
 from schemas.alert import Alert, AlertState, RuleName, RunStatus
 from schemas.wire import GradientHealth, StepSummary

@@ -14,7 +14,7 @@ from typing import Any
 
 from consumer.topic_admin import TopicMissingError
 from schemas.alert import Alert, RunStatus, decode_alert_record
-from schemas.config import KafkaClientSettings
+from schemas.kafka_settings import KafkaClientSettings
 from schemas.wire import WireError
 
 log = logging.getLogger("gradstream.alerts")

@@ -20,7 +20,7 @@ from consumer.alerts.engine import AlertEngine
 from consumer.alerts.incident import ActiveIncident, active_from_events
 from consumer.alerts.sinks import KafkaAlertSink, LogSink, QueuedSink, WebhookSink
 from consumer.frames import GradientFrame
-from consumer.health import RunHealthTracker
+from consumer.health_tracker import RunHealthTracker
 from consumer.runs import RunInfo
 from schemas.alert import Alert
 from schemas.wire import StepSummary

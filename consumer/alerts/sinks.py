@@ -23,7 +23,7 @@ from typing import Any
 
 from consumer.alerts.rules import rule_title
 from schemas.alert import Alert, AlertSeverity, AlertState, RunStatus, encode_alert_record
-from schemas.config import KafkaClientSettings
+from schemas.kafka_settings import KafkaClientSettings
 
 log = logging.getLogger("gradstream.alerts")
 

@@ -347,19 +347,19 @@ class DuckDBSink:
                    nonfinite_rule: str = "critical") -> dict[str, np.ndarray]:
         """A run's stored layer rows with a flag: step, layer_index, is_vanishing,
         is_exploding, nonfinite (arrays of equal length), as stored, and ``critical``: the
-        rows the non-finite rule counts (``consumer.health.critical_rows``).
+        rows the non-finite rule counts (``consumer.health_tracker.critical_rows``).
 
         With ``nonfinite_rule="reference"`` ``is_exploding`` is the reference
         implementation's (an Inf element, ``nonfinite > nan``, makes the row exploding)
         and ``critical`` holds only the non-finite rows whose NaN count is NULL (unknown
         split); with ``"critical"`` it is ``nonfinite > 0``.
 
-        With ``exclude_rounding`` (:class:`consumer.health.RunHealthTracker`'s option, off
+        With ``exclude_rounding`` (:class:`consumer.health_tracker.RunHealthTracker`'s option, off
         by default), ``is_vanishing`` is False on the rows of a layer with no gradient by
         construction up to that step (``schemas.rounding``), as the tracker counted it:
         one windowed aggregate over the run's rows
         (:func:`schemas.rounding.rounding_rows_sql`). Layers excluded by ``ignore_layers``
-        are left out by :func:`consumer.health.restore_tracker`, not here.
+        are left out by :func:`consumer.health_tracker.restore_tracker`, not here.
         """
         vanishing = "is_vanishing AND NOT no_gradient" if exclude_rounding else "is_vanishing"
         source = f"({rounding_rows_sql()})" if exclude_rounding else (
@@ -388,7 +388,7 @@ class DuckDBSink:
 
     def load_gradient_state(self, run_id: str, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
         """The per-layer rounding state of a run's stored frames, for
-        :func:`consumer.health.restore_tracker`.
+        :func:`consumer.health_tracker.restore_tracker`.
 
         Args:
             run_id: the run. num_layers: L.

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from analysis.read.connect import open_store
 from analysis.report import GradientFlowSummary, build_report, render_report
-from consumer.health import RunHealthTracker
+from consumer.health_tracker import RunHealthTracker
 from schemas.wire import GradientHealth as H
 from tests.analysis.crafted import Stat, StoreBuilder, healthy_stat
 

@@ -15,7 +15,7 @@ import pytest
 from kafka import KafkaConsumer, KafkaProducer
 
 from consumer.frames import MergedShards, compute_frame
-from consumer.health import RunHealthTracker
+from consumer.health_tracker import RunHealthTracker
 from consumer.settings import ConsumerSettings
 from consumer.store_writer import StoreWriter
 from consumer.store_writer_settings import StoreWriterSettings

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from consumer.alerts.engine import AlertEngine
 from consumer.frames import GradientFrame, MergedShards, compute_frame
-from consumer.health import RunHealthTracker
+from consumer.health_tracker import RunHealthTracker
 from consumer.outputs.base import Batch
 from consumer.outputs.duckdb import DuckDBSink
 from consumer.runs import RunInfo

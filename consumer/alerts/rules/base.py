@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from consumer.alerts.rules.shared import FrameView
 from consumer.frames import GradientFrame
-from consumer.health import RunHealthTracker
+from consumer.health_tracker import RunHealthTracker
 from consumer.runs import RunInfo
 from schemas.alert import AlertSeverity, RuleName
 from schemas.wire import StepSummary

@@ -56,7 +56,7 @@ class ExplodingRule(StreakRule[ExplodingRuleConfig]):
 
     def flags(self, ctx: FrameContext) -> np.ndarray:
         """The frame's ``is_exploding``, minus the layers excluded by the run's
-        ``ignore_layers`` (:attr:`consumer.health.RunHealthTracker.excluded`)."""
+        ``ignore_layers`` (:attr:`consumer.health_tracker.RunHealthTracker.excluded`)."""
         f = ctx.frame
         return f.is_exploding & ~ctx.tracker.excluded[f.layer_index]
 

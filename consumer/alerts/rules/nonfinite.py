@@ -34,7 +34,7 @@ wait only for their frame, which comes within the worker's shard timeout."""
 
 class NonfiniteRuleConfig(CriticalRuleConfig):
     """Any NaN/Inf gradient element in any layer of a frame (a non-finite gradient
-    makes the frame Critical at once, ``consumer.health``)."""
+    makes the frame Critical at once, ``consumer.health_tracker``)."""
 
 
 class NonfiniteRule(Rule[NonfiniteRuleConfig]):

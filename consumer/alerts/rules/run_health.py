@@ -1,4 +1,4 @@
-"""``run_health``: the run's health (``consumer.health``) is at least ``level``.
+"""``run_health``: the run's health (``consumer.health_tracker``) is at least ``level``.
 
 Values: ``layers`` (flagged layers, worst first: most non-finite frames, then exploding,
 then vanishing; each with ``exploding_frames``, ``vanishing_frames``,
@@ -19,7 +19,7 @@ from schemas.wire import GradientHealth
 
 
 class RunHealthRuleConfig(CriticalRuleConfig):
-    """Run health (the health rule, see ``consumer.health``) at or above ``level``.
+    """Run health (the health rule, see ``consumer.health_tracker``) at or above ``level``.
     The default level Critical is the most severe class."""
 
     level: GradientHealth = GradientHealth.CRITICAL
@@ -30,7 +30,7 @@ class RunHealthRule(Rule[RunHealthRuleConfig]):
 
     name: ClassVar[RuleName] = AlertRule.RUN_HEALTH
     title: ClassVar[str] = "run health"
-    description: ClassVar[str] = "The run's health (consumer.health) at or above `level`."
+    description: ClassVar[str] = "The run's health (consumer.health_tracker) at or above `level`."
 
     def evaluate(self, ctx: FrameContext) -> Finding:
         """Bad while the tracker's health is at least ``level``."""

@@ -3,7 +3,7 @@
 NaN/Inf frame keeps a layer's count as it is).
 
 Every layer counts, as in the reference, except those the run health
-leaves out explicitly (:attr:`consumer.health.RunHealthTracker.left_out`: the run's
+leaves out explicitly (:attr:`consumer.health_tracker.RunHealthTracker.left_out`: the run's
 ``ignore_layers``, and, only with the consumer's ``--exclude-rounding-level``, layers with
 no gradient by construction so far, ``schemas.rounding``).
 """

@@ -9,7 +9,7 @@ from consumer.alerts.config import AlertRulesBase, load_alert_rules
 from consumer.alerts.engine import AlertEngine
 from consumer.alerts.rules import rule_names
 from consumer.frames import GradientFrame, MergedShards, compute_frame
-from consumer.health import RunHealthTracker
+from consumer.health_tracker import RunHealthTracker
 from consumer.runs import RunInfo
 from schemas.alert import Alert, AlertRule, AlertState
 from schemas.wire import StepSummary

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from consumer.alerts.engine import AlertEngine
-from consumer.health import RunHealthTracker
+from consumer.health_tracker import RunHealthTracker
 from schemas.alert import AlertRule
 from schemas.health import match_layers
 from tests.consumer.alerts.helpers import FIRING, LAYERS, Run, only

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.health import RunHealthTracker
+from consumer.health_tracker import RunHealthTracker
 from schemas.health import classify_health as classify
 from schemas.wire import GradientHealth as H
 
