@@ -16,7 +16,7 @@ Modules, one job each:
   SQL in :mod:`analysis.notebook_sql`, its Jupyter HTML in :mod:`analysis.notebook_html`.
 - :mod:`analysis.read`: the read path, at the bottom of the package: open the store
   read-only and name runs, the SQL fragments every query uses, the hardened statement,
-  the request cursors, the route table, the endpoint wire and sidecar, and the one reader
+  the request cursors, the route table, the endpoint codec and sidecar, and the one reader
   (:func:`analysis.read.reader.open_reader`: the file read-only, or the writing
   process's endpoint).
 - :mod:`analysis.report`: run summary (health, flagged layers, recommendations).

@@ -41,8 +41,7 @@ class LoopSettings(TopicCreationSettings):
             (:mod:`consumer.stuck_partition`; ``GRADSTREAM_STUCK_PARTITION_TIMEOUT_S``);
             0 = no watchdog. The default, 30 s, is 300 poll timeouts and 150 flush
             intervals: no healthy loop holds a partition's position that long while records
-            wait, and a stuck partition is still acted on within 37.5 s (CI saw one last
-            120 s unnoticed).
+            wait, and a stuck partition is still acted on within 37.5 s.
         ignore_layers: layer-name patterns (``schemas.health.match_layers``) excluded
             from every run's health, issue frames and vanishing / exploding alerts, besides
             each run's own ``ignore_layers`` (``GRADSTREAM_IGNORE_LAYERS``:

@@ -3,8 +3,8 @@ position does not move.
 
 kafka-python 3.0.x has shipped fetcher bugs where an otherwise healthy consumer stops
 returning the records of some assigned partitions until the next rebalance
-(dpkp/kafka-python#3106, #3131); a CI worker assigned every partition once fetched nothing
-for 120 s. Nothing in the poll loop notices: ``poll`` just returns nothing. The
+(dpkp/kafka-python#3106, #3131): a worker assigned every partition can fetch nothing for
+minutes. Nothing in the poll loop notices: ``poll`` just returns nothing. The
 :class:`StuckPartitionWatchdog` here notices it, and says what to do about it; the loop
 (:class:`consumer.loop.ConsumerLoop`) does it.
 

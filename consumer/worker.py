@@ -63,8 +63,10 @@ class Worker(ConsumerLoop):
 
     Args:
         settings: ConsumerSettings (bootstrap servers, topics, group, DB path, timeouts).
-        on_open: called on the worker thread with the DuckDBSink right after the store is
-            opened, before consuming (``gradstream serve`` takes a read cursor there).
+        on_open: called on the worker thread with what the output offers readers
+            (:meth:`consumer.outputs.base.Output.on_open`: the DuckDB output's sink) right
+            after it is opened, before consuming (``gradstream serve`` takes a read cursor
+            there); never called for an output that offers nothing (the frames topic).
 
     Use ``run()`` (blocks until ``stop()``), on the main thread of ``gradstream consume``
     or on a background thread in the demo and tests.

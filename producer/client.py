@@ -441,7 +441,9 @@ class GradientProducer:
             self._training_s += seconds
 
     def stats(self) -> ProducerStats:
-        """Current counters (thread-safe snapshot)."""
+        """Current counters. Thread-safe; the delivery counters (from the sender) and the
+        recording counters are each read consistently, at two instants microseconds
+        apart."""
         delivery = self._sender.counts()
         with self._lock:
             return ProducerStats(recorded=self._recorded, skipped=self._skipped,

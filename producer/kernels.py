@@ -1,11 +1,11 @@
 """Numba kernels behind :func:`producer.summary.summarize` (the fast path).
 
-This module imports numba at import time, so :mod:`producer.summary` imports it lazily, on
-the first summary, and falls back to its pure-NumPy path when numba is missing or broken
-(see ``producer.summary.set_backend``). Every kernel is ``@njit(cache=True, nogil=True)``:
-compiled on first use for each (dtype, layout) and cached on disk next to this file (or in
-``NUMBA_CACHE_DIR``), and it releases the GIL so the producer's sender thread keeps running
-while the training thread summarises.
+This module imports numba at import time, so :mod:`producer.backend` imports it lazily, on
+the first summary, and the producer falls back to its pure-NumPy path when numba is missing
+or broken (see :func:`producer.backend.set_backend`). Every kernel is
+``@njit(cache=True, nogil=True)``: compiled on first use for each (dtype, layout) and
+cached on disk next to this file (or in ``NUMBA_CACHE_DIR``), and it releases the GIL so
+the producer's sender thread keeps running while the training thread summarises.
 
 One call summarises one whole layer in one read of its memory, in blocks of ``BLOCK``
 elements (2/4 KiB, L1-resident; small blocks keep the memory stream steady while the

@@ -130,21 +130,6 @@ def tukey_fences(values: np.ndarray) -> tuple[float, float]:
     return float(q1 - 1.5 * iqr), float(q3 + 1.5 * iqr)
 
 
-def decades(ratio: np.ndarray | float) -> np.ndarray:
-    """Orders of magnitude (base 10) in a ratio: ``log10(ratio)``, ``inf`` for an infinite
-    or zero-denominator ratio, and ``inf`` for ``ratio = inf``; NaN stays NaN.
-
-    Args:
-        ratio: non-negative ratios (e.g. threshold / magnitude).
-
-    Returns:
-        float64 array shaped like ``ratio``; ``-inf`` for 0.
-    """
-    r = np.asarray(ratio, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        return np.log10(r)
-
-
 def pearson_significant(r: np.ndarray, n: np.ndarray, alpha: float = DEFAULT_ALPHA) -> np.ndarray:
     """Whether Pearson correlations differ from zero at level ``alpha`` (two-sided).
 

@@ -6,7 +6,7 @@
 - :mod:`analysis.dashboard.api`: the JSON data of the dashboard's own routes.
 - ``static/``: the page, its script and style sheet (no external resources).
 
-The read path it serves (cursors, wire, sidecar, routes) is :mod:`analysis.read`. The
+The read path it serves (cursors, endpoint codec, sidecar, routes) is :mod:`analysis.read`. The
 package does not import the consumer: it is given a cursor provider, so the same server
 runs beside a consumer worker (``gradstream serve``, :mod:`deploy.serve`) or on a store no
 one writes (``gradstream serve --no-consume``). This module imports nothing.

@@ -194,8 +194,10 @@ class _HTTPError(Exception):
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> Response:
-    """The JSON error answer ``{"error": message, "kind": kind}``."""
-    return JSONResponse({"error": message, "kind": kind}, status, headers)
+    """The JSON error answer ``{"error": message, "kind": kind}`` (UTF-8, as every JSON
+    answer of the server)."""
+    return JSONResponse({"error": message, "kind": kind}, status, headers,
+                        media_type="application/json; charset=utf-8")
 
 
 def _read_error(exc: StoreError) -> _HTTPError:
@@ -280,13 +282,15 @@ class Dashboard:
             else:
                 routes.append(StarletteRoute(route.path, self._endpoint(route),
                                              methods=[route.method]))
-        return Starlette(
+        app = Starlette(
             routes=routes,
             middleware=[Middleware(ResponseHeaders), Middleware(LoopbackOnly, enabled=loopback),
                         Middleware(TokenRequired, token=self.token, port=port,
                                    sidecar=sidecar_path(self.cursors.db).name)],
             exception_handlers={HTTPException: self._http_exception},
         )
+        app.router.redirect_slashes = False  # a path with a stray "/" is unknown: 404
+        return app
 
     def _endpoint(self, route: Route) -> Callable[[Request], Awaitable[Response]]:
         """The Starlette endpoint of ``route``: parse the query, read a POST body, then run
@@ -316,7 +320,8 @@ class Dashboard:
         if exc.status_code == 405:
             allowed = ", ".join(sorted({route.method for route, _ in find(path)}))
             method = request.method
-            return _error(405, f"{path} answers {allowed}, not {method}", "not_found")
+            return _error(405, f"{path} answers {allowed}, not {method}", "not_found",
+                          {"Allow": allowed})
         if exc.status_code == 404:
             return _error(404, f"no page {path}", "not_found")
         return _error(exc.status_code, str(exc.detail), "error")
@@ -740,6 +745,7 @@ class DashboardServer:
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError("the dashboard's server did not start")
             time.sleep(0.01)
 
@@ -749,4 +755,7 @@ class DashboardServer:
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(STOP_GRACE_S + 10)
+            if self._thread.is_alive():  # a request outlived the grace: close it anyway
+                self._server.force_exit = True
+                self._thread.join(10)
         self._socket.close()

@@ -80,7 +80,7 @@ CLIENT_SLACK_S = 30.0
 """Seconds an :class:`EndpointReader` waits for an answer beyond the read's time limit
 (the server interrupts the read at the limit and still has to answer)."""
 
-CHUNK = 1 << 20
+DOWNLOAD_CHUNK_BYTES = 1 << 20
 """Bytes copied per write when an export is downloaded from an endpoint."""
 
 
@@ -434,7 +434,7 @@ class EndpointReader(StoreReader):
             total = int(response.headers.get("Content-Length") or 0)
             rows = int(response.headers.get("X-Gradstream-Rows") or 0)
             done = 0
-            while chunk := response.read(CHUNK):
+            while chunk := response.read(DOWNLOAD_CHUNK_BYTES):
                 out.write(chunk)
                 done += len(chunk)
                 if progress is not None:

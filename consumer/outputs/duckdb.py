@@ -359,7 +359,7 @@ class DuckDBSink:
         construction up to that step (``schemas.rounding``), as the tracker counted it:
         one windowed aggregate over the run's rows
         (:func:`schemas.rounding.rounding_rows_sql`). Layers excluded by ``ignore_layers``
-        are left out by :func:`consumer.health_tracker.restore_tracker`, not here.
+        are left out by :meth:`consumer.health_tracker.RunHealthTracker.restored`, not here.
         """
         vanishing = "is_vanishing AND NOT no_gradient" if exclude_rounding else "is_vanishing"
         source = f"({rounding_rows_sql()})" if exclude_rounding else (
@@ -388,7 +388,7 @@ class DuckDBSink:
 
     def load_gradient_state(self, run_id: str, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
         """The per-layer rounding state of a run's stored frames, for
-        :func:`consumer.health_tracker.restore_tracker`.
+        :meth:`consumer.health_tracker.RunHealthTracker.restored`.
 
         Args:
             run_id: the run. num_layers: L.

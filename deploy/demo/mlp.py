@@ -308,22 +308,6 @@ def forward_backward(
     return loss, {name: grads[name] for name in param_names(count)}
 
 
-def accuracy(
-    params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray, activation: Activation = "relu"
-) -> float:
-    """Fraction of samples whose arg-max logit equals the label.
-
-    Args:
-        params: the parameters; x: inputs ``(B, in)``; y: labels ``(B,)``;
-        activation: hidden-layer activation.
-
-    Returns:
-        Accuracy in ``[0, 1]`` (a nan logit row never counts as correct).
-    """
-    logits = forward(params, x, activation)
-    return float(np.mean(np.argmax(logits, axis=1) == np.asarray(y)))
-
-
 @functools.lru_cache(maxsize=2)
 def _load_digits_cached(dtype_name: str) -> tuple[np.ndarray, np.ndarray]:
     from sklearn.datasets import load_digits  # heavy import: only when the data is needed

@@ -64,7 +64,8 @@ Modules: :mod:`~schemas.stats.base` (the protocol and the merge rules),
 :mod:`~schemas.stats.chunks` (float64 scratch chunks).
 
 Adding a statistic: a module with a :class:`LayerStatistic` dataclass subclass (fields
-declared with their merge rule; ``empty``, ``_update_layer``, ``_update_elements``,
+declared with their merge rule, from which ``empty`` and the merges follow;
+``_update_layer``, ``_update_elements``,
 ``from_columns``, ``to_columns``, ``from_message``, ``get``; a class docstring with
 Parameters, Examples and References), exported here and listed in :data:`STATISTICS`.
 

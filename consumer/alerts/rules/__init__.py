@@ -79,7 +79,7 @@ from consumer.alerts.rules.nonfinite import NonfiniteRule
 from consumer.alerts.rules.replica_divergence import ReplicaDivergenceRule
 from consumer.alerts.rules.run_health import RunHealthRule
 from consumer.alerts.rules.shard_layout import ShardLayoutRule
-from consumer.alerts.rules.shared import FrameView, LocalOrigin, num, preview
+from consumer.alerts.rules.shared import FrameView, LocalOrigin, json_number, preview
 from consumer.alerts.rules.stalled import StalledRule
 from consumer.alerts.rules.vanishing import VanishingRule
 from schemas.alert import RuleName, rule_name
@@ -165,7 +165,7 @@ __all__ = [
     "RunContext",
     "check_rules",
     "find_rule",
-    "num",
+    "json_number",
     "preview",
     "registered_rules",
     "rule_names",

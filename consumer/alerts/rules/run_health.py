@@ -13,7 +13,7 @@ from typing import ClassVar
 import numpy as np
 
 from consumer.alerts.rules.base import CriticalRuleConfig, Finding, FrameContext, Rule
-from consumer.alerts.rules.shared import num
+from consumer.alerts.rules.shared import json_number
 from schemas.alert import AlertRule, RuleName
 from schemas.wire import GradientHealth
 
@@ -63,7 +63,7 @@ class RunHealthRule(Rule[RunHealthRuleConfig]):
                 "level": level.value,
                 "frames": tracker.frames,
                 "issue_frames": tracker.issue_frames,
-                "issue_ratio": num(ratio),
+                "issue_ratio": json_number(ratio),
             },
             f"run health {health.value} at step {ctx.frame.step} (alert level "
             f"{level.value}): {tracker.issue_frames} of {tracker.frames} frames with "

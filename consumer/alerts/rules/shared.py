@@ -15,7 +15,7 @@ NO_LAYERS = np.empty(0, np.int64)
 """int64[0]: no layer indices."""
 
 
-def num(x: Any) -> float | int | None:
+def json_number(x: Any) -> float | int | None:
     """A JSON-safe number: ints stay ints, non-finite floats become None."""
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return int(x)
@@ -119,13 +119,13 @@ class FrameView:
             r = int(self.row[layer])
             if r >= 0:
                 values = {
-                    "grad_norm": num(f.grad_norm[r]),
-                    "max_abs_grad": num(f.max_abs_grad[r]),
-                    "mean_abs_grad": num(f.mean_abs_grad[r]),
+                    "grad_norm": json_number(f.grad_norm[r]),
+                    "max_abs_grad": json_number(f.max_abs_grad[r]),
+                    "mean_abs_grad": json_number(f.mean_abs_grad[r]),
                     "nonfinite": int(f.nonfinite[r]),
                     "numel": int(f.numel[r]),
                 }
             for name, column in (extra or {}).items():
-                values[name] = num(column[i])
+                values[name] = json_number(column[i])
             out[str(self.names[layer])] = values
         return out

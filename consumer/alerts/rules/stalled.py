@@ -20,7 +20,7 @@ import numpy as np
 from pydantic import Field
 
 from consumer.alerts.rules.base import Finding, FrameContext, Rule, RuleConfig, RunContext
-from consumer.alerts.rules.shared import num
+from consumer.alerts.rules.shared import json_number
 from schemas.alert import AlertRule, RuleName
 
 
@@ -96,9 +96,9 @@ class StalledRule(Rule[StalledRuleConfig]):
         return Finding(
             True, [], [],
             {
-                "seconds_since_last_frame": num(idle),
-                "threshold_s": num(threshold),
-                "median_frame_interval_s": None if median is None else num(median),
+                "seconds_since_last_frame": json_number(idle),
+                "threshold_s": json_number(threshold),
+                "median_frame_interval_s": None if median is None else json_number(median),
                 "last_step": run.last_step,
             },
             f"no frame for {idle:.0f} s after step {run.last_step} (threshold "

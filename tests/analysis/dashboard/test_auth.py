@@ -218,8 +218,12 @@ def test_unknown_paths_and_methods(served) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert send(served, "GET", "/nothing", headers=auth)[0] == 404
     assert send(served, "GET", "/api/nothing", headers=auth)[0] == 404
-    status, body, _ = send(served, "GET", "/api/query", headers=auth)
+    status, body, headers = send(served, "GET", "/api/query", headers=auth)
     assert status == 405 and "answers POST" in json.loads(body)["error"]
+    assert headers["Allow"] == "POST"  # RFC 9110: a 405 names the methods that work
+    assert headers["Content-Type"] == "application/json; charset=utf-8"
+    for path in ("/api/runs/", "/static"):  # a stray slash is an unknown path, no redirect
+        assert send(served, "GET", path, headers=auth)[0] == 404, path
     assert send(served, "POST", "/api/runs", QUERY_BODY, auth)[0] == 405
     assert send(served, "POST", "/api/query", QUERY_BODY)[0] == 401
 
