@@ -174,6 +174,25 @@ class Checkpoint:
             else:
                 consumer.seek_to_beginning(tp)
 
+    def rewind(self, consumer: Any, partitions: list[Any]) -> None:
+        """Seek each partition being revoked (kafka ``TopicPartition``, still assigned) back
+        to the offset stored for it by the commit that precedes a revocation: the first
+        record of its earliest frame still waiting for ranks, a frame the loop then
+        forgets. kafka-python keeps the position of a partition that the same rebalance
+        assigns again, and an output that stores no offsets (the frames topic) does not
+        seek on assignment, so without this the records of the forgotten frames would not
+        be read again and those frames would end partial.
+
+        Raises:
+            ValueError: a partition is no longer assigned to ``consumer``.
+        """
+        if consumer is None:
+            return
+        for tp in partitions:
+            offset = self.stored.get((tp.topic, tp.partition))
+            if offset is not None:
+                consumer.seek(tp, offset)
+
     def revoke(self, keys: set[PartitionKey]) -> None:
         """Forget the positions and stored offsets of revoked partitions."""
         for key in keys:

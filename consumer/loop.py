@@ -476,12 +476,16 @@ class ConsumerLoop(ABC):
             if partitions:
                 self._ready.set()
 
-    def on_revoked(self, partitions: list[Any]) -> None:
-        """Write what is final, then forget the revoked partitions (their next owner
-        rebuilds pending frames from the stored offsets)."""
+    def on_revoked(self, partitions: list[Any], lost: bool = False) -> None:
+        """Write what is final, rewind the revoked partitions to their stored offsets
+        (:meth:`consumer.checkpoint.Checkpoint.rewind`; not for ``lost`` partitions, which
+        another member may own already), then forget them: their next owner, this loop
+        included, rebuilds pending frames from the stored offsets."""
         with self._lock:
             self.flush(blocking=False, settle=True)  # on kafka-python's network thread
             keys = {(tp.topic, tp.partition) for tp in partitions}
+            if not lost:
+                self.checkpoint.rewind(self._consumer, partitions)
             self.revoked(keys)
             self.checkpoint.revoke(keys)
 
@@ -555,4 +559,4 @@ class _Rebalance(ConsumerRebalanceListener):
         self.loop.on_assigned(assigned)
 
     def on_partitions_lost(self, lost: list[Any]) -> None:
-        self.loop.on_revoked(lost)
+        self.loop.on_revoked(lost, lost=True)

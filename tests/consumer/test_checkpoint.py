@@ -115,3 +115,28 @@ def test_due_on_rows_or_on_the_interval_once_the_output_is_settled() -> None:
     assert not waiting.due(out, 0)
     out.durable = True
     assert waiting.due(out, 0)
+
+
+def test_revocation_rewinds_to_the_stored_offset() -> None:
+    """A partition being revoked is sought back to the offset the revocation's commit
+    stored (the first record of a frame still waiting for ranks): kafka-python keeps the
+    position of a partition the same rebalance assigns again, and the frames topic output
+    does not seek on assignment, so the forgotten frame's records must be read again."""
+
+    class Consumer:
+        def __init__(self) -> None:
+            self.seeks: list[tuple[Any, int]] = []
+
+        def seek(self, tp: Any, offset: int) -> None:
+            self.seeks.append((tp, offset))
+
+    checkpoint, out, consumer = Checkpoint(1.0, 1000), RecordingOutput(None), Consumer()
+    parts = [TopicPartition("t", 0), TopicPartition("t", 1)]
+    for offset in range(10):
+        checkpoint.consumed("t", 0, offset)
+    checkpoint.commit(out, consumer, {("t", 0): 6}, lambda: None, settle=True)
+    checkpoint.rewind(consumer, parts)  # ("t", 1): nothing read, nothing to rewind
+    assert consumer.seeks == [(parts[0], 6)]
+    checkpoint.revoke({("t", 0), ("t", 1)})
+    checkpoint.assign(out, consumer, parts)  # no stored offsets: the positions stay
+    assert consumer.seeks == [(parts[0], 6)]

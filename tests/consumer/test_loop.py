@@ -11,6 +11,16 @@ from consumer.outputs.base import Output
 from consumer.store_writer_settings import StoreWriterSettings
 
 TopicPartition = namedtuple("TopicPartition", "topic partition")
+
+
+class SeekingConsumer:
+    """The one consumer call the loop makes itself on revocation: ``seek``, recorded."""
+
+    def __init__(self) -> None:
+        self.seeks: list[tuple[Any, int]] = []
+
+    def seek(self, tp: Any, offset: int) -> None:
+        self.seeks.append((tp, offset))
 Record = namedtuple("Record", "topic partition offset value key")
 
 
@@ -62,7 +72,7 @@ def test_revocation_writes_then_commits_without_blocking() -> None:
     from the poll loop commits synchronously."""
     loop = CountingLoop(StoreWriterSettings())
     loop.open()
-    loop._consumer = object()  # acknowledge only passes it on
+    loop._consumer = consumer = SeekingConsumer()  # acknowledge only passes it on
     loop.consume(Record("t", 0, 41, b"", b"k"))
     loop.flush()
     loop.consume(Record("t", 0, 42, b"", b"k"))
@@ -70,6 +80,7 @@ def test_revocation_writes_then_commits_without_blocking() -> None:
     out = loop.output
     assert out.writes == [{("t", 0): 42}, {("t", 0): 43}]
     assert out.acks == [({("t", 0): 42}, True), ({("t", 0): 43}, False)]
+    assert consumer.seeks == [(TopicPartition("t", 0), 43)]  # rewound to the stored offset
 
 
 def test_offsets_are_acknowledged_only_once_their_write_is_durable() -> None:
@@ -79,7 +90,7 @@ def test_offsets_are_acknowledged_only_once_their_write_is_durable() -> None:
     write in flight and acknowledges at once."""
     loop = CountingLoop(StoreWriterSettings())
     loop.open()
-    loop._consumer = object()
+    loop._consumer = SeekingConsumer()
     out = loop.output
     out.durable = False
     loop.consume(Record("t", 0, 10, b"", b"k"))
