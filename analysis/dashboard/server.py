@@ -65,9 +65,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, parse_qsl, quote, urlencode, urlsplit
 
+import anyio
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -97,6 +97,13 @@ from analysis.read.query import (
 from analysis.read.routes import ROUTES, STATIC_FILES, NotFoundError, ParamError, Route, find
 from analysis.read.sidecar import TOKEN_CHARS, sidecar_path
 from schemas.flags import FLAG_BITS
+
+REQUEST_THREADS = 256
+"""Requests of the route table answered or waiting at once, each on its own worker
+thread (:meth:`Dashboard._endpoint`). A read beyond the cursor provider's bound (``serve
+--max-readers``) waits for a slot inside its thread, so this bounds queued requests, not the
+load on the store; it is separate from the pool of anyio's default limiter (40 threads) that
+serves the static files, so queued reads never hold up the page."""
 
 log = logging.getLogger("gradstream.dashboard")
 
@@ -260,6 +267,7 @@ class Dashboard:
         if not TOKEN_CHARS.fullmatch(token):
             raise ValueError("the dashboard's token must be non-empty, of A-Z a-z 0-9 . _ ~ -")
         self.cursors = cursors
+        self._request_threads = anyio.CapacityLimiter(REQUEST_THREADS)
         self.token = token
         self.refresh_s = refresh_s
         self.query_timeout_s = query_timeout_s
@@ -304,7 +312,8 @@ class Dashboard:
                 if route.method == "POST":
                     args["body"] = await _body(request)
                 name = str(request.path_params.get("name", ""))
-                return await run_in_threadpool(handler, route, name, args)  # type: ignore[no-any-return]
+                return await anyio.to_thread.run_sync(  # type: ignore[no-any-return]
+                    handler, route, name, args, limiter=self._request_threads)
             except _HTTPError as exc:
                 return _error(exc.status, str(exc), exc.kind)
             except Exception as exc:  # a bug: answer 500 rather than drop the connection

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -257,3 +258,42 @@ def test_serve_refuses_a_weak_token(tmp_path: Path) -> None:
     flat = " ".join(err.replace("│", " ").split())  # the message as rich boxed it
     assert serve.returncode == 2 and "a token needs at least 16 characters" in flat, err
     assert not sidecar_path(db).exists()
+
+
+def test_queued_reads_never_hold_up_the_page(tmp_path: Path) -> None:
+    """Reads beyond --max-readers wait for a slot inside their own request threads; more of
+    them than anyio's default pool (40 threads) must not hold up the page's static files,
+    nor fail: once the slot is free every queued read answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from analysis.dashboard.server import Dashboard, DashboardServer
+    from tests.analysis.crafted import write_history
+
+    db = write_history(tmp_path / "q.duckdb", np.array([[1.0, 2.0], [3.0, 4.0]]))
+    cursors = BoundedReadCursors(ReadCursors.open_read_only(Path(db)), max_readers=1)
+    server = DashboardServer(Dashboard(cursors, "tok"), "127.0.0.1", 0)
+    server.start()
+    address = urllib.parse.urlsplit(server.url)
+
+    def get(path: str) -> int:
+        conn = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+        try:
+            conn.request("GET", path, headers={"Authorization": "Bearer tok"})
+            response = conn.getresponse()
+            response.read()
+            return response.status
+        finally:
+            conn.close()
+
+    try:
+        with ThreadPoolExecutor(60) as pool:
+            with cursors.cursor():  # the one read slot is taken: every read waits
+                waiting = [pool.submit(get, "/api/runs") for _ in range(50)]
+                time.sleep(2.0)  # the reads reach their threads (none can answer)
+                assert not any(f.done() for f in waiting)
+                page = pool.submit(get, "/static/dashboard.js")
+                assert page.result(timeout=10) == 200
+            assert [f.result(timeout=60) for f in waiting] == [200] * len(waiting)
+    finally:
+        server.stop()
+        cursors.close()
