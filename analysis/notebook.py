@@ -290,7 +290,9 @@ class Run:
                    as_: TableFlavour = "pandas") -> Any:
         """Each rank's local gradient before the cross-rank reduction (the per-rank local
         view, ``local_layer_stats``): one row per (step, rank, layer). Empty when the
-        producers sent no local view.
+        producers sent no local view; with their flight recorders (the producer's default
+        ``local_view="recorder"``) only the steps a local trigger sent (the last K steps
+        up to NaN/Inf, an explosion or a norm spike, and sampled steps) have rows.
 
         Columns (int64 unless said): ``run_id``, ``step``, ``rank``, ``layer_index``,
         ``layer`` (str), ``numel``; float64 ``grad_norm = sqrt(sum g^2)``,

@@ -71,13 +71,46 @@ class MergedShards:
         weight_norm, update_norm: sums of squares ``weight_sum_sq`` / ``update_sum_sq``,
             or None while no shard carried them.
         weight_moments: weight distribution, or None while no shard carried it.
+
+    Messages' gradient sums are merged in batches: :meth:`merge_message` queues them and
+    the first read of :attr:`gradient` (or of anything derived from it) merges the queue,
+    all at once when the queued messages cover distinct layers (each layer then takes one
+    addition, as it would one message at a time), else one after the other in arrival
+    order. The sums are bit for bit those of merging each message as it came; a frame of
+    many small messages (one per pipeline stage) costs eight NumPy operations instead of
+    eight per message.
     """
 
-    gradient: GradientSums
+    _gradient: GradientSums
     histogram: ExponentHistogram | None = None
     weight_norm: SumOfSquares | None = None
     update_norm: SumOfSquares | None = None
     weight_moments: WeightMoments | None = None
+    _queued: list[tuple[np.ndarray, SummaryMessage]] = field(default_factory=list,
+                                                             repr=False)
+
+    @property
+    def gradient(self) -> GradientSums:
+        """The gradient sums (class doc), every queued message merged."""
+        if self._queued:
+            self._merge_queued()
+        return self._gradient
+
+    def _merge_queued(self) -> None:
+        """Merge the queued messages' gradient sums (class doc)."""
+        queued, self._queued = self._queued, []
+        sums = self._gradient
+        if len(queued) > 1 and all(_full_without_nan(m) for _, m in queued):
+            layers = np.concatenate([at for at, _ in queued])
+            hit = np.zeros(sums.num_layers, bool)
+            hit[layers] = True
+            if np.count_nonzero(hit) == len(layers):  # distinct: one addition per layer
+                sums.merge_message_at(layers, _Columns(*(
+                    np.concatenate([np.asarray(getattr(m, name)) for _, m in queued])
+                    for name in _Columns.__slots__)))
+                return
+        for at, message in queued:
+            sums.merge_message_at(at, message)
 
     @classmethod
     def empty(cls, num_layers: int) -> MergedShards:
@@ -113,7 +146,7 @@ class MergedShards:
         message's histogram costs more than merging it). Returns ``self``.
         """
         layers = np.asarray(message.layer_indices, np.int64)
-        self.gradient.merge_at(layers, GradientSums.from_message(message))
+        self._queued.append((layers, message))  # merged when first read (class doc)
         for name, field_name in (("weight_norm", "weight_sum_sq"),
                                  ("update_norm", "update_sum_sq")):
             norm = SumOfSquares.from_message(message, field_name)
@@ -197,6 +230,26 @@ class MergedShards:
             np.asarray(layer_indices, np.int64),
             GradientSums.from_columns(numel, sum_abs, sum_sq, max_abs, nonfinite),
         )
+
+
+def _full_without_nan(message: SummaryMessage) -> bool:
+    """Whether ``message``'s gradient sums can join a batch (:class:`_Columns`): full mode
+    (``sum_abs`` and ``max_abs``), no NaN counts."""
+    return (message.sum_abs is not None and message.max_abs is not None
+            and getattr(message, "nan", None) is None)
+
+
+class _Columns:
+    """The gradient columns of several messages laid end to end, read by
+    :meth:`GradientSums.merge_message_at` as one message (full mode, no NaN counts)."""
+
+    __slots__ = ("max_abs", "nonfinite", "numel", "sum_abs", "sum_sq")
+    nan = None
+
+    def __init__(self, max_abs: np.ndarray, nonfinite: np.ndarray, numel: np.ndarray,
+                 sum_abs: np.ndarray, sum_sq: np.ndarray) -> None:
+        self.max_abs, self.nonfinite, self.numel = max_abs, nonfinite, numel
+        self.sum_abs, self.sum_sq = sum_abs, sum_sq
 
 
 _OPTIONAL_PARTS: tuple[tuple[str, type[LayerStatistic]], ...] = (

@@ -493,14 +493,14 @@ class ConsumerLoop(ABC):
 
     def runs_done(self, run_ids: list[str]) -> bool:
         """True when every given run has all ranks finished and nothing of it waits in the
-        batch (its frames, finished ranks and alerts are written)."""
+        batch (its frames, local rows, finished ranks and alerts are written)."""
         with self._lock:
             if not all(self.book.is_finished(r) for r in run_ids):
                 return False
             batch = self.checkpoint.batch
             if any(r in run_ids for r, _ in batch.frames):
                 return False
-            return not (batch.runs_finished or batch.alerts)
+            return not (batch.runs_finished or batch.alerts or batch.local_summaries)
 
     def wait_for_runs(self, run_ids: list[str], timeout: float) -> bool:
         """Block until ``runs_done(run_ids)`` or ``timeout`` seconds; False on timeout or

@@ -52,17 +52,8 @@ import numpy as np
 from consumer.frames import GradientFrame, LocalRows, MergedShards, compute_frame
 from consumer.runs import RunInfo
 from consumer.topic_admin import PartitionKey
+from schemas.replicas import REPLICA_RTOL
 from schemas.wire import StepSummary
-
-REPLICA_RTOL = 1e-6
-"""Relative tolerance for two replicas' sums (sum |g|, sum g^2, max |g|) to agree.
-
-After an all-reduce the replicas of a gradient are bitwise identical, so their float64 sums
-can differ only by the order in which a kernel added the terms. Recursive summation of n
-non-negative terms has a relative error of at most gamma_n = n u / (1 - n u), u = 2^-53
-(Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 4.2), which is
-below 1e-6 for every n up to 9e9 elements. Element counts (``numel``, ``nonfinite``, and
-``nan`` where both replicas sent it) must be equal exactly."""
 
 VIOLATION_NUMEL = 1
 """Layout violation: the counted pieces of a layer hold more elements than the parameter
@@ -231,7 +222,7 @@ def check_shard(shard: StepSummary, full_numel: np.ndarray) -> str | None:
         wrong = numel != full
     else:
         wrong = over
-    if not wrong.any():
+    if not np.count_nonzero(wrong):  # the cheapest test of a small bool array
         return None
     bad = np.flatnonzero(wrong)
     i = int(bad[0])
@@ -277,6 +268,9 @@ class _Pending:
     wall_time: float
     ledger: PieceLedger | None = None
     local: list[LocalRows] = field(default_factory=list)
+    divergence: list[np.ndarray] = field(default_factory=list)
+    """int32[d, 3] rows (layer_index, rank, reference_rank) that in-band reduced summaries
+    carried (``StepSummary.replica_divergence``)."""
     parts: dict[int, set[int]] = field(default_factory=dict)
     """rank -> part indices arrived, for ranks with some but not all of their parts."""
 
@@ -417,7 +411,9 @@ class ShardMerger:
             duplicate.
         """
         key = (run.run_id, shard.step)
-        record = self._finalised.setdefault(run.run_id, _RunFrames())
+        record = self._finalised.get(run.run_id)
+        if record is None:  # not setdefault: no _RunFrames built per shard
+            record = self._finalised[run.run_id] = _RunFrames()
         pending = self._pending.get(key)
         if pending is None:
             if shard.step in record.complete:
@@ -437,7 +433,7 @@ class ShardMerger:
             return None
         _merge_counted(pending, shard, run.world_size)
         if rank_complete:
-            pending.ranks.add(shard.rank)
+            _add_reporting(pending.ranks, shard)
         pending.wall_time = max(pending.wall_time, shard.wall_time)
         if len(pending.ranks) < run.world_size:
             if not self._covered(run, shard.step, pending.ranks):
@@ -475,7 +471,7 @@ class ShardMerger:
             pending = cached
             pending.local = []  # the rows of the earlier ranks are stored already
             _merge_counted(pending, shard, run.world_size)
-        new_ranks = ranks | {shard.rank} if rank_complete else ranks
+        new_ranks = ranks | frozenset(shard.reporting_ranks()) if rank_complete else ranks
         if len(new_ranks) == run.world_size:
             del record.partial[shard.step]
             record.complete.add(shard.step)
@@ -564,8 +560,12 @@ class ShardMerger:
         )
         violations = check_layout(pending.merged.numel, run.numel,
                                   len(ranks) >= run.world_size)
+        if pending.ledger is not None or pending.divergence:
+            ledger_divergence = ([] if pending.ledger is None
+                                 else [pending.ledger.divergence_rows()])
+            frame.replica_divergence = np.concatenate(
+                [*ledger_divergence, *pending.divergence]).astype(np.int32)
         if pending.ledger is not None:
-            frame.replica_divergence = pending.ledger.divergence_rows()
             ledger_rows = pending.ledger.violation_rows()
             if len(ledger_rows):
                 violations = np.concatenate([violations, ledger_rows])
@@ -615,6 +615,18 @@ def _merge_counted(pending: _Pending, shard: StepSummary, world_size: int) -> No
     merge_shard(pending.merged, shard, keep)
     if shard.has_local:
         pending.local.append(LocalRows.from_shard(shard))
+    if shard.replica_divergence is not None and len(shard.replica_divergence):
+        pending.divergence.append(
+            np.asarray(shard.replica_divergence, np.int64).reshape(-1, 3).astype(np.int32))
+
+
+def _add_reporting(ranks: set[int], shard: StepSummary) -> None:
+    """Count the ranks ``shard`` reports for as reported: its own rank, or every rank of
+    an in-band reduced summary (``StepSummary.reduced_ranks``)."""
+    if shard.reduced_ranks is None:
+        ranks.add(shard.rank)
+    else:
+        ranks.update(shard.reporting_ranks())
 
 
 def not_yet_counted(

@@ -46,7 +46,14 @@ from consumer.outputs.frames_topic import message_to_merged, message_violations
 from consumer.runs import RunInfo
 from consumer.store_writer_settings import StoreWriterSettings
 from schemas.alert import Alert, decode_alert_record
-from schemas.wire import MergedFrame, RunFinished, RunStarted, WireError, decode_frame_message
+from schemas.wire import (
+    LocalSummary,
+    MergedFrame,
+    RunFinished,
+    RunStarted,
+    WireError,
+    decode_frame_message,
+)
 
 log = logging.getLogger("gradstream.store")
 
@@ -116,7 +123,8 @@ class StoreWriter(ConsumerLoop):
     # -- records -------------------------------------------------------------------------
 
     def handle(self, record: Any) -> None:
-        """Store an alert event, or register a run / reconcile a frame."""
+        """Store an alert event, or register a run / reconcile a frame / store a flight
+        recorder's local rows (a LocalSummary a worker republished)."""
         alerts = record.topic == self.settings.alerts_topic
         try:
             message = (decode_alert_record if alerts else decode_frame_message)(record.value)
@@ -136,6 +144,12 @@ class StoreWriter(ConsumerLoop):
                 self.batch.runs_finished.append(message)
         elif isinstance(message, MergedFrame):
             self._on_frame(message, record)
+        elif isinstance(message, LocalSummary):  # checked by the worker
+            if message.run_id not in self.runs:
+                self.dead_letter(record, f"local summary of unknown run {message.run_id!r}",
+                                 "unknown_run")
+                return
+            self.batch.local_summaries.append(message)
 
     def _on_frame(self, msg: MergedFrame, record: Any) -> None:
         run = self.runs.get(msg.run_id)

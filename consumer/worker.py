@@ -8,7 +8,11 @@ reason and the loop goes on); the ranks of each (run, step) are merged
 batch goes to a DuckDB file (single-process mode) or to the frames topic (scale-out mode,
 ``frames_topic`` set, read by ``gradstream store``). The offsets stored never pass the
 first record of a frame still waiting for ranks, so a crash or a rebalance rebuilds
-pending frames from Kafka.
+pending frames from Kafka. A LocalSummary (a rank's flight recorder,
+``producer.flight_recorder``) is checked against its run (known, same world size, layers
+within the run's, no more elements than the layer has) and its rows go into the batch for
+``local_layer_stats``, never into a frame; the alert rules learn from it where NaN/Inf or
+an explosion started.
 
 Nothing that does not fit the run is merged. A RunStarted that contradicts the run's
 (another layer list, another world size) is dead-lettered and its rank is *refused*: every
@@ -45,7 +49,14 @@ from consumer.outputs.base import Output, PartitionKey
 from consumer.outputs.registry import open_output
 from consumer.settings import ConsumerSettings
 from consumer.topic_admin import ensure_topics
-from schemas.wire import RunFinished, RunStarted, StepSummary, WireError, decode_message
+from schemas.wire import (
+    LocalSummary,
+    RunFinished,
+    RunStarted,
+    StepSummary,
+    WireError,
+    decode_message,
+)
 
 log = logging.getLogger("gradstream.consumer")
 
@@ -56,6 +67,7 @@ class WorkerCounters(LoopCounters):
 
     step_summaries: int = 0
     partial_frames: int = 0
+    local_summaries: int = 0
 
 
 class Worker(ConsumerLoop):
@@ -194,6 +206,8 @@ class Worker(ConsumerLoop):
             self._on_step(message, record)
         elif isinstance(message, RunStarted):
             self._on_run_started(message, record)
+        elif isinstance(message, LocalSummary):
+            self._on_local(message, record)
         else:
             self._on_finished(message, record)
 
@@ -243,7 +257,7 @@ class Worker(ConsumerLoop):
             self._reject(record, msg, f"rank {msg.rank}'s RunStarted was refused: {refused}",
                          "refused_rank")
             return
-        top = int(np.max(msg.layer_indices))
+        top = int(np.maximum.reduce(np.asarray(msg.layer_indices)))  # the ufunc: no wrapper
         if top >= run.num_layers:
             self._reject(record, msg, f"layer_indices reach {top} but run {msg.run_id!r} "
                          f"has {run.num_layers} layers", "invalid")
@@ -259,6 +273,41 @@ class Worker(ConsumerLoop):
                                 time.monotonic())
         if frame is not None:
             self._emit(frame)
+
+    def _on_local(self, msg: LocalSummary, record: Any) -> None:
+        """A flight recorder's local-view entry: checked against the run, then its rows go
+        into the batch (stored with the batch's offsets) and the alert rules learn where
+        NaN/Inf or an explosion started. Never merged into a frame, never waited for."""
+        run = self._known_run(msg.run_id, record)
+        if run is None:
+            return
+        if msg.world_size != run.world_size:
+            self.dead_letter(record, f"world_size {msg.world_size} differs from the run's "
+                             f"{run.world_size}", "invalid")
+            return
+        assert self.merger is not None
+        refused = self.merger.refusal(msg.run_id, msg.rank)
+        if refused is not None:
+            self.dead_letter(record, f"rank {msg.rank}'s RunStarted was refused: {refused}",
+                             "refused_rank")
+            return
+        layers = np.asarray(msg.local_layer_indices, np.int64)
+        top = int(layers.max())
+        if top >= run.num_layers:
+            self.dead_letter(record, f"local_layer_indices reach {top} but run "
+                             f"{msg.run_id!r} has {run.num_layers} layers", "invalid")
+            return
+        over = np.flatnonzero(np.asarray(msg.local_numel, np.int64) > run.numel[layers])
+        if over.size:
+            i = int(over[0])
+            self.dead_letter(record, f"local_numel[{i}]={msg.local_numel[i]} exceeds the "
+                             f"{int(run.numel[layers[i]])} elements of layer {int(layers[i])}",
+                             "invalid")
+            return
+        self.counters.local_summaries += 1
+        self.batch.local_summaries.append(msg)
+        if self.alerts is not None:
+            self.alerts.note_local(run, msg)
 
     def _reject(self, record: Any, msg: StepSummary, reason: str, error: str) -> None:
         """Dead-letter a summary of a known run and tell the merger: that frame stops

@@ -10,24 +10,26 @@ messages are never dropped).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from producer.flight_recorder import FlightRecorder, LocalEntry
 from producer.selection import select_names
 from producer.settings import ProducerSettings
 from producer.summary import LayerSummaries, summarize, warmup
-from producer.transport.encoding import StepRecord, step_summary
+from producer.transport.encoding import LocalRecord, StepRecord, local_summary, step_summary
 from producer.transport.sender import Pending, Sender
 from producer.weights import WeightSummaries, summarize_weights
 from schemas.health import match_layers
-from schemas.wire import RunFinished, RunStarted, StepSummary
+from schemas.wire import LocalSummary, RunFinished, RunStarted, StepSummary
 
 log = logging.getLogger("gradstream.producer")
 
@@ -48,6 +50,8 @@ class ProducerStats:
             ``record_step`` / ``record_summaries`` (summary + enqueue) plus the time an
             adapter reports with ``add_training_time`` (e.g. ``GradientTap``'s reductions
             and device->host copies).
+        local_summaries: ``LocalSummary`` messages queued (the flight recorder's dumps,
+            or every step's local view given to ``record_local`` in ``every_step`` mode).
     """
 
     recorded: int
@@ -58,6 +62,7 @@ class ProducerStats:
     queued: int
     in_flight: int
     training_thread_s: float
+    local_summaries: int = 0
 
 
 class GradientProducer:
@@ -107,11 +112,14 @@ class GradientProducer:
         self._previous_weights: dict[str, np.ndarray] | None = None
         self._last_step = -1
         self._steps_recorded = 0
+        self._recorder: FlightRecorder | None = None
+        self._local_sent = 0
 
         self._lock = threading.Lock()
         self._recorded = 0
         self._skipped = 0
         self._training_s = 0.0
+        self._before_finish: list[Callable[[], object]] = []
         self._sender = Sender(self.settings, run_id.encode(), self._step_message,
                               name=f"gradstream-sender-{rank}")
 
@@ -207,6 +215,11 @@ class GradientProducer:
                                pattern, len(selected))
         self._layer_index = {name: i for i, name in enumerate(message.layer_names)}
         self._known = set(layer_numel)
+        s = self.settings
+        self._recorder = FlightRecorder(
+            s.local_view_steps, s.local_view_max_bytes, exploding_threshold=exploding_threshold,
+            spike_factor=s.spike_factor, sample_every=s.local_view_sample_every,
+        )
         self._sender.put(Pending("start", message))
         # Compile (or load from cache) the summary kernels now, not on the first step.
         warmup(histogram=self.settings.exp_histogram)
@@ -227,7 +240,10 @@ class GradientProducer:
         that the consumer counts it once and checks that the ranks agree; the rank's own
         gradient before the reduction can go along as ``local_gradients`` (the per-rank
         local view, stored apart and used to name the rank where NaN/Inf or an explosion
-        started). Without ``replicated`` each rank's gradients are a disjoint shard of the
+        started; with ``settings.local_view="recorder"``, the default, it goes to the
+        rank's flight recorder, :meth:`record_local`, and leaves the rank only when a
+        local trigger fires; with ``"every_step"`` it goes inside the StepSummary).
+        Without ``replicated`` each rank's gradients are a disjoint shard of the
         parameters (ZeRO/FSDP-style), and the consumer adds the ranks up.
 
         Never waits for Kafka: when the queue is full it waits at most
@@ -267,8 +283,10 @@ class GradientProducer:
             unknown = [n for n in local_gradients if n not in self._known]
             if unknown:
                 raise ValueError(f"unknown layer(s) in local_gradients: {unknown[:5]!r}")
-            if own:
+            if own and self.settings.local_view == "every_step":
                 summaries = summaries.with_local(summarize(own))
+            elif own:  # the recorder's dump goes before the step's summary
+                self._feed_recorder(int(step), summarize(own))
         extra = self._weight_stats(watched, weights) if self.settings.weight_stats else None
         self._queue_summaries(int(step), summaries, t0, extra)
 
@@ -300,6 +318,10 @@ class GradientProducer:
         """Queue statistics already computed elsewhere (e.g. on a GPU by a framework
         adapter) for one optimiser step; same rules as :meth:`record_step`.
 
+        A local view in ``summaries.local`` goes to the flight recorder
+        (:meth:`record_local`) in ``local_view="recorder"`` mode, into the StepSummary in
+        ``"every_step"`` mode.
+
         Args:
             step: optimiser step, >= 0.
             summaries: per-layer statistics whose ``names`` are among those given to
@@ -326,19 +348,90 @@ class GradientProducer:
                 raise ValueError(f"{field_name} must be finite and >= 0 for every layer")
         local = summaries.local
         if local is not None:
-            if local.sum_abs is None or local.max_abs is None:
-                raise ValueError("the local view needs sum_abs and max_abs (full statistics)")
-            for values in (local.sum_abs, local.sum_sq, local.max_abs):
-                if not np.all(np.isfinite(values)) or np.any(values < 0):
-                    raise ValueError("local statistics must be finite and >= 0")
-            unknown = [n for n in local.names if n not in self._known]
-            if unknown:
-                raise ValueError(f"unknown layer(s) in the local view: {unknown[:5]!r}")
+            self._check_local(local)
+            if self.settings.local_view == "recorder":
+                summaries = dataclasses.replace(summaries, local=None)
+                self._feed_recorder(int(step), local)
         if not keep.all():
             summaries = summaries.select(keep)
         if self.settings.mode == "norms":
             summaries = summaries.norms_only()
         self._queue_summaries(int(step), summaries, t0, None)
+
+    def record_local(self, step: int, local: LayerSummaries) -> None:
+        """Give this rank's local view of one optimiser step (the statistics of its own
+        gradient before the cross-rank reduction) to the producer alone, whether or not
+        this rank sends a StepSummary for the step.
+
+        With ``settings.local_view="recorder"`` (default) it goes to the rank's flight
+        recorder (:class:`producer.flight_recorder.FlightRecorder`): kept among the last
+        ``local_view_steps`` entries, and when a local trigger fires on it (NaN/Inf, a max
+        |g| above the run's exploding threshold, a norm spike, the sampled baseline) the
+        entries not sent before are queued as ``LocalSummary`` messages. With
+        ``"every_step"`` it is queued at once as a ``LocalSummary`` (trigger
+        ``"every_step"``). Layers not watched are left out; steps skipped by
+        ``every_n_steps`` are ignored. Never waits for Kafka (as :meth:`record_step`).
+
+        Args:
+            step: optimiser step, >= 0.
+            local: full statistics (``sum_abs`` and ``max_abs`` given) whose ``names`` are
+                among those given to ``start_run``.
+
+        Raises:
+            RuntimeError: ``start_run`` was not called, or the producer is closed.
+            ValueError: negative step, unknown layer name, statistics without ``sum_abs``
+                / ``max_abs``, negative or not finite.
+        """
+        t0 = time.perf_counter()
+        if not self._layer_index:
+            raise RuntimeError("call start_run(layer_numel) before record_local()")
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        self._check_local(local)
+        if int(step) % self.settings.every_n_steps:
+            return
+        if self.settings.local_view == "every_step":
+            entry = LocalEntry.from_summaries(int(step), time.time(), local, self._layer_index)
+            if entry is not None:
+                self._queue_local([LocalRecord(entry, "every_step", int(step))])
+        else:
+            self._feed_recorder(int(step), local)
+        with self._lock:
+            self._training_s += time.perf_counter() - t0
+
+    def _check_local(self, local: LayerSummaries) -> None:
+        """Validate a local view (full statistics, finite and >= 0, known layer names).
+
+        Raises:
+            ValueError: as :meth:`record_local`.
+        """
+        if local.sum_abs is None or local.max_abs is None:
+            raise ValueError("the local view needs sum_abs and max_abs (full statistics)")
+        for values in (local.sum_abs, local.sum_sq, local.max_abs):
+            if not np.all(np.isfinite(values)) or np.any(values < 0):
+                raise ValueError("local statistics must be finite and >= 0")
+        unknown = [n for n in local.names if n not in self._known]
+        if unknown:
+            raise ValueError(f"unknown layer(s) in the local view: {unknown[:5]!r}")
+
+    def _feed_recorder(self, step: int, local: LayerSummaries) -> None:
+        """Record ``local`` in the flight recorder and queue what its triggers hand out."""
+        assert self._recorder is not None
+        entry = LocalEntry.from_summaries(step, time.time(), local, self._layer_index)
+        if entry is None:
+            return
+        self._recorder.update(entry)
+        records = [LocalRecord(e, dump.trigger, dump.trigger_step)
+                   for dump in self._recorder.get() for e in dump.entries]
+        if records:
+            self._queue_local(records)
+
+    def _queue_local(self, records: list[LocalRecord]) -> None:
+        """Queue local-view entries as LocalSummary messages (built on the sender thread)."""
+        for record in records:
+            self._sender.put(Pending("local", record))
+        with self._lock:
+            self._local_sent += len(records)
 
     def _check_step(self, step: object, names: Mapping[str, object]) -> bool:
         """Validate a step and its layer names; False when every_n_steps skips it."""
@@ -380,6 +473,8 @@ class GradientProducer:
         Returns:
             True when everything queued was delivered or accounted as dropped/failed.
         """
+        for hook in self._before_finish:
+            hook()
         dropped = self._sender.counts().dropped
         self._sender.put(
             Pending(
@@ -423,6 +518,12 @@ class GradientProducer:
             )
         return self.stats()
 
+    def before_finish(self, hook: Callable[[], object]) -> None:
+        """Call ``hook()`` at the start of :meth:`finish_run`, before the RunFinished is
+        queued (an adapter hands over statistics it still holds, e.g. the torch tap's
+        in-band reduction of the last step). Hooks run in the order they were added."""
+        self._before_finish.append(hook)
+
     def add_training_time(self, seconds: float) -> None:
         """Count training-thread seconds spent outside this producer on its behalf (an
         adapter's gradient reductions and copies before ``record_summaries``) in
@@ -447,7 +548,8 @@ class GradientProducer:
         delivery = self._sender.counts()
         with self._lock:
             return ProducerStats(recorded=self._recorded, skipped=self._skipped,
-                                 training_thread_s=self._training_s, **delivery._asdict())
+                                 training_thread_s=self._training_s,
+                                 local_summaries=self._local_sent, **delivery._asdict())
 
     def __enter__(self) -> GradientProducer:
         return self
@@ -455,7 +557,11 @@ class GradientProducer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _step_message(self, record: StepRecord) -> StepSummary:
-        """The StepSummary of a recorded step (called on the sender thread)."""
+    def _step_message(self, record: StepRecord | LocalRecord) -> StepSummary | LocalSummary:
+        """The StepSummary of a recorded step, or the LocalSummary of a local-view entry
+        (called on the sender thread)."""
+        if isinstance(record, LocalRecord):
+            return local_summary(record, run_id=self.run_id, rank=self.rank,
+                                 world_size=self.world_size)
         return step_summary(record, run_id=self.run_id, rank=self.rank,
                             world_size=self.world_size, layer_index=self._layer_index)

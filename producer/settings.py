@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
+from producer.flight_recorder import DEFAULT_MAX_BYTES
 from schemas.kafka_settings import KafkaClientSettings
 from schemas.topics import DEFAULT_SUMMARIES_TOPIC
 
@@ -49,6 +50,18 @@ class ProducerSettings(KafkaClientSettings):
     ``"json"`` (``GRADSTREAM_WIRE_FORMAT=json``) sends JSON, e.g. for consumers older than
     this build. RunStarted and RunFinished are always JSON.
 
+    Local view (the statistics of a rank's own gradient before the cross-rank reduction,
+    given as ``record_step(..., local_gradients=...)``, ``record_summaries`` with
+    ``summaries.local`` or ``record_local``): ``local_view="recorder"`` (default,
+    ``GRADSTREAM_LOCAL_VIEW``) keeps it in the rank's flight recorder
+    (:mod:`producer.flight_recorder`): the last ``local_view_steps`` entries (and at most
+    ``local_view_max_bytes`` bytes of them), sent as ``LocalSummary`` messages only when a
+    local trigger fires (NaN/Inf, a max |g| above the run's exploding threshold, a total
+    norm above ``spike_factor`` times the median of the previous ones), and every
+    ``local_view_sample_every`` steps (0: never) the newest entry as a sparse baseline.
+    ``local_view="every_step"`` sends it every step inside the StepSummary (the local
+    view of schema 1.3; ``record_local`` then sends a ``LocalSummary`` per step).
+
     Message size: a StepSummary larger than the cluster's limit (the topic's
     ``max.message.bytes``, read once when connecting; ``message_max_bytes`` when it cannot
     be read), and never larger than ``max_request_size``, is split into several messages
@@ -77,6 +90,11 @@ class ProducerSettings(KafkaClientSettings):
     weight_stats: bool = False
     wire_format: Literal["binary", "json"] = "binary"
     message_max_bytes: int = Field(default=1024 * 1024, gt=0)
+    local_view: Literal["recorder", "every_step"] = "recorder"
+    local_view_steps: int = Field(default=32, gt=0)
+    local_view_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0)
+    local_view_sample_every: int = Field(default=0, ge=0)
+    spike_factor: float = Field(default=10.0, gt=1.0, allow_inf_nan=False)
 
     @field_validator("include", "exclude", mode="before")
     @classmethod

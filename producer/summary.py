@@ -78,6 +78,11 @@ class LayerSummaries:
             (the per-rank local view; its own ``names``), or None.
         nan: int64[L], how many of the ``nonfinite`` elements are NaN (the others are
             +-Inf), or None when the backend did not count them.
+        reduced_ranks: int64[2k] rank ranges ``[start, stop)`` flattened when these are
+            the whole parameters' statistics reduced in-band over those ranks
+            (:meth:`with_reduction`), else None.
+        replica_divergence: int64[d, 3] rows (layer_index, rank, reference_rank) of the
+            replicas the in-band cross-check found to disagree, or None.
     """
 
     names: tuple[str, ...]
@@ -91,6 +96,8 @@ class LayerSummaries:
     shard_count: np.ndarray | None = None
     local: LayerSummaries | None = None
     nan: np.ndarray | None = None
+    reduced_ranks: np.ndarray | None = None
+    replica_divergence: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -156,6 +163,15 @@ class LayerSummaries:
             raise ValueError("shard_index must be in [0, shard_count) and shard_count >= 1")
         return dataclasses.replace(self, shard_index=index, shard_count=count)
 
+    def with_reduction(
+        self, reduced_ranks: np.ndarray, replica_divergence: np.ndarray | None = None
+    ) -> LayerSummaries:
+        """The same summaries marked as reduced in-band over ``reduced_ranks`` (int64[2k]
+        ``[start, stop)`` pairs), with the cross-check's disagreeing replicas
+        ``replica_divergence`` (int64[d, 3] rows (layer_index, rank, reference_rank))."""
+        return dataclasses.replace(self, reduced_ranks=np.asarray(reduced_ranks, np.int64),
+                                   replica_divergence=replica_divergence)
+
     def with_local(self, local: LayerSummaries | None) -> LayerSummaries:
         """The same summaries carrying ``local``, the rank's pre-reduction view."""
         return dataclasses.replace(self, local=local)
@@ -170,7 +186,7 @@ class LayerSummaries:
             tuple(n for n, k in zip(self.names, keep, strict=True) if k), self.numel[keep],
             pick(self.sum_abs), self.sum_sq[keep], pick(self.max_abs), self.nonfinite[keep],
             pick(self.exp_hist), pick(self.shard_index), pick(self.shard_count), self.local,
-            pick(self.nan),
+            pick(self.nan), self.reduced_ranks, self.replica_divergence,
         )
 
 

@@ -47,6 +47,9 @@ MIGRATIONS: tuple[str, ...] = (
     "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS first_step BIGINT",
     "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS frame_values JSON",
     "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS wall_time DOUBLE",
+    # local_layer_stats: why a flight recorder sent the row, and when it fired
+    "ALTER TABLE local_layer_stats ADD COLUMN IF NOT EXISTS trigger VARCHAR",
+    "ALTER TABLE local_layer_stats ADD COLUMN IF NOT EXISTS trigger_step BIGINT",
 )
 """ALTER statements bringing an older store to the current schema, in order; each a no-op
 on a store at the current schema."""

@@ -57,6 +57,12 @@ local_layer_stats
     that rank's own gradient before the cross-rank reduction (``numel``, ``sum_abs``,
     ``sum_sq``, ``max_abs_grad``, ``nonfinite``), sent only when the producer's local view
     is on. Never merged into ``layer_stats``; it tells which rank's gradient went bad first.
+    ``trigger`` / ``trigger_step``: for a row sent by the rank's flight recorder
+    (``schemas.wire.LocalSummary``, the default ``local_view="recorder"``), why it was sent
+    (``nonfinite``, ``exploding``, ``norm_spike``, ``sample``, or ``every_step`` for a
+    local view sent alone every step) and the step at which that trigger fired; NULL for
+    a row that came inside a StepSummary (``local_view="every_step"``). Recorder rows exist
+    only for the steps around a trigger: a step without rows is not a healthy step.
 frames
     One row per (run, step): run health after this frame, per-frame counts, whether every
     rank reported (``complete``), the ranks seen and missing, and why a frame is partial
@@ -169,7 +175,9 @@ CREATE_TABLES: tuple[str, ...] = (
         sum_abs       DOUBLE NOT NULL,
         sum_sq        DOUBLE NOT NULL,
         max_abs_grad  DOUBLE NOT NULL,
-        nonfinite     BIGINT NOT NULL
+        nonfinite     BIGINT NOT NULL,
+        trigger       VARCHAR,
+        trigger_step  BIGINT
     )
     """,
     """
@@ -240,7 +248,8 @@ LOCAL_LAYER_STATS_COLUMNS: tuple[str, ...] = (
     "run_id", "step", "rank", "layer_index", "numel", "sum_abs", "sum_sq", "max_abs_grad",
     "nonfinite",
 )
-"""Column order of ``local_layer_stats``."""
+"""Column order of ``local_layer_stats`` (its required columns; the nullable ``trigger``
+and ``trigger_step`` of recorder rows follow)."""
 
 FRAMES_COLUMNS: tuple[str, ...] = (
     "run_id", "step", "health", "num_layers", "vanishing_layers", "exploding_layers",

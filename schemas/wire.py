@@ -40,6 +40,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic_core import from_json
 
 # The exponent-histogram layout of the wire (``exp_hist_*`` / ``weight_exp_hist_*``): its
 # one definition lives with the statistics that bin it; re-exported here.
@@ -49,7 +50,7 @@ from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
 from schemas.versioned import VersionedMessage
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 8
+SCHEMA_MINOR = 10
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """The version this build writes. What each minor version carries (a consumer of an older
 minor version ignores the fields it does not know):
@@ -68,6 +69,11 @@ minor version ignores the fields it does not know):
        overflowed (JSON ``Infinity``; a 1.5 consumer dead-letters such a message)
 1.7    the NaN count ``nan`` of a StepSummary / MergedFrame
 1.8    MergedFrame ``layout_violations`` and ``refused_ranks``
+1.9    a StepSummary reduced in-band over several ranks (``reduced_ranks``) and the
+       replica disagreements its cross-check found (``replica_divergence``)
+1.10   the flight recorder's message :class:`LocalSummary` (type ``local_summary``, JSON):
+       one rank's local view of one step, sent when a local trigger fired (a 1.9
+       consumer dead-letters it as an unknown type)
 =====  ================================================================================
 """
 
@@ -233,6 +239,16 @@ class StepSummary(_Wire):
     range of the layers (and the local rows of those layers); the consumer counts the
     rank as reported once all its parts arrived.
 
+    Reduced in-band (schema 1.9, optional): ``reduced_ranks`` holds rank ranges as
+    flattened ``[start, stop)`` pairs (ascending, disjoint, within ``world_size``, the
+    sending ``rank`` among them). The statistics are those of the whole parameters, already
+    reduced across every listed rank by a collective inside training (shards added, each
+    replica counted once, ``producer.adapters.torch_reduce``): the message counts as the
+    report of every listed rank. ``replica_divergence`` (only with ``reduced_ranks``) holds
+    rows ``(layer_index, rank, reference_rank)`` flattened, three integers a row: the
+    replicas of a layer that the in-band cross-check found to disagree (``rank`` computed
+    the checked copy, ``reference_rank`` the counted one).
+
     Local view (schema 1.3, optional, all or none): statistics of this rank's *own*
     gradient before the cross-rank reduction (a DDP communication hook, a data-parallel
     rank's local gradient), for ``local_layer_indices`` with the meaning of the main arrays.
@@ -284,6 +300,8 @@ class StepSummary(_Wire):
     local_nonfinite: list[NonNegInt] | None = None
     part_index: NonNegInt | None = None
     part_count: PosInt | None = None
+    reduced_ranks: list[NonNegInt] | None = None
+    replica_divergence: list[NonNegInt] | None = None
 
     def _np(self, name: str) -> np.ndarray:
         """Field ``name`` as an int64 / float64 array: the decoded buffer itself for a
@@ -343,9 +361,8 @@ class StepSummary(_Wire):
         if not _unique(self._np("layer_indices")):
             raise ValueError("layer_indices must be unique within one summary")
         nonfinite, numel = self._np("nonfinite"), self._np("numel")
-        over = np.flatnonzero(nonfinite > numel)
-        if over.size:
-            i = int(over[0])
+        if np.count_nonzero(nonfinite > numel):  # (the cheapest test of a bool array)
+            i = int(np.flatnonzero(nonfinite > numel)[0])
             raise ValueError(
                 f"nonfinite[{i}]={self.nonfinite[i]} exceeds numel[{i}]={self.numel[i]}"
             )
@@ -376,6 +393,7 @@ class StepSummary(_Wire):
         self._check_histogram(n, "weight_exp_hist", "weight_nonfinite")
         self._check_layout(n)
         self._check_local()
+        self._check_reduced()
         if (self.part_index is None) != (self.part_count is None):
             raise ValueError("part_index and part_count go together")
         if self.part_index is not None and self.part_index >= self.part_count:  # type: ignore[operator]
@@ -428,9 +446,43 @@ class StepSummary(_Wire):
         if np.any(self._np("local_nonfinite") > self._np("local_numel")):
             raise ValueError("local_nonfinite exceeds local_numel for some layer")
 
+    def _check_reduced(self) -> None:
+        if self.reduced_ranks is None:
+            if self.replica_divergence is not None:
+                raise ValueError("replica_divergence goes with reduced_ranks")
+            return
+        ranges = self._np("reduced_ranks")
+        if ranges.size == 0 or ranges.size % 2:
+            raise ValueError("reduced_ranks must hold [start, stop) pairs, at least one")
+        flat_ok = (bool((ranges[1::2] > ranges[::2]).all())
+                   and bool((ranges[2::2] >= ranges[1:-1:2]).all()))
+        if not flat_ok or int(ranges[-1]) > self.world_size:
+            raise ValueError(
+                f"reduced_ranks must be ascending, disjoint [start, stop) pairs within "
+                f"world_size {self.world_size}"
+            )
+        if not bool(((ranges[::2] <= self.rank) & (self.rank < ranges[1::2])).any()):
+            raise ValueError(f"the sending rank {self.rank} must be among reduced_ranks")
+        if self.replica_divergence is not None:
+            rows = self._np("replica_divergence")
+            if rows.size % 3:
+                raise ValueError("replica_divergence must hold 3 integers a row")
+            ranks = rows.reshape(-1, 3)[:, 1:]
+            if ranks.size and int(ranks.max()) >= self.world_size:
+                raise ValueError("replica_divergence names a rank >= world_size")
+
+    def reporting_ranks(self) -> list[int]:
+        """The ranks this summary reports for: its ``rank``, or every rank of
+        ``reduced_ranks`` (ascending)."""
+        if self.reduced_ranks is None:
+            return [self.rank]
+        ranges = self._np("reduced_ranks").reshape(-1, 2)
+        return np.concatenate([np.arange(a, b) for a, b in ranges]).tolist()
+
     def _check_histogram(self, n: int, prefix: str, nonfinite_field: str) -> None:
-        offsets, columns, counts = (getattr(self, f"{prefix}_{part}")
-                                    for part in ("offsets", "columns", "counts"))
+        offsets = getattr(self, prefix + "_offsets")
+        columns = getattr(self, prefix + "_columns")
+        counts = getattr(self, prefix + "_counts")
         if offsets is None and columns is None and counts is None:
             return
         if offsets is None or columns is None or counts is None:
@@ -467,8 +519,7 @@ def _unique(values: np.ndarray) -> bool:
     """Whether the int64[k] ``values`` are pairwise distinct (O(k) when ascending)."""
     if values.size < 2:
         return True
-    step = np.diff(values)
-    if (step > 0).all():
+    if not np.count_nonzero(values[1:] <= values[:-1]):  # ascending: one pass
         return True
     return bool((np.diff(np.sort(values)) != 0).all())
 
@@ -500,6 +551,66 @@ class RunFinished(_Wire):
     def _rank(self) -> RunFinished:
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        return self
+
+
+LocalTrigger = Literal["nonfinite", "exploding", "norm_spike", "sample", "every_step"]
+"""Why a rank sent its local view: its flight recorder (``producer.flight_recorder``) fired
+``nonfinite`` (a NaN/Inf element in some layer), ``exploding`` (some layer's max |g| above
+the run's exploding threshold), ``norm_spike`` (the local total norm above ``spike_factor``
+times the median of the rank's previous norms) or ``sample`` (the sparse baseline, every
+``local_view_sample_every`` steps), the first of this order when several fire at once; or
+``every_step``: the producer sends every step's local view (``local_view="every_step"``)
+and this rank's came alone (``GradientProducer.record_local``), not inside a StepSummary."""
+
+
+class LocalSummary(_Wire):
+    """One rank's local view of one optimiser step, sent by its flight recorder (schema
+    1.10; ``producer.flight_recorder``): the statistics of the rank's *own* gradient
+    before the cross-rank reduction, with the meaning and the validation rules of
+    :class:`StepSummary`'s local view (``local_*``: aligned arrays, at least one layer,
+    layer indices unique, ``local_nonfinite <= local_numel``; sums >= 0 and +inf allowed,
+    max finite and >= 0).
+
+    A rank keeps its last K local views in a ring buffer and sends them when a local
+    trigger fires on the newest one: each entry of that dump is one message, carrying the
+    ``trigger`` that fired and ``trigger_step``, the step at which it fired (>= ``step``;
+    equal for the entry that fired). ``wall_time`` is the unix time (s) the entry was
+    recorded. Stored per rank in ``local_layer_stats`` (never merged into frames). Always
+    JSON: the messages are rare.
+    """
+
+    type: Literal["local_summary"] = "local_summary"
+    run_id: RunId
+    step: NonNegInt
+    rank: NonNegInt
+    world_size: PosInt
+    wall_time: WallTime
+    trigger: LocalTrigger
+    trigger_step: NonNegInt
+    local_layer_indices: list[NonNegInt] = Field(min_length=1)
+    local_numel: list[PosInt]
+    local_sum_abs: list[SumFloat]
+    local_sum_sq: list[SumFloat]
+    local_max_abs: list[NonNegFloat]
+    local_nonfinite: list[NonNegInt]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> LocalSummary:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} must be < world_size {self.world_size}")
+        if self.trigger_step < self.step:
+            raise ValueError(f"trigger_step {self.trigger_step} must be >= step {self.step}")
+        m = len(self.local_layer_indices)
+        for name in _LOCAL_VIEW[1:]:
+            if len(getattr(self, name)) != m:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries but "
+                                 f"local_layer_indices has {m}")
+        if not _unique(np.asarray(self.local_layer_indices, np.int64)):
+            raise ValueError("local_layer_indices must be unique within one summary")
+        if np.any(np.asarray(self.local_nonfinite, np.int64)
+                  > np.asarray(self.local_numel, np.int64)):
+            raise ValueError("local_nonfinite exceeds local_numel for some layer")
         return self
 
 
@@ -563,12 +674,14 @@ class MergedFrame(StepSummary):
         return self
 
 
-Message = Annotated[RunStarted | StepSummary | RunFinished, Field(discriminator="type")]
-_ADAPTER: TypeAdapter[RunStarted | StepSummary | RunFinished] = TypeAdapter(Message)
+Message = Annotated[RunStarted | StepSummary | RunFinished | LocalSummary,
+                    Field(discriminator="type")]
+_ADAPTER: TypeAdapter[RunStarted | StepSummary | RunFinished | LocalSummary] = TypeAdapter(
+    Message)
 FrameTopicMessage = Annotated[
-    RunStarted | MergedFrame | RunFinished, Field(discriminator="type")
+    RunStarted | MergedFrame | RunFinished | LocalSummary, Field(discriminator="type")
 ]
-_FRAME_ADAPTER: TypeAdapter[RunStarted | MergedFrame | RunFinished] = TypeAdapter(
+_FRAME_ADAPTER: TypeAdapter[RunStarted | MergedFrame | RunFinished | LocalSummary] = TypeAdapter(
     FrameTopicMessage
 )
 
@@ -615,6 +728,7 @@ _ARRAY_FIELDS: dict[str, int] = {
     "local_max_abs": _NONNEG_FLOAT, "local_nonfinite": _NONNEG_INT,
     "ranks_seen": _NONNEG_INT, "local_ranks": _NONNEG_INT,
     "layout_violations": _NONNEG_INT, "refused_ranks": _NONNEG_INT,
+    "reduced_ranks": _NONNEG_INT, "replica_divergence": _NONNEG_INT,
 }
 """Every list field of StepSummary / MergedFrame and the element rule its pydantic type
 states (finite and >= 0, finite, int >= 0, int > 0, histogram column in [0, BINS))."""
@@ -651,6 +765,25 @@ _BINARY_MODELS: dict[str, tuple[type[StepSummary], type[_Wire], tuple[str, ...],
 }
 """Per binary message type: the model, the model of its scalar fields, its after-validators
 and its array fields (name, element rule, required)."""
+
+_FIELD_TEMPLATES: dict[str, dict[str, Any]] = {
+    kind: {name: None if info.is_required() else info.get_default(call_default_factory=True)
+           for name, info in model.model_fields.items()}
+    for kind, (model, _, _, _) in _BINARY_MODELS.items()
+}
+"""Per binary message type, every field of its model in field order with its default (None
+for a required field, which a decoded message always sets): a decoded message's
+``__dict__`` starts as a copy of it."""
+
+_PLAIN_MODELS = frozenset(
+    model for model, _, _, _ in _BINARY_MODELS.values()
+    if model.model_config.get("extra") != "allow" and not model.__pydantic_post_init__
+    and not model.__pydantic_root_model__
+    and all(info.alias is None and info.validation_alias is None
+            for info in model.model_fields.values())
+)
+"""Binary message models whose ``model_construct`` only sets the given fields
+(:func:`_construct`)."""
 
 
 def _check_elements(name: str, kind: int, values: np.ndarray) -> None:
@@ -691,6 +824,159 @@ def _check_elements(name: str, kind: int, values: np.ndarray) -> None:
     raise ValueError(f"{name}.{i}: must be {rule}, got {values[i]}")
 
 
+_LAYOUT_CACHE_SIZE = 4096
+"""How many binary header layouts :func:`_read_container` remembers (the producers of a
+run send a handful, one per message shape); the cache is emptied when it is full. A bound
+on memory, not a tuning knob."""
+
+_METADATA_MEMBER = b',"__metadata__":'
+"""Where the gradstream metadata starts in a compact header (:func:`encode_binary` writes
+it last): the header bytes before it describe the arrays, which repeat from message to
+message of one shape, while the metadata (step, rank, wall time) changes every time."""
+
+
+class _Layout:
+    """The arrays of a binary header, checked (dtype, shape, offsets; the extent against
+    each message's buffer area): what every header with the same bytes before its metadata
+    describes.
+
+    Attributes:
+        specs: (name, dtype, count, byte offset in the buffer area) per array, header order.
+        end: bytes of the buffer area the arrays reach.
+        words: when every array is 8 bytes an element (``I64`` / ``F64``) and the
+            non-empty ones lie end to end (as :func:`encode_binary` writes them):
+            (byte offset of the first, int ``np.intp[k]`` start of each non-empty array in
+            8-byte words from there, ascending: ``ufunc.reduceat`` indices; the number of
+            words); else None.
+        slots: name -> (start, stop) in words, and the array's position in ``words``.
+        plans: per message type, the checks of its array fields (:func:`_array_plan`).
+    """
+
+    __slots__ = ("end", "plans", "slots", "specs", "words")
+
+    def __init__(self, header: dict[str, Any], available: int) -> None:
+        """Check ``header`` (the parsed header without its metadata) against a buffer
+        area of ``available`` bytes, array by array in header order.
+
+        Raises:
+            ValueError: an unsupported dtype, a shape or offsets that do not match, an
+                array past ``available``.
+        """
+        specs = []
+        for name, spec in header.items():
+            dtype = _ST_DTYPES.get(spec.get("dtype")) if isinstance(spec, dict) else None
+            if dtype is None:
+                raise ValueError(f"{name}: unsupported or missing dtype in the binary header")
+            shape = spec.get("shape")
+            begin, end = spec.get("data_offsets", (0, -1))
+            if (not isinstance(shape, list) or len(shape) != 1 or not isinstance(shape[0], int)
+                    or not isinstance(begin, int) or not isinstance(end, int)
+                    or not 0 <= begin <= end <= available
+                    or end - begin != shape[0] * dtype.itemsize):
+                raise ValueError(f"{name}: shape / data_offsets do not match the buffer")
+            specs.append((name, dtype, shape[0], begin))
+        self.specs = tuple(specs)
+        self.end = max((b + n * dt.itemsize for _, dt, n, b in specs), default=0)
+        self.plans: dict[str, Any] = {}
+        self.words: tuple[int, np.ndarray, int] | None = None
+        self.slots: dict[str, tuple[int, int, int]] = {}
+        filled = sorted((b, n, name) for name, dt, n, b in specs if n)
+        if not filled or any(dt.itemsize != 8 or dt.kind not in "if" for _, dt, _, _ in specs):
+            return
+        base = filled[0][0]
+        at = base
+        for i, (begin, count, name) in enumerate(filled):
+            if begin != at:  # a gap or an overlap: check array by array
+                self.slots = {}
+                return
+            self.slots[name] = ((begin - base) // 8, (begin - base) // 8 + count, i)
+            at = begin + 8 * count
+        starts = np.array([(b - base) // 8 for b, _, _ in filled], np.intp)
+        self.words = (base, starts, (at - base) // 8)
+
+    def check_extent(self, data: memoryview) -> None:
+        """Raise ValueError naming the first array (header order) that runs past ``data``."""
+        if self.end <= len(data):
+            return
+        for name, dtype, count, begin in self.specs:
+            if begin + count * dtype.itemsize > len(data):
+                raise ValueError(f"{name}: shape / data_offsets do not match the buffer")
+
+
+_LAYOUTS: dict[bytes, _Layout] = {}
+"""Header bytes before the metadata member -> their checked layout (:func:`_read_container`)."""
+
+
+def _read_container(raw: bytes) -> tuple[dict[str, Any], _Layout, memoryview]:
+    """The scalars, the checked array layout and the buffer area of a binary message.
+
+    A header whose bytes before ``,"__metadata__":`` were seen before (an earlier message
+    of the same shape) is not parsed again: only its metadata member is, and only when it
+    is the header's last member (the rest parses as one object with that one key); any
+    other header is parsed whole. The metadata is parsed by pydantic's JSON parser
+    (``pydantic_core.from_json``: the values of ``json.loads``, about four times faster on
+    these short texts). Either way the result is that of parsing the whole
+    header: ``_METADATA_MEMBER``'s quote follows a comma, so it cannot sit inside a JSON
+    string, and a tail that parses as one object closes exactly the header's own brace, so
+    the bytes before it are the header's other members.
+
+    Raises:
+        WireError: an unknown binary layout ("unknown wire encoding").
+        ValueError: a malformed container (truncated, a header that is not a JSON object,
+            no gradstream metadata, an unsupported dtype, offsets outside the buffer).
+    """
+    layout_code = raw[3:4]
+    if layout_code != BINARY_LAYOUT_SAFETENSORS:
+        raise WireError(
+            f"unknown wire encoding: binary layout {layout_code!r} (this build reads JSON and "
+            f"the binary layout {BINARY_LAYOUT_SAFETENSORS!r}, safetensors)"
+        )
+    if len(raw) < 12:
+        raise ValueError("binary message truncated before its header")
+    size = int.from_bytes(raw[4:12], "little")
+    if 12 + size > len(raw):
+        raise ValueError(f"binary header of {size} bytes runs past the message end")
+    text = raw[12 : 12 + size]
+    cut = text.find(_METADATA_MEMBER)
+    layout = _LAYOUTS.get(text[:cut]) if cut > 0 else None
+    meta: Any = None
+    if layout is not None:
+        try:
+            tail = from_json(b"{" + text[cut + 1 :])
+        except ValueError:
+            tail = None
+        if isinstance(tail, dict) and len(tail) == 1:
+            meta = tail["__metadata__"]
+        else:
+            layout = None
+    if layout is None:
+        header = json.loads(text)
+        if not isinstance(header, dict):
+            raise ValueError("binary header is not a JSON object")
+        meta = header.pop("__metadata__", None)
+        layout = _Layout(header, len(raw) - 12 - size)
+        if cut > 0 and _metadata_is_last(text, cut):
+            if len(_LAYOUTS) >= _LAYOUT_CACHE_SIZE:
+                _LAYOUTS.clear()
+            _LAYOUTS[text[:cut]] = layout
+    scalars = from_json((meta or {}).get("gradstream", "null"))
+    if not isinstance(scalars, dict):
+        raise ValueError("binary header has no gradstream metadata object")
+    data = memoryview(raw)[12 + size :]
+    layout.check_extent(data)
+    return scalars, layout, data
+
+
+def _metadata_is_last(text: bytes, cut: int) -> bool:
+    """Whether the header ``text`` (a JSON object) ends with its metadata member, starting
+    at ``cut``: the bytes from there parse as one object with that one key."""
+    try:
+        tail = from_json(b"{" + text[cut + 1 :])
+    except ValueError:
+        return False
+    return isinstance(tail, dict) and len(tail) == 1
+
+
 def read_binary_container(raw: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Scalars and arrays of a binary message (:func:`encode_binary`), unvalidated.
 
@@ -708,45 +994,138 @@ def read_binary_container(raw: bytes) -> tuple[dict[str, Any], dict[str, np.ndar
         ValueError: a malformed container (truncated, a header that is not a JSON object,
             no gradstream metadata, an unsupported dtype, offsets outside the buffer).
     """
-    layout = raw[3:4]
-    if layout != BINARY_LAYOUT_SAFETENSORS:
-        raise WireError(
-            f"unknown wire encoding: binary layout {layout!r} (this build reads JSON and the "
-            f"binary layout {BINARY_LAYOUT_SAFETENSORS!r}, safetensors)"
-        )
-    if len(raw) < 12:
-        raise ValueError("binary message truncated before its header")
-    size = int.from_bytes(raw[4:12], "little")
-    if 12 + size > len(raw):
-        raise ValueError(f"binary header of {size} bytes runs past the message end")
-    header = json.loads(raw[12 : 12 + size])
-    if not isinstance(header, dict):
-        raise ValueError("binary header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    scalars = json.loads(meta.get("gradstream", "null"))
-    if not isinstance(scalars, dict):
-        raise ValueError("binary header has no gradstream metadata object")
-    data = memoryview(raw)[12 + size :]
-    arrays: dict[str, np.ndarray] = {}
-    for name, spec in header.items():
-        dtype = _ST_DTYPES.get(spec.get("dtype")) if isinstance(spec, dict) else None
+    scalars, layout, data = _read_container(raw)
+    return scalars, {name: np.frombuffer(data, dtype, count=count, offset=begin)
+                     for name, dtype, count, begin in layout.specs}
+
+
+_ArrayPlan = tuple[tuple[tuple[str, int, bool, int], ...], str | None, bool, bool, bool]
+"""(fields present: (name, element rule, handed over as a list, position in the layout's
+words or -1), the first error the layout alone makes (a required field missing, a float
+array for an integer field, an empty ``layer_indices``), whether the layout's word
+reductions apply, and whether integer / float word reductions are needed)."""
+
+
+def _array_plan(layout: _Layout, fields: tuple[tuple[str, int, bool], ...]) -> _ArrayPlan:
+    """What a message type's array ``fields`` (name, element rule, required) need of
+    ``layout``, in field order up to the first error the layout alone makes: the checks
+    and their order of :func:`_decode_binary`'s per-array path."""
+    present = {name: (dtype, count) for name, dtype, count, _ in layout.specs}
+    entries: list[tuple[str, int, bool, int]] = []
+    error = None
+    fast = layout.words is not None
+    for name, kind, required in fields:
+        dtype, count = present.get(name, (None, 0))
         if dtype is None:
-            raise ValueError(f"{name}: unsupported or missing dtype in the binary header")
-        shape = spec.get("shape")
-        begin, end = spec.get("data_offsets", (0, -1))
-        if (not isinstance(shape, list) or len(shape) != 1 or not isinstance(shape[0], int)
-                or not 0 <= begin <= end <= len(data)
-                or end - begin != shape[0] * dtype.itemsize):
-            raise ValueError(f"{name}: shape / data_offsets do not match the buffer")
-        arrays[name] = np.frombuffer(data, dtype, count=shape[0], offset=begin)
-    return scalars, arrays
+            if required:
+                error = f"{name}: Field required"
+                break
+            continue
+        if kind not in _FLOAT_KINDS and dtype.kind != "i" and dtype.kind != "u":
+            error = f"{name}: integer array expected, got {dtype}"
+            break
+        if count == 0 and name in _NON_EMPTY:
+            error = f"{name}: List should have at least 1 item"
+            break
+        if dtype != (_F64 if kind in _FLOAT_KINDS else _I64):
+            fast = False  # converted on decoding: the per-array path
+        slot = layout.slots.get(name)
+        entries.append((name, kind, name in _LIST_FIELDS, -1 if slot is None else slot[2]))
+    kinds = {kind for _, kind, _, _ in entries}
+    return (tuple(entries), error, fast, bool(kinds - set(_FLOAT_KINDS)),
+            bool(kinds & set(_FLOAT_KINDS)))
+
+
+_I64, _F64 = np.dtype("<i8"), np.dtype("<f8")
+
+
+def _checked_arrays(layout: _Layout, data: memoryview, kind: str,
+                    fields: tuple[tuple[str, int, bool], ...]) -> dict[str, Any]:
+    """The array fields of a message of type ``kind``, each checked by its element rule
+    (ValueError names the first bad element, :func:`_check_elements`): read-only int64 /
+    float64 views of ``data`` (or a list, ``_LIST_FIELDS``).
+
+    When every array is 8 bytes an element and they lie end to end, every array's
+    minimum (and, for floats and histogram columns, maximum) comes from one
+    ``ufunc.reduceat`` over the whole buffer area per dtype, instead of one or two
+    reductions per array; an array whose bounds break its rule is checked again by
+    :func:`_check_elements` to name its first bad element."""
+    plan = layout.plans.get(kind)
+    if plan is None:
+        plan = layout.plans[kind] = _array_plan(layout, fields)
+    entries, error, fast, ints_needed, floats_needed = plan
+    values: dict[str, Any] = {}
+    if not fast:
+        spec = {name: (dtype, count, begin) for name, dtype, count, begin in layout.specs}
+        for name, rule, as_list, _ in entries:
+            dtype, count, begin = spec[name]
+            array = np.frombuffer(data, dtype, count=count, offset=begin)
+            _check_elements(name, rule, array)
+            array = array.astype(np.float64 if rule in _FLOAT_KINDS else np.int64, copy=False)
+            array.flags.writeable = False  # the model is frozen; its arrays are too
+            values[name] = array.tolist() if as_list else array
+        if error is not None:
+            raise ValueError(error)
+        return values
+    assert layout.words is not None
+    base, starts, words = layout.words
+    ints = np.frombuffer(data, _I64, count=words, offset=base) if ints_needed else None
+    floats = np.frombuffer(data, _F64, count=words, offset=base) if floats_needed else None
+    lo_int = np.minimum.reduceat(ints, starts).tolist() if ints is not None else ()
+    hi_int: Any = None
+    lo_float = np.minimum.reduceat(floats, starts).tolist() if floats is not None else ()
+    hi_float = np.maximum.reduceat(floats, starts).tolist() if floats is not None else ()
+    for name, rule, as_list, at in entries:
+        if at < 0:  # empty: no element to check
+            array = np.empty(0, np.float64 if rule in _FLOAT_KINDS else np.int64)
+            array.flags.writeable = False
+            values[name] = [] if as_list else array
+            continue
+        start, stop, _ = layout.slots[name]
+        if rule in _FLOAT_KINDS:
+            array = floats[start:stop]  # type: ignore[index]
+            lo, hi = lo_float[at], hi_float[at]
+            ok = (lo >= 0 if rule == _SUM_FLOAT
+                  else (lo >= 0 if rule == _NONNEG_FLOAT else lo > -math.inf) and hi < math.inf)
+        else:
+            array = ints[start:stop]  # type: ignore[index]
+            lo = lo_int[at]
+            if rule == _HIST_COL:
+                if hi_int is None:
+                    hi_int = np.maximum.reduceat(ints, starts).tolist()
+                ok = lo >= 0 and hi_int[at] < EXP_HIST_BINS
+            else:
+                ok = lo > 0 if rule == _POS_INT else lo >= 0
+        if not ok:
+            _check_elements(name, rule, array)  # raises, naming the first bad element
+        values[name] = array.tolist() if as_list else array
+    if error is not None:
+        raise ValueError(error)
+    return values
+
+
+def _construct(model: type[StepSummary], values: dict[str, Any]) -> StepSummary:
+    """``model.model_construct(**values)`` for ``values`` holding every field of ``model``
+    in field order: the same instance (``__dict__`` = ``values``, every field set, no
+    extra, no private attributes) without pydantic's per-field alias and default lookups,
+    which cost more than the rest of a small message's decoding. Models for which
+    ``model_construct`` does more (aliases, ``extra="allow"``, a post-init hook, a root
+    model) go through it."""
+    if model not in _PLAIN_MODELS:
+        return model.model_construct(**values)
+    message = model.__new__(model)
+    object.__setattr__(message, "__dict__", values)
+    object.__setattr__(message, "__pydantic_fields_set__", set(values))
+    object.__setattr__(message, "__pydantic_extra__", None)
+    object.__setattr__(message, "__pydantic_private__", None)
+    return message
 
 
 def _decode_binary(raw: bytes, allowed: tuple[str, ...]) -> StepSummary:
     """Validate a binary message: scalars by pydantic, arrays by NumPy, then the model's
     own cross-field validators."""
     try:
-        scalars, arrays = read_binary_container(raw)
+        scalars, layout, data = _read_container(raw)
     except WireError:
         raise
     except (ValueError, TypeError, AttributeError) as exc:
@@ -760,24 +1139,12 @@ def _decode_binary(raw: bytes, allowed: tuple[str, ...]) -> StepSummary:
         head = scalar_model.model_validate(scalars)
     except ValidationError as exc:
         raise WireError(_first_error(exc)) from None
-    values: dict[str, Any] = dict(head.__dict__)
     try:
-        for name, kind_, required in fields:
-            array = arrays.get(name)
-            if array is None:
-                if required:
-                    raise ValueError(f"{name}: Field required")
-                values[name] = None
-                continue
-            if kind_ not in _FLOAT_KINDS and array.dtype.kind != "i" and array.dtype.kind != "u":
-                raise ValueError(f"{name}: integer array expected, got {array.dtype}")
-            if name in _NON_EMPTY and array.size == 0:
-                raise ValueError(f"{name}: List should have at least 1 item")
-            _check_elements(name, kind_, array)
-            array = array.astype(np.float64 if kind_ in _FLOAT_KINDS else np.int64, copy=False)
-            array.flags.writeable = False  # the model is frozen; its arrays are too
-            values[name] = array.tolist() if name in _LIST_FIELDS else array
-        message = model.model_construct(**values)
+        arrays = _checked_arrays(layout, data, kind, fields)
+        values = _FIELD_TEMPLATES[kind].copy()  # every field, in field order
+        values.update(head.__dict__)
+        values.update(arrays)
+        message = _construct(model, values)
         for validator in validators:
             getattr(message, validator)()
     except ValueError as exc:
@@ -797,7 +1164,9 @@ def is_binary(raw: bytes | str | None) -> bool:
     return isinstance(raw, bytes | bytearray | memoryview) and bytes(raw[:3]) == BINARY_MAGIC
 
 
-def decode_message(raw: bytes | str) -> RunStarted | StepSummary | RunFinished:
+def decode_message(
+    raw: bytes | str,
+) -> RunStarted | StepSummary | RunFinished | LocalSummary:
     """Parse and validate one wire message, JSON or binary (:func:`encode_binary`).
 
     The first byte says which: ``BINARY_MAGIC`` starts a binary message (its fourth byte
@@ -808,7 +1177,7 @@ def decode_message(raw: bytes | str) -> RunStarted | StepSummary | RunFinished:
             binary bytes.
 
     Returns:
-        The validated RunStarted, StepSummary or RunFinished.
+        The validated RunStarted, StepSummary, RunFinished or LocalSummary (JSON only).
 
     Raises:
         WireError: oversized, not JSON, unknown binary layout ("unknown wire encoding"),
@@ -824,8 +1193,11 @@ def decode_message(raw: bytes | str) -> RunStarted | StepSummary | RunFinished:
         raise WireError(_first_error(exc)) from None
 
 
-def decode_frame_message(raw: bytes | str) -> RunStarted | MergedFrame | RunFinished:
-    """Parse and validate one message of the frames topic (scale-out mode), JSON or binary.
+def decode_frame_message(
+    raw: bytes | str,
+) -> RunStarted | MergedFrame | RunFinished | LocalSummary:
+    """Parse and validate one message of the frames topic (scale-out mode), JSON or binary
+    (a LocalSummary a worker republished there is JSON).
 
     Raises:
         WireError: as :func:`decode_message`.
@@ -886,11 +1258,12 @@ def encode_binary(message: StepSummary) -> bytes:
 
 
 def encode_message(
-    message: RunStarted | StepSummary | RunFinished, wire_format: WireFormat = "json"
+    message: RunStarted | StepSummary | RunFinished | LocalSummary,
+    wire_format: WireFormat = "json",
 ) -> bytes:
     """Serialise a wire model: compact UTF-8 JSON, or with ``wire_format="binary"`` the
     columnar binary form (:func:`encode_binary`) for a StepSummary or MergedFrame
-    (RunStarted and RunFinished are always JSON).
+    (RunStarted, RunFinished and LocalSummary are always JSON).
 
     Raises:
         WireError: the encoded message exceeds ``MAX_MESSAGE_BYTES``.
@@ -1006,6 +1379,8 @@ def split_step_summary(
             for name in _LOCAL_VIEW:
                 values = getattr(message, name)
                 update[name] = np.asarray(values)[rows].tolist() if rows.size else None
+        if i and message.replica_divergence is not None:
+            update["replica_divergence"] = None  # the message's rows, once (first part)
         parts.append(message.model_copy(update=update))
     return parts
 

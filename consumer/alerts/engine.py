@@ -1,10 +1,12 @@
 """AlertEngine: every run's rules and incidents, fed frame by frame by a worker.
 
 The worker calls :meth:`AlertEngine.note_shard` for each validated StepSummary (so the
-engine knows which rank's shard held NaN/Inf), :meth:`AlertEngine.on_frame` for each
-finalised frame (after the run's health tracker has seen it) and :meth:`AlertEngine.tick`
-from its poll loop (stalled runs, finished runs). Each returns the alert events it caused;
-:meth:`AlertEngine.take_statuses` returns the run-status records for the alerts topic.
+engine knows which rank's shard held NaN/Inf), :meth:`AlertEngine.note_local` for each
+validated LocalSummary (a rank's flight recorder: where NaN/Inf or an explosion started),
+:meth:`AlertEngine.on_frame` for each finalised frame (after the run's health tracker has
+seen it) and :meth:`AlertEngine.tick` from its poll loop (stalled runs, finished runs).
+Each returns the alert events it caused; :meth:`AlertEngine.take_statuses` returns the
+run-status records for the alerts topic.
 
 The rules are those the configuration was built from (``type(rules).rule_types``: the
 registry ``consumer.alerts.rules.RULES`` unless a caller built its own model); the engine
@@ -35,7 +37,7 @@ from consumer.frames import GradientFrame
 from consumer.health_tracker import RunHealthTracker
 from consumer.runs import RunInfo
 from schemas.alert import Alert, AlertState, RuleName, RunStatus
-from schemas.wire import GradientHealth, StepSummary
+from schemas.wire import GradientHealth, LocalSummary, StepSummary
 
 PARTIAL_STEPS_KEPT = 4096
 """Partial steps remembered per run to recognise their rewrites (oldest forgotten first;
@@ -55,11 +57,12 @@ class EngineCounters:
 @dataclass(slots=True)
 class _RunRules:
     """A run's shared context, its enabled rules' instances (registry order), and those
-    of them that want shards."""
+    of them that want shards and local-view entries."""
 
     context: RunContext
     rules: list[Rule]
     shard_rules: list[Rule]
+    local_rules: list[Rule]
 
 
 @dataclass(slots=True)
@@ -134,6 +137,14 @@ class AlertEngine:
         which rank's shard held NaN/Inf), before its frame is evaluated."""
         for rule in self._state(run).shard_rules:
             rule.note_shard(shard)
+
+    def note_local(self, run: RunInfo, local: LocalSummary) -> None:
+        """Show a validated local-view entry of ``run`` (a flight recorder's
+        ``LocalSummary``) to the enabled rules that look at them
+        (:meth:`consumer.alerts.rules.Rule.note_local`; e.g. ``nonfinite`` learns the rank
+        and step where NaN/Inf started). Evaluates nothing: the frames' verdicts carry it."""
+        for rule in self._state(run).local_rules:
+            rule.note_local(local)
 
     def on_frame(
         self, frame: GradientFrame, run: RunInfo, tracker: RunHealthTracker,
@@ -245,7 +256,9 @@ class AlertEngine:
             context = RunContext(run, self.rules.max_layer_values)
             rules = [r(context, self.rules.rule(r.name)) for r in self._enabled]
             shard_rules = [r for r in rules if type(r).note_shard is not Rule.note_shard]
-            state = self._runs[run.run_id] = _RunRules(context, rules, shard_rules)
+            local_rules = [r for r in rules if type(r).note_local is not Rule.note_local]
+            state = self._runs[run.run_id] = _RunRules(context, rules, shard_rules,
+                                                       local_rules)
         return state
 
     def _incident(self, run_id: str, rule: RuleName) -> Incident:

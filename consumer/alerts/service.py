@@ -1,7 +1,8 @@
 """AlertService: a worker's alert engine wired to its sinks.
 
-The worker owns one: it calls :meth:`AlertService.note_shard`, :meth:`AlertService.on_frame`
-and :meth:`AlertService.tick` on its own thread and puts the returned events in its DuckDB
+The worker owns one: it calls :meth:`AlertService.note_shard`,
+:meth:`AlertService.note_local`, :meth:`AlertService.on_frame` and
+:meth:`AlertService.tick` on its own thread and puts the returned events in its DuckDB
 batch. Events are published to the alerts topic as soon as the frame is finalised (not
 after the DuckDB flush) and queued for the other sinks. An exception inside the engine is
 logged and counted, never raised: alerting must not stop frames from being stored.
@@ -23,7 +24,7 @@ from consumer.frames import GradientFrame
 from consumer.health_tracker import RunHealthTracker
 from consumer.runs import RunInfo
 from schemas.alert import Alert
-from schemas.wire import StepSummary
+from schemas.wire import LocalSummary, StepSummary
 
 if TYPE_CHECKING:
     from consumer.settings import ConsumerSettings
@@ -86,6 +87,13 @@ class AlertService:
             self.engine.note_shard(run, shard)
         except Exception:
             self._engine_error("note_shard")
+
+    def note_local(self, run: RunInfo, local: LocalSummary) -> None:
+        """See :meth:`AlertEngine.note_local`."""
+        try:
+            self.engine.note_local(run, local)
+        except Exception:
+            self._engine_error("note_local")
 
     def on_frame(self, frame: GradientFrame, run: RunInfo,
                  tracker: RunHealthTracker) -> list[Alert]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from consumer.topic_admin import PartitionKey
 from schemas.alert import Alert
-from schemas.wire import RunFinished, RunStarted
+from schemas.wire import LocalSummary, RunFinished, RunStarted
 
 if TYPE_CHECKING:
     from consumer.alerts.rows import ActiveIncident
@@ -57,6 +57,8 @@ class Batch:
         alerts: alert events (``schemas.alert.Alert``) raised by the frames of the batch.
         refusals: (run id, rank, reason) of ranks whose RunStarted was refused (the first
             reason of a (run, rank) is kept).
+        local_summaries: validated LocalSummary messages (a flight recorder's local-view
+            entries) of known runs, stored per rank in ``local_layer_stats``.
     """
 
     runs_started: list[RunStarted] = field(default_factory=list)
@@ -66,11 +68,12 @@ class Batch:
     offsets: dict[PartitionKey, int] = field(default_factory=dict)
     alerts: list[Alert] = field(default_factory=list)
     refusals: list[tuple[str, int, str]] = field(default_factory=list)
+    local_summaries: list[LocalSummary] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
             self.runs_started or self.runs_finished or self.frames or self.run_states
-            or self.offsets or self.alerts or self.refusals
+            or self.offsets or self.alerts or self.refusals or self.local_summaries
         )
 
     def layer_rows(self) -> int:

@@ -47,7 +47,7 @@ from schemas.stats import (
 )
 from schemas.stats.csr import csr_from_dense, offsets_from_lengths
 from schemas.tables import LAYER_STATS_COLUMNS, LOCAL_LAYER_STATS_COLUMNS, SCHEMA_DDL
-from schemas.wire import EXP_HIST_BINS, RunFinished, RunStarted
+from schemas.wire import EXP_HIST_BINS, LocalSummary, RunFinished, RunStarted
 
 if TYPE_CHECKING:
     from consumer.runbook import RunBook
@@ -486,6 +486,8 @@ class DuckDBSink:
                 self._write_states(batch.run_states)
             if batch.runs_finished:
                 self._write_finished(batch.runs_finished)
+            if batch.local_summaries:
+                self._write_local_summaries(batch.local_summaries)
             if batch.alerts:
                 write_alerts(con, batch.alerts)
             if batch.refusals:
@@ -647,6 +649,45 @@ class DuckDBSink:
             "local_layer_stats.step = f.step AND local_layer_stats.rank = f.rank",
             f"INSERT INTO local_layer_stats ({', '.join(LOCAL_LAYER_STATS_COLUMNS)}) "
             f"SELECT {', '.join(LOCAL_LAYER_STATS_COLUMNS)} FROM gs_local",
+        )
+
+    def _write_local_summaries(self, messages: list[LocalSummary]) -> None:
+        """The rows of flight-recorder LocalSummary messages, with their ``trigger`` and
+        ``trigger_step``. A (run, step, rank, layer) written again (a replay, or the same
+        row twice in the batch) keeps one row, the last one."""
+        lengths = np.array([len(m.local_layer_indices) for m in messages])
+
+        def cat(name: str, dtype: type) -> pa.Array:
+            return pa.array(np.concatenate([np.asarray(getattr(m, name), dtype)
+                                            for m in messages]))
+
+        def each(values: list[Any], dtype: type) -> pa.Array:
+            return pa.array(np.repeat(np.asarray(values, dtype), lengths))
+
+        rows = pa.table({
+            "run_id": _run_column([m.run_id for m in messages], lengths),
+            "step": each([m.step for m in messages], np.int64),
+            "rank": each([m.rank for m in messages], np.int32),
+            "layer_index": cat("local_layer_indices", np.int32),
+            "numel": cat("local_numel", np.int64),
+            "sum_abs": cat("local_sum_abs", np.float64),
+            "sum_sq": cat("local_sum_sq", np.float64),
+            "max_abs_grad": cat("local_max_abs", np.float64),
+            "nonfinite": cat("local_nonfinite", np.int64),
+            "trigger": _run_column([m.trigger for m in messages], lengths),
+            "trigger_step": each([m.trigger_step for m in messages], np.int64),
+            "ord": pa.array(np.arange(int(lengths.sum()), dtype=np.int64)),
+        })
+        columns = ", ".join((*LOCAL_LAYER_STATS_COLUMNS, "trigger", "trigger_step"))
+        _execute_with(
+            self._wcon, {"gs_rlocal": rows},
+            "DELETE FROM local_layer_stats USING (SELECT DISTINCT run_id, step, rank, "
+            "layer_index FROM gs_rlocal) f WHERE local_layer_stats.run_id = f.run_id AND "
+            "local_layer_stats.step = f.step AND local_layer_stats.rank = f.rank AND "
+            "local_layer_stats.layer_index = f.layer_index",
+            f"INSERT INTO local_layer_stats ({columns}) SELECT {columns} FROM gs_rlocal "
+            "QUALIFY row_number() OVER (PARTITION BY run_id, step, rank, layer_index "
+            "ORDER BY ord DESC) = 1",
         )
 
     def _write_states(self, states: dict[str, RunState]) -> None:

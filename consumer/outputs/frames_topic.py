@@ -2,15 +2,17 @@
 
 A scale-out worker's batch goes to the frames topic instead of DuckDB
 (:class:`FramesTopicOutput`). :class:`FramePublisher` publishes, per flushed batch and in
-this order, the new runs' RunStarted, the finished frames (:class:`schemas.wire.MergedFrame`,
-key = run id, so a run's messages stay ordered in one partition) and the RunFinished
-messages; it waits until Kafka acknowledged all of them (acks=all, idempotent) before the
-worker commits its offsets, so a crash in between only republishes frames, which
-``gradstream store`` reconciles by their rank sets (:mod:`consumer.store_writer`). New runs
-are then recorded in the compacted runs topic, which a worker reads when it is assigned
-partitions (:func:`load_runs_topic`). The runs topic also keeps each refused rank
-(:class:`RankRefused`: a RunStarted that contradicted the run's), so that a restarted
-worker or a partition's new owner still dead-letters that rank's summaries.
+this order, the new runs' RunStarted, the finished frames
+(:class:`schemas.wire.MergedFrame`, key = run id, so a run's messages stay ordered in one
+partition), the flight recorders' LocalSummary messages as they came (JSON, stored by the
+store writer in ``local_layer_stats``) and the RunFinished messages; it waits until Kafka
+acknowledged all of them (acks=all, idempotent) before the worker commits its offsets, so
+a crash in between only republishes frames, which ``gradstream store`` reconciles by their
+rank sets (:mod:`consumer.store_writer`). New runs are then recorded in the compacted runs
+topic, which a worker reads when it is assigned partitions (:func:`load_runs_topic`). The
+runs topic also keeps each refused rank (:class:`RankRefused`: a RunStarted that
+contradicted the run's), so that a restarted worker or a partition's new owner still
+dead-letters that rank's summaries.
 
 On the topic a frame travels as its merged sums (:func:`frame_to_message`) rather than its
 derived fields, so that the store writer recomputes the frame fields with
@@ -206,6 +208,9 @@ class FramePublisher:
         for frame, _health in batch.frames.values():
             futures.append(send(self.frames_topic, key=frame.run_id.encode(),
                                 value=encode_frame(frame)))
+        for local in batch.local_summaries:
+            futures.append(send(self.frames_topic, key=local.run_id.encode(),
+                                value=encode_message(local)))
         for finished in batch.runs_finished:
             futures.append(send(self.frames_topic, key=finished.run_id.encode(),
                                 value=encode_message(finished)))

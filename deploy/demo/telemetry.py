@@ -291,8 +291,10 @@ class KafkaTelemetry:
         vanishing_threshold: mean |g| below which a layer is vanishing (sent in ``RunStarted``).
         exploding_threshold: max |g| above which a layer is exploding (sent in ``RunStarted``).
         config: free-form run configuration for ``RunStarted``.
-        local_view: also send the rank's local gradient (the per-rank local view, stored in
+        local_view: also give the rank's local gradient (the per-rank local view, stored in
             ``local_layer_stats``; it names the rank where NaN/Inf or an explosion started).
+            By default it goes to the rank's flight recorder and leaves the rank only when
+            a local trigger fires (``ProducerSettings.local_view``).
     """
 
     def __init__(

@@ -9,7 +9,9 @@ by hand.
 
 The statistics are computed by :mod:`producer.adapters.torch_summary`; which piece of a
 parameter a rank's gradient is, and the layouts refused, by
-:mod:`producer.adapters.torch_layout`. The result goes to the producer as a ready
+:mod:`producer.adapters.torch_layout`; under FSDP v1 (``FullyShardedDataParallel``, flat
+parameters or ``use_orig_params=True``) the original parameters and each one's piece of the
+flat gradient by :mod:`producer.adapters.torch_fsdp1`. The result goes to the producer as a ready
 :class:`~producer.summary.LayerSummaries` through ``record_summaries``: the gradients
 themselves never leave their device.
 
@@ -29,20 +31,21 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from producer.adapters import torch_device as device_path
 from producer.adapters.naming import normalize_name, normalized_names
 from producer.adapters.optional import import_torch
+from producer.adapters.torch_fsdp1 import original_parameters, unsupported_fsdp1
 from producer.adapters.torch_layout import (
     UnsupportedParallelismError,
     check_ranks_agree,
     full_numel,
     gradient_piece,
-    unsupported_wrapping,
 )
+from producer.adapters.torch_reduce import InBandReducer
 from producer.adapters.torch_summary import (
     Accumulate,
     PendingSummaries,
@@ -75,6 +78,10 @@ class SummaryRecorder(Protocol):
 
     def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
         """Queue precomputed statistics of one step (see ``GradientProducer``)."""
+
+
+Reduce = Literal["auto", "in_band", "off"]
+"""Where a distributed run's statistics are reduced (see :class:`GradientTap`)."""
 
 
 def dtype_name(dtype: Any) -> str:
@@ -122,7 +129,9 @@ class GradientTap:
 
     Args:
         model: a ``torch.nn.Module`` (possibly wrapped in DDP, ``torch.compile``,
-            FSDP2, checkpoint wrappers: names are normalised with ``name_fn``).
+            FSDP2, FSDP v1, checkpoint wrappers: names are normalised with ``name_fn``;
+            under FSDP v1 the layers are the original parameters with their full sizes,
+            never the flat parameters or a rank's slices).
         producer: an object with ``start_run(layer_numel, ...)`` and
             ``record_summaries(step, summaries)``, normally a ``GradientProducer``.
         every_n_steps: summarise only the optimiser steps whose number is a multiple of
@@ -153,6 +162,21 @@ class GradientTap:
             :meth:`flush` (the framework callbacks do) before ``finish_run``.
         emulate_device: summarise CPU gradients with the accelerator path, exactly as on
             a GPU (see :func:`summarize_tensors`): for tests and CPU smoke runs.
+        reduce: where a distributed run's statistics are reduced. ``"in_band"``: inside
+            training (:mod:`producer.adapters.torch_reduce`): the replicas of a parameter
+            divide the layers between them (each rank reads about 1/R of the gradient, plus
+            a rotating cross-check), two small asynchronous collectives per summarised step
+            on a gloo group sum the pieces, and rank 0 alone sends the whole parameters'
+            statistics, one message per step; the local view (:meth:`attach_ddp`) goes to
+            the producer's ``record_local``. ``"off"``: every rank sends its own pieces and
+            the consumer merges them. ``"auto"`` (default): in-band when
+            ``torch.distributed`` is initialised with the producer's ``world_size`` (> 1)
+            ranks at :meth:`start_run`, else off. The reduction is set up by
+            :meth:`start_run` (collective: every rank calls it).
+        check_slices: in-band mode: the cross-check covers a replica's layers in this many
+            slices (>= 1): extra reading about ``1 / (check_slices R)`` of the gradient per
+            rank; a diverging replica is named within ``check_slices (R - 1)`` summarised
+            steps.
 
     Training-thread time: everything :meth:`step` does (collecting the gradients,
     reductions, copies, ``record_summaries``) is counted in the producer's
@@ -164,7 +188,9 @@ class GradientTap:
         ValueError: ``every_n_steps < 1``; no parameter selected; two parameters normalise
             to the same name.
 
-    A model gradstream cannot summarise exactly (FSDP v1) builds a tap whose
+    A model gradstream cannot summarise exactly (FSDP v1 over tensor-parallel DTensors, or
+    with its unit outside the model given:
+    :func:`~producer.adapters.torch_fsdp1.unsupported_fsdp1`) builds a tap whose
     :attr:`unsupported` says why; :meth:`start_run`, :meth:`layer_numel` and :meth:`step`
     then raise :class:`UnsupportedParallelismError`.
 
@@ -181,7 +207,7 @@ class GradientTap:
             (deferred mode only, see ``defer``).
         every_n_steps: the effective sampling period (see the argument).
         next_step: the step number :meth:`step` uses when called without one.
-        unsupported: why this model cannot be summarised exactly (FSDP v1), or None.
+        unsupported: why this model cannot be summarised exactly, or None.
     """
 
     def __init__(
@@ -197,29 +223,44 @@ class GradientTap:
         accumulate: Accumulate = "auto",
         defer: bool = False,
         emulate_device: bool = False,
+        reduce: Reduce = "auto",
+        check_slices: int = 4,
     ) -> None:
         import_torch()
+        if reduce not in ("auto", "in_band", "off"):
+            raise ValueError(f"reduce must be 'auto', 'in_band' or 'off', got {reduce!r}")
+        if isinstance(check_slices, bool) or not isinstance(check_slices, int) \
+                or check_slices < 1:
+            raise ValueError(f"check_slices must be an int >= 1, got {check_slices!r}")
         device_path.check_accumulate(accumulate)
         if not hasattr(model, "named_parameters"):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         own_n = 1 if every_n_steps is None else check_every_n_steps(every_n_steps)
         settings = getattr(producer, "settings", None)
         producer_n = getattr(settings, "every_n_steps", 1) or 1
-        named = list(model.named_parameters())
+        # FSDP v1: the original parameters (names, full sizes) replace the flat ones or
+        # the local slices named_parameters() yields (producer.adapters.torch_fsdp1).
+        self.unsupported = unsupported_fsdp1(model)
+        originals = None if self.unsupported is not None else original_parameters(model)
+        named = (list(model.named_parameters()) if originals is None
+                 else [(p.raw_name, p.tensor) for p in originals])
         names = normalized_names([raw for raw, _ in named], name_fn)
         by_name = {name: param for name, (_, param) in zip(names, named, strict=True)}
+        slot_of = {} if originals is None else dict(zip(names, originals, strict=True))
+        size_of = {name: slot_of[name].numel if name in slot_of else full_numel(param)
+                   for name, param in by_name.items()}
         kept = select_names(names, include, exclude)
         kept = select_names(
             kept, getattr(settings, "include", None) or None, getattr(settings, "exclude", None)
         )
-        self._params = [(name, by_name[name]) for name in kept if full_numel(by_name[name]) > 0]
+        self._params = [(name, by_name[name]) for name in kept if size_of[name] > 0]
         if not self._params:
             raise ValueError(
                 f"no parameters selected (model has {len(named)}; include={include!r}, "
                 f"exclude={exclude!r})"
             )
-        self._layer_numel = {name: full_numel(param) for name, param in self._params}
-        self.unsupported = unsupported_wrapping(model, [p for _, p in self._params])
+        self._layer_numel = {name: size_of[name] for name, _ in self._params}
+        self._slots = [slot_of.get(name) for name, _ in self._params]
         self.producer = producer
         self.every_n_steps = math.lcm(own_n, int(producer_n))
         self.host_numpy = host_numpy
@@ -229,7 +270,9 @@ class GradientTap:
         self.steps_recorded = 0
         self.steps_without_gradients = 0
         self._handles: list[Any] = []
-        self._name_of = {id(param): name for name, param in self._params}
+        self._name_of = {id(param): name for (name, param), slot in
+                         zip(self._params, self._slots, strict=True)
+                         if slot is None or not slot.flat}  # a flat parameter is no layer's
         self._local_rows: dict[str, tuple[int, float, float, float, int]] = {}
         self.accumulate = accumulate
         self.emulate_device = emulate_device
@@ -242,12 +285,15 @@ class GradientTap:
         # per-parameter work beyond reading .grad (layout arrays built once).
         self._tensors = [param for _, param in self._params]
         self._names = tuple(name for name, _ in self._params)
-        self._plain = not any(
+        self._plain = originals is None and not any(
             hasattr(param, "placements") and hasattr(param, "to_local")
             for param in self._tensors
         )
         self._whole_index = np.zeros(len(self._params), dtype=np.int64)
         self._whole_count = np.ones(len(self._params), dtype=np.int64)
+        self.reduce = reduce
+        self.check_slices = check_slices
+        self.reducer: InBandReducer | None = None
 
     @property
     def layer_names(self) -> list[str]:
@@ -261,7 +307,8 @@ class GradientTap:
             A new dict; a DTensor parameter counts its global size.
 
         Raises:
-            UnsupportedParallelismError: the model is wrapped in FSDP v1 (:attr:`unsupported`).
+            UnsupportedParallelismError: the model cannot be summarised exactly
+                (:attr:`unsupported`).
         """
         self._refuse_unsupported()
         return dict(self._layer_numel)
@@ -295,12 +342,15 @@ class GradientTap:
                 explicitly (``GradientProducer.start_run``).
 
         Raises:
-            UnsupportedParallelismError: the model is wrapped in FSDP v1, or the ranks'
-                layer lists differ (see the class); nothing is sent.
+            UnsupportedParallelismError: the model cannot be summarised exactly
+                (:attr:`unsupported`), or the ranks' layer lists differ (see the class);
+                nothing is sent.
             Whatever ``producer.start_run`` raises (e.g. RuntimeError if already started).
         """
         self._refuse_unsupported()
-        check_ranks_agree(self._layer_numel, getattr(self.producer, "world_size", None))
+        world = getattr(self.producer, "world_size", None)
+        check_ranks_agree(self._layer_numel, world)
+        self._set_up_reduction(world)
         self.producer.start_run(
             self.layer_numel(),
             vanishing_threshold=vanishing_threshold,
@@ -309,6 +359,34 @@ class GradientTap:
             dtypes={name: dtype_name(param.dtype) for name, param in self._params},
             ignore_layers=list(ignore_layers),
         )
+
+    def _set_up_reduction(self, world: object) -> None:
+        """Build the in-band reducer when :attr:`reduce` asks for it (``start_run``).
+
+        Raises:
+            RuntimeError: ``reduce="in_band"`` without ``torch.distributed`` initialised
+                with the producer's ``world_size`` ranks.
+        """
+        if self.reduce == "off" or self.reducer is not None:
+            return
+        dist = import_torch().distributed
+        ready = (isinstance(world, int) and world > 1 and dist.is_available()
+                 and dist.is_initialized() and dist.get_world_size() == world)
+        if not ready:
+            if self.reduce == "in_band":
+                raise RuntimeError(
+                    "reduce='in_band' needs torch.distributed initialised with the "
+                    f"producer's world_size ({world!r}) ranks; use reduce='off' for a "
+                    "single process or per-rank sending")
+            return
+        before_finish = getattr(self.producer, "before_finish", None)
+        if before_finish is not None:  # the last step's reduction is sent before RunFinished
+            before_finish(self.flush)
+        self.reducer = InBandReducer.create(
+            self._names, [t if slot is None else slot  # FSDP v1: the slot knows its layout
+                          for t, slot in zip(self._tensors, self._slots, strict=True)],
+            np.fromiter(self._layer_numel.values(), np.int64, len(self._layer_numel)),
+            check_slices=self.check_slices)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """Take a summary in every ``optimizer.step()``, before it reads the gradients.
@@ -466,7 +544,73 @@ class GradientTap:
         """
         t0 = time.perf_counter()
         handed, inside = self._hand_over_pending()
-        self._count_time(time.perf_counter() - t0 - inside)
+        reduced, inside_reduced = self._hand_over_reduced()
+        self._count_time(time.perf_counter() - t0 - inside - inside_reduced)
+        return reduced if reduced is not None else handed
+
+    def _hand_over_reduced(self) -> tuple[LayerSummaries | None, float]:
+        """Collect the in-band reduction in flight; on the sending rank record its result.
+        (summaries or None, seconds spent inside ``record_summaries``)."""
+        if self.reducer is None:
+            return None, 0.0
+        settings = getattr(self.producer, "settings", None)
+        done = self.reducer.collect(norms_only=getattr(settings, "mode", "full") == "norms")
+        if done is None or done[1] is None:
+            return None, 0.0
+        step, summaries = done
+        t0 = time.perf_counter()
+        self.producer.record_summaries(step, summaries)
+        self.steps_recorded += 1
+        return summaries, time.perf_counter() - t0
+
+    def _local_piece(self, i: int, grad: Any) -> tuple[Any, int, int] | None:
+        """This rank's piece of watched parameter ``i``'s gradient ``grad``: what
+        :func:`gradient_piece` returns, or for an FSDP v1 original parameter what its
+        :class:`~producer.adapters.torch_fsdp1.OriginalParameter` cuts from the flat chunk;
+        None when there is nothing to summarise, counted in :attr:`skipped_without_grad`
+        (no gradient) or :attr:`skipped_not_local` (no piece on this rank, an empty one, or
+        a pending reduction)."""
+        slot = self._slots[i]
+        if grad is None and (slot is None or slot.local):
+            self.skipped_without_grad += 1
+            return None
+        piece = gradient_piece(grad) if slot is None else slot.piece(grad)
+        if piece is None or piece[0].numel() == 0:
+            self.skipped_not_local += 1
+            return None
+        return piece
+
+    def _reduce_step(self, step: int) -> LayerSummaries | None:
+        """:meth:`step` in in-band mode: hand over the previous step's reduction, summarise
+        this rank's owned and cross-checked pieces, launch their reduction (every rank
+        joins it, with or without gradients)."""
+        assert self.reducer is not None
+        handed, inside = self._hand_over_reduced()
+        self._inside += inside
+        owned, checked = self.reducer.select(step)
+        grads: dict[str, Any] = {}
+        positions: list[int] = []
+        for i in np.flatnonzero(owned | checked).tolist():
+            piece = self._local_piece(i, self._tensors[i].grad)
+            if piece is None:
+                continue
+            grads[self._names[i]] = piece[0]
+            positions.append(i)
+        local = self._take_local()
+        if local is not None:
+            record_local = getattr(self.producer, "record_local", None)
+            if record_local is not None:
+                record_local(step, local)
+        summaries = None
+        if grads:
+            settings = getattr(self.producer, "settings", None)
+            summaries = launch_summaries(
+                grads, host_numpy=self.host_numpy,
+                norms_only=getattr(settings, "mode", "full") == "norms",
+                accumulate=self.accumulate, keep_gradients=True,
+                emulate_device=self.emulate_device,
+            ).result()
+        self.reducer.launch(step, np.asarray(positions, np.int64), summaries, owned, checked)
         return handed
 
     def _hand_over_pending(self) -> tuple[LayerSummaries | None, float]:
@@ -549,6 +693,8 @@ class GradientTap:
         self.next_step = step + 1
         if step % self.every_n_steps:
             return None
+        if self.reducer is not None:
+            return self._reduce_step(step)
         handed, inside = self._hand_over_pending()
         self._inside += inside
         grads: dict[str, Any]
@@ -560,13 +706,9 @@ class GradientTap:
             grads = {}
             index_list: list[int] = []
             count_list: list[int] = []
-            for (name, _), grad in zip(self._params, current, strict=True):
-                if grad is None:
-                    self.skipped_without_grad += 1
-                    continue
-                piece = gradient_piece(grad)
-                if piece is None or piece[0].numel() == 0:
-                    self.skipped_not_local += 1
+            for i, ((name, _), grad) in enumerate(zip(self._params, current, strict=True)):
+                piece = self._local_piece(i, grad)
+                if piece is None:
                     continue
                 grads[name] = piece[0]
                 index_list.append(piece[1])

@@ -9,10 +9,10 @@ rank holds the same all-reduced gradient, a replica the consumer counts once); a
 local shard, its ``Shard`` mesh dimensions cutting the parameter into disjoint pieces that
 add up, its ``Replicate`` dimensions holding replicas. A gradient with a pending
 (``Partial``) reduction is not reported. ``numel`` in ``start_run`` is the full (global)
-parameter size. FSDP v1's flat parameters are not resolved into the original parameters:
-a model wrapped in ``FullyShardedDataParallel`` is refused at ``start_run``
-(:class:`UnsupportedParallelismError`); use FSDP2 (``fully_shard``), or DDP, whose wrapper
-prefixes are normalised away.
+parameter size. FSDP v1 (``FullyShardedDataParallel``, flat parameters or
+``use_orig_params=True``) is resolved into the original parameters by
+:mod:`producer.adapters.torch_fsdp1`, which also names the FSDP v1 layouts refused at
+``start_run`` (:class:`UnsupportedParallelismError`).
 
 Every rank of a run must announce the same layer list: the consumer merges rank r's
 statistics of layer i with the other ranks' statistics of layer i. When
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from producer.adapters.optional import import_torch
@@ -39,52 +39,10 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 class UnsupportedParallelismError(RuntimeError):
     """The model is wrapped, or the ranks are laid out, in a way gradstream cannot turn
-    into the statistics of whole parameters yet (FSDP v1, ranks announcing different layer
-    lists such as pipeline stages). Raised by :meth:`GradientTap.start_run`, before
-    anything is sent; the message says what to use instead."""
-
-
-_FSDP1_ADVICE = (
-    "gradstream cannot resolve FSDP v1's flat parameters into the original parameters yet "
-    "(each rank holds a flat slice spanning several parameters; with use_orig_params=True "
-    "each rank's parameters are its local slices, so ranks would announce different layer "
-    "lists and summarise pieces that are not the parameters'). Wrap the model with FSDP2 "
-    "instead (torch.distributed.fsdp.fully_shard), whose DTensor parameters gradstream "
-    "summarises exactly, or use DistributedDataParallel"
-)
-
-
-def unsupported_wrapping(model: Any, params: Sequence[Any]) -> str | None:
-    """Why a tap on ``model`` would summarise gradients that are not those of whole
-    parameters, or None when every watched parameter is summarised exactly.
-
-    Refused: FSDP v1 (``torch.distributed.fsdp.FullyShardedDataParallel``, with or
-    without ``use_orig_params``), found as a wrapper module or as a parameter FSDP v1
-    flattened (its ``_fsdp_flattened`` mark): the tap would report flat slices as the
-    parameters' statistics.
-
-    Args:
-        model: the ``torch.nn.Module`` given to the tap. params: the watched parameters.
-
-    Returns:
-        One sentence naming the wrapping and what to use instead, or None.
-    """
-    torch = import_torch()
-    fsdp1: type | None = None
-    if torch.distributed.is_available():
-        try:
-            from torch.distributed.fsdp import FullyShardedDataParallel
-        except ImportError:  # pragma: no cover - builds without FSDP
-            pass
-        else:
-            fsdp1 = FullyShardedDataParallel
-    wrapped = fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules())
-    flattened = [p for p in params if getattr(p, "_fsdp_flattened", False)]
-    if not wrapped and not flattened:
-        return None
-    where = ("the model holds a FullyShardedDataParallel (FSDP v1) module" if wrapped
-             else f"{len(flattened)} watched parameter(s) were flattened by FSDP v1")
-    return f"{where}: {_FSDP1_ADVICE}"
+    into the statistics of whole parameters yet (FSDP v1 over tensor-parallel DTensors or
+    with its unit outside the tapped model, ranks announcing different layer lists such as
+    pipeline stages). Raised by :meth:`GradientTap.start_run`, before anything is sent; the
+    message says what to use instead."""
 
 
 def full_numel(param: torch.Tensor) -> int:

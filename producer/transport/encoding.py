@@ -10,10 +10,19 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from producer.flight_recorder import LocalEntry
 from producer.summary import LayerSummaries
 from producer.weights import WeightSummaries
 from schemas.stats import csr_from_dense
-from schemas.wire import RunFinished, RunStarted, StepSummary, encode_message, split_step_summary
+from schemas.wire import (
+    LocalSummary,
+    LocalTrigger,
+    RunFinished,
+    RunStarted,
+    StepSummary,
+    encode_message,
+    split_step_summary,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +82,11 @@ def step_summary(
     if summaries.shard_index is not None and summaries.shard_count is not None:
         optional.update(shard_index=summaries.shard_index.tolist(),
                         shard_count=summaries.shard_count.tolist())
+    if summaries.reduced_ranks is not None:
+        optional["reduced_ranks"] = summaries.reduced_ranks.tolist()
+        divergence = summaries.replica_divergence
+        if divergence is not None and len(divergence):
+            optional["replica_divergence"] = np.asarray(divergence, np.int64).ravel().tolist()
     local = summaries.local
     if local is not None:
         keep = [i for i, n in enumerate(local.names) if n in layer_index]
@@ -103,6 +117,42 @@ def step_summary(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class LocalRecord:
+    """One local-view entry to send as a ``LocalSummary`` (built on the sender thread).
+
+    Attributes:
+        entry: the rank's local view of one step (:class:`producer.flight_recorder.LocalEntry`).
+        trigger: why it is sent (``schemas.wire.LocalTrigger``, or ``"every_step"``).
+        trigger_step: the step at which the trigger fired (>= ``entry.step``).
+    """
+
+    entry: LocalEntry
+    trigger: LocalTrigger
+    trigger_step: int
+
+
+def local_summary(record: LocalRecord, *, run_id: str, rank: int,
+                  world_size: int) -> LocalSummary:
+    """The ``LocalSummary`` message of one local-view entry.
+
+    Raises:
+        pydantic.ValidationError: the entry breaks the wire's rules (a bug upstream).
+    """
+    e = record.entry
+    return LocalSummary(
+        run_id=run_id, step=e.step, rank=rank, world_size=world_size, wall_time=e.wall_time,
+        trigger=record.trigger, trigger_step=record.trigger_step,
+        local_layer_indices=e.layer_indices.tolist(), local_numel=e.numel.tolist(),
+        local_sum_abs=e.sum_abs.tolist(), local_sum_sq=e.sum_sq.tolist(),
+        local_max_abs=e.max_abs.tolist(), local_nonfinite=e.nonfinite.tolist(),
+    )
+
+
+_LOCAL_ARRAYS = ("local_layer_indices", "local_numel", "local_sum_abs", "local_sum_sq",
+                 "local_max_abs", "local_nonfinite")
+
+
 class EncodedMessage(NamedTuple):
     """The record values of one message.
 
@@ -118,7 +168,7 @@ class EncodedMessage(NamedTuple):
 
 
 def encode_within(
-    message: StepSummary | RunStarted | RunFinished,
+    message: StepSummary | RunStarted | RunFinished | LocalSummary,
     wire_format: Literal["binary", "json"],
     limit: int | None,
 ) -> EncodedMessage:
@@ -127,8 +177,9 @@ def encode_within(
 
     A StepSummary over the limit is cut into ``ceil(size / (0.9 limit))`` layer ranges
     (:func:`schemas.wire.split_step_summary`); a range whose part is still too large is
-    halved until every part fits; a single layer that alone does not fit is left out.
-    Other messages, and any message when ``limit`` is None, are one value.
+    halved until every part fits; a single layer that alone does not fit is left out. A
+    LocalSummary over the limit is cut the same way, by halving its layer ranges. Other
+    messages, and any message when ``limit`` is None, are one value.
 
     Args:
         message: the message.
@@ -139,7 +190,11 @@ def encode_within(
         The :class:`EncodedMessage`.
     """
     value = encode_message(message, wire_format)
-    if limit is None or len(value) <= limit or not isinstance(message, StepSummary):
+    if limit is None or len(value) <= limit:
+        return EncodedMessage([value], [])
+    if isinstance(message, LocalSummary):
+        return _local_within(message, limit)
+    if not isinstance(message, StepSummary):
         return EncodedMessage([value], [])
     n = len(message.layer_indices)
     k = min(n, -(-len(value) // max(int(limit * 0.9), 1)))
@@ -163,6 +218,28 @@ def encode_within(
                 dropped.append((a, b))
         bounds = refined
     return EncodedMessage(values, [message.layer_indices[a] for a, _b in dropped])
+
+
+def _local_within(message: LocalSummary, limit: int) -> EncodedMessage:
+    """A LocalSummary over ``limit`` bytes as several, each holding a disjoint range of its
+    layers (every one a valid LocalSummary of the same step; the store keys local rows by
+    layer), halving a range until it fits; a single layer that alone does not fit is left
+    out (``oversized_layers``)."""
+    arrays = {name: getattr(message, name) for name in _LOCAL_ARRAYS}
+    todo = [(0, len(message.local_layer_indices))]
+    values: list[bytes] = []
+    dropped: list[int] = []
+    while todo:
+        a, b = todo.pop()
+        part = message.model_copy(update={k: v[a:b] for k, v in arrays.items()})
+        value = encode_message(part)
+        if len(value) <= limit:
+            values.append(value)
+        elif b - a > 1:
+            todo.extend([(a + (b - a) // 2, b), (a, a + (b - a) // 2)])
+        else:
+            dropped.append(int(message.local_layer_indices[a]))
+    return EncodedMessage(values, dropped)
 
 
 def _sparse_histogram(prefix: str, hist: np.ndarray) -> dict[str, list[int]]:

@@ -3,8 +3,8 @@ empties it.
 
 The training thread appends; a daemon thread connects (retrying with backoff while the
 broker is unreachable), builds and encodes each message and hands it to kafka-python.
-When the queue is full the oldest pending *step* is dropped and counted; run start and
-finish messages are never dropped.
+When the queue is full the oldest pending *step* or local summary is dropped and counted;
+run start and finish messages are never dropped.
 """
 
 from __future__ import annotations
@@ -18,20 +18,24 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from producer.settings import ProducerSettings
-from producer.transport.encoding import StepRecord, encode_within
+from producer.transport.encoding import LocalRecord, StepRecord, encode_within
 from producer.transport.kafka import connect
-from schemas.wire import RunFinished, RunStarted, StepSummary
+from schemas.wire import LocalSummary, RunFinished, RunStarted, StepSummary
 
 log = logging.getLogger("gradstream.producer")
 
 
 @dataclass(slots=True)
 class Pending:
-    """One queued message: a run start or finish (built), or a step (built on the sender
-    thread)."""
+    """One queued message: a run start or finish (built), or a step or a local-view entry
+    (``"local"``, a flight recorder's; both built on the sender thread)."""
 
-    kind: Literal["start", "step", "finish"]
-    payload: RunStarted | StepRecord | RunFinished
+    kind: Literal["start", "step", "finish", "local"]
+    payload: RunStarted | StepRecord | RunFinished | LocalRecord
+
+
+_DROPPABLE = frozenset({"step", "local"})
+"""Kinds of queued items a full queue may drop (oldest first)."""
 
 
 class DeliveryCounts(NamedTuple):
@@ -51,8 +55,8 @@ class Sender:
         settings: the producer's settings (``queue_size``, ``enqueue_timeout_s``,
             ``topic``, ``wire_format``, the Kafka client settings).
         key: the record key of every message (the run id).
-        build_step: turns a :class:`StepRecord` into its ``StepSummary`` (called on the
-            sender thread).
+        build_step: turns a :class:`StepRecord` into its ``StepSummary`` and a
+            :class:`LocalRecord` into its ``LocalSummary`` (called on the sender thread).
         name: the thread's name.
 
     Attributes:
@@ -63,7 +67,8 @@ class Sender:
 
     def __init__(
         self, settings: ProducerSettings, key: bytes,
-        build_step: Callable[[StepRecord], StepSummary], name: str,
+        build_step: Callable[[StepRecord | LocalRecord], StepSummary | LocalSummary],
+        name: str,
     ) -> None:
         self.settings = settings
         self.key = key
@@ -95,9 +100,9 @@ class Sender:
                                   self._in_flight)
 
     def put(self, item: Pending) -> None:
-        """Queue ``item``. A step finding the queue full waits at most
-        ``settings.enqueue_timeout_s`` for room, then the oldest queued step is dropped and
-        counted.
+        """Queue ``item``. A step or local entry finding the queue full waits at most
+        ``settings.enqueue_timeout_s`` for room, then the oldest queued step or local entry
+        is dropped and counted.
 
         Raises:
             RuntimeError: the sender is closed.
@@ -106,7 +111,7 @@ class Sender:
         with self._cond:
             if self._closing:
                 raise RuntimeError("producer is closed")
-            if item.kind == "step" and len(self._queue) >= queue_size:
+            if item.kind in _DROPPABLE and len(self._queue) >= queue_size:
                 wait = self.settings.enqueue_timeout_s
                 if wait > 0:
                     self._cond.wait_for(lambda: len(self._queue) < queue_size, timeout=wait)
@@ -117,7 +122,7 @@ class Sender:
 
     def _drop_oldest_step(self) -> None:
         for i, pending in enumerate(self._queue):
-            if pending.kind == "step":
+            if pending.kind in _DROPPABLE:
                 del self._queue[i]
                 self._dropped += 1
                 return
@@ -171,21 +176,22 @@ class Sender:
         exceeds ``value_limit`` is left out, counted in ``oversized_dropped`` and in the
         failed messages, and logged."""
         payload = item.payload
-        message = self.build_step(payload) if isinstance(payload, StepRecord) else payload
+        message = (self.build_step(payload) if isinstance(payload, StepRecord | LocalRecord)
+                   else payload)
         values, oversized = encode_within(message, self.settings.wire_format,
                                           self.value_limit)
         if oversized:
-            assert isinstance(message, StepSummary)
-            log.error("gradstream: step %d rank %d: %d layer(s) (layer_index %s) each alone "
-                      "exceed the %d-byte message limit; their statistics for this step are "
-                      "dropped", message.step, message.rank, len(oversized),
+            assert isinstance(message, StepSummary | LocalSummary)
+            log.error("gradstream: %s of step %d rank %d: %d layer(s) (layer_index %s) each "
+                      "alone exceed the %d-byte message limit; their statistics for this step "
+                      "are dropped", message.type, message.step, message.rank, len(oversized),
                       ", ".join(map(str, oversized[:10]))
                       + (", ..." if len(oversized) > 10 else ""), self.value_limit)
             with self._cond:
                 self.oversized_dropped += len(oversized)
                 self._failed += len(oversized)
         if len(values) > 1:
-            assert isinstance(message, StepSummary)
+            assert isinstance(message, StepSummary | LocalSummary)
             log.debug("step %d rank %d: sent as %d parts", message.step, message.rank,
                       len(values))
         return values

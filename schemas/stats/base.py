@@ -124,7 +124,11 @@ def as_slice(layers: np.ndarray | slice) -> np.ndarray | slice:
     if idx.size == 0:
         return slice(0, 0)
     start = int(idx[0])
-    if int(idx[-1]) - start + 1 == idx.size and (idx.size == 1 or bool(np.all(np.diff(idx) == 1))):
+    # Strictly ascending from the first to the last index, spanning as many indices as it
+    # holds: consecutive (one comparison pass; count_nonzero is the cheapest reduction of
+    # a small boolean array, a fraction of ``.all()``'s call overhead).
+    if int(idx[-1]) - start + 1 == idx.size and (
+            idx.size == 1 or not np.count_nonzero(idx[1:] <= idx[:-1])):
         return slice(start, start + idx.size)
     return idx
 

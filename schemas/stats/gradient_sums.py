@@ -25,6 +25,7 @@ from schemas.stats.base import (
     SummaryMessage,
     as_floats,
     as_ints,
+    as_slice,
 )
 from schemas.stats.chunks import CHUNK
 
@@ -254,6 +255,46 @@ class GradientSums(LayerStatistic):
         return cls.from_columns(message.numel, message.sum_abs, message.sum_sq,
                                 message.max_abs, message.nonfinite,
                                 getattr(message, "nan", None))
+
+    def merge_message_at(self, layers: np.ndarray, message: SummaryMessage) -> GradientSums:
+        """Merge the gradient sums of ``message`` into the layers ``layers`` in place: the
+        same result as ``self.merge_at(layers, GradientSums.from_message(message))``.
+
+        A full-mode message without NaN counts and without NaN in ``sum_abs`` /
+        ``max_abs`` (every validated StepSummary of a finite run) is added column by
+        column into ``self``, without building the k-layer statistic first: the fixed
+        cost of a small message is the NumPy calls, so this makes eight in-place
+        operations of about twenty. Any other message takes the general path.
+
+        Args:
+            layers: int[k] distinct layer indices of ``self``, aligned with the message's
+                ``layer_indices``.
+            message: a StepSummary / MergedFrame of k layers.
+
+        Returns:
+            ``self``.
+        """
+        sum_abs, max_abs = message.sum_abs, message.max_abs
+        if sum_abs is None or max_abs is None or getattr(message, "nan", None) is not None:
+            return self.merge_at(layers, GradientSums.from_message(message))
+        a = np.asarray(sum_abs, np.float64)
+        m = np.asarray(max_abs, np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.count_nonzero(np.isnan(a + m)):  # unknown (NaN) entries: general path
+                return self.merge_at(layers, GradientSums.from_message(message))
+            at = as_slice(layers)
+            n = np.asarray(message.numel, np.int64)
+            bad = np.asarray(message.nonfinite, np.int64)
+            self.numel[at] += n
+            self.abs_numel[at] += n
+            self.sum_abs[at] += a
+            self.sum_sq[at] += np.asarray(message.sum_sq, np.float64)
+            self.max_abs[at] = np.maximum(self.max_abs[at], m)
+            self.nonfinite[at] += bad
+            # Without a NaN count, a layer's split is known where it has no non-finite
+            # element (``from_columns``); its NaN count adds 0.
+            self.nan_numel[at] += np.where(bad == 0, n, 0) if np.count_nonzero(bad) else n
+        return self
 
     def _update_layer(self, flat: np.ndarray, layer: int) -> None:
         """:meth:`LayerStatistic.update` of raw gradient values: every element counts in

@@ -200,7 +200,8 @@ def test_first_bad_local_rank_from_the_local_view(tmp_path: Path) -> None:
     ]
     con = duckdb.connect(str(path))
     con.executemany(
-        "INSERT INTO local_layer_stats VALUES ('r', ?, ?, ?, 10, 1.0, 1.0, ?, ?)", rows)
+        "INSERT INTO local_layer_stats (run_id, step, rank, layer_index, numel, sum_abs, "
+        "sum_sq, max_abs_grad, nonfinite) VALUES ('r', ?, ?, ?, 10, 1.0, 1.0, ?, ?)", rows)
     con.close()
     whole = report_of(path)
     assert (whole.first_bad_local_step, whole.first_bad_local_ranks) == (2, [2])

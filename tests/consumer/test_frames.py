@@ -185,3 +185,47 @@ def test_weight_extremes_ignore_shards_without_finite_weights():
     f = compute_frame("r", 0, merged, vanishing_threshold=1e-7, exploding_threshold=1e3,
                       ranks_seen=(0, 1), world_size=2, wall_time=0.0)
     assert (f.weight_min[0], f.weight_max[0], f.weight_nonfinite[0]) == (1.0, 2.0, 2)
+
+
+@pytest.mark.parametrize("case", ["pipeline", "shared_layers", "mixed", "with_options"])
+def test_queued_messages_merge_bit_for_bit_as_one_at_a_time(case: str) -> None:
+    """``merge_message`` queues the gradient sums and merges them on the first read, in
+    one batch when the messages cover distinct layers: the sums equal, bit for bit, those
+    of merging every message in arrival order (``merge_at`` of ``from_message``), for
+    pipeline stages (distinct layers, out of order), shards of shared layers (FSDP: the
+    same layers in every message), a mix of norms-mode and NaN-count messages, and
+    messages carrying optional statistics; reading in the middle merges what came so far."""
+    from schemas.wire import StepSummary
+
+    rng = np.random.default_rng(7)
+    layers_total, stages = 24, 6
+    messages = []
+    for rank in rng.permutation(stages):
+        layers = (np.arange(layers_total) if case == "shared_layers"
+                  else np.arange(rank * 4, rank * 4 + 4))
+        k = len(layers)
+        fields = dict(run_id="r", step=0, rank=int(rank), world_size=stages, wall_time=0.0,
+                      layer_indices=layers, numel=rng.integers(1, 1000, k),
+                      sum_abs=rng.random(k) * 1e3, sum_sq=rng.random(k) * 1e5,
+                      max_abs=rng.random(k), nonfinite=np.zeros(k, np.int64))
+        if case == "mixed" and rank % 3 == 1:
+            fields["sum_abs"] = fields["max_abs"] = None
+        if case == "mixed" and rank % 3 == 2:
+            fields["nonfinite"] = np.ones(k, np.int64)
+            fields["nan"] = np.ones(k, np.int64)
+        if case == "with_options":
+            fields["weight_sum_sq"] = rng.random(k)
+        messages.append(StepSummary(**fields))
+    queued = MergedShards.empty(layers_total)
+    one_by_one = GradientSums.empty(layers_total)
+    for i, message in enumerate(messages):
+        queued.merge_message(message)
+        one_by_one.merge_at(np.asarray(message.layer_indices),
+                            GradientSums.from_message(message))
+        if i == 2:  # a read in the middle merges what is queued
+            assert np.array_equal(queued.numel, one_by_one.numel)
+    for name, _, mine in queued.gradient._fields():
+        theirs = getattr(one_by_one, name)
+        assert np.array_equal(mine, theirs, equal_nan=True), name
+    if case == "with_options":
+        assert np.array_equal(queued.weight_norm.numel, one_by_one.numel)

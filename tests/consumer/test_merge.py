@@ -351,3 +351,60 @@ def test_a_dead_lettered_summary_excuses_its_rank_for_that_step_only():
     assert m.settle_step(PAIR, 6) is None and m.pending_count == 1  # step 6 still waits
     late = m.add(PAIR, piece(5, 1, [2048, 8]), P, 3, 0.0)  # a good re-send merges late
     assert late is not None and late.complete
+
+
+# -- summaries reduced in-band over several ranks ------------------------------------------
+
+DDP4 = RunInfo("r", 4, ("a", "b"), np.array([6, 6]), 1e-7, 1e3)
+
+
+def reduced(step: int, rank: int = 0, ranges: tuple[int, ...] = (0, 4),
+            divergence: list[int] | None = None, **parts: int) -> StepSummary:
+    """A whole-parameter summary of both layers, reduced over ``ranges``."""
+    return StepSummary(
+        run_id="r", step=step, rank=rank, world_size=4, wall_time=1.0,
+        layer_indices=[0, 1], numel=[6, 6], sum_abs=[6.0, 12.0], sum_sq=[6.0, 24.0],
+        max_abs=[1.0, 2.0], nonfinite=[0, 0], shard_index=[0, 0], shard_count=[1, 1],
+        reduced_ranks=list(ranges), replica_divergence=divergence, **parts,
+    )
+
+
+def test_a_reduced_summary_reports_for_every_rank_of_its_ranges():
+    m = ShardMerger(10.0, StoreStub().load)
+    frame = m.add(DDP4, reduced(0), P, 1, 0.0)
+    assert frame is not None and frame.complete and frame.ranks_seen == (0, 1, 2, 3)
+    assert frame.mean_abs_grad.tolist() == [1.0, 2.0]
+    assert len(frame.layout_violations) == 0 and len(frame.replica_divergence) == 0
+    assert m.add(DDP4, reduced(0), P, 2, 0.0) is None and m.duplicates == 1
+
+
+def test_reduced_summaries_of_two_groups_complete_the_frame_together():
+    # Two groups (e.g. pipeline stages) each reduced over their own ranks.
+    m = ShardMerger(10.0, StoreStub().load)
+    first = StepSummary(run_id="r", step=0, rank=0, world_size=4, wall_time=1.0,
+                        layer_indices=[0], numel=[6], sum_abs=[6.0], sum_sq=[6.0],
+                        max_abs=[1.0], nonfinite=[0], reduced_ranks=[0, 2])
+    assert m.add(DDP4, first, P, 1, 0.0) is None
+    second = StepSummary(run_id="r", step=0, rank=2, world_size=4, wall_time=1.0,
+                         layer_indices=[1], numel=[6], sum_abs=[12.0], sum_sq=[24.0],
+                         max_abs=[2.0], nonfinite=[0], reduced_ranks=[2, 4])
+    frame = m.add(DDP4, second, P, 2, 0.0)
+    assert frame is not None and frame.complete and frame.ranks_seen == (0, 1, 2, 3)
+    assert frame.max_abs_grad.tolist() == [1.0, 2.0]
+
+
+def test_reduced_summary_in_parts_counts_once_all_parts_arrived():
+    m = ShardMerger(10.0, StoreStub().load)
+    whole = reduced(3)
+    from schemas.wire import split_step_summary
+
+    first, second = split_step_summary(whole, [(0, 1), (1, 2)])
+    assert m.add(DDP4, first, P, 1, 0.0) is None
+    frame = m.add(DDP4, second, P, 2, 0.0)
+    assert frame is not None and frame.complete and frame.ranks_seen == (0, 1, 2, 3)
+
+
+def test_the_cross_check_rows_of_a_reduced_summary_reach_the_frame():
+    m = ShardMerger(10.0, StoreStub().load)
+    frame = m.add(DDP4, reduced(0, divergence=[1, 3, 2]), P, 1, 0.0)
+    assert frame.replica_divergence.tolist() == [[1, 3, 2]]

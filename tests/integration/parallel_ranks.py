@@ -45,31 +45,73 @@ def full(grad: torch.Tensor) -> torch.Tensor:
     return gather() if callable(gather) else grad
 
 
+def values(grad: torch.Tensor) -> dict[str, Any]:
+    """Torch's values of one full gradient, in float64 (see the module docstring)."""
+    g = grad.detach().double()
+    finite = torch.isfinite(g)
+    clean = torch.where(finite, g, torch.zeros_like(g))
+    return {
+        "numel": g.numel(),
+        "nonfinite": int((~finite).sum()),
+        "mean_abs": float(clean.abs().sum() / g.numel()),
+        "max_abs": float(clean.abs().max()),
+        "norm": float(torch.linalg.vector_norm(clean)),
+    }
+
+
 def reference(names: list[str], params: list[nn.Parameter]) -> dict[str, Any]:
     """Torch's values of the full gradients and of ``clip_grad_norm_`` (collective for
     DTensors: every rank calls it)."""
-    layers = {}
-    for name, p in zip(names, params, strict=True):
-        g = full(p.grad).detach().double()
-        finite = torch.isfinite(g)
-        clean = torch.where(finite, g, torch.zeros_like(g))
-        layers[name] = {
-            "numel": g.numel(),
-            "nonfinite": int((~finite).sum()),
-            "mean_abs": float(clean.abs().sum() / g.numel()),
-            "max_abs": float(clean.abs().max()),
-            "norm": float(torch.linalg.vector_norm(clean)),
-        }
+    layers = {name: values(full(p.grad)) for name, p in zip(names, params, strict=True)}
     total = nn.utils.clip_grad_norm_(params, max_norm=math.inf)
     return {"layers": layers, "total_norm": float(full(total))}
 
 
+def fsdp1_full_gradients(net: nn.Module) -> dict[str, torch.Tensor]:
+    """Torch's full gradient of every original parameter of an FSDP v1 model, by
+    normalised name (collective: every rank calls it). ``use_orig_params=True``:
+    ``summon_full_params(with_grads=True)``; flat parameters: each unit's sharded flat
+    gradient all-gathered, its padding cut off and split by the flat parameter's own
+    per-parameter sizes (``_numels``, in ``_param_infos`` order)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = [u for u in FullyShardedDataParallel.fsdp_modules(net) if u._handle is not None]
+    if units[0]._handle._use_orig_params:
+        with FullyShardedDataParallel.summon_full_params(net, with_grads=True, writeback=False):
+            return {_normalised(n): p.grad.detach().clone()
+                    for n, p in net.named_parameters()}
+    paths = {id(m): p for p, m in net.named_modules()}
+    out = {}
+    for unit in units:
+        flat = unit._handle.flat_param
+        parts = [torch.empty_like(flat.grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, flat.grad.contiguous())
+        whole = torch.cat(parts)[: flat._unpadded_unsharded_size.numel()]
+        for info, piece in zip(flat._param_infos, torch.split(whole, list(flat._numels)),
+                               strict=True):
+            out[_normalised(f"{paths[id(info.module)]}.{info.param_name}")] = piece.clone()
+    return out
+
+
+def fsdp1_reference(net: nn.Module, names: list[str]) -> dict[str, Any]:
+    """:func:`reference` for an FSDP v1 model: the original parameters' full gradients and
+    the total norm FSDP's own ``clip_grad_norm_`` returns (collective)."""
+    grads = fsdp1_full_gradients(net)
+    layers = {name: values(grads[name]) for name in names}
+    return {"layers": layers, "total_norm": float(net.clip_grad_norm_(math.inf))}
+
+
 def run_rank(kind: str, rank: int, world: int, init: str, bootstrap: str, topic: str,
              run_id: str, queue: Any, options: dict[str, Any]) -> None:
-    """One rank of a ``kind`` job ("ddp", "fsdp2", "hsdp", "tp").
+    """One rank of a ``kind`` job ("ddp", "fsdp2", "hsdp", "tp", "fsdp1_orig",
+    "fsdp1_flat": FSDP v1 with ``use_orig_params`` True / False, the last Linear a nested
+    unit and the root unit's flat parameter holding the first).
 
     Options: ``nan_step`` (DDP: the last rank's input holds a NaN at this step),
-    ``diverge_step`` (DDP: the last rank perturbs its all-reduced gradient at this step).
+    ``diverge_step`` (DDP: from this step on, the last rank perturbs its all-reduced
+    gradient of the first layer), ``steps`` (default :data:`STEPS`), ``reduce`` and
+    ``check_slices`` (the tap's), ``local_view`` (the producer's setting). Rank 0 also
+    reports the elements its tap read (``elements``, in-band mode).
     """
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -91,6 +133,12 @@ def run_rank(kind: str, rank: int, world: int, init: str, bootstrap: str, topic:
                 if isinstance(layer, nn.Linear):
                     fully_shard(layer, mesh=mesh)
             fully_shard(net, mesh=mesh)
+        elif kind in ("fsdp1_orig", "fsdp1_flat"):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            orig, cpu = kind == "fsdp1_orig", torch.device("cpu")
+            net[2] = FullyShardedDataParallel(net[2], use_orig_params=orig, device_id=cpu)
+            net = FullyShardedDataParallel(net, use_orig_params=orig, device_id=cpu)
         elif kind == "tp":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.tensor.parallel import (
@@ -102,9 +150,12 @@ def run_rank(kind: str, rank: int, world: int, init: str, bootstrap: str, topic:
             mesh = init_device_mesh("cpu", (world,))
             net = parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
             dp_rank = 0  # every tensor-parallel rank sees the same batch
+        producer_options = {k: options[k] for k in ("local_view",) if k in options}
         producer = GradientProducer(run_id, rank=rank, world_size=world,
-                                    bootstrap_servers=bootstrap, topic=topic)
-        tap = GradientTap(net, producer)
+                                    bootstrap_servers=bootstrap, topic=topic,
+                                    **producer_options)
+        tap = GradientTap(net, producer, **{k: options[k] for k in ("reduce", "check_slices")
+                                            if k in options})
         tap.start_run()
         optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
         if kind == "ddp":
@@ -115,14 +166,18 @@ def run_rank(kind: str, rank: int, world: int, init: str, bootstrap: str, topic:
         step_no = {"step": 0}
         if options.get("diverge_step") is not None and rank == world - 1:
             def perturb(*_: Any) -> None:
-                if step_no["step"] == options["diverge_step"]:
+                if step_no["step"] >= options["diverge_step"]:
                     params[0].grad.add_(1e-3)
             optimizer.register_step_pre_hook(perturb)
         tap.attach_optimizer(optimizer)
         records: list[dict[str, Any]] = []
-        optimizer.register_step_pre_hook(
-            lambda *_: records.append(reference(names, params)))
-        for step in range(STEPS):
+        if kind.startswith("fsdp1"):
+            optimizer.register_step_pre_hook(
+                lambda *_: records.append(fsdp1_reference(net, names)))
+        else:
+            optimizer.register_step_pre_hook(
+                lambda *_: records.append(reference(names, params)))
+        for step in range(options.get("steps", STEPS)):
             step_no["step"] = step
             for micro in range(MICRO):
                 x, y = batch(step, micro, dp_rank)
@@ -136,7 +191,8 @@ def run_rank(kind: str, rank: int, world: int, init: str, bootstrap: str, topic:
         assert producer.finish_run(timeout=60)
         producer.close()
         if rank == 0:
-            queue.put({"names": names, "records": records})
+            elements = None if tap.reducer is None else tap.reducer.elements_summarised
+            queue.put({"names": names, "records": records, "elements": elements})
     finally:
         dist.destroy_process_group()
 
@@ -184,8 +240,10 @@ def run_framework_rank(kind: str, rank: int, world: int, port: int, bootstrap: s
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    # Lightning's local view (the DDP hook) every step, so the test sees every rank's.
     producer = GradientProducer(run_id, rank=rank, world_size=world,
-                                bootstrap_servers=bootstrap, topic=topic)
+                                bootstrap_servers=bootstrap, topic=topic,
+                                local_view="every_step" if kind == "lightning" else "recorder")
     records: list[dict[str, Any]] = []
     names: list[str] = []
     data = _rows(8 * world * STEPS * MICRO)

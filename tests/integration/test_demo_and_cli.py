@@ -83,7 +83,10 @@ def test_demo_bad_rank_names_the_rank_where_nan_started(
 ) -> None:
     """bad-rank on 3 ranks: rank 2's shard holds a NaN sample from step 20. Frames are the
     averaged gradient (one replica), the local rows are stored per rank, and the report and
-    the nonfinite alert name rank 2 at step 20 although every rank's update is NaN."""
+    the nonfinite alert name rank 2 at step 20 although every rank's update is NaN. The
+    local view is each rank's flight recorder (the default): nothing before the first
+    trigger, rank 2's NaN at step 20 sends its buffer (every step so far: 32 > 20); from
+    step 21 every rank's gradient is NaN, so every rank sends every step from then on."""
     sc = SCENARIOS["bad-rank"]
     result = CliRunner().invoke(
         app,
@@ -103,8 +106,9 @@ def test_demo_bad_rank_names_the_rank_where_nan_started(
         "SELECT step, layer_index, numel, grad_norm, nonfinite FROM layer_stats "
         "WHERE run_id = ? ORDER BY step, layer_index", [run]).fetchnumpy()
     local = con.execute(
-        "SELECT step, rank, layer_index, sum_sq, nonfinite FROM local_layer_stats "
-        "WHERE run_id = ? ORDER BY step, rank, layer_index", [run]).fetchnumpy()
+        "SELECT step, rank, layer_index, sum_sq, nonfinite, trigger, trigger_step "
+        "FROM local_layer_stats WHERE run_id = ? ORDER BY step, rank, layer_index",
+        [run]).fetchnumpy()
     alerts = read_alerts(con, run_id=run, rule="nonfinite", state="firing")
     con.close()
 
@@ -150,6 +154,12 @@ def test_demo_bad_rank_names_the_rank_where_nan_started(
     assert (local_nan[:20] == 0).all()
     assert (local_nan[20] > 0).tolist() == [False, False, True]
     assert (local_nan[21:] > 0).all()
+    # the recorder: no trigger before step 20; rank 2's rows up to it came with that trigger
+    assert set(local["trigger"].tolist()) == {"nonfinite"}
+    assert local["trigger_step"].min() == 20
+    up_to_20 = (local["rank"] == 2) & (local["step"] <= 20)
+    assert (local["trigger_step"][up_to_20] == 20).all()
+    assert (local["trigger_step"][local["step"] >= 21] == local["step"][local["step"] >= 21]).all()
 
 
 def test_consume_process_stops_cleanly_on_sigterm(

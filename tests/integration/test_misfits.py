@@ -1,10 +1,11 @@
 """Never merge what does not fit: real Kafka broker, real worker, real DuckDB file.
 
-Two ranks announcing different layer lists (as FSDP v1 with ``use_orig_params=True``
-makes them: each rank lists its local slices) must not have rank 1's statistics merged by
-layer index into rank 0's layers; a piece whose numel does not fit its parameter must not
-yield a complete frame. The tests read what the user would: the dead-letter topic with its
-reason headers, the ``frames`` table and the alerts stored with the run.
+Two ranks announcing different layer lists (as a producer listing each rank's own local
+slices would, e.g. FSDP v1's ``use_orig_params=True`` parameters taken as they are) must
+not have rank 1's statistics merged by layer index into rank 0's layers; a piece whose
+numel does not fit its parameter must not yield a complete frame. The tests read what
+the user would: the dead-letter topic with its reason headers, the ``frames`` table and the
+alerts stored with the run.
 """
 
 from __future__ import annotations

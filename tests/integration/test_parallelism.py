@@ -115,42 +115,73 @@ def assert_frames_match_torch(result: dict[str, Any], con: duckdb.DuckDBPyConnec
             assert np.sqrt(sum_sq) == pytest.approx(ref["total_norm"], rel=TOTAL_RTOL), step
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ddp_frames_are_the_all_reduced_gradient(world, kafka_bootstrap, tmp_path, unique_name):
+    """Default tap (in-band reduction): one reduced summary a step, frames equal torch's
+    values, each rank read its share of the gradient; the local view is a flight recorder
+    that sent only the lead-up to the NaN, from the rank whose input held it."""
     nan_step = STEPS - 1 if world == 2 else None
     result, con, run_id = run_job("ddp", world, tmp_path, kafka_bootstrap, unique_name,
                                   nan_step=nan_step)
     assert_frames_match_torch(result, con, run_id)
+    complete = con.execute("SELECT count(*) FROM frames WHERE run_id = ? AND complete AND "
+                           "len(ranks_seen) = ?", [run_id, world]).fetchone()[0]
+    assert complete == STEPS
+    total = sum(result["records"][0]["layers"][k]["numel"] for k in result["names"])
+    assert 0 < result["elements"] < STEPS * total  # rank 0 read a share, not everything
     if nan_step is not None:  # NaN counted once, as torch counts it
         nan = con.execute("SELECT sum(nonfinite) FROM layer_stats WHERE run_id = ? AND "
                           "step = ?", [run_id, nan_step]).fetchone()[0]
         want = sum(v["nonfinite"] for v in result["records"][nan_step]["layers"].values())
         assert nan == want > 0
-    # The local view: every rank's own pre-all-reduce gradient, per layer and step.
+    local = con.execute(
+        "SELECT step, rank, count(*), sum(numel) FROM local_layer_stats WHERE run_id = ? "
+        "GROUP BY ALL ORDER BY ALL", [run_id]).fetchall()
+    if nan_step is None:
+        assert local == []  # steady state: nothing per rank
+    else:  # the recorder's lead-up: every step up to the NaN, of the rank that held it
+        n = len(result["names"])
+        assert local == [(s, world - 1, n, total) for s in range(nan_step + 1)]
+        bad = con.execute("SELECT DISTINCT rank FROM local_layer_stats WHERE run_id = ? AND "
+                          "step = ? AND nonfinite > 0", [run_id, nan_step]).fetchall()
+        assert bad == [(world - 1,)]  # only the rank whose input held the NaN
+
+
+def test_ddp_per_rank_sending_with_every_step_local_view(kafka_bootstrap, tmp_path,
+                                                         unique_name):
+    """``reduce="off"``: every rank sends its own replica, the consumer counts it once;
+    ``local_view="every_step"``: every rank's own pre-all-reduce gradient, every step."""
+    world = 2
+    result, con, run_id = run_job("ddp", world, tmp_path, kafka_bootstrap, unique_name,
+                                  nan_step=STEPS - 1, reduce="off", local_view="every_step")
+    assert_frames_match_torch(result, con, run_id)
+    assert result["elements"] is None
     local = con.execute(
         "SELECT step, rank, count(*), sum(numel) FROM local_layer_stats WHERE run_id = ? "
         "GROUP BY ALL ORDER BY ALL", [run_id]).fetchall()
     n = len(result["names"])
     total = sum(result["records"][0]["layers"][k]["numel"] for k in result["names"])
     assert local == [(s, r, n, total) for s in range(STEPS) for r in range(world)]
-    if nan_step is not None:
-        bad = con.execute("SELECT DISTINCT rank FROM local_layer_stats WHERE run_id = ? AND "
-                          "step = ? AND nonfinite > 0", [run_id, nan_step]).fetchall()
-        assert bad == [(world - 1,)]  # only the rank whose input held the NaN
 
 
-def test_ddp_replica_that_diverges_raises_an_alert(kafka_bootstrap, tmp_path, unique_name):
-    result, con, run_id = run_job("ddp", 3, tmp_path, kafka_bootstrap, unique_name,
-                                  diverge_step=1)
-    assert_frames_match_torch(result, con, run_id, steps=range(1))
+@pytest.mark.parametrize("reduce", ["in_band", "off"])
+def test_ddp_replica_that_diverges_raises_an_alert(reduce, kafka_bootstrap, tmp_path,
+                                                   unique_name):
+    """Rank 2 of 3 perturbs its copy of the first layer's gradient from step 1 on. Per-rank
+    sending compares every replica at every step; the in-band cross-check
+    (``check_slices=1``) compares each replica's copy within R - 1 = 2 steps."""
+    world, diverge = 3, 1
+    result, con, run_id = run_job("ddp", world, tmp_path, kafka_bootstrap, unique_name,
+                                  diverge_step=diverge, reduce=reduce, check_slices=1)
+    assert_frames_match_torch(result, con, run_id, steps=range(diverge))
     alerts = con.execute(
         "SELECT step, layers, ranks FROM alerts WHERE run_id = ? AND rule = "
         "'replica_divergence' AND state = 'firing'", [run_id]).fetchall()
     assert len(alerts) == 1
     step, layers, ranks = alerts[0]
-    # The replica that arrived first is counted; the others are compared with it, so the
-    # perturbed rank 2 is named either as the one that differs or as the reference.
-    assert step == 1 and layers == [result["names"][0]]
+    # The counted replica and the one compared with it are both named; the perturbed rank
+    # 2 is one of them.
+    assert diverge <= step <= diverge + (world - 1) - 1 and layers == [result["names"][0]]
     assert 2 in ranks and set(ranks) <= {0, 1, 2} and len(ranks) >= 2
 
 
@@ -170,7 +201,7 @@ def test_trainer_frameworks_under_ddp(kind, kafka_bootstrap, tmp_path, unique_na
     torchrun starts them, gradient accumulation 2: frames equal torch's values."""
     result, con, run_id = run_job(kind, 2, tmp_path, kafka_bootstrap, unique_name)
     assert len(result["records"]) == STEPS
-    assert_frames_match_torch(result, con, run_id)
+    assert_frames_match_torch(result, con, run_id)  # in-band by default
     local = con.execute("SELECT count(DISTINCT rank), count(DISTINCT step) FROM "
                         "local_layer_stats WHERE run_id = ?", [run_id]).fetchone()
     assert local == ((2, STEPS) if kind == "lightning" else (0, 0))  # Lightning: local_view

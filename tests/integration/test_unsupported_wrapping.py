@@ -2,13 +2,15 @@
 into wrong numbers: real ``torch.distributed`` ranks (gloo, CPU processes), the real
 ``GradientTap`` and ``GradientProducer`` pointed at the real broker.
 
-- FSDP v1 (``FullyShardedDataParallel``), with flat parameters and with
-  ``use_orig_params=True`` (where each rank would list its own local slices: rank 0 one
-  90-element "0.weight", rank 1 four layers);
+- a tap built on the module inside an FSDP v1 root unit (its flat parameter's unit is
+  outside the model given, so where the original parameters lie cannot be read);
 - pipeline-style ranks that each build the tap on their own stage (different layer lists).
 
 Every rank gets :class:`UnsupportedParallelismError` from ``start_run`` with a message that
-says what to do, and its producer has sent nothing.
+says what to do, and its producer has sent nothing. FSDP v1 itself, with flat parameters
+and with ``use_orig_params=True`` (whose ``named_parameters()`` are each rank's own
+slices), is accepted: both ranks announce the original parameters
+(``tests/integration/test_fsdp1.py`` checks the values).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from producer import GradientProducer
 from producer.adapters.torch import GradientTap
 from producer.adapters.torch_layout import UnsupportedParallelismError
 
-CASES = ("fsdp1", "fsdp1_orig_params", "pipeline")
+CASES = ("fsdp1", "fsdp1_orig_params", "fsdp1_inner", "pipeline")
 
 
 def _model() -> nn.Sequential:
@@ -48,6 +50,8 @@ def refusal_rank(rank: int, world: int, init: str, bootstrap: str, topic: str, r
             if case.startswith("fsdp1"):
                 net = FullyShardedDataParallel(net, use_orig_params=case.endswith("params"),
                                                device_id=torch.device("cpu"))
+                if case == "fsdp1_inner":  # the wrapped module, its root unit left outside
+                    net = net.module
             else:  # pipeline: rank 0 holds the first Linear, rank 1 the last
                 net = net[:2] if rank == 0 else net[2:]
             producer = GradientProducer(f"{run_id}-{case}", rank=rank, world_size=world,
@@ -68,7 +72,7 @@ def refusal_rank(rank: int, world: int, init: str, bootstrap: str, topic: str, r
         dist.destroy_process_group()
 
 
-def test_fsdp1_and_per_rank_layer_lists_are_refused_at_start_run(
+def test_unresolvable_fsdp1_and_per_rank_layer_lists_are_refused_at_start_run(
     kafka_bootstrap: str, tmp_path: Path, unique_name: str
 ) -> None:
     ctx = multiprocessing.get_context("spawn")
@@ -96,17 +100,18 @@ def test_fsdp1_and_per_rank_layer_lists_are_refused_at_start_run(
     assert sorted(results) == [0, 1] and all(p.exitcode == 0 for p in procs)
 
     for rank, out in results.items():
-        for case in ("fsdp1", "fsdp1_orig_params"):
+        for case in ("fsdp1", "fsdp1_orig_params"):  # accepted: the original parameters
             got = out[case]
-            assert got["built_with_reason"] and got["sent"] == 0, (rank, case, got)
-            assert "FSDP v1" in got["error"], (rank, case)
-            assert "torch.distributed.fsdp.fully_shard" in got["error"]
+            assert got["error"] is None and not got["built_with_reason"], (rank, case, got)
+            assert got["layers"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        inner = out["fsdp1_inner"]
+        assert inner["built_with_reason"] and inner["sent"] == 0, (rank, inner)
+        assert "FSDP v1" in inner["error"] and "not inside the model given to the tap" \
+            in inner["error"]
+        assert "build the tap on the FSDP-wrapped model itself" in inner["error"]
         pipe = out["pipeline"]
         assert not pipe["built_with_reason"] and pipe["sent"] == 0
         assert "the ranks announce different layer lists: rank 1 watches 2 layer(s), rank 0 " \
             "2" in pipe["error"]
         assert "pipeline stages that each watch their own layers are not supported yet" \
             in pipe["error"]
-    # what FSDP v1 with use_orig_params=True would have announced: different lists per rank
-    assert results[0]["fsdp1_orig_params"]["layers"] != \
-        results[1]["fsdp1_orig_params"]["layers"]

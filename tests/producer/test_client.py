@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from producer import GradientProducer, ProducerSettings, summarize
-from schemas.wire import RunStarted, StepSummary
+from schemas.wire import LocalSummary, RunStarted, StepSummary
 from tests.producer import UNREACHABLE, grads, numel, read_all
 
 
@@ -134,28 +134,40 @@ def test_broker_outage_loses_nothing_that_fitted_in_the_buffer(local_broker, uni
     assert finished and json.loads(finished[0].model_dump_json())["dropped"] == 0
 
 
-def test_replicated_step_with_local_view_through_the_broker(kafka_bootstrap: str,
-                                                              unique_name: str) -> None:
-    """``replicated=True`` sends the layout 0-of-1; ``local_gradients`` the local view;
-    ``dtypes`` reach RunStarted."""
+@pytest.mark.parametrize("local_view", ["every_step", "recorder"])
+def test_replicated_step_with_local_view_through_the_broker(
+    kafka_bootstrap: str, unique_name: str, local_view: str
+) -> None:
+    """``replicated=True`` sends the layout 0-of-1; ``local_gradients`` the local view:
+    inside the StepSummary (``every_step``), or, the NaN firing the flight recorder, as a
+    LocalSummary queued before the step's StepSummary, which then carries none
+    (``recorder``); ``dtypes`` reach RunStarted."""
     topic = f"repl-{unique_name}"
     avg = grads(2)
     mine = {"layer1.weight": np.array([1.0, -3.0, np.nan, 0.5], np.float32)}
     with GradientProducer("r", rank=1, world_size=2, bootstrap_servers=kafka_bootstrap,
-                          topic=topic) as gp:
+                          topic=topic, local_view=local_view) as gp:
         gp.start_run({"layer0.weight": 8, "layer1.weight": 8},
                      dtypes={"layer0.weight": "float32", "layer1.weight": "bfloat16"})
         gp.record_step(0, avg, replicated=True, local_gradients=mine)
         with pytest.raises(ValueError, match="unknown layer"):
             gp.record_step(1, avg, local_gradients={"nope": np.ones(2, np.float32)})
         gp.finish_run()
-    started, step = read_all(kafka_bootstrap, topic, 3)[:2]
+    messages = read_all(kafka_bootstrap, topic, 3 + (local_view == "recorder"))
+    started = messages[0]
     assert isinstance(started, RunStarted) and started.dtypes == ["float32", "bfloat16"]
+    if local_view == "recorder":
+        local, step = messages[1:3]
+        assert isinstance(local, LocalSummary) and not step.has_local
+        assert (local.rank, local.step, local.trigger, local.trigger_step) == (
+            1, 0, "nonfinite", 0)
+    else:
+        step = local = messages[1]
     assert isinstance(step, StepSummary)
     assert list(step.shard_index) == [0, 0] and list(step.shard_count) == [1, 1]
-    assert list(step.local_layer_indices) == [1] and list(step.local_numel) == [4]
-    assert list(step.local_sum_abs) == [4.5] and list(step.local_max_abs) == [3.0]
-    assert list(step.local_sum_sq) == [10.25] and list(step.local_nonfinite) == [1]
+    assert list(local.local_layer_indices) == [1] and list(local.local_numel) == [4]
+    assert list(local.local_sum_abs) == [4.5] and list(local.local_max_abs) == [3.0]
+    assert list(local.local_sum_sq) == [10.25] and list(local.local_nonfinite) == [1]
 
 
 def test_nan_count_sent_only_with_non_finite_elements(kafka_bootstrap: str, unique_name: str):

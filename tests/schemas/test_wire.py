@@ -419,3 +419,81 @@ def test_merged_frame_carries_the_nan_count() -> None:
     for fmt in ("binary", "json"):
         assert decode_frame_message(encode_message(frame, fmt)).nan is not None
         assert decode_frame_message(encode_message(frame, fmt)) == frame
+
+
+# -- in-band reduced summaries (schema 1.9) -------------------------------------------------
+
+def _reduced(**fields):
+    base = dict(run_id="r", step=0, rank=1, world_size=4, wall_time=1.0, layer_indices=[0],
+                numel=[3], sum_sq=[1.0], nonfinite=[0])
+    return StepSummary(**{**base, **fields})
+
+
+@pytest.mark.parametrize("wire_format", ["json", "binary"])
+def test_reduced_summary_round_trips(wire_format):
+    from schemas.wire import decode_message, encode_message
+
+    msg = _reduced(reduced_ranks=[0, 2, 3, 4], replica_divergence=[0, 3, 1])
+    back = decode_message(encode_message(msg, wire_format))
+    assert back == msg and back.reporting_ranks() == [0, 1, 3]
+
+
+@pytest.mark.parametrize("fields,error", [
+    ({"reduced_ranks": [0]}, "pairs"),
+    ({"reduced_ranks": [2, 1]}, "ascending"),
+    ({"reduced_ranks": [0, 2, 1, 4]}, "ascending"),
+    ({"reduced_ranks": [0, 5]}, "within world_size"),
+    ({"reduced_ranks": [2, 4]}, "sending rank 1"),
+    ({"replica_divergence": [0, 1, 2]}, "goes with reduced_ranks"),
+    ({"reduced_ranks": [0, 4], "replica_divergence": [0, 1]}, "3 integers"),
+    ({"reduced_ranks": [0, 4], "replica_divergence": [0, 9, 1]}, "rank >= world_size"),
+])
+def test_reduced_summary_rules(fields, error):
+    with pytest.raises(ValueError, match=error):
+        _reduced(**fields)
+
+
+# -- LocalSummary: a flight recorder's local view (schema 1.10) ---------------------------
+
+
+def _local(**over):
+    base = dict(
+        type="local_summary", schema_version="1.10", run_id="r", step=3, rank=1,
+        world_size=2, wall_time=1.5, trigger="nonfinite", trigger_step=5,
+        local_layer_indices=[0, 2], local_numel=[4, 8], local_sum_abs=[1.0, float("inf")],
+        local_sum_sq=[0.5, 1.0], local_max_abs=[0.5, 0.7], local_nonfinite=[0, 8],
+    )
+    base.update(over)
+    return base
+
+
+def test_local_summary_round_trip_through_both_decoders():
+    from schemas.wire import LocalSummary, decode_frame_message
+
+    msg = LocalSummary(**_local())
+    raw = encode_message(msg, "binary")  # rare messages: always JSON
+    assert raw.startswith(b"{") and b"Infinity" in raw
+    for decode in (decode_message, decode_frame_message):
+        again = decode(raw)
+        assert isinstance(again, LocalSummary) and again == msg
+
+
+@pytest.mark.parametrize(
+    ("override", "reason"),
+    [
+        ({"rank": 2}, "rank 2 must be < world_size 2"),
+        ({"trigger_step": 2}, "trigger_step 2 must be >= step 3"),
+        ({"trigger": "whenever"}, "trigger"),
+        ({"local_layer_indices": []}, "local_layer_indices"),
+        ({"local_numel": [4]}, "local_numel has 1 entries"),
+        ({"local_layer_indices": [2, 2]}, "unique"),
+        ({"local_nonfinite": [5, 0]}, "local_nonfinite exceeds"),
+        ({"local_max_abs": [float("inf"), 0.0]}, "local_max_abs"),
+        ({"local_sum_sq": [-1.0, 0.0]}, "local_sum_sq"),
+        ({"local_numel": [0, 8]}, "local_numel"),
+        ({"schema_version": "2.0"}, "major version"),
+    ],
+)
+def test_local_summary_is_checked(override, reason):
+    with pytest.raises(WireError, match=reason):
+        decode_message(json.dumps(_local(**override)))

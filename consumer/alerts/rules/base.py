@@ -22,7 +22,7 @@ from consumer.frames import GradientFrame
 from consumer.health_tracker import RunHealthTracker
 from consumer.runs import RunInfo
 from schemas.alert import AlertSeverity, RuleName
-from schemas.wire import StepSummary
+from schemas.wire import LocalSummary, StepSummary
 
 
 class RuleConfig(BaseModel):
@@ -207,6 +207,10 @@ class Rule(Generic[ConfigT]):
     def note_shard(self, shard: StepSummary) -> None:
         """See one validated shard of the run before its frame is evaluated (default:
         nothing to do)."""
+
+    def note_local(self, local: LocalSummary) -> None:
+        """See one validated local-view entry of a rank of the run (a flight recorder's
+        ``LocalSummary``, never part of a frame; default: nothing to do)."""
 
     def check_idle(self, now: float) -> Finding | None:
         """The rule's verdict while no frame arrives (``now``: worker monotonic clock, s),

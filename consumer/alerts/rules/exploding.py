@@ -3,7 +3,8 @@
 NaN/Inf frame continues a streak under way).
 
 The message names the ranks whose local gradient first had max |g| above the threshold or
-NaN/Inf, when the producers send the local view (``local_origin`` in the values).
+NaN/Inf, when the producers send the local view (``local_origin`` in the values): every
+step inside the frames, or a rank's flight recorder's ``LocalSummary`` (:meth:`note_local`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from consumer.alerts.rules.base import Finding, FrameContext, RunContext
 from consumer.alerts.rules.shared import LocalOrigin
 from consumer.alerts.rules.streak import StreakRule, StreakRuleConfig
 from schemas.alert import AlertRule, RuleName
+from schemas.wire import LocalSummary
 
 
 class ExplodingRuleConfig(StreakRuleConfig):
@@ -53,6 +55,14 @@ class ExplodingRule(StreakRule[ExplodingRuleConfig]):
             bad = (local.nonfinite > 0) | (local.max_abs > self.run.info.exploding_threshold)
             self.origin.update(ctx.frame.step, local.rank[bad])
         return super().evaluate(ctx)
+
+    def note_local(self, local: LocalSummary) -> None:
+        """Update where the explosion started from a flight recorder's entry (NaN/Inf or a
+        max |g| above the threshold in some layer of the rank's local gradient)."""
+        bad = ((np.asarray(local.local_nonfinite) > 0)
+               | (np.asarray(local.local_max_abs) > self.run.info.exploding_threshold))
+        if bad.any():
+            self.origin.update(local.step, np.array([local.rank]))
 
     def flags(self, ctx: FrameContext) -> np.ndarray:
         """The frame's ``is_exploding``, minus the layers excluded by the run's

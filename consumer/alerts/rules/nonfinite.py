@@ -2,9 +2,12 @@
 
 The ranks are those whose shard of that step counted non-finite elements (seen by
 :meth:`NonfiniteRule.note_shard` before the frame). When the producers send the per-rank
-local view (``GradientFrame.local``), the message also names where it started: the ranks
-whose *local* gradient held NaN/Inf at the run's earliest such step (:class:`LocalOrigin`;
-under DDP every rank's averaged gradient is NaN, the local view tells whose was first).
+local view (every step in ``GradientFrame.local``, or a rank's flight recorder's
+``LocalSummary``, :meth:`NonfiniteRule.note_local`), the message also names where it
+started: the ranks whose *local* gradient held NaN/Inf at the run's earliest such step
+(:class:`LocalOrigin`; under DDP every rank's averaged gradient is NaN, the local view tells
+whose was first). A recorder sends its dump before the StepSummary of the step that fired,
+so a frame's verdict already knows it when that rank also sends the step's summary.
 
 Values: ``layers`` (worst: most non-finite elements), ``nonfinite_by_rank`` (rank ->
 layer names), ``nonfinite_elements``, ``local_origin`` (``{"step", "ranks"}``, when known).
@@ -25,7 +28,7 @@ from consumer.alerts.rules.base import (
 )
 from consumer.alerts.rules.shared import LocalOrigin, preview
 from schemas.alert import AlertRule, RuleName
-from schemas.wire import StepSummary
+from schemas.wire import LocalSummary, StepSummary
 
 SHARD_STEPS_PER_RANK = 64
 """Steps with shard notes remembered per rank of the world (oldest dropped first): notes
@@ -53,16 +56,27 @@ class NonfiniteRule(Rule[NonfiniteRuleConfig]):
         """Remember the layers (int64[k]) in which ``shard`` counted non-finite elements,
         until that step's frame is evaluated; at most ``world_size *``
         :data:`SHARD_STEPS_PER_RANK` steps are kept. One pass over a finite shard's
-        ``nonfinite`` counts, nothing stored."""
-        bad = np.asarray(shard.nonfinite) > 0
-        if not bad.any():
+        ``nonfinite`` counts, nothing stored. A summary reduced in-band over several ranks
+        (``reduced_ranks``) does not say which rank held them: it names none (the ranks'
+        flight recorders do)."""
+        if shard.reduced_ranks is not None:
             return
+        nonfinite = np.asarray(shard.nonfinite)
+        if not np.count_nonzero(nonfinite):  # a finite shard: one cheap pass
+            return
+        bad = nonfinite > 0
         layers = np.asarray(shard.layer_indices, np.int64)[bad]
         by_rank = self._shard_nonfinite.setdefault(shard.step, {})
         earlier = by_rank.get(shard.rank)  # a summary split into parts: union of the parts
         by_rank[shard.rank] = layers if earlier is None else np.union1d(earlier, layers)
         if len(self._shard_nonfinite) > SHARD_STEPS_PER_RANK * self.run.info.world_size:
             self._shard_nonfinite.pop(next(iter(self._shard_nonfinite)))
+
+    def note_local(self, local: LocalSummary) -> None:
+        """Learn where NaN/Inf started from a flight recorder's entry: the rank, at the
+        entry's step, when some layer of its local gradient held NaN/Inf."""
+        if (np.asarray(local.local_nonfinite) > 0).any():
+            self.origin.update(local.step, np.array([local.rank]))
 
     def evaluate(self, ctx: FrameContext) -> Finding:
         """Bad when any row of the frame counts non-finite elements."""

@@ -11,7 +11,16 @@ from hypothesis import strategies as st
 from consumer.alerts.engine import AlertEngine
 from consumer.alerts.incident import ActiveIncident, Incident, Transition
 from schemas.alert import AlertRule, AlertSeverity, AlertState, incident_id
-from tests.consumer.alerts.helpers import FIRING, LAYERS, RESOLVED, Run, only, states
+from schemas.wire import LocalSummary
+from tests.consumer.alerts.helpers import (
+    FIRING,
+    LAYERS,
+    NUMEL,
+    RESOLVED,
+    Run,
+    only,
+    states,
+)
 
 
 def test_nonfinite_names_layers_ranks_and_first_step_then_resolves():
@@ -345,3 +354,31 @@ def test_local_origin_keeps_the_earliest_bad_step_and_its_ranks():
     assert origin.values() == {"local_origin": {"step": 5, "ranks": [0, 2]}}
     assert origin.phrase("NaN/Inf") == (
         "; NaN/Inf first in the local gradients of ranks 0, 2 at step 5")
+
+
+def _local_summary(step: int, rank: int, *, nonfinite: int = 0,
+                   max_abs: float = 0.1) -> LocalSummary:
+    """A flight recorder's entry of rank ``rank``: one layer, ``nonfinite`` NaN/Inf."""
+    return LocalSummary(
+        run_id="run-1", step=step, rank=rank, world_size=2, wall_time=1.0,
+        trigger="nonfinite" if nonfinite else "exploding", trigger_step=step + 1,
+        local_layer_indices=[1], local_numel=[NUMEL], local_sum_abs=[1.0],
+        local_sum_sq=[1.0], local_max_abs=[max_abs], local_nonfinite=[nonfinite])
+
+
+def test_flight_recorder_entries_name_where_it_started():
+    """A LocalSummary (no local rows in any frame) tells ``nonfinite`` and ``exploding``
+    the rank and step where their trouble started: finite entries teach nothing, NaN/Inf
+    teaches both, max |g| above the run's threshold only ``exploding``."""
+    run = Run(AlertEngine(only("nonfinite")))
+    run.engine.note_local(run.info, _local_summary(2, 0))  # finite: no origin
+    run.engine.note_local(run.info, _local_summary(4, 1, max_abs=5e3))  # not NaN/Inf
+    run.engine.note_local(run.info, _local_summary(3, 1, nonfinite=2))
+    (fired,) = run.step(5, nan={0: ["embed"], 1: ["embed"]})
+    assert fired.values["local_origin"] == {"step": 3, "ranks": [1]}
+    assert "NaN/Inf first in rank 1's local gradient at step 3" in fired.message
+
+    run = Run(AlertEngine(only("exploding", consecutive=1)))
+    run.engine.note_local(run.info, _local_summary(4, 1, max_abs=5e3))
+    (fired,) = run.step(5, scale={"head": 1e6})
+    assert fired.values["local_origin"] == {"step": 4, "ranks": [1]}

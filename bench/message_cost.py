@@ -1,0 +1,315 @@
+"""Worker CPU per message when every message is small: a pipeline-parallel run's summaries.
+
+A run of ``--ranks`` ranks, each reporting its own ``--layers`` layers of a
+``ranks x layers``-layer model (pipeline parallelism: every rank holds a disjoint slice of
+the layers, so every frame needs one message from each rank), sends ``--steps`` binary
+StepSummary messages per rank: the SDK's default wire format, with the values of
+``pipeline_throughput``'s ``sharded64`` shape (its record builder). Each rank's RunStarted
+comes first and its RunFinished last, as a real run sends them. Measured side by side in
+one run:
+
+1. **In process.** A real :class:`consumer.worker.Worker` (opened as ``gradstream consume
+   --db`` opens it: DuckDB output on a fresh file, the alerts topic, the default alert
+   rules; no Kafka consumer) handles the records through its own path,
+   ``ConsumerLoop.consume`` (decode + validate, checks, merge, frame, health, alert rules,
+   metrics, the batch), then writes the batch with its offsets (``flush(settle=True)``: one
+   DuckDB transaction on the sink's writer thread). ``time.process_time`` (every thread of
+   this process) around both gives ``us_per_message``: the least of ``--repeat`` passes,
+   each with a fresh worker and store. A second pass over the same records
+   with a fresh worker and store times the stages (the first pass carries no timers):
+   decode + validate (``schemas.wire.decode_message``); frame + health
+   (``ShardMerger._frame``: the frame fields and the layout check, and ``Worker._emit``:
+   health, alert rules, metrics, the batch); output (the write); merge (the rest of a
+   record: the checks against the run, ``ShardMerger.add`` without the frame, the loop's
+   bookkeeping). Each is printed as a share of that pass's total. A few steps of another
+   run go through a throwaway worker first (imports, the first DuckDB write), unmeasured.
+2. **End to end.** The same messages go through a real broker (``--bootstrap-servers``,
+   else ``KAFKA_BOOTSTRAP_SERVERS``, else a temporary local broker) to a fresh topic, sent
+   from this process (``pipeline_throughput.produce_direct``: the SDK's producer
+   settings); a real Worker thread consumes it into a fresh DuckDB file, from partition
+   assignment until ``worker.counters`` says every record was read, then stops (its last
+   write included; the store is checked to hold every row). CPU of this process over that
+   span per message (the loop thread, kafka-python's I/O thread, the DuckDB writer), and
+   the loop thread's own CPU per message (``time.pthread_getcpuclockid``).
+
+Run: ``python bench/message_cost.py [--ranks 64] [--layers 16] [--steps 200] [--repeat 3]
+[--bootstrap-servers HOST:PORT] [--profile FILE.html]``. The last line is
+``us_per_message=N decode_validate=R merge=R frame_health=R output=R
+e2e_us_per_message=N`` (the ratios are shares of the in-process total; target:
+``us_per_message`` at most 50 for 16-layer messages). Figures in ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import namedtuple
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+from live_broker import live_broker  # noqa: E402
+from pipeline_throughput import _stage_messages, produce_direct  # noqa: E402
+
+Record = namedtuple("Record", "topic partition offset value key")
+"""What the worker reads of a Kafka ``ConsumerRecord``."""
+
+STAGES = ("decode_validate", "merge", "frame_health", "output")
+
+
+def build_records(run_id: str, topic: str, ranks: int, layers: int,
+                  steps: int) -> list[Record]:
+    """The records of one run on partition 0 of ``topic``, in the order one partition holds
+    them: each rank's RunStarted, ``steps`` rounds of one binary StepSummary per rank
+    (rank r reports layers ``r * layers`` to ``(r + 1) * layers - 1``), each rank's
+    RunFinished."""
+    from schemas.wire import RunFinished, decode_message, encode_message
+
+    starts, summaries = _stage_messages([run_id], ranks, layers, steps, replicated=False)
+    start = decode_message(starts[0])
+    values = [encode_message(start.model_copy(update={"rank": r})) for r in range(ranks)]
+    values += summaries
+    values += [encode_message(RunFinished(
+        run_id=run_id, rank=r, world_size=ranks, last_step=steps - 1, steps_recorded=steps,
+        end_time=time.time())) for r in range(ranks)]
+    key = run_id.encode()
+    return [Record(topic, 0, offset, value, key) for offset, value in enumerate(values)]
+
+
+def _settings(bootstrap: str, tmp: Path, label: str) -> Any:
+    """ConsumerSettings of one worker: fresh topics, group and DuckDB file."""
+    from consumer.settings import ConsumerSettings
+
+    tag = f"{label}-{uuid.uuid4().hex[:8]}"
+    return ConsumerSettings(
+        bootstrap_servers=bootstrap, topic=f"bench-msg-{tag}", dlq_topic=f"bench-dlq-{tag}",
+        alerts_topic=f"bench-alerts-{tag}", group_id=f"bench-{tag}",
+        db=str(tmp / f"{tag}.duckdb"),
+    )
+
+
+def _handled_worker(settings: Any) -> Any:
+    """A Worker opened as ``run()`` opens it (output, alerts topic, restore), without a
+    Kafka consumer: records are handed to ``consume``."""
+    from consumer.worker import Worker
+
+    worker = Worker(settings)
+    worker.open()
+    return worker
+
+
+def _check(worker: Any, records: int, frames: int) -> None:
+    """Every record handled (at least once: a consumer group may hand a partition's last
+    records again after a rebalance), every frame complete, no dead letter."""
+    c = worker.counters
+    if c.messages < records or c.frames != frames or c.partial_frames or c.dead_letters:
+        raise RuntimeError(f"worker handled {c.messages} of {records} records, {c.frames} "
+                           f"frames of {frames} ({c.partial_frames} partial), "
+                           f"{c.dead_letters} dead letters")
+
+
+def in_process(settings: Any, records: list[Record], frames: int,
+               profile: str | None = None) -> tuple[float, float]:
+    """CPU seconds (``time.process_time``) of handling ``records`` with a fresh worker, and
+    of writing its batch. With ``profile``, pyinstrument samples the handling and writes an
+    HTML profile there (and a text summary to stdout)."""
+    worker = _handled_worker(settings)
+    profiler = None
+    if profile:
+        from pyinstrument import Profiler
+
+        profiler = Profiler(interval=0.0005)
+        profiler.start()
+    try:
+        clock = time.process_time
+        t0 = clock()
+        for record in records:
+            worker.consume(record)
+        t1 = clock()
+        worker.flush(settle=True)
+        t2 = clock()
+        if profiler is not None:
+            profiler.stop()
+            Path(profile).write_text(profiler.output_html())  # type: ignore[arg-type]
+            print(profiler.output_text(unicode=False, color=False, show_all=False,
+                                       time="percent_of_total")[:6000])
+        _check(worker, len(records), frames)
+    finally:
+        worker._close()
+    return t1 - t0, t2 - t1
+
+
+def stage_split(settings: Any, records: list[Record], frames: int) -> dict[str, float]:
+    """CPU seconds per stage (:data:`STAGES`) of handling ``records`` with a fresh worker,
+    each stage function wrapped in ``time.process_time`` calls (module doc)."""
+    import consumer.worker as worker_module
+
+    worker = _handled_worker(settings)
+    cpu = dict.fromkeys(STAGES, 0.0)
+    clock = time.process_time
+
+    def timed(stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                cpu[stage] += clock() - t
+        return wrapper
+
+    decode = worker_module.decode_message
+    worker_module.decode_message = timed("decode_validate", decode)
+    worker.merger._frame = timed("frame_health", worker.merger._frame)
+    worker._emit = timed("frame_health", worker._emit)
+    try:
+        t0 = clock()
+        for record in records:
+            worker.consume(record)
+        handling = clock() - t0
+        t1 = clock()
+        worker.flush(settle=True)
+        cpu["output"] = clock() - t1
+        _check(worker, len(records), frames)
+    finally:
+        worker_module.decode_message = decode
+        worker._close()
+    cpu["merge"] = handling - cpu["decode_validate"] - cpu["frame_health"]
+    return cpu
+
+
+def end_to_end(bootstrap: str, tmp: Path, ranks: int, layers: int,
+               steps: int, timeout_s: float = 600.0) -> tuple[int, float, float, float]:
+    """Send the run to a fresh topic, then consume it with a real Worker thread into a
+    fresh DuckDB file, from partition assignment until ``worker.counters`` says every
+    record was read, then stop it (its last write included) and check the store.
+
+    Returns:
+        (records read: ``worker.counters.messages``, at least those sent; wall seconds,
+        CPU seconds of this process over that span, CPU seconds of the worker's loop
+        thread until the last record was handled).
+
+    Raises:
+        RuntimeError: the worker failed, dead-lettered a record or stored another number
+            of rows or frames than the run holds. TimeoutError: not done in ``timeout_s``.
+    """
+    import duckdb
+
+    from consumer.topic_admin import ensure_topics
+    from consumer.worker import Worker
+
+    settings = _settings(bootstrap, tmp, "e2e")
+    run_id = f"bench-msg-{uuid.uuid4().hex[:8]}"
+    ensure_topics(settings, [settings.topic])
+    sent, seconds = produce_direct(bootstrap, settings.topic, [run_id], ranks, layers, steps,
+                                   False)
+    print(f"end to end: sent {sent} messages to {settings.topic} in {seconds:.1f} s")
+    worker = Worker(settings)
+    thread = threading.Thread(target=worker.run, name="gradstream-worker", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+
+    def wait(done: Callable[[], bool], what: str) -> None:
+        while not done():
+            if worker.error is not None or not thread.is_alive():
+                raise RuntimeError(f"the worker stopped before {what}: {worker.error!r}")
+            if time.monotonic() > deadline:
+                worker.stop()
+                raise TimeoutError(f"the worker did not get to {what} in {timeout_s:.0f} s")
+            time.sleep(0.005)
+
+    wait(lambda: worker.wait_ready(0.0), "its partition assignment")
+    assert thread.ident is not None
+    loop_clock = time.pthread_getcpuclockid(thread.ident)
+    wall, cpu, loop = time.perf_counter(), time.process_time(), time.clock_gettime(loop_clock)
+    wait(lambda: worker.counters.messages >= sent, "the last record")
+    loop = time.clock_gettime(loop_clock) - loop
+    worker.stop()
+    thread.join(timeout_s)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    if thread.is_alive() or worker.error is not None:
+        raise RuntimeError(f"the worker did not stop cleanly: {worker.error!r}")
+    _check(worker, sent, steps)
+    con = duckdb.connect(settings.db, read_only=True)
+    try:
+        rows, complete = con.execute(
+            "SELECT (SELECT count(*) FROM layer_stats), "
+            "(SELECT count_if(complete) FROM frames)").fetchone()
+    finally:
+        con.close()
+    if rows != ranks * layers * steps or complete != steps:
+        raise RuntimeError(f"stored {rows} rows and {complete} complete frames, expected "
+                           f"{ranks * layers * steps} and {steps}")
+    if worker.counters.messages > sent:
+        print(f"end to end: {worker.counters.messages - sent} records read again (a "
+              "rebalance gave the partition back)")
+    return worker.counters.messages, wall, cpu, loop
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure and print the figures (module doc); ``argv`` as on the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=64, help="ranks (default 64)")
+    parser.add_argument("--layers", type=int, default=16,
+                        help="layers per rank and message (default 16)")
+    parser.add_argument("--steps", type=int, default=200, help="steps (default 200)")
+    parser.add_argument("--bootstrap-servers", default=None,
+                        help="Kafka bootstrap address (default: KAFKA_BOOTSTRAP_SERVERS, "
+                        "else a temporary local broker)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="in-process passes, the least CPU kept (default 3): other "
+                        "processes on a shared machine slow single passes down")
+    parser.add_argument("--profile", metavar="FILE.html",
+                        help="profile the in-process handling with pyinstrument")
+    args = parser.parse_args(argv)
+    frames = args.steps
+    with tempfile.TemporaryDirectory(prefix="gradstream-msg-") as tmp_dir, \
+            live_broker(args.bootstrap_servers) as bootstrap:
+        tmp = Path(tmp_dir)
+        records = build_records(f"bench-msg-{uuid.uuid4().hex[:8]}", "bench-msg", args.ranks,
+                                args.layers, args.steps)
+        n = len(records)
+        print(f"run: {args.ranks} ranks x {args.layers} layers each "
+              f"({args.ranks * args.layers}-layer model), {args.steps} steps: {n} records "
+              f"({args.ranks} per frame), {len(records[args.ranks].value)} bytes per summary")
+        # Warm up first (imports, the first DuckDB write, NumPy's first calls): a few
+        # steps of another run through a throwaway worker, not measured.
+        warm = min(args.steps, 3)
+        in_process(_settings(bootstrap, tmp, "warm"), build_records(
+            f"bench-warm-{uuid.uuid4().hex[:8]}", "bench-msg", args.ranks, args.layers, warm),
+            warm)
+        passes = [in_process(_settings(bootstrap, tmp, "plain"), records, frames,
+                             args.profile if i == 0 else None) for i in range(args.repeat)]
+        handle, write = min(passes, key=sum)
+        total = handle + write
+        print(f"in process: {n} records, CPU {handle / n * 1e6:.1f} µs per message handled + "
+              f"{write / n * 1e6:.1f} µs per message written = {total / n * 1e6:.1f} µs "
+              f"(best of {args.repeat}: " + ", ".join(
+                  f"{sum(p) / n * 1e6:.1f}" for p in passes) + ")")
+        cpu = stage_split(_settings(bootstrap, tmp, "split"), records, frames)
+        split_total = sum(cpu.values())
+        print("split (CPU µs per message, timed pass): " + "  ".join(
+            f"{name} {cpu[name] / n * 1e6:.1f}" for name in STAGES)
+            + f"  | sum {split_total / n * 1e6:.1f}")
+        read, wall, cpu_e2e, loop = end_to_end(bootstrap, tmp, args.ranks, args.layers,
+                                               args.steps)
+        print(f"end to end: {read} messages read and stored in {wall:.2f} s, CPU "
+              f"{cpu_e2e / read * 1e6:.1f} µs per message in this process "
+              f"({loop / read * 1e6:.1f} on the worker's loop thread)")
+        ratios = " ".join(f"{name}={cpu[name] / split_total:.2f}" for name in STAGES)
+        print(f"us_per_message={total / n * 1e6:.1f} {ratios} "
+              f"e2e_us_per_message={cpu_e2e / read * 1e6:.1f}")
+
+
+if __name__ == "__main__":
+    main()
