@@ -1069,8 +1069,10 @@ def _checked_arrays(layout: _Layout, data: memoryview, kind: str,
         return values
     assert layout.words is not None
     base, starts, words = layout.words
-    ints = np.frombuffer(data, _I64, count=words, offset=base) if ints_needed else None
-    floats = np.frombuffer(data, _F64, count=words, offset=base) if floats_needed else None
+    ints = np.frombuffer(data, _I64, count=words, offset=base)
+    floats = ints.view(_F64) if floats_needed else None  # the same bytes as float64
+    if not ints_needed:
+        ints = None
     lo_int = np.minimum.reduceat(ints, starts).tolist() if ints is not None else ()
     hi_int: Any = None
     lo_float = np.minimum.reduceat(floats, starts).tolist() if floats is not None else ()
