@@ -41,11 +41,11 @@ from producer.adapters.optional import import_torch
 from producer.adapters.torch_fsdp1 import original_parameters, unsupported_fsdp1
 from producer.adapters.torch_layout import (
     UnsupportedParallelismError,
-    check_ranks_agree,
     full_numel,
     gradient_piece,
 )
-from producer.adapters.torch_reduce import InBandReducer
+from producer.adapters.torch_reduce import InBandReducer, replica_layout
+from producer.adapters.torch_run_layers import RunLayers, gather_run_layers, replica_group
 from producer.adapters.torch_summary import (
     Accumulate,
     PendingSummaries,
@@ -294,6 +294,7 @@ class GradientTap:
         self.reduce = reduce
         self.check_slices = check_slices
         self.reducer: InBandReducer | None = None
+        self.run_layers: RunLayers | None = None
 
     @property
     def layer_names(self) -> list[str]:
@@ -343,24 +344,63 @@ class GradientTap:
 
         Raises:
             UnsupportedParallelismError: the model cannot be summarised exactly
-                (:attr:`unsupported`), or the ranks' layer lists differ (see the class);
+                (:attr:`unsupported`), or two ranks declare one layer name differently
+                (:mod:`producer.adapters.torch_run_layers`);
                 nothing is sent.
             Whatever ``producer.start_run`` raises (e.g. RuntimeError if already started).
         """
         self._refuse_unsupported()
         world = getattr(self.producer, "world_size", None)
-        check_ranks_agree(self._layer_numel, world)
-        self._set_up_reduction(world)
+        layers = self._gather_layers(world)
+        self._set_up_reduction(world, layers)
+        self.run_layers = layers
         self.producer.start_run(
-            self.layer_numel(),
+            dict(zip(layers.names, layers.numel.tolist(), strict=True)),
             vanishing_threshold=vanishing_threshold,
             exploding_threshold=exploding_threshold,
             config=config,
-            dtypes={name: dtype_name(param.dtype) for name, param in self._params},
+            dtypes=dict(zip(layers.names, layers.dtypes, strict=True)),
             ignore_layers=list(ignore_layers),
         )
 
-    def _set_up_reduction(self, world: object) -> None:
+    def _distributed(self, world: object) -> bool:
+        """Whether ``torch.distributed`` runs the producer's ``world`` (> 1) ranks."""
+        dist = import_torch().distributed
+        return (isinstance(world, int) and world > 1 and dist.is_available()
+                and dist.is_initialized() and dist.get_world_size() == world)
+
+    def _layout_of(self, i: int) -> Any:
+        """What knows watched parameter ``i``'s replica layout: its FSDP v1 original
+        parameter, else the tensor itself."""
+        slot = self._slots[i]
+        return self._tensors[i] if slot is None else slot
+
+    def _gather_layers(self, world: object) -> RunLayers:
+        """The run's layer list: the union of every rank's (one ``all_gather_object`` when
+        distributed), see :mod:`producer.adapters.torch_run_layers`.
+
+        Raises:
+            UnsupportedParallelismError: ranks declare one name differently.
+        """
+        dtypes = [dtype_name(param.dtype) for _, param in self._params]
+        numel = list(self._layer_numel.values())
+        if not self._distributed(world):
+            return gather_run_layers(self._names, numel, dtypes, [None] * len(numel), 0, 1)
+        dist = import_torch().distributed
+        rank = dist.get_rank()
+        described = []
+        for i in range(len(self._params)):
+            source = self._layout_of(i)
+            if getattr(source, "placements", None) is None and \
+                    not callable(getattr(source, "replica_layout", None)):
+                described.append(None)  # a plain tensor: replicated where declared
+                continue
+            layout = replica_layout(source, rank, dist.get_world_size())
+            described.append((layout.replicas, replica_group(layout.ranks)))
+        return gather_run_layers(self._names, numel, dtypes, described, rank,
+                                 dist.get_world_size())
+
+    def _set_up_reduction(self, world: object, layers: RunLayers) -> None:
         """Build the in-band reducer when :attr:`reduce` asks for it (``start_run``).
 
         Raises:
@@ -370,9 +410,7 @@ class GradientTap:
         if self.reduce == "off" or self.reducer is not None:
             return
         dist = import_torch().distributed
-        ready = (isinstance(world, int) and world > 1 and dist.is_available()
-                 and dist.is_initialized() and dist.get_world_size() == world)
-        if not ready:
+        if not self._distributed(world):
             if self.reduce == "in_band":
                 raise RuntimeError(
                     "reduce='in_band' needs torch.distributed initialised with the "
@@ -382,11 +420,11 @@ class GradientTap:
         before_finish = getattr(self.producer, "before_finish", None)
         if before_finish is not None:  # the last step's reduction is sent before RunFinished
             before_finish(self.flush)
-        self.reducer = InBandReducer.create(
-            self._names, [t if slot is None else slot  # FSDP v1: the slot knows its layout
-                          for t, slot in zip(self._tensors, self._slots, strict=True)],
-            np.fromiter(self._layer_numel.values(), np.int64, len(self._layer_numel)),
-            check_slices=self.check_slices)
+        rank, size = dist.get_rank(), dist.get_world_size()
+        layouts = [replica_layout(self._layout_of(i), rank, size,
+                                  holders=layers.declared_by[int(pos)])
+                   for i, pos in enumerate(layers.positions.tolist())]
+        self.reducer = InBandReducer.create(layers, layouts, check_slices=self.check_slices)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
         """Take a summary in every ``optimizer.step()``, before it reads the gradients.
@@ -590,12 +628,14 @@ class GradientTap:
         owned, checked = self.reducer.select(step)
         grads: dict[str, Any] = {}
         positions: list[int] = []
-        for i in np.flatnonzero(owned | checked).tolist():
+        assert self.run_layers is not None  # set by start_run with the reducer
+        own = self.run_layers.positions
+        for i in np.flatnonzero((owned | checked)[own]).tolist():
             piece = self._local_piece(i, self._tensors[i].grad)
             if piece is None:
                 continue
             grads[self._names[i]] = piece[0]
-            positions.append(i)
+            positions.append(int(own[i]))
         local = self._take_local()
         if local is not None:
             record_local = getattr(self.producer, "record_local", None)

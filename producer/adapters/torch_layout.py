@@ -14,24 +14,18 @@ parameter size. FSDP v1 (``FullyShardedDataParallel``, flat parameters or
 :mod:`producer.adapters.torch_fsdp1`, which also names the FSDP v1 layouts refused at
 ``start_run`` (:class:`UnsupportedParallelismError`).
 
-Every rank of a run must announce the same layer list: the consumer merges rank r's
-statistics of layer i with the other ranks' statistics of layer i. When
-``torch.distributed`` is initialised with as many ranks as the producer's ``world_size``,
-``start_run`` compares the ranks' layer lists (one ``all_gather_object`` of a digest: every
-rank must call it) and refuses the run on every rank when they differ, as they do when each
-pipeline stage builds a tap on its own stage (not supported yet).
+Every rank of a run announces the same layer list: the union of what the ranks declare
+(:mod:`producer.adapters.torch_run_layers`, e.g. pipeline stages each declaring their own
+layers), so that rank r's statistics of layer i are merged with the other ranks' statistics
+of the same parameter.
 
 Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
-from producer.adapters.optional import import_torch
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -40,8 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 class UnsupportedParallelismError(RuntimeError):
     """The model is wrapped, or the ranks are laid out, in a way gradstream cannot turn
     into the statistics of whole parameters yet (FSDP v1 over tensor-parallel DTensors or
-    with its unit outside the tapped model, ranks announcing different layer lists such as
-    pipeline stages). Raised by :meth:`GradientTap.start_run`, before anything is sent; the
+    with its unit outside the tapped model, ranks declaring one layer name for different
+    parameters). Raised by :meth:`GradientTap.start_run`, before anything is sent; the
     message says what to use instead."""
 
 
@@ -95,44 +89,3 @@ def gradient_piece(grad: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
             index = index * shape[mesh_dim] + coordinate[mesh_dim]
             count *= shape[mesh_dim]
     return to_local(), index, count
-
-
-def check_ranks_agree(layer_numel: Mapping[str, int], world_size: object) -> None:
-    """Refuse the run when the ranks of the default process group announce different
-    layer lists (names and sizes), e.g. one tap per pipeline stage.
-
-    Only when ``torch.distributed`` is initialised with ``world_size`` (> 1) ranks: one
-    ``all_gather_object`` of (layer count, SHA-256 of the list), a collective every rank
-    of the group must reach.
-
-    Args:
-        layer_numel: this rank's layer name -> full parameter size, in model order.
-        world_size: the producer's ``world_size`` (anything but an int >= 2 skips the check).
-
-    Raises:
-        UnsupportedParallelismError: some rank's list differs from rank 0's (on every
-            rank: all of them see the gathered digests).
-    """
-    torch = import_torch()
-    dist = torch.distributed
-    world = world_size
-    if (not isinstance(world, int) or world < 2 or not dist.is_available()
-            or not dist.is_initialized() or dist.get_world_size() != world):
-        return
-    listing = "\n".join(f"{name}\t{n}" for name, n in layer_numel.items())
-    mine = (len(layer_numel), hashlib.sha256(listing.encode()).hexdigest())
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
-    differ = [r for r, theirs in enumerate(gathered) if tuple(theirs) != tuple(gathered[0])]
-    if differ:
-        r = differ[0]
-        raise UnsupportedParallelismError(
-            f"the ranks announce different layer lists: rank {r} watches "
-            f"{gathered[r][0]} layer(s), rank 0 {gathered[0][0]} (or the same count with "
-            f"other names or sizes; {len(differ)} rank(s) differ from rank 0). Every rank "
-            "must report the same parameters (the consumer merges rank r's layer i with "
-            "the others' layer i): pipeline stages that each watch their own layers are "
-            "not supported yet; build the tap on the same model on every rank (DDP, "
-            "FSDP2 fully_shard, tensor parallel), or run one gradstream run per stage "
-            "with its own run id and world_size"
-        )

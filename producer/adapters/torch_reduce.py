@@ -34,10 +34,17 @@ whole gradient), and an FSDP job W pieces of every parameter. With it, per summa
 4. **One sender.** Rank ``sender`` (0) hands the reduced statistics to the producer as one
    summary of the whole parameters (piece 0 of 1) marked as reduced over ranks ``[0, W)``
    (``StepSummary.reduced_ranks``), with the disagreeing replicas as
-   ``replica_divergence`` rows (layer, checking rank, owning rank) for every piece of a
-   layer whose two copies differ beyond ``schemas.replicas.REPLICA_RTOL`` (exact for DDP,
-   where a layer is one piece; for a layer cut into several pieces every piece's pair is
-   named). The consumer counts the message as the report of every rank.
+   ``replica_divergence`` rows (layer, checking rank, owning rank) for every layer whose
+   two copies differ beyond ``schemas.replicas.REPLICA_RTOL``: the ranks are carried
+   through the MAX buffer (rank + 1 beside each counted and each checked row), exact for
+   DDP, where a layer is one piece; for a layer cut into several pieces the highest
+   checking and counting ranks are named (the layer and the step are exact). The consumer
+   counts the message as the report of every rank.
+
+The replica sets and the layer list come from
+:func:`producer.adapters.torch_run_layers.gather_run_layers`: under pipeline parallelism a
+plain tensor is replicated on the ranks of its stage only, and the buffers span the union
+of every stage's layers, so one message per step still carries the whole model.
 
 Importing this module does not import torch.
 """
@@ -53,14 +60,16 @@ from typing import Any
 import numpy as np
 
 from producer.adapters.optional import import_torch
+from producer.adapters.torch_run_layers import RunLayers
 from producer.summary import LayerSummaries
 from schemas.replicas import replicas_disagree
 
 SUM_COLUMNS = 10
 """Columns of the SUM buffer: counted numel, nonfinite, nan, sum_abs, sum_sq, nan-unknown;
 checked numel, nonfinite, sum_abs, sum_sq."""
-MAX_COLUMNS = 2
-"""Columns of the MAX buffer: counted max |g|, checked max |g|."""
+MAX_COLUMNS = 4
+"""Columns of the MAX buffer: counted max |g|, checked max |g|, the counting rank + 1 and
+the checking rank + 1 (0 where none: the largest such rank is named)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +91,12 @@ class ReplicaLayout:
         return int(self.ranks.shape[1])
 
 
-def replica_layout(param: Any, rank: int, world_size: int) -> ReplicaLayout:
+def replica_layout(param: Any, rank: int, world_size: int,
+                   holders: Sequence[int] | None = None) -> ReplicaLayout:
     """The replica layout of ``param`` as seen from ``rank``.
 
-    A plain tensor is one piece replicated on every rank of the default group (DDP). A
+    A plain tensor is one piece replicated on the ranks ``holders`` that declare it (every
+    rank of the default group under DDP; a pipeline stage's data-parallel ranks). A
     ``DTensor`` is cut by its ``Shard`` mesh dimensions (the piece index is the coordinate
     flattened row-major over them, as in
     :func:`producer.adapters.torch_layout.gradient_piece`) and replicated along the others
@@ -98,6 +109,7 @@ def replica_layout(param: Any, rank: int, world_size: int) -> ReplicaLayout:
     Args:
         param: a parameter (plain tensor or DTensor), or an object with
             ``replica_layout``. rank, world_size: this rank and the default group's size.
+        holders: the ranks holding a plain tensor (default: all of ``world_size``).
 
     Returns:
         The :class:`ReplicaLayout`.
@@ -108,7 +120,10 @@ def replica_layout(param: Any, rank: int, world_size: int) -> ReplicaLayout:
     placements = getattr(param, "placements", None)
     mesh = getattr(param, "device_mesh", None)
     if placements is None or mesh is None:
-        return ReplicaLayout(np.arange(world_size, dtype=np.int64).reshape(1, world_size), rank)
+        ranks = np.arange(world_size, dtype=np.int64) if holders is None \
+            else np.asarray(holders, np.int64)
+        where = np.flatnonzero(ranks == rank)
+        return ReplicaLayout(ranks.reshape(1, -1), int(where[0]) if where.size else -1)
     grid = np.asarray(mesh.mesh.tolist(), dtype=np.int64).reshape(tuple(mesh.shape))
     shard_dims = [d for d, p in enumerate(placements) if p.is_shard()]
     replica_dims = [d for d in range(grid.ndim) if d not in shard_dims]
@@ -122,16 +137,19 @@ def replica_layout(param: Any, rank: int, world_size: int) -> ReplicaLayout:
     return ReplicaLayout(table, slot)
 
 
-def assign_owners(weights: np.ndarray, replicas: np.ndarray) -> np.ndarray:
+def assign_owners(weights: np.ndarray, replicas: np.ndarray,
+                  groups: np.ndarray | None = None) -> np.ndarray:
     """The replica slot that counts each layer, balanced by weight (LPT rule).
 
     Layers are taken largest first (ties: model order) and each goes to the slot with the
-    least weight so far (ties: the lowest slot), separately for each replica count. The
+    least weight so far (ties: the lowest slot), separately for each replica set. The
     result depends only on its arguments, so every rank computes the same assignment.
 
     Args:
         weights: int64[L] elements per layer (the parameter's size). replicas: int64[L],
-            R of each layer.
+            R of each layer. groups: int64[L] replica-set keys (layers balanced together
+            share one; :func:`producer.adapters.torch_run_layers.replica_group`; default:
+            one set per replica count).
 
     Returns:
         int64[L] owner slot of each layer, in ``[0, R)``.
@@ -141,31 +159,37 @@ def assign_owners(weights: np.ndarray, replicas: np.ndarray) -> np.ndarray:
         [0, 1, 1, 1]
     """
     owner = np.zeros(len(weights), np.int64)
+    groups = replicas if groups is None else groups
     order = np.lexsort((np.arange(len(weights)), -np.asarray(weights, np.int64)))
-    for count in np.unique(replicas).tolist():
+    for group in np.unique(groups).tolist():
+        members = order[groups[order] == group]
+        count = int(replicas[members[0]])
         if count == 1:
             continue
         heap = [(0, slot) for slot in range(count)]
-        for layer in order[replicas[order] == count].tolist():
+        for layer in members.tolist():
             load, slot = heapq.heappop(heap)
             owner[layer] = slot
             heapq.heappush(heap, (load + int(weights[layer]), slot))
     return owner
 
 
-def check_slices_of(owner: np.ndarray, replicas: np.ndarray, slices: int) -> np.ndarray:
+def check_slices_of(owner: np.ndarray, groups: np.ndarray, slices: int) -> np.ndarray:
     """Each layer's check slice: its position among the layers of its owner slot (model
-    order, counted separately per replica count) modulo ``slices``.
+    order, counted separately per replica set) modulo ``slices``.
 
     Args:
-        owner: int64[L] owner slots. replicas: int64[L]. slices: C >= 1.
+        owner: int64[L] owner slots. groups: int64[L] replica-set keys (or replica
+            counts). slices: C >= 1.
 
     Returns:
         int64[L] in ``[0, C)``.
     """
-    key = replicas * (int(owner.max(initial=0)) + 1) + owner
-    order = np.argsort(key, kind="stable")
-    sorted_key = key[order]
+    key = np.lexsort((np.arange(len(owner)), owner, groups))
+    sorted_pair = np.column_stack([groups[key], owner[key]])
+    order = key
+    sorted_key = np.r_[0, np.cumsum((np.diff(sorted_pair, axis=0) != 0).any(axis=1))] \
+        if len(key) else np.empty(0, np.int64)
     starts = np.flatnonzero(np.r_[True, sorted_key[1:] != sorted_key[:-1]])
     position = np.arange(len(key)) - np.repeat(starts, np.diff(np.r_[starts, len(key)]))
     out = np.empty(len(key), np.int64)
@@ -183,12 +207,14 @@ class _InFlight:
 
 
 class InBandReducer:
-    """The in-band reduction of one tap's layers (see the module docstring).
+    """The in-band reduction of a run's layers (see the module docstring).
 
     Args:
-        names: the L layer names, in the tap's (and the run's) order.
-        params: the L parameters (plain tensors or DTensors), aligned with ``names``.
-        numel: int64[L] full parameter sizes (the ownership weights).
+        layers: the run's layer list and replica sets
+            (:func:`producer.adapters.torch_run_layers.gather_run_layers`), the same on every
+            rank; ``layers.positions`` are this rank's layers.
+        layouts: the :class:`ReplicaLayout` of each of this rank's layers (aligned with
+            ``layers.positions``).
         group: the process group the collectives run on (a gloo group spanning the
             default group; :meth:`create` makes one).
         rank, world_size: this rank and the default group's size.
@@ -198,7 +224,8 @@ class InBandReducer:
         sender: the rank that hands the reduced statistics to its producer.
 
     Raises:
-        ValueError: ``check_slices < 1`` or ``sender`` outside the group.
+        ValueError: ``check_slices < 1``, ``sender`` outside the group, or a layout per
+            layer missing.
 
     Attributes:
         elements_summarised: gradient elements this rank read so far (owned and checked
@@ -207,33 +234,33 @@ class InBandReducer:
     """
 
     def __init__(
-        self, names: Sequence[str], params: Sequence[Any], numel: np.ndarray, *, group: Any,
+        self, layers: RunLayers, layouts: Sequence[ReplicaLayout], *, group: Any,
         rank: int, world_size: int, check_slices: int = 4, sender: int = 0,
     ) -> None:
         if check_slices < 1:
             raise ValueError(f"check_slices must be >= 1, got {check_slices}")
         if not 0 <= sender < world_size:
             raise ValueError(f"sender {sender} must be a rank in [0, {world_size})")
-        self.names = tuple(names)
+        if len(layouts) != len(layers.positions):
+            raise ValueError("one replica layout per layer of this rank is needed")
+        self.names = layers.names
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.sender = sender
         self.check_slices = check_slices
-        self.layouts = [replica_layout(p, rank, world_size) for p in params]
-        self.replicas = np.array([lay.replicas for lay in self.layouts], np.int64)
-        self.slot = np.array([lay.slot for lay in self.layouts], np.int64)
-        self.owner = assign_owners(np.asarray(numel, np.int64), self.replicas)
-        self.check_slice = check_slices_of(self.owner, self.replicas, check_slices)
+        self.replicas = np.asarray(layers.replicas, np.int64)
+        self.slot = np.full(len(self.names), -1, np.int64)
+        self.slot[layers.positions] = [lay.slot for lay in layouts]
+        self.owner = assign_owners(layers.numel, self.replicas, layers.groups)
+        self.check_slice = check_slices_of(self.owner, layers.groups, check_slices)
         self.elements_summarised = 0
         self.steps_reduced = 0
         self._in_flight: _InFlight | None = None
 
     @classmethod
-    def create(
-        cls, names: Sequence[str], params: Sequence[Any], numel: np.ndarray, *,
-        check_slices: int = 4,
-    ) -> InBandReducer:
+    def create(cls, layers: RunLayers, layouts: Sequence[ReplicaLayout], *,
+               check_slices: int = 4) -> InBandReducer:
         """A reducer over the default group, with its own gloo group (collective: every
         rank of the default group must call it, in the same order as its other
         ``new_group`` calls).
@@ -245,7 +272,7 @@ class InBandReducer:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("the in-band reduction needs torch.distributed initialised")
         group = dist.new_group(backend="gloo")
-        return cls(names, params, numel, group=group, rank=dist.get_rank(),
+        return cls(layers, layouts, group=group, rank=dist.get_rank(),
                    world_size=dist.get_world_size(), check_slices=check_slices)
 
     def _checked_layers(self, step: int) -> np.ndarray:
@@ -255,7 +282,7 @@ class InBandReducer:
             self.check_slice == (step // spread) % self.check_slices)
 
     def select(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Which layers this rank summarises at ``step``.
+        """Which of the run's layers this rank summarises at ``step``.
 
         Returns:
             ``(owned, checked)``, bool[L] each: the layers whose pieces this rank counts,
@@ -276,7 +303,8 @@ class InBandReducer:
 
         Args:
             step: the optimiser step.
-            positions: int64[k] layer positions of ``summaries``' rows (k may be 0).
+            positions: int64[k] the run's layer positions of ``summaries``' rows (k may
+                be 0).
             summaries: this rank's statistics of those layers' local pieces, or None.
             owned, checked: :meth:`select`'s masks for ``step``.
         """
@@ -303,6 +331,7 @@ class InBandReducer:
             sums[rows, 4] = summaries.sum_sq[counted]
             sums[rows, 5] = 0.0 if nan_known else (nonfinite[counted] > 0)
             maxima[rows, 0] = max_abs[counted]
+            maxima[rows, 2] = self.rank + 1
             check = checked[positions]
             rows = positions[check]
             sums[rows, 6] = numel[check]
@@ -310,6 +339,7 @@ class InBandReducer:
             sums[rows, 8] = sum_abs[check]
             sums[rows, 9] = summaries.sum_sq[check]
             maxima[rows, 1] = max_abs[check]
+            maxima[rows, 3] = self.rank + 1
             self.elements_summarised += int(summaries.numel.sum())
         sums_t, maxima_t = torch.from_numpy(sums), torch.from_numpy(maxima)
         works = [
@@ -355,14 +385,16 @@ class InBandReducer:
             s[:, 1].astype(np.int64),
             nan=None if (s[:, 5] > 0).any() else s[:, 2].astype(np.int64),
         ).with_layout(0, 1)
-        divergence = self._divergence(flight.step, sums, maxima, flight.checked)
+        divergence = self._divergence(sums, maxima, flight.checked)
         return flight.step, summaries.with_reduction(
             np.array([0, self.world_size], np.int64), divergence)
 
-    def _divergence(self, step: int, sums: np.ndarray, maxima: np.ndarray,
-                    checked: np.ndarray) -> np.ndarray | None:
-        """int64[d, 3] rows (layer, checking rank, owning rank) of every piece of the
-        checked layers whose two copies disagree; None when all agree."""
+    @staticmethod
+    def _divergence(sums: np.ndarray, maxima: np.ndarray, checked: np.ndarray
+                    ) -> np.ndarray | None:
+        """int64[d, 3] rows (layer, checking rank, counting rank) of the checked layers
+        whose two copies disagree; None when all agree. A layer cut into several pieces
+        names its highest checking and counting ranks."""
         layers = np.flatnonzero(checked & (sums[:, 0] > 0))
         if layers.size == 0:
             return None
@@ -373,13 +405,4 @@ class InBandReducer:
         bad = layers[replicas_disagree(counted, copy)]
         if bad.size == 0:
             return None
-        rows = []
-        for layer in bad.tolist():  # rare: only layers whose replicas disagree
-            table = self.layouts[layer].ranks
-            owner = int(self.owner[layer])
-            count = table.shape[1]
-            k = 1 + step % max(count - 1, 1)
-            checker = (owner - k) % count
-            rows += [(layer, int(r), int(o)) for r, o in zip(table[:, checker],
-                                                            table[:, owner], strict=True)]
-        return np.asarray(rows, np.int64)
+        return np.column_stack([bad, maxima[bad, 3] - 1, maxima[bad, 2] - 1]).astype(np.int64)

@@ -299,3 +299,71 @@ def run_framework_rank(kind: str, rank: int, world: int, port: int, bootstrap: s
     producer.close()
     if rank == 0:
         queue.put({"names": names, "records": records})
+
+
+# -- pipeline parallelism: each stage's ranks build the tap on their own stage -------------
+
+
+def run_pipeline_rank(rank: int, world: int, dp: int, init: str, bootstrap: str, topic: str,
+                      run_id: str, queue: Any, options: dict[str, Any]) -> None:
+    """One rank of a 2-stage pipeline of :func:`model` (stage 0: ``0`` and ``1``, stage 1:
+    ``2``, named as in the unsplit model), ``dp`` data-parallel ranks per stage (DDP over
+    the stage's own gloo group), ranks ``[s * dp, (s + 1) * dp)`` holding stage s.
+
+    Activations go forward and their gradients back by point-to-point ``send`` /
+    ``recv`` between the ranks of equal data-parallel coordinate; gradient accumulation
+    over :data:`MICRO` micro-batches (``no_sync`` under DDP). Each rank's tap declares its
+    stage's layers only. The first rank of each stage puts torch's values of its stage's
+    full gradients on ``queue`` (with the stage's total norm). Option ``reduce`` (the
+    tap's).
+    """
+    from collections import OrderedDict
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        stage, dp_rank = divmod(rank, dp)
+        whole = model()
+        parts = ([("0", whole[0]), ("1", whole[1])] if stage == 0 else [("2", whole[2])])
+        net: nn.Module = nn.Sequential(OrderedDict(parts))
+        groups = [dist.new_group(list(range(s * dp, (s + 1) * dp))) for s in range(2)]
+        if dp > 1:
+            net = nn.parallel.DistributedDataParallel(net, process_group=groups[stage])
+        producer = GradientProducer(run_id, rank=rank, world_size=world,
+                                    bootstrap_servers=bootstrap, topic=topic)
+        tap = GradientTap(net, producer, **{k: options[k] for k in ("reduce",) if k in options})
+        tap.start_run()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+        named = dict(net.named_parameters())
+        names = tap.layer_names
+        params = [named[raw] for raw in named if _normalised(raw) in names]
+        tap.attach_optimizer(optimizer)
+        records: list[dict[str, Any]] = []
+        optimizer.register_step_pre_hook(
+            lambda *_: records.append(reference(names, params)))
+        peer = rank + dp if stage == 0 else rank - dp
+        for step in range(STEPS):
+            for micro in range(MICRO):
+                x, y = batch(step, micro, dp_rank)
+                sync = net.no_sync() if dp > 1 and micro < MICRO - 1 else nullcontext()
+                with sync:
+                    if stage == 0:
+                        h = net(x)
+                        dist.send(h.detach().contiguous(), peer)
+                        grad_h = torch.empty_like(h)
+                        dist.recv(grad_h, peer)
+                        h.backward(grad_h)
+                    else:
+                        h = torch.empty(x.shape[0], HIDDEN)
+                        dist.recv(h, peer)
+                        h.requires_grad_(True)
+                        nn.functional.mse_loss(net(h), y).backward()
+                        dist.send(h.grad.contiguous(), peer)
+            optimizer.step()
+            optimizer.zero_grad()
+        assert producer.finish_run(timeout=60)
+        producer.close()
+        if dp_rank == 0:
+            queue.put({"stage": stage, "names": names, "records": records,
+                       "layers": list(tap.run_layers.names) if tap.run_layers else None})
+    finally:
+        dist.destroy_process_group()

@@ -9,9 +9,11 @@ import pytest
 
 from producer.adapters.torch_reduce import (
     InBandReducer,
+    ReplicaLayout,
     assign_owners,
     check_slices_of,
 )
+from producer.adapters.torch_run_layers import RunLayers, gather_run_layers, replica_group
 
 
 def test_owners_balance_the_elements_each_replica_reads():
@@ -38,12 +40,15 @@ def test_check_slices_cycle_through_each_owners_layers():
 def _reducer(replicas: int, layers: int, slot: int, check_slices: int) -> InBandReducer:
     """A reducer of ``layers`` plain (DDP) parameters as rank ``slot`` of ``replicas``,
     built without a process group (select() needs none)."""
-    import torch
-
-    params = [torch.zeros(1 + i) for i in range(layers)]
-    numel = np.arange(1, layers + 1)
-    return InBandReducer([f"l{i}" for i in range(layers)], params, numel, group=None,
-                         rank=slot, world_size=replicas, check_slices=check_slices)
+    ranks = np.arange(replicas).reshape(1, -1)
+    run = RunLayers(
+        names=tuple(f"l{i}" for i in range(layers)), numel=np.arange(1, layers + 1),
+        dtypes=("float32",) * layers, replicas=np.full(layers, replicas),
+        groups=np.full(layers, replica_group(ranks)), positions=np.arange(layers),
+        declared_by=(tuple(range(replicas)),) * layers)
+    layouts = [ReplicaLayout(ranks, slot)] * layers
+    return InBandReducer(run, layouts, group=None, rank=slot, world_size=replicas,
+                         check_slices=check_slices)
 
 
 @pytest.mark.parametrize("replicas,layers,slices", [(2, 4, 1), (3, 7, 2), (4, 10, 4),
@@ -77,3 +82,16 @@ def test_each_rank_reads_about_one_replica_share_plus_a_bounded_check():
             owned, checked = red.select(step)
             share = numel[owned | checked].sum() / numel.sum()
             assert share <= 1 / replicas * (1 + 1 / slices) * 1.1
+
+
+def test_owners_are_balanced_within_each_replica_set():
+    # Two pipeline stages of two replicas each: same R, different rank sets.
+    a, b = replica_group(np.array([[0, 1]])), replica_group(np.array([[2, 3]]))
+    owner = assign_owners(np.array([8, 8, 8, 8]), np.full(4, 2), np.array([a, a, b, b]))
+    assert owner.tolist() == [0, 1, 0, 1]
+
+
+def test_the_run_layers_of_one_rank_are_its_own_list():
+    run = gather_run_layers(["a", "b"], [3, 4], ["float32"] * 2, [None, None], 0, 1)
+    assert run.names == ("a", "b") and run.numel.tolist() == [3, 4]
+    assert run.positions.tolist() == [0, 1] and run.replicas.tolist() == [1, 1]
