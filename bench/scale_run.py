@@ -27,10 +27,12 @@ and a RunFinished; the bench sends rank 0's RunStarted only, so the per-step fig
 per-step traffic alone.
 
 Then the largest share of one run's steps either of two workers would take
-(``two_worker_max_share``): the run's summaries sent to a topic of two partitions as the
-producer keys them, counted per partition from the end offsets (a worker of a consumer
-group of two owns one partition; 1.0 while a run's summaries are keyed by run id and so
-land in one partition).
+(``two_worker_max_share``): the run's summaries (at least 400 steps) sent to a topic of
+two partitions keyed as a producer with ``partition_key="step"`` keys them
+(``producer.transport.kafka.record_key``: ``run_id/step``, the scale-out setting),
+counted per partition from the end offsets (a
+worker of a consumer group of two owns one partition; with the default run-id key the
+whole run lands in one partition, 1.0).
 
 On paper, from the measured CPU per step: the workers a 10,000-rank x ``--layers`` run at
 1 step/s needs in each shape, ``ceil(cpu seconds per step at W = 10,000 x 1 step/s)``, with
@@ -242,22 +244,25 @@ def run_case(bootstrap: str, shape: str, ranks: int, layers: int, stage_layers: 
 
 def two_worker_share(bootstrap: str, ranks: int, layers: int, steps: int) -> float:
     """Largest share of one DDP run's step summaries in either partition of a two-partition
-    topic, as the producer keys them: with two workers in a consumer group each owns one
+    topic, keyed as a producer with ``partition_key="step"`` keys them
+    (:func:`producer.transport.kafka.record_key`; the RunStarted keeps the run-id key): with
+    two workers in a consumer group each owns one
     partition and finalises the frames of the summaries in it, so this is the largest share
     of the run's steps either worker takes (read from the partitions' end offsets)."""
     from kafka import KafkaConsumer, TopicPartition
 
+    from producer.transport.kafka import record_key
     from schemas.wire import RunStarted, encode_message
 
     rng = np.random.default_rng(1)
     numel = rng.integers(1_000, 100_000, layers)
     run_id = f"share-{uuid.uuid4().hex[:8]}"
-    key = run_id.encode()
-    records = [(key, encode_message(RunStarted(
+    records = [(record_key(run_id, "step"), encode_message(RunStarted(
         run_id=run_id, rank=0, world_size=ranks, layer_names=[f"l{i}" for i in range(layers)],
         numel=numel.tolist(), host="bench", start_time=time.time())))]
     summaries = []
     for step in range(steps):
+        key = record_key(run_id, "step", step)
         summaries += [(key, v) for v in step_messages("ddp", ranks, layers, 16, run_id, step,
                                                        numel, rng)]
     topic = f"share-{run_id}"
@@ -329,8 +334,10 @@ def main(argv: list[str] | None = None) -> None:
                           f"{case.bytes_per_step / case.one_rank_full_bytes:10.2f} "
                           f"{case.cpu_ms_per_step:14.3f} {case.steps_per_s:9.0f} "
                           f"{case.us_per_message:8.1f}", flush=True)
+            # 400 steps: a fair split's share has a standard deviation of 0.5 / sqrt(400)
+            # = 0.025, so a 0.6 ceiling holds by four of them
             share = two_worker_share(bootstrap, max(world_sizes), args.layers,
-                                     max(20, args.steps // 4))
+                                     max(400, args.steps // 4))
     finally:
         if broker is not None:
             broker.stop()  # type: ignore[attr-defined]

@@ -8,8 +8,32 @@ the frames topic, with each run's RunStarted / RunFinished. The store writer is 
 only reader and keeps its offsets in DuckDB, so a restart reads at once): it recomputes
 every frame's fields with :func:`consumer.frames.compute_frame` (the function a
 single-process worker uses, so both shapes store identical rows), updates the run health
-and writes rows and offsets in one DuckDB transaction. It also stores the workers' alert
-events from the alerts topic (run statuses there are skipped).
+and writes rows and offsets in one DuckDB transaction. It also stores the alert events read
+from the alerts topic (run statuses there are skipped).
+
+Per-run ordered work in step order. With ``partition_key="step"`` producers the steps of
+one run are merged by several workers, each publishing with its own lag, so a run's
+frames may arrive out of step order. The store writer holds each run's frames in a small
+reorder buffer (:class:`_RunOrder`) and takes them (reconcile, health window, run state,
+rows, alert rules) in step order: a frame that follows the run's last taken step (by one,
+or by the run's last stride, for producers sending every n-th step) is taken at once, any
+other waits until the oldest held frame of the run waited ``reorder_delay_s`` (then the
+smallest step is taken), and a frame of a step at or before the last taken one (a late
+rank, a replay) is taken at once. A held frame is not written: the offsets stored never
+pass it (:meth:`StoreWriter.pending_offsets`), so a restart reads it again.
+
+The alert rules (:mod:`consumer.alerts`) are evaluated here, on the frames in that order,
+and their events published to the alerts topic at once and stored with the batch (the
+workers of the frames topic evaluate none: ``consumer.outputs.base.Output.frame_rules``).
+Each (run, step) is evaluated once: a republished frame or one replayed after a restart
+finds its step stored (``_ranks``, restored from DuckDB) and is not evaluated again; a
+late rank's rewrite of a partial frame is skipped by the engine as in a worker. The
+incidents still firing are restored from the store's ``alerts`` table, and incident ids are
+deterministic (``schemas.alert.incident_id``), so a frame evaluated again after a crash
+between publishing and committing gives the same alert ids (upserted, published again).
+What only a worker sees is not in the MergedFrame: the ``nonfinite`` alert names the ranks
+whose local view (a flight recorder's ``LocalSummary``, republished on the frames topic, or
+the per-step local rows) held NaN/Inf, not those whose reduced shard did.
 
 A frame for (run, step) that is already stored is reconciled by its rank set:
 
@@ -31,13 +55,17 @@ with its stored ``layout_violations`` count, and a non-zero count keeps it parti
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from consumer.alerts.service import AlertService
 from consumer.frames import LocalRows, MergedShards, compute_frame
 from consumer.loop import ConsumerLoop, LoopCounters
 from consumer.merge import check_layout, merge_shard, not_yet_counted
@@ -57,6 +85,9 @@ from schemas.wire import (
 
 log = logging.getLogger("gradstream.store")
 
+REORDER_FRAMES_MAX = 4096
+"""Frames held per run at most (a memory bound); beyond it the smallest step is taken."""
+
 
 @dataclass(slots=True)
 class StoreWriterCounters(LoopCounters):
@@ -65,6 +96,8 @@ class StoreWriterCounters(LoopCounters):
     merged_late: int = 0
     ignored_replays: int = 0
     alerts: int = 0
+    reordered: int = 0
+    """Frames that arrived before a smaller step of their run and were held for it."""
 
 
 class StoreWriter(ConsumerLoop):
@@ -92,6 +125,9 @@ class StoreWriter(ConsumerLoop):
         self._ranks: dict[tuple[str, int], frozenset[int]] = {}
         # (run, step) -> merged sums, the worker's layout-violation rows and refused ranks
         self._partial: OrderedDict[tuple[str, int], _PartialFrame] = OrderedDict()
+        self._order: dict[str, _RunOrder] = {}
+        self._finished_last_step: dict[str, int] = {}
+        self.alerts: AlertService | None = None
 
     def topics(self) -> list[str]:
         """The frames topic, and the alerts topic when alerts are stored."""
@@ -107,15 +143,69 @@ class StoreWriter(ConsumerLoop):
         return DuckDBOutput.from_settings(self.settings)
 
     def restore(self) -> None:
-        """Runs, health and each stored step's rank set from DuckDB."""
+        """Runs, health, each stored step's rank set and the incidents still firing from
+        DuckDB; then the alert service (rules, alerts topic, sinks).
+
+        Raises:
+            consumer.alerts.config.AlertConfigError: invalid rule file or override.
+        """
         assert self.output is not None
-        stored = self.output.restore(self.book).frames
-        for run_id, (steps, _complete, ranks) in stored.items():
+        state = self.output.restore(self.book)
+        for run_id, (steps, _complete, ranks) in state.frames.items():
             for step, seen in zip(steps.tolist(), ranks, strict=True):
                 self._ranks[(run_id, step)] = frozenset(seen)
+        for run_id, tracker in self.trackers.items():
+            if tracker.last_step is not None and tracker.last_step >= 0:
+                self._order[run_id] = _RunOrder(last=int(tracker.last_step))
+        self.alerts = AlertService.from_settings(
+            self.settings, active=state.incidents or [], is_finished=self._run_over)
+        self.alerts.start()
+
+    def tick(self) -> None:
+        """Take the held frames whose wait is over; stalled / finished run alerts."""
+        if self._order:
+            now = time.monotonic()
+            for run_id in [r for r, o in self._order.items() if o.held]:
+                self._release(run_id, now)
+        if self.alerts is not None:
+            self.batch.alerts.extend(self.alerts.tick())
+
+    def pending_offsets(self) -> dict[tuple[str, int], int]:
+        """First offset of each partition's earliest held frame."""
+        offsets: dict[tuple[str, int], int] = {}
+        for order in self._order.values():
+            for held in order.held:
+                key = (held.record.topic, held.record.partition)
+                offsets[key] = min(offsets.get(key, held.record.offset), held.record.offset)
+        return offsets
+
+    def pending_count(self) -> int:
+        """Frames held for the steps before them."""
+        return sum(len(o.held) for o in self._order.values())
+
+    def runs_done(self, run_ids: list[str]) -> bool:
+        """As :meth:`consumer.loop.ConsumerLoop.runs_done`, and no frame of the runs
+        held for an earlier step."""
+        with self._lock:
+            if any(self._order[r].held for r in run_ids if r in self._order):
+                return False
+        return super().runs_done(run_ids)
+
+    def _run_over(self, run_id: str) -> bool:
+        """Whether the alert engine may retire a run: every rank finished, no frame of it
+        held, and its last taken step reached the last step the ranks reported."""
+        if not self.book.is_finished(run_id):
+            return False
+        order = self._order.get(run_id)
+        if order is not None and order.held:
+            return False
+        last = self._finished_last_step.get(run_id)
+        return last is None or (order is not None and order.last >= last)
 
     def closing(self) -> None:
-        """Log the totals."""
+        """Flush the alert sinks and log the totals."""
+        if self.alerts is not None:
+            self.alerts.close()
         c = self.counters
         log.info("store stopped: %d frames, %d late merges, %d replays ignored",
                  c.frames, c.merged_late, c.ignored_replays)
@@ -140,23 +230,52 @@ class StoreWriter(ConsumerLoop):
                 self.batch.runs_started.append(message)
         elif isinstance(message, RunFinished):
             if message.run_id in self.runs:
+                self._finished_last_step[message.run_id] = max(
+                    message.last_step, self._finished_last_step.get(message.run_id, -1))
                 self.book.finish(message)
                 self.batch.runs_finished.append(message)
         elif isinstance(message, MergedFrame):
-            self._on_frame(message, record)
+            self._arrive(message, record)
         elif isinstance(message, LocalSummary):  # checked by the worker
             if message.run_id not in self.runs:
                 self.dead_letter(record, f"local summary of unknown run {message.run_id!r}",
                                  "unknown_run")
                 return
             self.batch.local_summaries.append(message)
+            if self.alerts is not None:
+                self.alerts.note_local(self.runs[message.run_id], message)
 
-    def _on_frame(self, msg: MergedFrame, record: Any) -> None:
+    def _arrive(self, msg: MergedFrame, record: Any) -> None:
+        """Check a frame against its run, put it in the run's reorder buffer and take what
+        is in step order (module doc)."""
         run = self.runs.get(msg.run_id)
         if run is None or int(np.max(msg.layer_indices)) >= run.num_layers:
             self.dead_letter(record, f"frame of unknown run {msg.run_id!r} or with a layer "
                              "out of range", "unknown_run")
             return
+        order = self._order.setdefault(msg.run_id, _RunOrder())
+        order.push(msg, record, time.monotonic())
+        self._release(msg.run_id, time.monotonic())
+
+    def _release(self, run_id: str, now: float) -> None:
+        """Take the run's held frames that are in step order, or whose wait is over."""
+        order = self._order[run_id]
+        delay = self.settings.reorder_delay_s
+        while order.held:
+            head = order.held[0]
+            if not (order.follows(head.step) or len(order.held) > REORDER_FRAMES_MAX
+                    or now - order.oldest() >= delay):
+                break
+            heapq.heappop(order.held)
+            if head.waited:
+                self.counters.reordered += 1
+            order.taken(head.step)
+            self._on_frame(head.message, head.record)
+        for held in order.held:
+            held.waited = True
+
+    def _on_frame(self, msg: MergedFrame, record: Any) -> None:
+        run = self.runs[msg.run_id]
         key = (msg.run_id, msg.step)
         new = frozenset(msg.ranks_seen)
         stored = self._ranks.get(key)
@@ -201,6 +320,9 @@ class StoreWriter(ConsumerLoop):
         if msg.has_local:
             frame.local = LocalRows.from_shard(msg)
         self.book.record(frame, self.batch)
+        if self.alerts is not None and (stored is None or ranks != stored):
+            # each step once; a late rank's rewrite the engine skips (module doc)
+            self.batch.alerts.extend(self.alerts.on_frame(frame, run, self.trackers[run.run_id]))
         self.counters.frames += 1
         self.counters.layer_rows += len(frame.layer_index)
         self.metrics.observe_frame(frame)
@@ -223,6 +345,49 @@ class StoreWriter(ConsumerLoop):
         rows[:, 0] = -1 - np.arange(misfit_layers)
         rows[:, 1] = VIOLATION_STORED
         return _PartialFrame(sums, rows, set(refused))
+
+
+@dataclass(slots=True, order=True)
+class _Held:
+    """A frame held in its run's reorder buffer, ordered by (step, arrival)."""
+
+    step: int
+    seq: int
+    since: float = field(compare=False)
+    message: MergedFrame = field(compare=False)
+    record: Any = field(compare=False)
+    waited: bool = field(default=False, compare=False)
+
+
+@dataclass(slots=True)
+class _RunOrder:
+    """One run's reorder buffer: the held frames (a heap by step) and the last step taken
+    (-1: none yet, so a run's step 0 is taken at once) with the stride before it."""
+
+    last: int = -1
+    stride: int = 1
+    held: list[_Held] = field(default_factory=list)
+    _seq: itertools.count = field(default_factory=itertools.count)
+
+    def push(self, message: MergedFrame, record: Any, now: float) -> None:
+        """Hold ``message`` (read from ``record`` at monotonic time ``now``)."""
+        heapq.heappush(self.held, _Held(message.step, next(self._seq), now, message, record))
+
+    def follows(self, step: int) -> bool:
+        """``step`` may be taken now: at or before the last step taken (a late rank, a
+        replay), or the next one (last + 1, or last + the last stride)."""
+        return step <= self.last + 1 or step == self.last + self.stride
+
+    def taken(self, step: int) -> None:
+        """Note that ``step`` was taken."""
+        if step > self.last:
+            if self.last >= 0:
+                self.stride = step - self.last
+            self.last = step
+
+    def oldest(self) -> float:
+        """Monotonic time the longest-held frame arrived."""
+        return min(h.since for h in self.held)
 
 
 VIOLATION_STORED = 0

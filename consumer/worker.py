@@ -26,6 +26,20 @@ add up to the parameters' sizes is stored as partial with the ``shard_layout`` a
 transaction (DuckDB table ``refused_ranks``), and reloaded by :meth:`Worker.restore`: a
 worker restarted on the file keeps dead-lettering the refused rank's summaries.
 
+Scale-out mode (the frames-topic output). The steps of one run may be spread over the
+workers (producers with ``partition_key="step"``: a StepSummary keyed ``run_id/step``), so
+a worker may read a step summary of a run whose RunStarted (keyed by run id, in another
+partition) it has not seen: such a summary is *held* (at most
+:data:`HELD_SUMMARIES_MAX`, oldest dead-lettered first), the offsets stored never pass it
+(:meth:`Worker.pending_offsets`, as for a pending frame), and the compacted runs topic is
+read again, at most every :data:`RUNS_RELOAD_INTERVAL_S`, until the run is known (the
+summaries are then merged in the order they came) or ``shard_timeout_s`` passed (dead
+letter ``unknown_run``, as when no RunStarted exists). A RunFinished finalises only this
+worker's own pending frames of the run (none, when the run's steps went to other workers);
+the other workers finalise theirs when complete or after ``shard_timeout_s``. The alert
+rules are not evaluated here (:attr:`consumer.outputs.base.Output.frame_rules`): the store
+writer evaluates them over the merged frames, in step order.
+
 In scale-out mode the refusal goes to the compacted runs topic with the batch
 (:class:`consumer.outputs.frames_topic.RankRefused`, acknowledged before the offsets are
 committed); a restarted worker or a partition's new owner reads it there with the runs
@@ -36,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +73,25 @@ from schemas.wire import (
 )
 
 log = logging.getLogger("gradstream.consumer")
+
+HELD_SUMMARIES_MAX = 4096
+"""Step summaries of not-yet-known runs a scale-out worker holds at most (a memory bound:
+about a poll's worth of records, ``max_poll_records`` 2000, twice). Beyond it the oldest is
+dead-lettered ``unknown_run``."""
+
+RUNS_RELOAD_INTERVAL_S = 0.5
+"""While summaries of unknown runs are held, the runs topic is read again at most this
+often (each read opens a consumer and reads the compacted topic to its end)."""
+
+
+@dataclass(slots=True)
+class _Held:
+    """A step summary of a run not known yet, with its record and when it was first held
+    (monotonic s)."""
+
+    message: StepSummary
+    record: Any
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)
@@ -95,6 +128,11 @@ class Worker(ConsumerLoop):
         self.alerts: AlertService | None = None
         self._started_by: dict[str, int] = {}
         """run id -> rank of the RunStarted that defined the run (runs started here)."""
+        self._held: list[_Held] = []
+        """Step summaries of runs not known yet, in arrival order (scale-out mode)."""
+        self._learns_runs = False
+        """The output tells runs recorded by other processes (scale-out: the runs topic)."""
+        self._runs_read_at = 0.0
 
     # -- loop hooks ----------------------------------------------------------------------
 
@@ -133,10 +171,11 @@ class Worker(ConsumerLoop):
             self.merger.refuse(run_id, rank, reason)
         if self.runs:
             log.info("restored %d runs from %s", len(self.runs), self.output.describe())
-        self.alerts = AlertService.from_settings(
-            self.settings, active=state.incidents, is_finished=self.book.is_finished,
-        )
-        self.alerts.start()
+        if self.output.frame_rules:  # else the store writer evaluates them
+            self.alerts = AlertService.from_settings(
+                self.settings, active=state.incidents, is_finished=self.book.is_finished,
+            )
+            self.alerts.start()
 
     def assigned(self, partitions: list[Any]) -> None:
         """Learn what the output holds that another process recorded (scale-out: the runs
@@ -146,14 +185,22 @@ class Worker(ConsumerLoop):
         state = self.output.assign()
         if state is None:
             return
+        self._learns_runs = True
+        self._runs_read_at = time.monotonic()
+        self._learn(state)
+        if state.incidents is None:
+            self._restore_incidents()
+
+    def _learn(self, state: Any) -> None:
+        """Start the runs and refuse the ranks of ``state`` (a
+        :class:`consumer.outputs.base.KnownState`) that this worker does not know yet."""
+        assert self.merger is not None
         for message in state.runs_started:
             if message.run_id not in self.runs:
                 self.book.start(message)
         for run_id, rank, reason in state.refusals:
             if self.merger.refusal(run_id, rank) is None:
                 self.merger.refuse(run_id, rank, reason)
-        if state.incidents is None:
-            self._restore_incidents()
 
     def _restore_incidents(self) -> None:
         """Re-open the incidents still firing on the alerts topic for the runs this worker
@@ -164,13 +211,18 @@ class Worker(ConsumerLoop):
             log.info("re-opened %d firing incident(s) from %s", n, self.settings.alerts_topic)
 
     def revoked(self, keys: set[PartitionKey]) -> None:
-        """Forget the revoked partitions' pending frames."""
+        """Forget the revoked partitions' pending frames and held summaries."""
         assert self.merger is not None
         self.merger.drop_partitions(keys)
+        self._held = [h for h in self._held
+                      if (h.record.topic, h.record.partition) not in keys]
 
     def tick(self) -> None:
-        """Finalise frames whose ranks timed out; stalled / finished run alerts."""
+        """Release or expire held summaries of unknown runs; finalise frames whose ranks
+        timed out; stalled / finished run alerts."""
         assert self.merger is not None
+        if self._held:
+            self._retry_held(time.monotonic())
         if self.merger.pending_count:
             for frame in self.merger.expire(self.runs, time.monotonic()):
                 self._emit(frame)
@@ -178,12 +230,16 @@ class Worker(ConsumerLoop):
             self.batch.alerts.extend(self.alerts.tick())
 
     def pending_offsets(self) -> dict[PartitionKey, int]:
-        """First offset of each partition's earliest pending frame."""
-        return self.merger.earliest_pending_offsets() if self.merger else {}
+        """First offset of each partition's earliest pending frame or held summary."""
+        offsets = self.merger.earliest_pending_offsets() if self.merger else {}
+        for h in self._held:
+            key = (h.record.topic, h.record.partition)
+            offsets[key] = min(offsets.get(key, h.record.offset), h.record.offset)
+        return offsets
 
     def pending_count(self) -> int:
-        """Frames waiting for ranks."""
-        return self.merger.pending_count if self.merger else 0
+        """Frames waiting for ranks, and summaries waiting for their run."""
+        return (self.merger.pending_count if self.merger else 0) + len(self._held)
 
     def closing(self) -> None:
         """Flush the alert sinks and log the totals."""
@@ -234,6 +290,8 @@ class Worker(ConsumerLoop):
         self.batch.runs_started.append(msg)
         log.info("run %s started: %d layers, world size %d", msg.run_id, run.num_layers,
                  run.world_size)
+        if self._held:
+            self._retry_held(time.monotonic(), read_runs=False)
 
     def _known_run(self, run_id: str, record: Any) -> Any:
         """The run's RunInfo, or None after dead-lettering ``record`` (no RunStarted seen)."""
@@ -243,7 +301,46 @@ class Worker(ConsumerLoop):
                              "for it", "unknown_run")
         return run
 
+    def _hold(self, msg: StepSummary, record: Any) -> None:
+        """Keep a step summary of a run not known yet (scale-out mode, module doc); beyond
+        :data:`HELD_SUMMARIES_MAX`, read the runs topic at once and dead-letter the oldest
+        summary whose run is still unknown."""
+        self._held.append(_Held(msg, record))
+        if len(self._held) > HELD_SUMMARIES_MAX:
+            self._retry_held(time.monotonic(), force=True)
+        if len(self._held) > HELD_SUMMARIES_MAX:
+            oldest = self._held.pop(0)
+            self._known_run(oldest.message.run_id, oldest.record)  # dead-letters it
+
+    def _retry_held(self, now: float, read_runs: bool = True, force: bool = False) -> None:
+        """Re-read the runs topic (at most every :data:`RUNS_RELOAD_INTERVAL_S` unless
+        ``force``; not at all unless ``read_runs``), then merge the held summaries whose
+        run is now known, in arrival order, and dead-letter those held longer than
+        ``shard_timeout_s``."""
+        assert self.output is not None
+        if read_runs and (force or now - self._runs_read_at >= RUNS_RELOAD_INTERVAL_S):
+            self._runs_read_at = now
+            try:
+                state = self.output.assign()
+            except TimeoutError as exc:
+                log.warning("reading the runs topic again failed: %s", exc)
+            else:
+                if state is not None:
+                    self._learn(state)
+        held, self._held = self._held, []
+        timeout = self.settings.shard_timeout_s
+        for h in held:
+            if h.message.run_id in self.runs:
+                self._on_step(h.message, h.record)
+            elif now - h.since > timeout:
+                self._known_run(h.message.run_id, h.record)  # dead-letters it
+            else:
+                self._held.append(h)
+
     def _on_step(self, msg: StepSummary, record: Any) -> None:
+        if self._learns_runs and msg.run_id not in self.runs:
+            self._hold(msg, record)
+            return
         run = self._known_run(msg.run_id, record)
         if run is None:
             return

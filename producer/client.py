@@ -78,7 +78,8 @@ class GradientProducer:
             gp.finish_run()
 
     Args:
-        run_id: the run's id, the same on every rank (also the Kafka key).
+        run_id: the run's id, the same on every rank (also the Kafka key, with
+            ``run_id/step`` for step summaries under ``partition_key="step"``).
         rank: this process's rank, 0 <= rank < world_size.
         world_size: number of ranks that each send a summary per step.
         settings: a ProducerSettings; by default read from the environment.
@@ -120,7 +121,7 @@ class GradientProducer:
         self._skipped = 0
         self._training_s = 0.0
         self._before_finish: list[Callable[[], object]] = []
-        self._sender = Sender(self.settings, run_id.encode(), self._step_message,
+        self._sender = Sender(self.settings, run_id, self._step_message,
                               name=f"gradstream-sender-{rank}")
 
     @property

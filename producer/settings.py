@@ -62,6 +62,18 @@ class ProducerSettings(KafkaClientSettings):
     ``local_view="every_step"`` sends it every step inside the StepSummary (the local
     view of schema 1.3; ``record_local`` then sends a ``LocalSummary`` per step).
 
+    ``partition_key``: how records are keyed on the summaries topic
+    (``producer.transport.kafka.record_key``; ``GRADSTREAM_PARTITION_KEY``). ``"run"``
+    (default): every message carries the run id, so a run lands in one partition and one
+    worker merges all of it, in step order per rank: what the single-process
+    ``gradstream consume --db`` mode wants (its health window and streak rules follow the
+    run's steps as they arrive). ``"step"``: a StepSummary is keyed ``run_id/step``, so all
+    ranks and parts of one step share a partition (one worker merges each frame) while
+    the steps of one run spread over the partitions and the workers of a consumer group;
+    meant for scale-out workers (``gradstream consume --frames-topic``), where the store
+    writer puts the frames of a run back in step order before the per-run ordered work.
+    RunStarted, RunFinished and LocalSummary keep the run-id key in both modes.
+
     Message size: a StepSummary larger than the cluster's limit (the topic's
     ``max.message.bytes``, read once when connecting; ``message_max_bytes`` when it cannot
     be read), and never larger than ``max_request_size``, is split into several messages
@@ -95,6 +107,7 @@ class ProducerSettings(KafkaClientSettings):
     local_view_max_bytes: int = Field(default=DEFAULT_MAX_BYTES, gt=0)
     local_view_sample_every: int = Field(default=0, ge=0)
     spike_factor: float = Field(default=10.0, gt=1.0, allow_inf_nan=False)
+    partition_key: Literal["run", "step"] = "run"
 
     @field_validator("include", "exclude", mode="before")
     @classmethod

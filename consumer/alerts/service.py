@@ -1,11 +1,14 @@
-"""AlertService: a worker's alert engine wired to its sinks.
+"""AlertService: a worker's (or, in scale-out mode, the store writer's) alert engine wired
+to its sinks.
 
-The worker owns one: it calls :meth:`AlertService.note_shard`,
-:meth:`AlertService.note_local`, :meth:`AlertService.on_frame` and
-:meth:`AlertService.tick` on its own thread and puts the returned events in its DuckDB
-batch. Events are published to the alerts topic as soon as the frame is finalised (not
-after the DuckDB flush) and queued for the other sinks. An exception inside the engine is
-logged and counted, never raised: alerting must not stop frames from being stored.
+The process that evaluates the rules owns one (a worker writing DuckDB; in scale-out mode
+the store writer, on the frames put back in step order, :mod:`consumer.store_writer`). It
+calls :meth:`AlertService.note_shard` (a worker), :meth:`AlertService.note_local`,
+:meth:`AlertService.on_frame` and :meth:`AlertService.tick` on its own thread and puts the
+returned events in its DuckDB batch. Events are published to the alerts topic as soon as
+the frame is finalised (not after the DuckDB flush) and queued for the other sinks. An
+exception inside the engine is logged and counted, never raised: alerting must not stop
+frames from being stored.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from schemas.wire import LocalSummary, StepSummary
 
 if TYPE_CHECKING:
     from consumer.settings import ConsumerSettings
+    from consumer.store_writer_settings import StoreWriterSettings
 
 log = logging.getLogger("gradstream.alerts")
 
@@ -53,11 +57,13 @@ class AlertService:
 
     @classmethod
     def from_settings(
-        cls, settings: ConsumerSettings, *, is_finished: Callable[[str], bool],
+        cls, settings: ConsumerSettings | StoreWriterSettings, *,
+        is_finished: Callable[[str], bool],
         active: list[ActiveIncident] | None = None,
     ) -> AlertService:
-        """Build from a worker's settings: rules from ``alert_rules`` / ``alert_set``, the
-        alerts topic, the log, and the webhook when ``webhook_url`` is set.
+        """Build from a worker's or the store writer's settings: rules from
+        ``alert_rules`` / ``alert_set``, the alerts topic (none when ``alerts_topic`` is
+        None), the log, and the webhook when ``webhook_url`` is set.
 
         Raises:
             consumer.alerts.config.AlertConfigError: invalid rule file or override.
@@ -73,7 +79,8 @@ class AlertService:
                 settings.webhook_url, timeout_s=settings.webhook_timeout_s,
                 retries=settings.webhook_retries, queue_size=settings.alert_queue_size,
             ))
-        kafka = KafkaAlertSink(settings, settings.alerts_topic)
+        kafka = (KafkaAlertSink(settings, settings.alerts_topic) if settings.alerts_topic
+                 else None)
         return cls(engine, kafka, sinks)
 
     def start(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -109,6 +109,13 @@ class Output(ABC):
     An output that keeps nothing to restore from leaves the defaults of :meth:`on_open`,
     :meth:`restore`, :meth:`assign` and :meth:`load_sums`.
     """
+
+    frame_rules: ClassVar[bool] = True
+    """Whether the worker writing to this output evaluates the alert rules on its frames
+    (the DuckDB output: the worker owns whole runs, in step order). False for the frames
+    topic: there the steps of one run may be spread over several workers, so the store
+    writer evaluates the rules over the merged frames, put back in step order
+    (:mod:`consumer.store_writer`)."""
 
     def describe(self) -> str:
         """Where batches go, for the start-up log line."""

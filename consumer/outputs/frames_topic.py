@@ -305,6 +305,10 @@ class FramesTopicOutput(Output):
         kafka.errors.KafkaError: the cluster cannot be reached.
     """
 
+    frame_rules = False
+    """The store writer evaluates the alert rules, in step order (a run's steps may be
+    spread over the workers: ``ProducerSettings.partition_key="step"``)."""
+
     def __init__(self, settings: ConsumerSettings) -> None:
         self.settings = settings
         self.publisher = FramePublisher(settings)

@@ -213,6 +213,9 @@ def store(
     frames_topic: FramesTopicOption = None,
     group_id: StoreGroupOption = None,
     alerts_topic: AlertsTopicOption = None,
+    alert_rules: AlertRulesOption = None,
+    alert_set: AlertSetOption = None,
+    webhook: WebhookOption = None,
     max_frames: MaxFramesOption = None,
     ignore_layers: IgnoreLayersOption = None,
     exclude_rounding_level: ExcludeRoundingOption = None,
@@ -224,10 +227,13 @@ def store(
 ) -> None:
     """Store the frames published by scale-out workers (`consume --frames-topic`) in
     DuckDB: rows and consumed offsets in one transaction, each frame exactly once; a late
-    rank's frame is merged into the stored partial frame; the workers' alert events go
-    into the alerts table. Run exactly one per DuckDB file. While it writes, it answers
+    rank's frame is merged into the stored partial frame. A run's frames (its steps may
+    come from several workers) are taken in step order for the run health and the alert
+    rules, which the store evaluates and publishes to the alerts topic; the alert events
+    go into the alerts table. Run exactly one per DuckDB file. While it writes, it answers
     reads on a loopback endpoint advertised in <db>.serve.json. Stops cleanly on Ctrl-C /
     SIGTERM."""
+    from consumer.alerts.config import AlertConfigError, load_alert_rules
     from consumer.store_writer import StoreWriter
     from consumer.store_writer_settings import StoreWriterSettings
     from deploy.serve import ServedLoop
@@ -235,11 +241,16 @@ def store(
     logs.setup()
     settings = StoreWriterSettings(**given(
         bootstrap_servers=bootstrap_servers, db=db, frames_topic=frames_topic,
-        group_id=group_id, alerts_topic=alerts_topic, max_frames=max_frames,
+        group_id=group_id, alerts_topic=alerts_topic, alert_rules=alert_rules,
+        alert_set=alert_set or None, webhook_url=webhook, max_frames=max_frames,
         ignore_layers=ignore_layers or None, exclude_rounding_level=exclude_rounding_level,
         nonfinite_rule=None if nonfinite_rule is None else nonfinite_rule.value,
         metrics_port=metrics_port, stuck_partition_timeout_s=stuck_partition_timeout,
     ))
+    try:
+        load_alert_rules(settings.alert_rules, settings.alert_set)
+    except AlertConfigError as exc:
+        fail(f"invalid alert rules:\n{exc}", 2)
     served = ServedLoop(functools.partial(StoreWriter, settings), settings.db, read.options(),
                         "store")
     run_served(served, "store", "gradstream.store", "writing the batch")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from producer.settings import ProducerSettings
 
@@ -12,6 +12,41 @@ log = logging.getLogger("gradstream.producer")
 RECORD_OVERHEAD = 512
 """Bytes kept free below the message limit for the record batch and record headers
 (61 + about 30 bytes in Kafka's v2 format) besides the key."""
+
+
+STEP_KEY_DIGITS = 20
+"""Decimal digits of the largest step a ``"step"`` key is sized for (steps below 10**20;
+an int64 step has at most 19): the value limit counts the longest key a sender sends."""
+
+
+def record_key(run_id: str, partition_key: Literal["run", "step"],
+               step: int | None = None) -> bytes:
+    """The Kafka record key of a message of ``run_id`` (UTF-8 bytes).
+
+    ``partition_key="run"`` (the default of :class:`producer.settings.ProducerSettings`):
+    the run id, so every message of the run lands in one partition, in order per rank,
+    and one worker merges the whole run. ``"step"``: a StepSummary (``step`` given) is
+    keyed ``f"{run_id}/{step}"``, so every rank and part of one step share a partition
+    (one worker merges each frame) while the steps of one run spread over the partitions
+    (scale-out workers, ``gradstream consume --frames-topic``); run start / finish and
+    local-view messages (``step`` None) keep the run-id key.
+
+    Args:
+        run_id: the run's id. partition_key: the producer's setting.
+        step: the optimiser step of a StepSummary; None for any other message.
+
+    Returns:
+        The key bytes.
+    """
+    if partition_key == "step" and step is not None:
+        return f"{run_id}/{step}".encode()
+    return run_id.encode()
+
+
+def longest_key(run_id: str, partition_key: Literal["run", "step"]) -> bytes:
+    """The longest key :func:`record_key` gives a run's messages (a step of
+    :data:`STEP_KEY_DIGITS` digits): what the record size limit must leave room for."""
+    return record_key(run_id, partition_key, 10 ** STEP_KEY_DIGITS - 1)
 
 
 class KafkaConnection(NamedTuple):

@@ -19,7 +19,7 @@ from typing import Any, Literal, NamedTuple
 
 from producer.settings import ProducerSettings
 from producer.transport.encoding import LocalRecord, StepRecord, encode_within
-from producer.transport.kafka import connect
+from producer.transport.kafka import connect, longest_key, record_key
 from schemas.wire import LocalSummary, RunFinished, RunStarted, StepSummary
 
 log = logging.getLogger("gradstream.producer")
@@ -54,7 +54,9 @@ class Sender:
     Args:
         settings: the producer's settings (``queue_size``, ``enqueue_timeout_s``,
             ``topic``, ``wire_format``, the Kafka client settings).
-        key: the record key of every message (the run id).
+        run_id: the run's id; each record's key is
+            :func:`producer.transport.kafka.record_key` of it (``settings.partition_key``:
+            the run id, or ``run_id/step`` for a StepSummary).
         build_step: turns a :class:`StepRecord` into its ``StepSummary`` and a
             :class:`LocalRecord` into its ``LocalSummary`` (called on the sender thread).
         name: the thread's name.
@@ -66,12 +68,14 @@ class Sender:
     """
 
     def __init__(
-        self, settings: ProducerSettings, key: bytes,
+        self, settings: ProducerSettings, run_id: str,
         build_step: Callable[[StepRecord | LocalRecord], StepSummary | LocalSummary],
         name: str,
     ) -> None:
         self.settings = settings
-        self.key = key
+        self.run_id = run_id
+        self.key = record_key(run_id, settings.partition_key)
+        """The key of messages keyed by run (all of them with ``partition_key="run"``)."""
         self.build_step = build_step
         self.value_limit: int | None = None
         self.oversized_dropped = 0
@@ -235,7 +239,8 @@ class Sender:
 
     def _connect(self) -> bool:
         try:
-            self._kafka, self.value_limit = connect(self.settings, self.key)
+            self._kafka, self.value_limit = connect(
+                self.settings, longest_key(self.run_id, self.settings.partition_key))
             return True
         except Exception as exc:  # broker unreachable: keep queueing, retry with backoff
             if str(exc) != self._last_error:
@@ -252,9 +257,12 @@ class Sender:
             with self._cond:
                 self._failed += 1
             return
+        payload = item.payload
+        key = (record_key(self.run_id, self.settings.partition_key, payload.step)
+               if isinstance(payload, StepRecord) else self.key)
         for value in values:
             try:
-                future = self._kafka.send(self.settings.topic, key=self.key, value=value)
+                future = self._kafka.send(self.settings.topic, key=key, value=value)
             except Exception as exc:
                 log.error("could not send a %s message: %s", item.kind, exc)
                 with self._cond:

@@ -24,5 +24,6 @@ def test_tiny_run_prints_every_case_and_the_summary(kafka_bootstrap: str) -> Non
     finite_positive(summary["ddp64_wire_bytes_per_step"])
     finite_positive(summary["fsdp64_worker_ms_per_step"])
     finite_positive(summary["pp_us_per_message"])
-    assert float(summary["two_worker_max_share"]) == 1.0  # keyed by run id: one partition
+    # keyed run_id/step (partition_key="step"): the steps spread over both partitions
+    assert float(summary["two_worker_max_share"]) <= 0.6
     assert int(summary["workers_for_10k_ranks"]) >= 1

@@ -38,7 +38,8 @@ def frame_of(ranks: list[int]):
 
 @pytest.fixture
 def store(tmp_path):
-    s = StoreWriter(StoreWriterSettings(db=str(tmp_path / "s.duckdb")))
+    # frames of one step fed out of order on purpose: no wait in the reorder buffer
+    s = StoreWriter(StoreWriterSettings(db=str(tmp_path / "s.duckdb"), reorder_delay_s=0))
     s.open()
     offset = iter(range(10**6))
 
@@ -86,7 +87,7 @@ def test_late_rank_merges_with_a_frame_stored_before_a_restart(store, tmp_path):
     feed(frame_to_message(frame_of([1])))
     s.output.close()
     # a restarted store: state from DuckDB
-    again = StoreWriter(StoreWriterSettings(db=s.settings.db))
+    again = StoreWriter(StoreWriterSettings(db=s.settings.db, reorder_delay_s=0))
     again.open()
     again.consume(Record("frames", 0, 99, encode_message(frame_to_message(frame_of([0, 2]))),
                          b"r"))
@@ -198,3 +199,56 @@ def test_a_17_merged_frame_still_parses_without_violations(store):
         MergedFrame(**{**base, "layout_violations": [1, 2, 3]})
     with pytest.raises(ValidationError, match="ranks_seen"):
         MergedFrame(**{**base, "refused_ranks": [0]})
+
+
+def test_frames_of_a_run_are_taken_in_step_order(tmp_path):
+    """Frames arriving out of step order (two workers' lags) wait in the run's reorder
+    buffer and are stored and evaluated in step order; the offsets stored never pass a
+    held frame; a step missing for ``reorder_delay_s`` is skipped over."""
+    s = StoreWriter(StoreWriterSettings(db=str(tmp_path / "o.duckdb"), reorder_delay_s=60,
+                                        alerts_topic=None))
+    s.open()
+    order: list[int] = []
+    assert s.alerts is not None
+    evaluate = s.alerts.on_frame
+
+    def noting(frame, run, tracker):
+        order.append(frame.step)
+        return evaluate(frame, run, tracker)
+
+    s.alerts.on_frame = noting  # type: ignore[method-assign]
+    offsets = iter(range(10**6))
+
+    def feed(message) -> int:
+        offset = next(offsets)
+        s.consume(Record("frames", 0, offset, encode_message(message), b"r"))
+        return offset
+
+    def frame(step: int):
+        f = frame_of([0, 1, 2])
+        f.step = step
+        return frame_to_message(f)
+
+    try:
+        feed(RunStarted(run_id="r", world_size=3, layer_names=["a", "b"], numel=[12, 18],
+                        start_time=1.0))
+        feed(frame(0))
+        held = feed(frame(2))
+        feed(frame(3))
+        assert order == [0] and s.pending_count() == 2
+        assert s.pending_offsets() == {("frames", 0): held}
+        assert not s.runs_done(["r"])
+        feed(frame(1))  # the gap closes: 1, 2, 3 in step order
+        assert order == [0, 1, 2, 3] and s.pending_count() == 0
+        feed(frame(5))  # step 4 never comes: 5 waits, then is taken
+        assert order == [0, 1, 2, 3]
+        s.settings.reorder_delay_s = 0
+        s.tick()
+        assert order == [0, 1, 2, 3, 5]
+        feed(frame(2))  # a republished step: stored again, not evaluated again
+        assert order == [0, 1, 2, 3, 5]
+        s.flush()
+        steps = s.output.sink.con.execute("SELECT step FROM frames ORDER BY step").fetchall()
+        assert steps == [(0,), (1,), (2,), (3,), (5,)]
+    finally:
+        s.output.close()
