@@ -348,6 +348,9 @@ class GradientFrame:
         nan: int64[n], how many of the ``nonfinite`` elements are NaN (the others +-Inf),
             -1 where some shard of the layer did not send the count;
             None for a frame built without it.
+        nonfinite_pieces: int64[p, 2] rows (rank, layer_index): the ranks whose own
+            summaries of this step held NaN/Inf in that layer (per-rank sending; a summary
+            reduced in-band names none), for the ``nonfinite`` alert.
 
     In norms mode ``sum_abs``, ``max_abs_grad`` and ``mean_abs_grad`` are NaN for the
     layers where some shard lacked them (module docstring).
@@ -389,6 +392,9 @@ class GradientFrame:
     )
     refused_ranks: dict[int, str] = field(default_factory=dict)
     nan: np.ndarray | None = None
+    nonfinite_pieces: np.ndarray = field(
+        default_factory=lambda: np.empty((0, 2), np.int64)
+    )
 
     @property
     def all_ranks_seen(self) -> bool:

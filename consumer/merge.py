@@ -271,6 +271,8 @@ class _Pending:
     divergence: list[np.ndarray] = field(default_factory=list)
     """int32[d, 3] rows (layer_index, rank, reference_rank) that in-band reduced summaries
     carried (``StepSummary.replica_divergence``)."""
+    nonfinite: list[np.ndarray] = field(default_factory=list)
+    """int64[p, 2] rows (rank, layer_index) of per-rank summaries holding NaN/Inf."""
     parts: dict[int, set[int]] = field(default_factory=dict)
     """rank -> part indices arrived, for ranks with some but not all of their parts."""
 
@@ -570,6 +572,8 @@ class ShardMerger:
             if len(ledger_rows):
                 violations = np.concatenate([violations, ledger_rows])
         frame.layout_violations = violations
+        if pending.nonfinite:
+            frame.nonfinite_pieces = np.concatenate(pending.nonfinite)
         if len(ranks) < run.world_size:
             excused = self._excused(run.run_id, step)
             frame.refused_ranks = {r: excused[r] for r in frame.missing_ranks if r in excused}
@@ -618,6 +622,12 @@ def _merge_counted(pending: _Pending, shard: StepSummary, world_size: int) -> No
     if shard.replica_divergence is not None and len(shard.replica_divergence):
         pending.divergence.append(
             np.asarray(shard.replica_divergence, np.int64).reshape(-1, 3).astype(np.int32))
+    if shard.reduced_ranks is None:
+        bad = np.asarray(shard.nonfinite) > 0
+        if bad.any():
+            layers = np.asarray(shard.layer_indices, np.int64)[bad]
+            pending.nonfinite.append(np.column_stack([np.full(len(layers), shard.rank),
+                                                      layers]))
 
 
 def _add_reporting(ranks: set[int], shard: StepSummary) -> None:

@@ -31,9 +31,11 @@ late rank's rewrite of a partial frame is skipped by the engine as in a worker. 
 incidents still firing are restored from the store's ``alerts`` table, and incident ids are
 deterministic (``schemas.alert.incident_id``), so a frame evaluated again after a crash
 between publishing and committing gives the same alert ids (upserted, published again).
-What only a worker sees is not in the MergedFrame: the ``nonfinite`` alert names the ranks
-whose local view (a flight recorder's ``LocalSummary``, republished on the frames topic, or
-the per-step local rows) held NaN/Inf, not those whose reduced shard did.
+What only a worker sees travels in the MergedFrame (wire 1.11): the ranks whose own
+summaries held NaN/Inf (``nonfinite_pieces``) and the disagreeing replicas
+(``replica_divergence``), so the ``nonfinite`` and ``replica_divergence`` alerts evaluated
+here name them as a single-process worker's do; the ranks whose local view held NaN/Inf
+come from the flight recorders' ``LocalSummary`` messages, republished on the frames topic.
 
 A frame for (run, step) that is already stored is reconciled by its rank set:
 
@@ -319,6 +321,11 @@ class StoreWriter(ConsumerLoop):
                                for r in sorted(refused)}
         if msg.has_local:
             frame.local = LocalRows.from_shard(msg)
+        if msg.replica_divergence is not None and len(msg.replica_divergence):
+            frame.replica_divergence = np.asarray(
+                msg.replica_divergence, np.int64).reshape(-1, 3).astype(np.int32)
+        if msg.nonfinite_pieces is not None and len(msg.nonfinite_pieces):
+            frame.nonfinite_pieces = np.asarray(msg.nonfinite_pieces, np.int64).reshape(-1, 2)
         self.book.record(frame, self.batch)
         if self.alerts is not None and (stored is None or ranks != stored):
             # each step once; a late rank's rewrite the engine skips (module doc)

@@ -50,7 +50,7 @@ from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
 from schemas.versioned import VersionedMessage
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 10
+SCHEMA_MINOR = 11
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """The version this build writes. What each minor version carries (a consumer of an older
 minor version ignores the fields it does not know):
@@ -74,6 +74,8 @@ minor version ignores the fields it does not know):
 1.10   the flight recorder's message :class:`LocalSummary` (type ``local_summary``, JSON):
        one rank's local view of one step, sent when a local trigger fired (a 1.9
        consumer dead-letters it as an unknown type)
+1.11   MergedFrame ``replica_divergence`` (without ``reduced_ranks``) and
+       ``nonfinite_pieces``: what only a worker sees, for the store writer's alert rules
 =====  ================================================================================
 """
 
@@ -641,6 +643,30 @@ class MergedFrame(StepSummary):
     """Schema 1.8: missing ranks (ascending, not in ``ranks_seen``) whose data for this
     step the worker refused (their RunStarted was refused, or their summary of the step was
     dead-lettered), as opposed to ranks that sent nothing."""
+    nonfinite_pieces: list[NonNegInt] | None = None
+    """Schema 1.11: rows (rank, layer_index), flattened, 2 integers a row: the ranks whose
+    own summaries of this step held NaN/Inf in that layer (per-rank sending; a summary
+    reduced in-band names none), so that the store writer's ``nonfinite`` alert names them.
+    ``replica_divergence`` (schema 1.11 on a MergedFrame, any frame) carries the frame's
+    disagreeing replicas (layer_index, rank, reference_rank) for the ``replica_divergence``
+    alert."""
+
+    def _check_reduced(self) -> None:
+        if self.reduced_ranks is not None:
+            super()._check_reduced()
+            return
+        if self.replica_divergence is not None:
+            rows = self._np("replica_divergence")
+            if rows.size % 3:
+                raise ValueError("replica_divergence must hold 3 integers a row")
+            if rows.size and int(rows.reshape(-1, 3)[:, 1:].max()) >= self.world_size:
+                raise ValueError("replica_divergence names a rank >= world_size")
+        if self.nonfinite_pieces is not None:
+            rows = self._np("nonfinite_pieces")
+            if rows.size % 2:
+                raise ValueError("nonfinite_pieces must hold 2 integers a row")
+            if rows.size and int(rows[::2].max()) >= self.world_size:
+                raise ValueError("nonfinite_pieces names a rank >= world_size")
 
     def _local_unique(self) -> bool:
         ranks, layers = self._np("local_ranks"), self._np("local_layer_indices")
@@ -729,6 +755,7 @@ _ARRAY_FIELDS: dict[str, int] = {
     "ranks_seen": _NONNEG_INT, "local_ranks": _NONNEG_INT,
     "layout_violations": _NONNEG_INT, "refused_ranks": _NONNEG_INT,
     "reduced_ranks": _NONNEG_INT, "replica_divergence": _NONNEG_INT,
+    "nonfinite_pieces": _NONNEG_INT,
 }
 """Every list field of StepSummary / MergedFrame and the element rule its pydantic type
 states (finite and >= 0, finite, int >= 0, int > 0, histogram column in [0, BINS))."""

@@ -71,7 +71,9 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
     run use different producer settings). The frame's per-rank local view rows travel
     along (``local_ranks``). So do the frame's layout violations that its sums
     cannot show (the worker's ledger rows: replicas of another numel, other shard counts;
-    the ``numel`` kind the store checks again from the sums) and its refused ranks.
+    the ``numel`` kind the store checks again from the sums), its refused ranks, its
+    disagreeing replicas and the ranks whose summaries held NaN/Inf (wire 1.11: the store
+    writer's ``replica_divergence`` and ``nonfinite`` alerts name them).
 
     Raises:
         pydantic.ValidationError: the frame violates the wire contract (a bug upstream).
@@ -113,6 +115,10 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
         optional["layout_violations"] = ledger.ravel().tolist()
     if frame.refused_ranks:
         optional["refused_ranks"] = sorted(frame.refused_ranks)
+    if len(frame.replica_divergence):  # what only the worker saw (wire 1.11)
+        optional["replica_divergence"] = frame.replica_divergence.astype(np.int64).ravel().tolist()
+    if len(frame.nonfinite_pieces):
+        optional["nonfinite_pieces"] = frame.nonfinite_pieces.ravel().tolist()
     ranks = sorted(frame.ranks_seen)
     return MergedFrame(
         run_id=frame.run_id, step=frame.step, rank=ranks[0], world_size=frame.world_size,

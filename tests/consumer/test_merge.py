@@ -408,3 +408,15 @@ def test_the_cross_check_rows_of_a_reduced_summary_reach_the_frame():
     m = ShardMerger(10.0, StoreStub().load)
     frame = m.add(DDP4, reduced(0, divergence=[1, 3, 2]), P, 1, 0.0)
     assert frame.replica_divergence.tolist() == [[1, 3, 2]]
+
+
+def test_the_ranks_whose_summaries_held_nan_are_named_on_the_frame():
+    m = ShardMerger(10.0, StoreStub().load)
+    bad = shard(0, 1).model_copy(update={"nonfinite": [0, 1]})
+    m.add(RUN, shard(0, 0), P, 1, 0.0)
+    m.add(RUN, bad, P, 2, 0.0)
+    frame = m.add(RUN, shard(0, 2), P, 3, 0.0)
+    assert frame.nonfinite_pieces.tolist() == [[1, 1]]
+    reduced_frame = ShardMerger(10.0, StoreStub().load).add(
+        DDP4, reduced(0).model_copy(update={"nonfinite": [1, 0]}), P, 1, 0.0)
+    assert reduced_frame.nonfinite_pieces.shape == (0, 2)  # a reduced summary names none

@@ -1,6 +1,6 @@
 """Store-writer reconciliation of republished, replayed and late frames
 (consumer.store_writer), on a real DuckDB file; records are fed to the store writer's
-handler directly (no broker needed for the rules)."""
+handler directly (the alerts it evaluates go to a real broker's alerts topic)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,12 @@ def frame_of(ranks: list[int]):
 
 
 @pytest.fixture
-def store(tmp_path):
-    # frames of one step fed out of order on purpose: no wait in the reorder buffer
-    s = StoreWriter(StoreWriterSettings(db=str(tmp_path / "s.duckdb"), reorder_delay_s=0))
+def store(tmp_path, kafka_bootstrap, unique_name):
+    # frames of one step fed out of order on purpose: no wait in the reorder buffer; the
+    # alert rules' events go to a real alerts topic
+    s = StoreWriter(StoreWriterSettings(db=str(tmp_path / "s.duckdb"), reorder_delay_s=0,
+                                        bootstrap_servers=kafka_bootstrap,
+                                        alerts_topic=f"store-alerts-{unique_name}"))
     s.open()
     offset = iter(range(10**6))
 
@@ -87,7 +90,9 @@ def test_late_rank_merges_with_a_frame_stored_before_a_restart(store, tmp_path):
     feed(frame_to_message(frame_of([1])))
     s.output.close()
     # a restarted store: state from DuckDB
-    again = StoreWriter(StoreWriterSettings(db=s.settings.db, reorder_delay_s=0))
+    again = StoreWriter(StoreWriterSettings(db=s.settings.db, reorder_delay_s=0,
+                                            bootstrap_servers=s.settings.bootstrap_servers,
+                                            alerts_topic=s.settings.alerts_topic))
     again.open()
     again.consume(Record("frames", 0, 99, encode_message(frame_to_message(frame_of([0, 2]))),
                          b"r"))
@@ -252,3 +257,20 @@ def test_frames_of_a_run_are_taken_in_step_order(tmp_path):
         assert steps == [(0,), (1,), (2,), (3,), (5,)]
     finally:
         s.output.close()
+
+
+def test_what_only_the_worker_saw_travels_and_names_the_ranks_in_the_alerts(store):
+    """A frame whose rank 2 summary held NaN and whose replicas disagreed: the worker's
+    rows travel in the MergedFrame (wire 1.11) and the store writer's ``nonfinite`` and
+    ``replica_divergence`` alerts name the ranks."""
+    s, feed = store
+    frame = frame_of([0, 1, 2])  # shard(2) holds 2 non-finite elements in layer 1
+    frame.nonfinite_pieces = np.array([[2, 1]])
+    frame.replica_divergence = np.array([[0, 1, 0]], np.int32)
+    message = frame_to_message(frame)
+    assert message.nonfinite_pieces == [2, 1] and message.replica_divergence == [0, 1, 0]
+    feed(message)
+    rows = dict(s.output.sink.con.execute(
+        "SELECT rule, ranks FROM alerts WHERE state = 'firing'").fetchall())
+    assert rows["nonfinite"] == [2]
+    assert sorted(rows["replica_divergence"]) == [0, 1]

@@ -85,6 +85,9 @@ class NonfiniteRule(Rule[NonfiniteRuleConfig]):
         if local is not None and len(local) > 0:
             self.origin.update(f.step, local.rank[local.nonfinite > 0])
         notes = self._shard_nonfinite.pop(f.step, {})
+        for rank in np.unique(f.nonfinite_pieces[:, 0]).tolist():  # carried by the frame
+            layers = f.nonfinite_pieces[f.nonfinite_pieces[:, 0] == rank, 1]
+            notes[rank] = layers if rank not in notes else np.union1d(notes[rank], layers)
         rows = np.flatnonzero(f.nonfinite > 0)
         if rows.size == 0:
             return Finding(False)
