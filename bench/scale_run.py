@@ -13,8 +13,13 @@ single-process DuckDB mode):
 - ``fsdp2``: every rank holds a piece of every parameter; the pieces are summed in-band,
   rank 0 sends one summary per step.
 - ``pp``: pipeline stages of ``--stage-layers`` parameters (default 16), the W ranks split
-  evenly over the ``ceil(layers / stage_layers)`` stages; each stage reduces over its own
-  ranks and its first rank sends one summary of its layers per step.
+  evenly over the ``ceil(layers / stage_layers)`` stages, each stage's tap declaring its
+  own layers: the run's layer list is their union
+  (``producer.adapters.torch_run_layers``), each stage's replicas divide its layers and the
+  in-band reduction spans every stage, so rank 0 sends one summary of every layer per step.
+- ``pp-off`` (measured at the smallest W only): the pipeline with per-rank sending
+  (``reduce="off"``), every rank a summary of its stage's layers: W small messages a step,
+  the worker's cost per message (``pp_us_per_message``).
 
 Per case it prints: record bytes per optimiser step (values + keys of the summaries of one
 step), beside what per-rank sending (``reduce="off"``, every rank its own summary of the
@@ -59,6 +64,10 @@ from pathlib import Path
 import numpy as np
 
 SHAPES = ("ddp", "fsdp2", "pp")
+PER_RANK_PIPELINE = "pp-off"
+"""The pipeline shape with per-rank sending (``reduce="off"``): every rank sends its stage's
+layers, W small messages a step, measured at the smallest W for the worker's cost per
+message."""
 
 
 @dataclass
@@ -110,18 +119,22 @@ def step_messages(shape: str, ranks: int, layers: int, stage_layers: int, run_id
     """The binary StepSummary records the default configuration sends for one step."""
     from schemas.wire import StepSummary, encode_message
 
-    if shape in ("ddp", "fsdp2"):
-        groups = [(0, ranks, np.arange(layers))]
-    else:
-        stages = math.ceil(layers / stage_layers)
-        groups = [(a, b, np.arange(i * stage_layers, min((i + 1) * stage_layers, layers)))
-                  for i, (a, b) in enumerate(stage_ranges(ranks, stages))]
+    if shape != PER_RANK_PIPELINE:  # in-band: one summary of every layer (every stage's)
+        idx = np.arange(layers)
+        return [encode_message(StepSummary(
+            run_id=run_id, step=step, rank=0, world_size=ranks, wall_time=time.time(),
+            layer_indices=idx.tolist(), shard_index=[0] * layers, shard_count=[1] * layers,
+            reduced_ranks=[0, ranks], **_stats(rng, numel)), "binary")]
+    stages = math.ceil(layers / stage_layers)
     out = []
-    for start, stop, idx in groups:
-        out.append(encode_message(StepSummary(
-            run_id=run_id, step=step, rank=start, world_size=ranks, wall_time=time.time(),
-            layer_indices=idx.tolist(), shard_index=[0] * len(idx), shard_count=[1] * len(idx),
-            reduced_ranks=[start, stop], **_stats(rng, numel[idx])), "binary"))
+    for i, (start, stop) in enumerate(stage_ranges(ranks, stages)):
+        idx = np.arange(i * stage_layers, min((i + 1) * stage_layers, layers))
+        stats = _stats(rng, numel[idx])
+        for rank in range(start, stop):  # the stage's data-parallel replicas
+            out.append(encode_message(StepSummary(
+                run_id=run_id, step=step, rank=rank, world_size=ranks, wall_time=time.time(),
+                layer_indices=idx.tolist(), shard_index=[0] * len(idx),
+                shard_count=[1] * len(idx), **stats), "binary"))
     return out
 
 
@@ -334,6 +347,13 @@ def main(argv: list[str] | None = None) -> None:
                           f"{case.bytes_per_step / case.one_rank_full_bytes:10.2f} "
                           f"{case.cpu_ms_per_step:14.3f} {case.steps_per_s:9.0f} "
                           f"{case.us_per_message:8.1f}", flush=True)
+            small = min(world_sizes)
+            per_rank = run_case(bootstrap, PER_RANK_PIPELINE, small, args.layers,
+                                args.stage_layers, max(10, args.steps // 4), out)
+            print(f"{PER_RANK_PIPELINE:6} {small:5d} {per_rank.messages_per_step:9d} "
+                  f"{per_rank.bytes_per_step:11,d} {'':>15} {'':>10} "
+                  f"{per_rank.cpu_ms_per_step:14.3f} {per_rank.steps_per_s:9.0f} "
+                  f"{per_rank.us_per_message:8.1f}", flush=True)
             # 400 steps: a fair split's share has a standard deviation of 0.5 / sqrt(400)
             # = 0.025, so a 0.6 ceiling holds by four of them
             share = two_worker_share(bootstrap, max(world_sizes), args.layers,
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     pick = {c.shape: c for c in cases if c.ranks == top}
     print(f"ddp{top}_wire_bytes_per_step={pick['ddp'].bytes_per_step} "
           f"fsdp{top}_worker_ms_per_step={pick['fsdp2'].cpu_ms_per_step:.3f} "
-          f"pp_us_per_message={pick['pp'].us_per_message:.1f} "
+          f"pp_us_per_message={per_rank.us_per_message:.1f} "
           f"two_worker_max_share={share:.2f} workers_for_10k_ranks={max(need.values())}")
 
 

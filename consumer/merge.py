@@ -610,9 +610,12 @@ class ShardMerger:
 
 def _merge_counted(pending: _Pending, shard: StepSummary, world_size: int) -> None:
     """Merge the pieces of ``shard`` not counted yet into ``pending`` (replicas are checked
-    by the ledger, not added) and keep its local rows."""
+    by the ledger, not added) and keep its local rows. A summary reduced in-band holds the
+    whole parameters of its ranks, counted once already: it needs no ledger (whose L x W
+    piece table would cost O(W) per frame); a second summary over the same layers shows in
+    the element counts (:func:`check_layout`)."""
     keep = None
-    if shard.shard_index is not None:
+    if shard.shard_index is not None and shard.reduced_ranks is None:
         if pending.ledger is None:
             pending.ledger = PieceLedger(len(pending.merged.numel), world_size)
         keep = pending.ledger.admit(shard)

@@ -11,15 +11,17 @@ def test_tiny_run_prints_every_case_and_the_summary(kafka_bootstrap: str) -> Non
                      "--stage-layers", "8", bootstrap=kafka_bootstrap)
     lines = out.strip().splitlines()
     rows = {(p[0], int(p[1])): p for p in (line.split() for line in lines)
-            if p and p[0] in ("ddp", "fsdp2", "pp")}
-    assert set(rows) == {(s, w) for s in ("ddp", "fsdp2", "pp") for w in (8, 64)}, out
+            if p and p[0] in ("ddp", "fsdp2", "pp", "pp-off")}
+    assert set(rows) == {(s, w) for s in ("ddp", "fsdp2", "pp") for w in (8, 64)} | {
+        ("pp-off", 8)}, out
     for shape in ("ddp", "fsdp2"):
         assert rows[(shape, 8)][2] == rows[(shape, 64)][2] == "1"  # one message a step
         small, large = (int(rows[(shape, w)][3].replace(",", "")) for w in (8, 64))
         assert abs(large - small) <= 32  # bytes per step do not grow with W (only digits)
         per_rank = int(rows[(shape, 64)][4].replace(",", ""))
         assert per_rank > 32 * large  # per-rank sending multiplies by W
-    assert rows[("pp", 64)][2] == "5"  # 40 layers / 8 per stage
+    assert rows[("pp", 64)][2] == "1"  # the union of the stages, reduced in-band
+    assert rows[("pp-off", 8)][2] == "8"  # per-rank sending: every rank its stage's layers
     summary = key_values(lines[-1])
     finite_positive(summary["ddp64_wire_bytes_per_step"])
     finite_positive(summary["fsdp64_worker_ms_per_step"])
