@@ -172,7 +172,9 @@ class GradientTap:
             the consumer merges them. ``"auto"`` (default): in-band when
             ``torch.distributed`` is initialised with the producer's ``world_size`` (> 1)
             ranks at :meth:`start_run`, else off. The reduction is set up by
-            :meth:`start_run` (collective: every rank calls it).
+            :meth:`start_run` (collective: every rank calls it). In-band, a rank's own
+            statistics are read at once (``defer`` does not apply) and the reduction is
+            what waits until the next summarised step.
         check_slices: in-band mode: the cross-check covers a replica's layers in this many
             slices (>= 1): extra reading about ``1 / (check_slices R)`` of the gradient per
             rank; a diverging replica is named within ``check_slices (R - 1)`` summarised
