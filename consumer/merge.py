@@ -81,29 +81,52 @@ class PieceLedger:
     """The pieces (layer, shard_index) of one frame already counted, with the statistics of
     the replica that was counted, for the agreement check of later replicas.
 
-    Pieces are keyed ``layer * world_size + shard_index`` (``shard_index < shard_count <=
-    world_size``), in flat arrays of L x W entries allocated on the first shard with a
-    layout.
+    A layer's pieces get ``shard_count`` consecutive slots (the count the first rank to
+    report the layer declared; ``shard_index < shard_count`` is checked when a message is
+    decoded) the first time the layer is reported: piece (layer, i) is slot
+    ``base[layer] + i``. The slot arrays grow by doubling, so a frame holds one slot per
+    piece that exists (a pipeline stage's layers: one each), not L x W. A summary whose
+    layers are all reported for the first time in the frame (a pipeline stage's first
+    replica) holds only new pieces: it is queued, and the queued summaries' pieces are
+    entered in one batch when a summary reports an already seen layer (a replica), so a
+    frame of disjoint summaries costs two NumPy operations per summary here.
 
     Args:
-        num_layers: L. world_size: W.
+        num_layers: L. world_size: W (kept for the callers' reference; no table is sized
+            by it).
     """
 
-    __slots__ = ("count", "divergence", "nan", "nonfinite", "numel", "owner", "seen", "sums",
-                 "violations", "world_size")
+    __slots__ = ("base", "count", "divergence", "nan", "nonfinite", "numel", "owner",
+                 "queued", "seen", "size", "sums", "violations", "world_size")
 
     def __init__(self, num_layers: int, world_size: int) -> None:
-        size = num_layers * world_size
         self.world_size = world_size
-        self.seen = np.zeros(size, bool)
-        self.owner = np.full(size, -1, np.int32)
-        self.numel = np.zeros(size, np.int64)
-        self.nonfinite = np.zeros(size, np.int64)
-        self.nan = np.full(size, -1, np.int64)  # -1: the counted replica sent no NaN count
-        self.sums = np.full((size, 3), np.nan)  # sum_abs, sum_sq, max_abs
         self.count = np.zeros(num_layers, np.int64)  # first shard_count seen (0: none)
+        self.base = np.zeros(num_layers, np.int64)  # slot of piece 0 (valid where count > 0)
+        self.size = 0  # slots handed out
+        self.seen = np.zeros(0, bool)
+        self.owner = np.zeros(0, np.int32)
+        self.numel = np.zeros(0, np.int64)
+        self.nonfinite = np.zeros(0, np.int64)
+        self.nan = np.zeros(0, np.int64)  # -1: the counted replica sent no NaN count
+        self.sums = np.zeros((0, 3))  # sum_abs, sum_sq, max_abs
         self.divergence: list[np.ndarray] = []
         self.violations: list[np.ndarray] = []
+        self.queued: list[StepSummary] = []  # summaries of new layers only, not entered yet
+
+    def _reserve(self, size: int) -> None:
+        """Grow the slot arrays (doubling) to hold at least ``size`` slots."""
+        cap = len(self.seen)
+        if size <= cap:
+            return
+        cap = max(size, 2 * cap, 64)
+        grow = cap - len(self.seen)
+        self.seen = np.concatenate([self.seen, np.zeros(grow, bool)])
+        self.owner = np.concatenate([self.owner, np.full(grow, -1, np.int32)])
+        self.numel = np.concatenate([self.numel, np.zeros(grow, np.int64)])
+        self.nonfinite = np.concatenate([self.nonfinite, np.zeros(grow, np.int64)])
+        self.nan = np.concatenate([self.nan, np.full(grow, -1, np.int64)])
+        self.sums = np.concatenate([self.sums, np.full((grow, 3), np.nan)])
 
     def admit(self, shard: StepSummary) -> np.ndarray:
         """Record the pieces of ``shard`` (which must carry a layout) and return which of its
@@ -119,28 +142,63 @@ class PieceLedger:
             counted (False).
         """
         layers = np.asarray(shard.layer_indices, np.int64)
-        keys = layers * self.world_size + np.asarray(shard.shard_index, np.int64)
+        first = self.count[layers]
+        if not np.count_nonzero(first):  # only new layers, so only new pieces: queue it
+            self.count[layers] = shard.shard_count
+            self.queued.append(shard)
+            return np.ones(len(layers), bool)
+        if self.queued:
+            self._enter_queued()
+        return self._admit(shard, layers, self.count[layers])
+
+    def _enter_queued(self) -> None:
+        """Enter the pieces of the queued summaries (every one new, their layers' counts
+        set already) into the slot arrays, in one batch."""
+        shards, self.queued = self.queued, []
+        layers = np.concatenate([np.asarray(m.layer_indices, np.int64) for m in shards])
+        if not len(layers):  # summaries of no layer
+            return
+        cuts = self.count[layers]
+        ends = self.size + np.cumsum(cuts)
+        self.base[layers] = ends - cuts
+        self.size = int(ends[-1])
+        self._reserve(self.size)
+        keys = self.base[layers] + np.concatenate(
+            [np.asarray(m.shard_index, np.int64) for m in shards])
+        columns = [_ledger_columns(m) for m in shards]
+        self.seen[keys] = True
+        self.owner[keys] = np.repeat([m.rank for m in shards], [len(m.layer_indices)
+                                                                 for m in shards])
+        self.numel[keys] = np.concatenate([np.asarray(m.numel, np.int64) for m in shards])
+        self.nonfinite[keys] = np.concatenate([c[0] for c in columns])
+        self.nan[keys] = np.concatenate([c[1] for c in columns])
+        self.sums[keys] = np.concatenate([c[2] for c in columns])
+
+    def _admit(self, shard: StepSummary, layers: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """:meth:`admit` of a summary reporting some layer already seen (nothing queued):
+        ``layers`` int64[k] its layer indices, ``first`` int64[k] their first
+        ``shard_count`` (0: none yet)."""
+        index = np.asarray(shard.shard_index, np.int64)
         numel = np.asarray(shard.numel, np.int64)
         count = np.asarray(shard.shard_count, np.int64)
-        first = self.count[layers]
         unset = first == 0
-        self.count[layers[unset]] = count[unset]
-        other_cut = ~unset & (first != count)
+        if unset.any():  # the layers' first report: their pieces get slots
+            cuts = count[unset]
+            ends = self.size + np.cumsum(cuts)
+            self.base[layers[unset]] = ends - cuts
+            self.count[layers[unset]] = cuts
+            self.size = int(ends[-1])
+            self._reserve(self.size)
+            first = np.where(unset, count, first)
+        other_cut = first != count
         if other_cut.any():
             self.violations.append(_violation_rows(
                 layers[other_cut], VIOLATION_SHARD_COUNT, shard.rank, count[other_cut],
                 first[other_cut]))
+            index = np.where(other_cut, 0, index)  # a slot of the layer; never counted
+        keys = self.base[layers] + index
         new = ~self.seen[keys] & ~other_cut
-        nonfinite = np.asarray(shard.nonfinite, np.int64)
-        nan = (np.where(nonfinite == 0, 0, -1) if shard.nan is None
-               else np.asarray(shard.nan, np.int64))
-        sums = np.column_stack([
-            np.asarray(shard.sum_abs, np.float64) if shard.sum_abs is not None
-            else np.full(len(keys), np.nan),
-            np.asarray(shard.sum_sq, np.float64),
-            np.asarray(shard.max_abs, np.float64) if shard.max_abs is not None
-            else np.full(len(keys), np.nan),
-        ])
+        nonfinite, nan, sums = _ledger_columns(shard)
         fresh = keys[new]
         self.seen[fresh] = True
         self.owner[fresh] = shard.rank
@@ -186,6 +244,20 @@ class PieceLedger:
 
 
 _NO_DIVERGENCE = np.empty((0, 3), np.int32)
+
+
+def _ledger_columns(shard: StepSummary) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the ledger compares of ``shard``'s k entries: (int64[k] non-finite counts,
+    int64[k] NaN counts (-1 where the summary sent none for a non-finite entry),
+    float64[k, 3] sum_abs, sum_sq, max_abs (NaN where not sent))."""
+    nonfinite = np.asarray(shard.nonfinite, np.int64)
+    nan = (np.where(nonfinite == 0, 0, -1) if shard.nan is None
+           else np.asarray(shard.nan, np.int64))
+    sums = np.empty((len(nonfinite), 3))
+    sums[:, 0] = np.nan if shard.sum_abs is None else shard.sum_abs
+    sums[:, 1] = shard.sum_sq
+    sums[:, 2] = np.nan if shard.max_abs is None else shard.max_abs
+    return nonfinite, nan, sums
 
 
 def _violation_rows(layers: np.ndarray, kind: int, rank: int, got: np.ndarray,

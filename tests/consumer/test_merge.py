@@ -420,3 +420,40 @@ def test_the_ranks_whose_summaries_held_nan_are_named_on_the_frame():
     reduced_frame = ShardMerger(10.0, StoreStub().load).add(
         DDP4, reduced(0).model_copy(update={"nonfinite": [1, 0]}), P, 1, 0.0)
     assert reduced_frame.nonfinite_pieces.shape == (0, 2)  # a reduced summary names none
+
+
+def test_pipeline_stages_queued_then_a_replica_is_checked_against_its_stage():
+    """Disjoint stages (each summary reporting only new layers) are queued by the ledger;
+    a later replica of a queued stage is compared with that stage's counted rank, a cut
+    into pieces other than the stage's is a violation, and every stage counts once."""
+    run = RunInfo("p", 4, ("a", "b", "c", "d"), np.array([2, 2, 4, 4]), 1e-7, 1e3)
+
+    def stage(rank: int, layers: list[int], value: float, count: int = 1,
+              index: int = 0) -> StepSummary:
+        numel = [int(run.numel[i]) // count for i in layers]
+        return StepSummary(
+            run_id="p", step=0, rank=rank, world_size=4, wall_time=1.0,
+            layer_indices=layers, numel=numel, sum_abs=[n * value for n in numel],
+            sum_sq=[n * value**2 for n in numel], max_abs=[value] * len(layers),
+            nonfinite=[0] * len(layers), shard_index=[index] * len(layers),
+            shard_count=[count] * len(layers))
+
+    m = ShardMerger(10.0, StoreStub().load)
+    assert m.add(run, stage(0, [0, 1], 1.0), P, 0, 0.0) is None  # queued
+    assert m.add(run, stage(1, [2, 3], 2.0, count=2, index=1), P, 1, 0.0) is None  # queued
+    assert m.add(run, stage(2, [0, 1], 1.5), P, 2, 0.0) is None  # replica of rank 0: differs
+    frame = m.add(run, stage(3, [2, 3], 2.0, count=2, index=0), P, 3, 0.0)  # the other piece
+    assert frame.complete
+    assert frame.numel.tolist() == [2, 2, 4, 4]
+    assert frame.max_abs_grad.tolist() == [1.0, 1.0, 2.0, 2.0]  # rank 2 not added
+    assert frame.replica_divergence.tolist() == [[0, 2, 0], [1, 2, 0]]
+    assert len(frame.layout_violations) == 0
+
+    m = ShardMerger(10.0, StoreStub().load)
+    m.add(run, stage(0, [2], 2.0, count=2, index=1), P, 0, 0.0)  # queued: 2 pieces
+    m.add(run, stage(1, [0, 1], 1.0), P, 1, 0.0)  # queued
+    m.add(run, stage(2, [2, 3], 2.0), P, 2, 0.0)  # layer 2 whole: another cut
+    frame = m.add(run, stage(3, [2], 2.0, count=2, index=0), P, 3, 0.0)
+    rows = frame.layout_violations[frame.layout_violations[:, 1] == VIOLATION_SHARD_COUNT]
+    assert rows.tolist() == [[2, VIOLATION_SHARD_COUNT, 2, 1, 2]]
+    assert frame.numel.tolist() == [2, 2, 4, 4]  # layer 3 whole from rank 2, layer 2 halves
