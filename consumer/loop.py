@@ -15,6 +15,12 @@ A commit runs when the checkpoint says it is due (``max_batch_rows`` layer rows 
 ``flush_interval_s`` has passed and the output has no write in flight), before partitions
 are revoked and at stop.
 
+Rebalances: the listener writes before a revocation and rewinds the revoked partitions
+(:meth:`consumer.checkpoint.Checkpoint.rewind`), seeks on assignment, and keeps the group's
+rejoin needed until a poll applies the join (:func:`keep_rejoin_needed`: with kafka-python
+3.0.12 a leader's rebalance could otherwise lose its assignment and leave every partition
+unfetched when the revocation outlasted the poll timeout).
+
 Stuck-partition watchdog (:mod:`consumer.stuck_partition`, ``stuck_partition_timeout_s``):
 at most every ``stuck_partition_timeout_s / 4`` the loop reads the end offset of every
 assigned partition; a partition with records to read whose position has not moved for
@@ -546,17 +552,48 @@ def _all_partitions(consumer: Any, topics: list[str], timeout_s: float = 60.0) -
         time.sleep(0.2)
 
 
+def keep_rejoin_needed(consumer: Any) -> None:
+    """Mark the group rejoin of ``consumer`` (a kafka-python ``KafkaConsumer``) as needed
+    until a poll has applied its result; called when a rebalance starts (the revocation
+    listener, before the join is sent).
+
+    Work-around for kafka-python 3.0.12 (``kafka.coordinator``): a join runs as a task on
+    the I/O thread, and only a poll that still finds ``need_rejoin()`` true awaits it and
+    applies its assignment (``_on_join_complete``: the partitions' new state, the
+    assignment listener). A rebalance the group leader starts because its metadata changed
+    (a fresh group's leader always does, right after its first assignment) or because its
+    subscription changed is needed only through those snapshots, and the join task itself
+    brings them up to date (the leader's assignment takes the metadata snapshot, the
+    JoinGroup request the subscription). When the revocation listener outlasts the poll's
+    timeout (the loop's write before a revocation) and the join completes before the next
+    poll, that poll finds no rejoin needed, so the assignment is never applied: every
+    partition stays marked as being revoked (never fetched, its position where
+    :meth:`consumer.checkpoint.Checkpoint.rewind` left it) and heartbeats stay off, until
+    the consumer is re-created. ``request_rejoin`` keeps ``need_rejoin()`` true until a
+    poll applies a join's result; a join that completed unawaited is then replaced by one
+    more JoinGroup + SyncGroup round trip, which that poll applies. Without a coordinator
+    (another client version) nothing is done.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    request_rejoin = getattr(coordinator, "request_rejoin", None)
+    if request_rejoin is not None:
+        request_rejoin()
+
+
 class _Rebalance(ConsumerRebalanceListener):
-    """kafka-python rebalance listener delegating to a loop."""
+    """kafka-python rebalance listener delegating to a loop; at every revocation it keeps
+    the group's rejoin needed until a poll applies the join (:func:`keep_rejoin_needed`)."""
 
     def __init__(self, loop: ConsumerLoop) -> None:
         self.loop = loop
 
     def on_partitions_revoked(self, revoked: list[Any]) -> None:
+        keep_rejoin_needed(self.loop._consumer)
         self.loop.on_revoked(revoked)
 
     def on_partitions_assigned(self, assigned: list[Any]) -> None:
         self.loop.on_assigned(assigned)
 
     def on_partitions_lost(self, lost: list[Any]) -> None:
+        keep_rejoin_needed(self.loop._consumer)
         self.loop.on_revoked(lost, lost=True)
