@@ -2,10 +2,12 @@
 
 A scale-out worker's batch goes to the frames topic instead of DuckDB
 (:class:`FramesTopicOutput`). :class:`FramePublisher` publishes, per flushed batch and in
-this order, the new runs' RunStarted, the finished frames
+this order, the new runs' RunStarted, the flight recorders' LocalSummary messages as they
+came (JSON, stored by the store writer in ``local_layer_stats``; before the frames, as the
+producers queued them before their step's summary, so that the store writer's alert rules
+know where NaN/Inf started when they evaluate the frame), the finished frames
 (:class:`schemas.wire.MergedFrame`, key = run id, so a run's messages stay ordered in one
-partition), the flight recorders' LocalSummary messages as they came (JSON, stored by the
-store writer in ``local_layer_stats``) and the RunFinished messages; it waits until Kafka
+partition) and the RunFinished messages; it waits until Kafka
 acknowledged all of them (acks=all, idempotent) before the worker commits its offsets, so
 a crash in between only republishes frames, which ``gradstream store`` reconciles by their
 rank sets (:mod:`consumer.store_writer`). New runs are then recorded in the compacted runs
@@ -211,12 +213,12 @@ class FramePublisher:
         for started in batch.runs_started:
             futures.append(send(self.frames_topic, key=started.run_id.encode(),
                                 value=encode_message(started)))
+        for local in batch.local_summaries:  # before the frames: the store's rules learn
+            futures.append(send(self.frames_topic, key=local.run_id.encode(),  # the origin
+                                value=encode_message(local)))
         for frame, _health in batch.frames.values():
             futures.append(send(self.frames_topic, key=frame.run_id.encode(),
                                 value=encode_frame(frame)))
-        for local in batch.local_summaries:
-            futures.append(send(self.frames_topic, key=local.run_id.encode(),
-                                value=encode_message(local)))
         for finished in batch.runs_finished:
             futures.append(send(self.frames_topic, key=finished.run_id.encode(),
                                 value=encode_message(finished)))
