@@ -85,8 +85,40 @@ class LoopSettings(TopicCreationSettings):
         return value
 
 
-class ConsumerSettings(LoopSettings):
-    """Settings of a consumer worker (besides those of :class:`LoopSettings`).
+class AlertingSettings(LoopSettings):
+    """The alert rules and sinks of a loop that evaluates them (:mod:`consumer.alerts`): the
+    worker (:class:`ConsumerSettings`) and, in scale-out mode, the store writer
+    (:class:`consumer.store_writer_settings.StoreWriterSettings`).
+
+    Attributes:
+        alert_rules: TOML/YAML rule file (``consumer.alerts.config``); None = defaults.
+        alert_set: ``RULE.FIELD=VALUE`` overrides applied over the rule file
+            (``GRADSTREAM_ALERT_SET``: comma-separated).
+        webhook_url: POST each alert event (Slack-compatible JSON) here; None = no webhook.
+        webhook_timeout_s / webhook_retries: per attempt timeout (s) and extra attempts.
+        alert_queue_size: events each queued sink (log, webhook) holds before dropping.
+        status_interval_s: at most one routine run-status record per run per interval.
+    """
+
+    alert_rules: str | None = None
+    alert_set: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    webhook_url: str | None = None
+    webhook_timeout_s: float = Field(default=5.0, gt=0)
+    webhook_retries: int = Field(default=3, ge=0)
+    alert_queue_size: int = Field(default=1000, gt=0)
+    status_interval_s: float = Field(default=1.0, gt=0)
+
+    @field_validator("alert_set", mode="before")
+    @classmethod
+    def _alert_set(cls, value: object) -> object:
+        """Accept a comma-separated string (``GRADSTREAM_ALERT_SET``) as well as a list."""
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+
+class ConsumerSettings(AlertingSettings):
+    """Settings of a consumer worker (besides those of :class:`AlertingSettings`).
 
     Attributes:
         topic: summaries topic to consume.
@@ -107,13 +139,6 @@ class ConsumerSettings(LoopSettings):
         runs_topic: compacted topic where scale-out workers keep every run's RunStarted,
             so a worker that takes over a partition knows the runs on it.
         alerts_topic: where alert events and run statuses are published (key = run id).
-        alert_rules: TOML/YAML rule file (``consumer.alerts.config``); None = defaults.
-        alert_set: ``RULE.FIELD=VALUE`` overrides applied over the rule file
-            (``GRADSTREAM_ALERT_SET``: comma-separated).
-        webhook_url: POST each alert event (Slack-compatible JSON) here; None = no webhook.
-        webhook_timeout_s / webhook_retries: per attempt timeout (s) and extra attempts.
-        alert_queue_size: events each queued sink (log, webhook) holds before dropping.
-        status_interval_s: at most one routine run-status record per run per interval.
     """
 
     topic: str = DEFAULT_SUMMARIES_TOPIC
@@ -123,15 +148,8 @@ class ConsumerSettings(LoopSettings):
     # Scale-out mode (consumer.worker): publish merged frames instead of writing DuckDB.
     frames_topic: str | None = None
     runs_topic: str = DEFAULT_RUNS_TOPIC
-    # Alerting (consumer.alerts): rules, the alerts topic, the webhook.
+    # Alerting (consumer.alerts): the alerts topic; the rules and sinks in AlertingSettings.
     alerts_topic: str = DEFAULT_ALERTS_TOPIC
-    alert_rules: str | None = None
-    alert_set: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    webhook_url: str | None = None
-    webhook_timeout_s: float = Field(default=5.0, gt=0)
-    webhook_retries: int = Field(default=3, ge=0)
-    alert_queue_size: int = Field(default=1000, gt=0)
-    status_interval_s: float = Field(default=1.0, gt=0)
 
     @property
     def output(self) -> str:
@@ -144,11 +162,3 @@ class ConsumerSettings(LoopSettings):
         given = {"group_instance_id": self.group_instance_id,
                  "session_timeout_ms": self.session_timeout_ms}
         return {k: v for k, v in given.items() if v is not None}
-
-    @field_validator("alert_set", mode="before")
-    @classmethod
-    def _alert_set(cls, value: object) -> object:
-        """Accept a comma-separated string (``GRADSTREAM_ALERT_SET``) as well as a list."""
-        if isinstance(value, str):
-            return [p.strip() for p in value.split(",") if p.strip()]
-        return value

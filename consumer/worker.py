@@ -341,23 +341,13 @@ class Worker(ConsumerLoop):
         if self._learns_runs and msg.run_id not in self.runs:
             self._hold(msg, record)
             return
-        run = self._known_run(msg.run_id, record)
+        run = self._run_of(msg, record)
         if run is None:
             return
         assert self.merger is not None
-        if msg.world_size != run.world_size:
-            self.dead_letter(record, f"world_size {msg.world_size} differs from the run's "
-                             f"{run.world_size}", "invalid")
-            return
-        refused = self.merger.refusal(msg.run_id, msg.rank)
-        if refused is not None:
-            self._reject(record, msg, f"rank {msg.rank}'s RunStarted was refused: {refused}",
-                         "refused_rank")
-            return
-        top = int(np.maximum.reduce(np.asarray(msg.layer_indices)))  # the ufunc: no wrapper
-        if top >= run.num_layers:
-            self._reject(record, msg, f"layer_indices reach {top} but run {msg.run_id!r} "
-                         f"has {run.num_layers} layers", "invalid")
+        unfit = self._unfit(msg, run, np.asarray(msg.layer_indices), "layer_indices")
+        if unfit is not None:
+            self._reject(record, msg, *unfit)
             return
         misfit = check_shard(msg, run.numel)
         if misfit is not None:
@@ -375,24 +365,13 @@ class Worker(ConsumerLoop):
         """A flight recorder's local-view entry: checked against the run, then its rows go
         into the batch (stored with the batch's offsets) and the alert rules learn where
         NaN/Inf or an explosion started. Never merged into a frame, never waited for."""
-        run = self._known_run(msg.run_id, record)
+        run = self._run_of(msg, record)
         if run is None:
             return
-        if msg.world_size != run.world_size:
-            self.dead_letter(record, f"world_size {msg.world_size} differs from the run's "
-                             f"{run.world_size}", "invalid")
-            return
-        assert self.merger is not None
-        refused = self.merger.refusal(msg.run_id, msg.rank)
-        if refused is not None:
-            self.dead_letter(record, f"rank {msg.rank}'s RunStarted was refused: {refused}",
-                             "refused_rank")
-            return
         layers = np.asarray(msg.local_layer_indices, np.int64)
-        top = int(layers.max())
-        if top >= run.num_layers:
-            self.dead_letter(record, f"local_layer_indices reach {top} but run "
-                             f"{msg.run_id!r} has {run.num_layers} layers", "invalid")
+        unfit = self._unfit(msg, run, layers, "local_layer_indices")
+        if unfit is not None:
+            self.dead_letter(record, *unfit)
             return
         over = np.flatnonzero(np.asarray(msg.local_numel, np.int64) > run.numel[layers])
         if over.size:
@@ -405,6 +384,31 @@ class Worker(ConsumerLoop):
         self.batch.local_summaries.append(msg)
         if self.alerts is not None:
             self.alerts.note_local(run, msg)
+
+    def _run_of(self, msg: StepSummary | LocalSummary, record: Any) -> Any:
+        """The RunInfo of ``msg``'s run, or None after dead-lettering ``record`` (no
+        RunStarted seen, or another world size)."""
+        run = self._known_run(msg.run_id, record)
+        if run is not None and msg.world_size != run.world_size:
+            self.dead_letter(record, f"world_size {msg.world_size} differs from the run's "
+                             f"{run.world_size}", "invalid")
+            return None
+        return run
+
+    def _unfit(self, msg: StepSummary | LocalSummary, run: Any, layers: np.ndarray,
+               field_name: str) -> tuple[str, str] | None:
+        """Why the rows of ``msg`` (a known run's) cannot be taken: its rank's RunStarted
+        was refused, or its layer indices ``layers`` (int64[k], the field ``field_name``)
+        reach past the run's layers; ``(reason, dead-letter error)`` or None."""
+        assert self.merger is not None
+        refused = self.merger.refusal(msg.run_id, msg.rank)
+        if refused is not None:
+            return f"rank {msg.rank}'s RunStarted was refused: {refused}", "refused_rank"
+        top = int(np.maximum.reduce(layers))  # the ufunc: no wrapper
+        if top >= run.num_layers:
+            return (f"{field_name} reach {top} but run {msg.run_id!r} has {run.num_layers} "
+                    "layers"), "invalid"
+        return None
 
     def _reject(self, record: Any, msg: StepSummary, reason: str, error: str) -> None:
         """Dead-letter a summary of a known run and tell the merger: that frame stops

@@ -4,7 +4,7 @@ that each fit the cluster's size limit."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -199,25 +199,11 @@ def encode_within(
     n = len(message.layer_indices)
     k = min(n, -(-len(value) // max(int(limit * 0.9), 1)))
     edges = np.linspace(0, n, k + 1).astype(int).tolist()
-    bounds = [(a, b) for a, b in itertools.pairwise(edges) if b > a]
-    dropped: list[tuple[int, int]] = []
-    while True:
-        values = [encode_message(part, wire_format)
-                  for part in split_step_summary(message, bounds)] if bounds else []
-        over = {i for i, v in enumerate(values) if len(v) > limit}
-        if not over:
-            break
-        refined: list[tuple[int, int]] = []
-        for i, (a, b) in enumerate(bounds):
-            if i not in over:
-                refined.append((a, b))
-            elif b - a > 1:
-                mid = (a + b) // 2
-                refined.extend([(a, mid), (mid, b)])
-            else:
-                dropped.append((a, b))
-        bounds = refined
-    return EncodedMessage(values, [message.layer_indices[a] for a, _b in dropped])
+    values, dropped = _halve_to_fit(
+        [(a, b) for a, b in itertools.pairwise(edges) if b > a],
+        lambda bounds: [encode_message(part, wire_format)
+                        for part in split_step_summary(message, bounds)], limit)
+    return EncodedMessage(values, [message.layer_indices[a] for a in dropped])
 
 
 def _local_within(message: LocalSummary, limit: int) -> EncodedMessage:
@@ -226,20 +212,40 @@ def _local_within(message: LocalSummary, limit: int) -> EncodedMessage:
     layer), halving a range until it fits; a single layer that alone does not fit is left
     out (``oversized_layers``)."""
     arrays = {name: getattr(message, name) for name in _LOCAL_ARRAYS}
-    todo = [(0, len(message.local_layer_indices))]
-    values: list[bytes] = []
+    values, dropped = _halve_to_fit(
+        [(0, len(message.local_layer_indices))],
+        lambda bounds: [encode_message(message.model_copy(
+            update={k: v[a:b] for k, v in arrays.items()})) for a, b in bounds], limit)
+    return EncodedMessage(values, [int(message.local_layer_indices[a]) for a in dropped])
+
+
+def _halve_to_fit(
+    bounds: list[tuple[int, int]],
+    encode: Callable[[list[tuple[int, int]]], list[bytes]], limit: int,
+) -> tuple[list[bytes], list[int]]:
+    """Encode the layer ranges ``bounds`` (``encode(bounds)``: one value per range, in
+    order), halving every range whose value is over ``limit`` bytes until all fit.
+
+    Returns:
+        (the values, the start of each single-layer range that alone does not fit and is
+        left out).
+    """
     dropped: list[int] = []
-    while todo:
-        a, b = todo.pop()
-        part = message.model_copy(update={k: v[a:b] for k, v in arrays.items()})
-        value = encode_message(part)
-        if len(value) <= limit:
-            values.append(value)
-        elif b - a > 1:
-            todo.extend([(a + (b - a) // 2, b), (a, a + (b - a) // 2)])
-        else:
-            dropped.append(int(message.local_layer_indices[a]))
-    return EncodedMessage(values, dropped)
+    while True:
+        values = encode(bounds) if bounds else []
+        over = {i for i, v in enumerate(values) if len(v) > limit}
+        if not over:
+            return values, dropped
+        refined: list[tuple[int, int]] = []
+        for i, (a, b) in enumerate(bounds):
+            if i not in over:
+                refined.append((a, b))
+            elif b - a > 1:
+                mid = (a + b) // 2
+                refined.extend([(a, mid), (mid, b)])
+            else:
+                dropped.append(a)
+        bounds = refined
 
 
 def _sparse_histogram(prefix: str, hist: np.ndarray) -> dict[str, list[int]]:

@@ -32,6 +32,31 @@ RTOL = 1e-9
 TOTAL_RTOL = 1e-6
 
 
+def run_ranks(procs: list[Any], queue: Any, results: int) -> list[Any]:
+    """Start the rank processes ``procs``, take ``results`` items from their ``queue``
+    (failing as soon as a rank exits with an error), join them and check that every rank
+    exited cleanly; return the items in arrival order."""
+    for p in procs:
+        p.start()
+    got: list[Any] = []
+    try:
+        deadline = time.monotonic() + 300
+        while len(got) < results and time.monotonic() < deadline:
+            try:
+                got.append(queue.get(timeout=1))
+            except queue_module.Empty:
+                assert not any(p.exitcode not in (None, 0) for p in procs), \
+                    [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert len(got) == results, f"{len(got)} of {results} rank results arrived"
+    return got
+
+
 def run_job(kind: str, world: int, tmp_path: Path, bootstrap: str, name: str,
             **options: Any) -> tuple[dict[str, Any], duckdb.DuckDBPyConnection, str]:
     """Run a ``world``-rank ``kind`` job into a fresh worker and store; return rank 0's
@@ -60,23 +85,7 @@ def run_job(kind: str, world: int, tmp_path: Path, bootstrap: str, name: str,
             procs = [ctx.Process(target=run_rank, args=(
                 kind, r, world, init, bootstrap, settings.topic, run_id, queue, options))
                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            result = None
-            deadline = time.monotonic() + 300
-            while result is None and time.monotonic() < deadline:
-                try:
-                    result = queue.get(timeout=1)
-                except queue_module.Empty:
-                    assert not any(p.exitcode not in (None, 0) for p in procs), \
-                        [p.exitcode for p in procs]
-        finally:
-            for p in procs:
-                p.join(timeout=120)
-                if p.is_alive():
-                    p.kill()
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        (result,) = run_ranks(procs, queue, 1)
         assert worker.wait_for_runs([run_id], 60)
         deadline = time.monotonic() + 30
         while worker.counters.frames < STEPS and time.monotonic() < deadline:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-import queue as queue_module
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from consumer.settings import ConsumerSettings
 from consumer.worker import Worker
 from tests.integration.parallel_ranks import STEPS, run_pipeline_rank
-from tests.integration.test_parallelism import assert_frames_match_torch
+from tests.integration.test_parallelism import assert_frames_match_torch, run_ranks
 
 
 def run_pipeline(dp: int, tmp_path: Path, bootstrap: str, name: str, **options: Any
@@ -43,24 +42,7 @@ def run_pipeline(dp: int, tmp_path: Path, bootstrap: str, name: str, **options: 
         procs = [ctx.Process(target=run_pipeline_rank, args=(
             r, world, dp, init, bootstrap, settings.topic, run_id, queue, options))
             for r in range(world)]
-        for p in procs:
-            p.start()
-        stages: dict[int, Any] = {}
-        deadline = time.monotonic() + 300
-        try:
-            while len(stages) < 2 and time.monotonic() < deadline:
-                try:
-                    item = queue.get(timeout=1)
-                    stages[item["stage"]] = item
-                except queue_module.Empty:
-                    assert not any(p.exitcode not in (None, 0) for p in procs), \
-                        [p.exitcode for p in procs]
-        finally:
-            for p in procs:
-                p.join(timeout=120)
-                if p.is_alive():
-                    p.kill()
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        stages = {item["stage"]: item for item in run_ranks(procs, queue, 2)}
         assert worker.wait_for_runs([run_id], 60)
         deadline = time.monotonic() + 30
         while worker.counters.frames < STEPS and time.monotonic() < deadline:

@@ -23,6 +23,7 @@ import torch
 from producer.adapters.naming import normalize_name
 from producer.adapters.torch import GradientTap
 from producer.adapters.torch_fsdp1 import original_parameters, unsupported_fsdp1
+from tests.integration.parallel_ranks import fsdp1_full_gradients
 from tests.producer.adapters import FakeProducer
 
 nn = torch.nn
@@ -37,27 +38,6 @@ def _mlp() -> nn.Sequential:
 def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + rank)
     return torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
-
-
-def _flat_full_gradients(net: nn.Module) -> dict[str, torch.Tensor]:
-    """Torch's full gradients under flat parameters: every unit's sharded flat gradient
-    all-gathered, unpadded and split by the flat parameter's own per-parameter sizes."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    paths = {id(m): p for p, m in net.named_modules()}
-    out = {}
-    for unit in FullyShardedDataParallel.fsdp_modules(net):
-        if unit._handle is None:
-            continue
-        flat = unit._handle.flat_param
-        parts = [torch.empty_like(flat.grad) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, flat.grad.contiguous())
-        whole = torch.cat(parts)[: flat._unpadded_unsharded_size.numel()]
-        for info, piece in zip(flat._param_infos, torch.split(whole, list(flat._numels)),
-                               strict=True):
-            out[normalize_name(f"{paths[id(info.module)]}.{info.param_name}")] = piece.clone()
-    return out
 
 
 def _rank(rank: int, world: int, init: str, orig: bool, queue: Any) -> None:
@@ -85,12 +65,7 @@ def _rank(rank: int, world: int, init: str, orig: bool, queue: Any) -> None:
                                             piece[2]))
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, pieces)
-        if orig:
-            with FullyShardedDataParallel.summon_full_params(net, with_grads=True, writeback=False):
-                full = {normalize_name(n): p.grad.detach().reshape(-1).numpy().copy()
-                        for n, p in net.named_parameters()}
-        else:
-            full = {n: g.numpy() for n, g in _flat_full_gradients(net).items()}
+        full = {n: g.reshape(-1).numpy() for n, g in fsdp1_full_gradients(net).items()}
         queue.put({
             "rank": rank, "layer_numel": fake.layer_numel, "names": tap.layer_names,
             "dtypes": fake.start_kwargs["dtypes"], "unsupported": unsupported_fsdp1(net),
