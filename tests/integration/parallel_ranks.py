@@ -193,6 +193,7 @@ def run_rank(kind: str, rank: int, world: int, init: str, bootstrap: str, topic:
         if rank == 0:
             elements = None if tap.reducer is None else tap.reducer.elements_summarised
             queue.put({"names": names, "records": records, "elements": elements})
+        dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
 
@@ -365,5 +366,6 @@ def run_pipeline_rank(rank: int, world: int, dp: int, init: str, bootstrap: str,
         if dp_rank == 0:
             queue.put({"stage": stage, "names": names, "records": records,
                        "layers": list(tap.run_layers.names) if tap.run_layers else None})
+        dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()

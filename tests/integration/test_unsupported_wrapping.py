@@ -71,6 +71,7 @@ def refusal_rank(rank: int, world: int, init: str, bootstrap: str, topic: str, r
                          "sent": stats.sent + stats.queued + stats.in_flight}
             producer.close()
         queue.put((rank, out))
+        dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
 

@@ -76,6 +76,7 @@ def _rank(rank: int, world: int, init: str, orig: bool, queue: Any) -> None:
             "flat_not_named": all(tap.layer_name_of(p) is None for p in net.parameters())
             if not orig else None,
         })
+        dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
 
