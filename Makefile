@@ -13,14 +13,14 @@ EXTRAS := demo,test
 FRAMEWORKS := $(VENV)/.frameworks-stamp
 DEMO_PORT ?= 8765
 
-.PHONY: demo test install frameworks kafka lint bench clean browser
+.PHONY: demo test install frameworks kafka lint bench clean browser services
 
 # The first line of `make` (= `make install`), `make demo` and `make test`: what gradstream is
 # and what the goal sets up (printed while make reads this file, before any recipe runs).
 ABOUT := gradstream: streaming gradient telemetry (training ranks -> Kafka -> DuckDB health reports).
 SETUP_install := Setting up $(VENV) with gradstream[$(EXTRAS)] (pip log: $(LOG)).
 SETUP_demo := Setting up $(VENV) (pip log: $(LOG)) and a local Kafka broker, then training 4 demo scenarios.
-SETUP_test := Setting up $(VENV) (pip log: $(LOG)), the ML frameworks, Kafka and chromium, then ruff and pytest.
+SETUP_test := Setting up $(VENV) (pip log: $(LOG)), the ML frameworks, Kafka, chromium, Prometheus and Alertmanager, then ruff and pytest.
 GOAL := $(firstword $(MAKECMDGOALS) install)
 ifneq ($(SETUP_$(GOAL)),)
 $(info $(ABOUT) $(SETUP_$(GOAL)))
@@ -71,7 +71,19 @@ browser:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y chromium chromium-driver; \
 	fi
 
-test: kafka frameworks lint browser
+# Debian's Prometheus (with promtool) and Alertmanager for the operations-stack integration
+# tests (a real scrape, the shipped rules and dashboard queries, alert routing). The tests
+# start their own instances on loopback; the packages' system services are not used.
+services:
+	@if [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/promtool ] || \
+			[ ! -x /usr/bin/prometheus-alertmanager ]; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y --no-install-recommends \
+			prometheus prometheus-alertmanager; \
+	fi
+
+test: kafka frameworks lint browser services
 	$(PY) -m pytest
 
 bench: kafka
