@@ -9,6 +9,11 @@ DLQ_RECORD_LIMIT = 1024 * 1024
 ``message.max.bytes`` (1 MiB + 12 bytes) less the batch overhead. A record the broker
 refused as too large would break the (idempotent) dead-letter producer for good."""
 
+DEAD_LETTER_ERRORS: tuple[str, ...] = ("invalid", "unknown_run", "conflicting_run",
+                                       "refused_rank")
+"""The error classes of dead letters (the ``error`` header, :func:`dead_letter_headers`):
+the ``reason`` label values of ``gradstream_dead_letters_total`` (``consumer.metrics``)."""
+
 DLQ_VALUE_LIMIT = DLQ_RECORD_LIMIT - 16 * 1024
 """Largest original value copied into a dead-letter record (bytes); longer ones are cut
 (less when the key and headers are long) and marked with the ``truncated`` header."""

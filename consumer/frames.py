@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas.scalars import RankScalars
 from schemas.stats import (
     ExponentHistogram,
     GradientSums,
@@ -351,6 +352,11 @@ class GradientFrame:
         nonfinite_pieces: int64[p, 2] rows (rank, layer_index): the ranks whose own
             summaries of this step held NaN/Inf in that layer (per-rank sending; a summary
             reduced in-band names none), for the ``nonfinite`` alert.
+        scalars: the step's training scalars (``schemas.scalars``): step scalars (learning
+            rates, loss scale, user names) and the aggregate over the ranks of each per-rank
+            one (the mean loss, the slowest rank's times); empty when no rank sent any.
+        rank_scalars: the per-rank values (loss, times, tokens) of the ranks merged into
+            this version of the frame, or None when none sent any.
 
     In norms mode ``sum_abs``, ``max_abs_grad`` and ``mean_abs_grad`` are NaN for the
     layers where some shard lacked them (module docstring).
@@ -395,6 +401,8 @@ class GradientFrame:
     nonfinite_pieces: np.ndarray = field(
         default_factory=lambda: np.empty((0, 2), np.int64)
     )
+    scalars: dict[str, float] = field(default_factory=dict)
+    rank_scalars: RankScalars | None = None
 
     @property
     def all_ranks_seen(self) -> bool:

@@ -41,7 +41,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafka import ConsumerRebalanceListener
 
@@ -52,6 +52,9 @@ from consumer.outputs.base import Batch, Output, PartitionKey
 from consumer.runbook import RunBook
 from consumer.stuck_partition import StuckPartition, StuckPartitionWatchdog
 from consumer.topic_admin import ensure_topics, subscribe_with_metadata
+
+if TYPE_CHECKING:
+    from consumer.alerts.service import AlertService
 
 log = logging.getLogger("gradstream.consumer")
 
@@ -92,6 +95,8 @@ class ConsumerLoop(ABC):
 
     join_group = True
     Counters: type[LoopCounters] = LoopCounters
+    alerts: AlertService | None = None
+    """The alert rules this loop evaluates, if any (set by a subclass on restore)."""
     process_name = "consumer"
     """What the process is called in its log lines (``worker``, ``store``)."""
 
@@ -101,7 +106,8 @@ class ConsumerLoop(ABC):
         self.book = RunBook(settings.max_frames, tuple(settings.ignore_layers),
                             settings.exclude_rounding_level, settings.nonfinite_rule)
         self.counters = self.Counters()
-        self.metrics = WorkerMetrics(self.pending_count)
+        self.metrics = WorkerMetrics(self.pending_count, runs=self.runs_by_health,
+                                     incidents=self.firing_incidents)
         self.watchdog = StuckPartitionWatchdog(settings.stuck_partition_timeout_s)
         self.error: BaseException | None = None
         self.output: Output | None = None
@@ -151,6 +157,24 @@ class ConsumerLoop(ABC):
         """Frames waiting (the ``gradstream_pending_frames`` gauge; default 0)."""
         return 0
 
+    def runs_by_health(self) -> dict[tuple[str, bool], int] | None:
+        """Runs by (health, every rank finished) for the ``gradstream_runs`` gauge, read on
+        the metrics server's thread; None when the output does not see whole runs (a
+        scale-out worker, :attr:`Output.frame_rules
+        <consumer.outputs.base.Output.frame_rules>` False: its share of each run's steps
+        is no run's health)."""
+        output = self.output
+        if output is None or not output.frame_rules:
+            return None
+        return self.book.health_counts()
+
+    def firing_incidents(self) -> list[tuple[str, str, int]] | None:
+        """(rule, severity, open incidents) per rule for the
+        ``gradstream_firing_incidents`` gauge, read on the metrics server's thread; None
+        when this loop evaluates no alert rules (:attr:`alerts` None)."""
+        alerts = self.alerts
+        return None if alerts is None else alerts.firing_incidents()
+
     def assigned(self, partitions: list[Any]) -> None:
         """Partitions were assigned, before seeking (default: nothing)."""
         return None
@@ -191,6 +215,8 @@ class ConsumerLoop(ABC):
         """Open the output and restore state from it (``run()`` does this first; tests
         that feed records with :meth:`consume` call it themselves)."""
         self.output = self.open_output()
+        self.metrics.watch_output(self.output.name)
+        self.output.write_observer = self.metrics.observe_write
         if self._on_open is not None:
             self.output.on_open(self._on_open)
         self.restore()

@@ -36,6 +36,11 @@ summary of one step was refused (:meth:`ShardMerger.reject`), will send nothing 
 those frames: a frame waits only for the other ranks, is finalised as partial at once, and
 names why each such rank is missing (``GradientFrame.refused_ranks``).
 
+Training scalars. The summaries' step scalars (learning rates, loss scale) and per-rank
+scalars (loss, step and compute time) join the frame (:func:`frame_scalars`): a step
+scalar from the lowest rank that sent it, the per-rank rows of every rank, and the step's
+value of each per-rank scalar aggregated over them (``schemas.scalars``).
+
 The merger also tracks, per Kafka partition, the earliest offset of every pending frame:
 a worker must never store or commit a position past it, so that a crash or a rebalance
 rebuilds pending frames from Kafka instead of losing them.
@@ -53,6 +58,7 @@ from consumer.frames import GradientFrame, LocalRows, MergedShards, compute_fram
 from consumer.runs import RunInfo
 from consumer.topic_admin import PartitionKey
 from schemas.replicas import REPLICA_RTOL
+from schemas.scalars import RankScalars, step_scalars
 from schemas.wire import StepSummary
 
 VIOLATION_NUMEL = 1
@@ -347,6 +353,10 @@ class _Pending:
     """int64[p, 2] rows (rank, layer_index) of per-rank summaries holding NaN/Inf."""
     parts: dict[int, set[int]] = field(default_factory=dict)
     """rank -> part indices arrived, for ranks with some but not all of their parts."""
+    step_scalars: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """(sending rank, step scalars) of the summaries that carried some."""
+    rank_scalars: list[RankScalars] = field(default_factory=list)
+    """The per-rank scalars the summaries carried."""
 
 
 @dataclass(slots=True)
@@ -653,6 +663,9 @@ class ShardMerger:
             self._rejected.pop((run.run_id, step), None)
         if pending.local:
             frame.local = LocalRows.concat(pending.local)
+        if pending.step_scalars or pending.rank_scalars:
+            frame.scalars, frame.rank_scalars = frame_scalars(pending.step_scalars,
+                                                              pending.rank_scalars)
         return frame
 
     # -- offsets -------------------------------------------------------------------------
@@ -694,6 +707,10 @@ def _merge_counted(pending: _Pending, shard: StepSummary, world_size: int) -> No
     merge_shard(pending.merged, shard, keep)
     if shard.has_local:
         pending.local.append(LocalRows.from_shard(shard))
+    if shard.scalars:
+        pending.step_scalars.append((shard.rank, shard.scalars))
+    if shard.rank_scalar_names is not None:
+        pending.rank_scalars.append(shard.rank_scalar_rows())  # type: ignore[arg-type]
     if shard.replica_divergence is not None and len(shard.replica_divergence):
         pending.divergence.append(
             np.asarray(shard.replica_divergence, np.int64).reshape(-1, 3).astype(np.int32))
@@ -703,6 +720,30 @@ def _merge_counted(pending: _Pending, shard: StepSummary, world_size: int) -> No
             layers = np.asarray(shard.layer_indices, np.int64)[bad]
             pending.nonfinite.append(np.column_stack([np.full(len(layers), shard.rank),
                                                       layers]))
+
+
+def frame_scalars(step: list[tuple[int, dict[str, float]]], ranks: list[RankScalars]
+                  ) -> tuple[dict[str, float], RankScalars | None]:
+    """A frame's training scalars from its summaries': (the step's scalars, the per-rank
+    rows or None).
+
+    Args:
+        step: (sending rank, step scalars) of each summary that carried some; a name sent
+            by several ranks takes the lowest rank's value.
+        ranks: the per-rank rows of each summary (disjoint ranks).
+
+    Returns:
+        ``schemas.scalars.step_scalars`` of the step scalars and the concatenated rows.
+    """
+    values: dict[str, float] = {}
+    for _, sent in sorted(step, key=lambda item: -item[0]):  # the lowest rank last: it wins
+        values.update(sent)
+    rows = None
+    if ranks:
+        rows = ranks[0].copy()
+        for more in ranks[1:]:
+            rows += more
+    return step_scalars(values, rows), rows
 
 
 def _add_reporting(ranks: set[int], shard: StepSummary) -> None:

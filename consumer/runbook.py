@@ -39,6 +39,8 @@ class RunBook:
     Attributes:
         runs: run id -> RunInfo. trackers: run id -> RunHealthTracker.
         finished: run id -> ranks whose RunFinished was seen.
+        health: run id -> the run's health after its last recorded frame (Healthy before
+            any), kept as a plain value for :meth:`health_counts`.
     """
 
     def __init__(self, max_frames: int, ignore_layers: tuple[str, ...] = (),
@@ -51,6 +53,7 @@ class RunBook:
         self.runs: dict[str, RunInfo] = {}
         self.trackers: dict[str, RunHealthTracker] = {}
         self.finished: dict[str, set[int]] = {}
+        self.health: dict[str, GradientHealth] = {}
 
     def start(self, msg: RunStarted) -> RunInfo:
         """Register the run of ``msg`` (replacing nothing: call once per run id)."""
@@ -60,6 +63,7 @@ class RunBook:
             run.num_layers, self.max_frames, run.roundoff,
             excluded=run.excluded(self.ignore_layers), exclude_rounding=self.exclude_rounding,
             nonfinite_rule=self.nonfinite_rule)
+        self.health[run.run_id] = self.trackers[run.run_id].health
         return run
 
     def finish(self, msg: RunFinished) -> bool:
@@ -71,6 +75,21 @@ class RunBook:
         """Every rank of a known run sent RunFinished."""
         run = self.runs.get(run_id)
         return run is not None and len(self.finished.get(run_id, ())) >= run.world_size
+
+    def health_counts(self) -> dict[tuple[str, bool], int]:
+        """Number of runs per (health value, every rank finished), for the
+        ``gradstream_runs`` gauge (``consumer.metrics``).
+
+        Called on the metrics server's thread while the loop's thread records frames: the
+        health map is copied in one step (``tuple`` of a dict's items: C code under the
+        GIL, no Python code runs in between), so a run started meanwhile is counted at the
+        next scrape, never raises.
+        """
+        counts: dict[tuple[str, bool], int] = {}
+        for run_id, health in tuple(self.health.items()):
+            key = (health.value, self.is_finished(run_id))
+            counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def restore(self, sink: DuckDBSink) -> dict[str, StoredFrames]:
         """Load every stored run, the ranks that finished it, and rebuild its health
@@ -100,6 +119,7 @@ class RunBook:
                 flag_critical=flags["critical"].astype(bool),
                 nonfinite_rule=self.nonfinite_rule,
             )
+            self.health[run.run_id] = self.trackers[run.run_id].health
         for run_id, rank in sink.con.execute("SELECT run_id, rank FROM run_ranks").fetchall():
             self.finished.setdefault(run_id, set()).add(rank)
         return stored
@@ -122,6 +142,7 @@ class RunBook:
         critical = frame.has_nonfinite and bool(
             critical_rows(frame.nonfinite, frame.nan, self.nonfinite_rule).any())
         frame_health = GradientHealth.CRITICAL if critical else health
+        self.health[frame.run_id] = health
         batch.frames[(frame.run_id, frame.step)] = (frame, frame_health.value)
         batch.run_states[frame.run_id] = RunState(
             health.value, tracker.frames, tracker.issue_frames, tracker.last_step,

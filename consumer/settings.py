@@ -4,8 +4,9 @@ environment variables, else these defaults."""
 from __future__ import annotations
 
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from consumer.defaults import DEFAULT_DB
@@ -85,6 +86,42 @@ class LoopSettings(TopicCreationSettings):
         return value
 
 
+PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
+"""Where alert events are sent to PagerDuty (PagerDuty Events API v2, "Send an Alert
+Event"); ``GRADSTREAM_PAGERDUTY_URL`` replaces it (a PagerDuty EU account's
+``https://events.eu.pagerduty.com/v2/enqueue``, or a test server)."""
+
+ALERTMANAGER_RESEND_INTERVAL_S = 60.0
+"""Default seconds between two re-sends of the firing incidents to Alertmanager: the
+default ``--rules.alert.resend-delay`` of Prometheus (1 m), inside the 30 s to 3 min
+Alertmanager asks of its clients ("Sending alerts", Alertmanager documentation)."""
+
+ALERTMANAGER_LEASE_RESENDS = 4
+"""A firing alert is sent with ``endsAt`` this many re-send intervals ahead unless
+``alertmanager_lease_s`` says otherwise: Prometheus's own rule (``endsAt = now + 4 x
+resend delay``, "allow for two ... Alertmanager send failures"): re-sends may fail for
+a while before Alertmanager resolves an incident that gradstream still has firing."""
+
+PAGERDUTY_ROUTING_KEY_LENGTH = 32
+"""Characters of a PagerDuty routing key (an Events API v2 integration key); PagerDuty
+refuses any other length ("should be 32 characters")."""
+
+
+def _http_url(name: str, value: str | None) -> str | None:
+    """``value`` without trailing slashes when it is an http(s) URL (None stays None).
+
+    Raises:
+        ValueError: another scheme, or no host.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{name} must be an http:// or https:// URL with a host, got {value!r}")
+    return value.rstrip("/")
+
+
 class AlertingSettings(LoopSettings):
     """The alert rules and sinks of a loop that evaluates them (:mod:`consumer.alerts`): the
     worker (:class:`ConsumerSettings`) and, in scale-out mode, the store writer
@@ -96,8 +133,34 @@ class AlertingSettings(LoopSettings):
             (``GRADSTREAM_ALERT_SET``: comma-separated).
         webhook_url: POST each alert event (Slack-compatible JSON) here; None = no webhook.
         webhook_timeout_s / webhook_retries: per attempt timeout (s) and extra attempts.
-        alert_queue_size: events each queued sink (log, webhook) holds before dropping.
+        alert_queue_size: events each queued sink (log, webhook, Alertmanager,
+            PagerDuty) holds before dropping.
         status_interval_s: at most one routine run-status record per run per interval.
+        alertmanager_url: base URL of a Prometheus Alertmanager (``GRADSTREAM_ALERTMANAGER_URL``,
+            e.g. ``http://alertmanager:9093``): each incident is POSTed to
+            ``<url>/api/v2/alerts`` (Alertmanager API v2) when it fires, re-sent while it
+            fires and sent once more when it resolves (``consumer.alerts.alertmanager``);
+            None = no Alertmanager.
+        alertmanager_resend_interval_s: seconds between two re-sends of the firing
+            incidents (``GRADSTREAM_ALERTMANAGER_RESEND_INTERVAL_S``; default
+            :data:`ALERTMANAGER_RESEND_INTERVAL_S`).
+        alertmanager_lease_s: a firing incident is sent with ``endsAt`` this many seconds
+            ahead (``GRADSTREAM_ALERTMANAGER_LEASE_S``): if gradstream stops re-sending it,
+            Alertmanager resolves it then. None = :data:`ALERTMANAGER_LEASE_RESENDS`
+            re-send intervals; it must exceed the re-send interval.
+        pagerduty_routing_key: the integration key of a PagerDuty Events API v2
+            integration (``GRADSTREAM_PAGERDUTY_ROUTING_KEY``, 32 characters): each
+            incident triggers a PagerDuty alert and resolves it
+            (``consumer.alerts.pagerduty``); None = no PagerDuty.
+        pagerduty_url: the Events API v2 endpoint (``GRADSTREAM_PAGERDUTY_URL``; default
+            :data:`PAGERDUTY_EVENTS_URL`).
+        dashboard_url: base URL of gradstream's dashboard as the people paged reach it
+            (``GRADSTREAM_DASHBOARD_URL``, e.g. ``http://gradstream.internal:8765``, where
+            ``gradstream serve`` answers): Alertmanager's ``generatorURL`` and PagerDuty's
+            link point at ``<url>/?run=<run id>``, the dashboard with that run selected
+            (no token in it: the dashboard asks for one). None = no link.
+        webhook_timeout_s and webhook_retries apply to every HTTP sink (webhook,
+        Alertmanager, PagerDuty).
     """
 
     alert_rules: str | None = None
@@ -107,6 +170,13 @@ class AlertingSettings(LoopSettings):
     webhook_retries: int = Field(default=3, ge=0)
     alert_queue_size: int = Field(default=1000, gt=0)
     status_interval_s: float = Field(default=1.0, gt=0)
+    alertmanager_url: str | None = None
+    alertmanager_resend_interval_s: float = Field(default=ALERTMANAGER_RESEND_INTERVAL_S,
+                                                  gt=0)
+    alertmanager_lease_s: float | None = Field(default=None, gt=0)
+    pagerduty_routing_key: str | None = Field(default=None, repr=False)
+    pagerduty_url: str = PAGERDUTY_EVENTS_URL
+    dashboard_url: str | None = None
 
     @field_validator("alert_set", mode="before")
     @classmethod
@@ -115,6 +185,58 @@ class AlertingSettings(LoopSettings):
         if isinstance(value, str):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value
+
+    @field_validator("alertmanager_url", "pagerduty_url", "dashboard_url")
+    @classmethod
+    def _urls(cls, value: str | None, info: Any) -> str | None:
+        """An http(s) URL, trailing slashes removed.
+
+        Raises:
+            ValueError: another scheme or no host.
+        """
+        return _http_url(f"GRADSTREAM_{info.field_name.upper()}", value)
+
+    @field_validator("pagerduty_routing_key")
+    @classmethod
+    def _routing_key(cls, value: str | None) -> str | None:
+        """A PagerDuty routing key: :data:`PAGERDUTY_ROUTING_KEY_LENGTH` characters.
+
+        Raises:
+            ValueError: another length, or whitespace in it.
+        """
+        if value is None:
+            return None
+        value = value.strip()
+        if len(value) != PAGERDUTY_ROUTING_KEY_LENGTH or any(c.isspace() for c in value):
+            raise ValueError(
+                f"GRADSTREAM_PAGERDUTY_ROUTING_KEY must be the {PAGERDUTY_ROUTING_KEY_LENGTH}-"
+                f"character Integration Key of a PagerDuty Events API v2 integration (got "
+                f"{len(value)} characters); copy it from the integration's page in PagerDuty")
+        return value
+
+    @model_validator(mode="after")
+    def _lease_exceeds_resend(self) -> AlertingSettings:
+        """Check that a firing incident outlives the wait for its next re-send.
+
+        Raises:
+            ValueError: ``alertmanager_lease_s`` <= ``alertmanager_resend_interval_s``.
+        """
+        if self.alertmanager_lease <= self.alertmanager_resend_interval_s:
+            raise ValueError(
+                f"GRADSTREAM_ALERTMANAGER_LEASE_S ({self.alertmanager_lease:g} s) must exceed "
+                f"GRADSTREAM_ALERTMANAGER_RESEND_INTERVAL_S "
+                f"({self.alertmanager_resend_interval_s:g} s), or Alertmanager resolves each "
+                "firing incident between two re-sends; leave the lease unset for "
+                f"{ALERTMANAGER_LEASE_RESENDS} re-send intervals")
+        return self
+
+    @property
+    def alertmanager_lease(self) -> float:
+        """Seconds ahead of now of a firing incident's ``endsAt``: ``alertmanager_lease_s``,
+        else :data:`ALERTMANAGER_LEASE_RESENDS` x ``alertmanager_resend_interval_s``."""
+        if self.alertmanager_lease_s is not None:
+            return self.alertmanager_lease_s
+        return ALERTMANAGER_LEASE_RESENDS * self.alertmanager_resend_interval_s
 
 
 class ConsumerSettings(AlertingSettings):

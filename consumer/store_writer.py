@@ -36,6 +36,7 @@ summaries held NaN/Inf (``nonfinite_pieces``) and the disagreeing replicas
 (``replica_divergence``), so the ``nonfinite`` and ``replica_divergence`` alerts evaluated
 here name them as a single-process worker's do; the ranks whose local view held NaN/Inf
 come from the flight recorders' ``LocalSummary`` messages, republished on the frames topic.
+The frame's training scalars travel too (wire 1.12), for the scalar rules and the store.
 
 A frame for (run, step) that is already stored is reconciled by its rank set:
 
@@ -326,6 +327,9 @@ class StoreWriter(ConsumerLoop):
                 msg.replica_divergence, np.int64).reshape(-1, 3).astype(np.int32)
         if msg.nonfinite_pieces is not None and len(msg.nonfinite_pieces):
             frame.nonfinite_pieces = np.asarray(msg.nonfinite_pieces, np.int64).reshape(-1, 2)
+        if msg.scalars:
+            frame.scalars = dict(msg.scalars)
+        frame.rank_scalars = msg.rank_scalar_rows()
         self.book.record(frame, self.batch)
         if self.alerts is not None and (stored is None or ranks != stored):
             # each step once; a late rank's rewrite the engine skips (module doc)

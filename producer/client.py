@@ -29,6 +29,7 @@ from producer.transport.encoding import LocalRecord, StepRecord, local_summary, 
 from producer.transport.sender import Pending, Sender
 from producer.weights import WeightSummaries, summarize_weights
 from schemas.health import match_layers
+from schemas.scalars import STEP_TIME, RankScalars, split_scalars
 from schemas.wire import LocalSummary, RunFinished, RunStarted, StepSummary
 
 log = logging.getLogger("gradstream.producer")
@@ -112,6 +113,7 @@ class GradientProducer:
         self._known: set[str] = set()
         self._previous_weights: dict[str, np.ndarray] | None = None
         self._last_step = -1
+        self._step_clock: tuple[int, float] | None = None  # (step, perf_counter) last timed
         self._steps_recorded = 0
         self._recorder: FlightRecorder | None = None
         self._local_sent = 0
@@ -233,6 +235,7 @@ class GradientProducer:
         *,
         replicated: bool = False,
         local_gradients: Mapping[str, np.ndarray] | None = None,
+        scalars: Mapping[str, object] | None = None,
     ) -> None:
         """Summarise this rank's gradients of one optimiser step and queue them for sending.
 
@@ -262,12 +265,18 @@ class GradientProducer:
             replicated: every rank passes the same (all-reduced) gradient of every layer.
             local_gradients: layer name -> this rank's gradient before the reduction
                 (any subset of the watched layers), or None.
+            scalars: the step's training scalars, name -> real number (a Python or NumPy
+                number or a 0-d tensor; NaN/Inf allowed): ``loss`` (this rank's),
+                ``lr`` (``lr/1``, ... for further parameter groups), ``loss_scale``,
+                ``tokens`` / ``samples`` (this rank's), ``compute_time_s``, any other
+                name (``schemas.scalars``). ``step_time_s`` is measured here when not
+                given (:meth:`_rank_scalars`).
 
         Raises:
             RuntimeError: ``start_run`` was not called, or the producer is closed.
             ValueError: negative step, unknown layer name, empty gradient, weights whose
-                names or shapes differ from the gradients'.
-            TypeError: a gradient of a non-float dtype.
+                names or shapes differ from the gradients', an invalid scalar name.
+            TypeError: a gradient of a non-float dtype, a scalar that is not a number.
         """
         t0 = time.perf_counter()
         if not self._check_step(step, gradients):
@@ -289,7 +298,7 @@ class GradientProducer:
             elif own:  # the recorder's dump goes before the step's summary
                 self._feed_recorder(int(step), summarize(own))
         extra = self._weight_stats(watched, weights) if self.settings.weight_stats else None
-        self._queue_summaries(int(step), summaries, t0, extra)
+        self._queue_summaries(int(step), summaries, t0, extra, *self._scalars(int(step), scalars))
 
     def _weight_stats(
         self, watched: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray] | None
@@ -315,7 +324,10 @@ class GradientProducer:
                                       for n, w in current.items()}
         return stats
 
-    def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
+    def record_summaries(
+        self, step: int, summaries: LayerSummaries, *,
+        scalars: Mapping[str, object] | None = None, rank_scalars: RankScalars | None = None,
+    ) -> None:
         """Queue statistics already computed elsewhere (e.g. on a GPU by a framework
         adapter) for one optimiser step; same rules as :meth:`record_step`.
 
@@ -327,6 +339,10 @@ class GradientProducer:
             step: optimiser step, >= 0.
             summaries: per-layer statistics whose ``names`` are among those given to
                 ``start_run``.
+            scalars: the step's training scalars, as :meth:`record_step`'s.
+            rank_scalars: the per-rank scalars of every rank ``summaries`` reports for,
+                gathered by the adapter (a summary reduced in-band); replaces this rank's
+                own per-rank values from ``scalars`` and the measured step time.
 
         Raises:
             RuntimeError / ValueError: as :meth:`record_step`; ValueError also for
@@ -357,7 +373,11 @@ class GradientProducer:
             summaries = summaries.select(keep)
         if self.settings.mode == "norms":
             summaries = summaries.norms_only()
-        self._queue_summaries(int(step), summaries, t0, None)
+        step_values, ranks = self._scalars(int(step), scalars)
+        if rank_scalars is not None:
+            rank_scalars.check()
+            ranks = rank_scalars
+        self._queue_summaries(int(step), summaries, t0, None, step_values, ranks)
 
     def record_local(self, step: int, local: LayerSummaries) -> None:
         """Give this rank's local view of one optimiser step (the statistics of its own
@@ -451,14 +471,35 @@ class GradientProducer:
             return False
         return True
 
+    def _scalars(self, step: int, scalars: Mapping[str, object] | None
+                 ) -> tuple[dict[str, float], RankScalars | None]:
+        """This rank's training scalars of a recorded ``step``: (step scalars, this rank's
+        per-rank values or None).
+
+        ``step_time_s``, when not given, is measured: the wall time since the previous
+        recorded step divided by the steps between them (so that ``every_n_steps`` still
+        gives seconds per optimiser step); the first recorded step has none.
+
+        Raises:
+            ValueError: an invalid scalar name. TypeError: a value that is not a number.
+        """
+        now = time.perf_counter()
+        previous, self._step_clock = self._step_clock, (step, now)
+        step_values, own = split_scalars(scalars or {})
+        if STEP_TIME not in own and previous is not None and step > previous[0]:
+            own[STEP_TIME] = (now - previous[1]) / (step - previous[0])
+        return step_values, RankScalars.of_rank(self.rank, own) if own else None
+
     def _queue_summaries(
         self, step: int, summaries: LayerSummaries, t0: float,
-        extra: WeightSummaries | None,
+        extra: WeightSummaries | None, scalars: dict[str, float] | None = None,
+        rank_scalars: RankScalars | None = None,
     ) -> None:
         indices = np.fromiter(
             (self._layer_index[n] for n in summaries.names), dtype=np.int64, count=len(summaries)
         )
-        self._sender.put(Pending("step", StepRecord(step, time.time(), indices, summaries, extra)))
+        self._sender.put(Pending("step", StepRecord(step, time.time(), indices, summaries, extra,
+                                                    scalars or None, rank_scalars)))
         self._last_step = max(self._last_step, step)
         self._steps_recorded += 1
         with self._lock:

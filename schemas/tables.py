@@ -71,6 +71,17 @@ frames
     nothing) and how many layers hold pieces that do not fit their parameter
     (``layout_violations``: numel that does not add up, a replica of another size, another
     shard count).
+step_scalars
+    One row per (run, step, scalar name) of the training scalars (``schemas.scalars``):
+    the step scalars the producers sent (learning rates ``lr``, ``lr/1``...,
+    ``loss_scale``, user names; the same on every rank: the value stored first stays)
+    and, for each per-rank scalar, its value for the step made from every rank stored in
+    ``rank_scalars`` (``schemas.scalars.RANK_AGGREGATES``: the mean ``loss``, the summed
+    ``tokens`` / ``samples``, the slowest rank's ``step_time_s`` / ``compute_time_s``),
+    recomputed when a late rank arrives. ``value`` may be NaN or +-Inf.
+rank_scalars
+    One row per (run, step, rank, scalar name) of the per-rank training scalars: the
+    rank's own loss, tokens and samples, and the step and compute times its SDK measured.
 alerts
     Alert events raised by workers (``schemas.alert.Alert``): one row per firing or
     resolved event, keyed by ``alert_id``; the two events of an incident share
@@ -215,6 +226,25 @@ CREATE_TABLES: tuple[str, ...] = (
         first_step   BIGINT,
         frame_values JSON,
         wall_time    DOUBLE
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS step_scalars (
+        run_id VARCHAR NOT NULL,
+        step   BIGINT NOT NULL,
+        name   VARCHAR NOT NULL,
+        value  DOUBLE NOT NULL,
+        PRIMARY KEY (run_id, step, name)
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS rank_scalars (
+        run_id VARCHAR NOT NULL,
+        step   BIGINT NOT NULL,
+        rank   INTEGER NOT NULL,
+        name   VARCHAR NOT NULL,
+        value  DOUBLE NOT NULL,
+        PRIMARY KEY (run_id, step, rank, name)
     )
     """,
     """

@@ -42,6 +42,8 @@ from pydantic import (
 )
 from pydantic_core import from_json
 
+from schemas.scalars import RankScalars, ScalarName
+
 # The exponent-histogram layout of the wire (``exp_hist_*`` / ``weight_exp_hist_*``): its
 # one definition lives with the statistics that bin it; re-exported here.
 from schemas.stats import EXP_HIST_BINS as EXP_HIST_BINS
@@ -50,7 +52,7 @@ from schemas.stats import EXP_HIST_MIN as EXP_HIST_MIN
 from schemas.versioned import VersionedMessage
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 11
+SCHEMA_MINOR = 12
 SCHEMA_VERSION = f"{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 """The version this build writes. What each minor version carries (a consumer of an older
 minor version ignores the fields it does not know):
@@ -76,6 +78,11 @@ minor version ignores the fields it does not know):
        consumer dead-letters it as an unknown type)
 1.11   MergedFrame ``replica_divergence`` (without ``reduced_ranks``) and
        ``nonfinite_pieces``: what only a worker sees, for the store writer's alert rules
+1.12   training scalars (``schemas.scalars``) of a StepSummary / MergedFrame: the step
+       scalars ``scalars`` (name -> value: learning rates, loss scale) and the per-rank
+       ones in long form, ``rank_scalar_names`` with the aligned arrays
+       ``rank_scalar_ranks`` / ``rank_scalar_index`` / ``rank_scalar_values`` (loss,
+       step and compute time, tokens), NaN and +-Inf allowed
 =====  ================================================================================
 """
 
@@ -256,6 +263,14 @@ class StepSummary(_Wire):
     rank's local gradient), for ``local_layer_indices`` with the meaning of the main arrays.
     They are stored per rank and never merged into frames.
 
+    Training scalars (schema 1.12, optional; ``schemas.scalars``): ``scalars`` maps a step
+    scalar's name to its value (learning rates, AMP loss scale, user names), and the
+    per-rank ones (loss, step and compute time, tokens, samples) travel in long form:
+    ``rank_scalar_names`` (metadata) names them, and the aligned arrays
+    ``rank_scalar_ranks``, ``rank_scalar_index`` (into the names) and
+    ``rank_scalar_values`` hold one row per (rank, name), each rank one this message
+    reports for (its ``rank``, or those of ``reduced_ranks``). Values may be NaN or +-Inf.
+
     Holding the arrays. A message validated from JSON or built in Python holds each array
     field as a list; one decoded from the binary form holds it as the decoded buffer
     itself, a read-only NumPy array (int64 or float64, checked by the same element rules
@@ -304,6 +319,11 @@ class StepSummary(_Wire):
     part_count: PosInt | None = None
     reduced_ranks: list[NonNegInt] | None = None
     replica_divergence: list[NonNegInt] | None = None
+    scalars: dict[ScalarName, float] | None = None
+    rank_scalar_names: list[ScalarName] | None = None
+    rank_scalar_ranks: list[NonNegInt] | None = None
+    rank_scalar_index: list[NonNegInt] | None = None
+    rank_scalar_values: list[float] | None = None
 
     def _np(self, name: str) -> np.ndarray:
         """Field ``name`` as an int64 / float64 array: the decoded buffer itself for a
@@ -396,6 +416,7 @@ class StepSummary(_Wire):
         self._check_layout(n)
         self._check_local()
         self._check_reduced()
+        self._check_scalars()
         if (self.part_index is None) != (self.part_count is None):
             raise ValueError("part_index and part_count go together")
         if self.part_index is not None and self.part_index >= self.part_count:  # type: ignore[operator]
@@ -477,6 +498,34 @@ class StepSummary(_Wire):
             if ranks.size and int(ranks.max()) >= self.world_size:
                 raise ValueError("replica_divergence names a rank >= world_size")
 
+    def _check_scalars(self) -> None:
+        given = [getattr(self, name) is not None for name in _RANK_SCALAR_FIELDS]
+        if not any(given):
+            return
+        if not all(given):
+            raise ValueError("the rank scalars go together: " + ", ".join(_RANK_SCALAR_FIELDS))
+        ranks = self._np("rank_scalar_ranks")
+        try:
+            RankScalars(tuple(self.rank_scalar_names or ()), ranks,
+                        self._np("rank_scalar_index"), self._np("rank_scalar_values")).check()
+        except ValueError as exc:
+            raise ValueError(f"rank_scalar_*: {exc}") from None
+        if ranks.size and not np.isin(ranks, self._scalar_ranks()).all():
+            raise ValueError("rank_scalar_ranks must be ranks this message reports for")
+
+    def _scalar_ranks(self) -> np.ndarray:
+        """The ranks whose scalars this message may carry: those it reports for."""
+        if self.reduced_ranks is None:
+            return np.array([self.rank], np.int64)
+        return np.asarray(self.reporting_ranks(), np.int64)
+
+    def rank_scalar_rows(self) -> RankScalars | None:
+        """The per-rank scalars as :class:`schemas.scalars.RankScalars`, or None."""
+        if self.rank_scalar_names is None:
+            return None
+        return RankScalars(tuple(self.rank_scalar_names), self._np("rank_scalar_ranks"),
+                           self._np("rank_scalar_index"), self._np("rank_scalar_values"))
+
     def reporting_ranks(self) -> list[int]:
         """The ranks this summary reports for: its ``rank``, or every rank of
         ``reduced_ranks`` (ascending)."""
@@ -533,6 +582,9 @@ def _unique(values: np.ndarray) -> bool:
 _WEIGHT_DISTRIBUTION = (
     "weight_sum", "weight_sum_cube", "weight_sum_quad", "weight_min", "weight_max",
     "weight_nonfinite",
+)
+_RANK_SCALAR_FIELDS = (
+    "rank_scalar_names", "rank_scalar_ranks", "rank_scalar_index", "rank_scalar_values",
 )
 _LOCAL_VIEW = (
     "local_layer_indices", "local_numel", "local_sum_abs", "local_sum_sq", "local_max_abs",
@@ -672,6 +724,9 @@ class MergedFrame(StepSummary):
             if rows.size and int(rows[::2].max()) >= self.world_size:
                 raise ValueError("nonfinite_pieces names a rank >= world_size")
 
+    def _scalar_ranks(self) -> np.ndarray:
+        return self._np("ranks_seen")
+
     def _local_unique(self) -> bool:
         ranks, layers = self._np("local_ranks"), self._np("local_layer_indices")
         return _unique(ranks * (int(layers.max(initial=0)) + 1) + layers)
@@ -739,8 +794,8 @@ _ST_DTYPES: dict[str, np.dtype[Any]] = {
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
 }
-_NONNEG_FLOAT, _FINITE_FLOAT, _NONNEG_INT, _POS_INT, _HIST_COL, _SUM_FLOAT = range(6)
-_FLOAT_KINDS = (_NONNEG_FLOAT, _FINITE_FLOAT, _SUM_FLOAT)
+_NONNEG_FLOAT, _FINITE_FLOAT, _NONNEG_INT, _POS_INT, _HIST_COL, _SUM_FLOAT, _ANY_FLOAT = range(7)
+_FLOAT_KINDS = (_NONNEG_FLOAT, _FINITE_FLOAT, _SUM_FLOAT, _ANY_FLOAT)
 
 _ARRAY_FIELDS: dict[str, int] = {
     "layer_indices": _NONNEG_INT, "numel": _POS_INT, "sum_abs": _SUM_FLOAT,
@@ -760,9 +815,12 @@ _ARRAY_FIELDS: dict[str, int] = {
     "layout_violations": _NONNEG_INT, "refused_ranks": _NONNEG_INT,
     "reduced_ranks": _NONNEG_INT, "replica_divergence": _NONNEG_INT,
     "nonfinite_pieces": _NONNEG_INT,
+    "rank_scalar_ranks": _NONNEG_INT, "rank_scalar_index": _NONNEG_INT,
+    "rank_scalar_values": _ANY_FLOAT,
 }
 """Every list field of StepSummary / MergedFrame and the element rule its pydantic type
-states (finite and >= 0, finite, int >= 0, int > 0, histogram column in [0, BINS))."""
+states (finite and >= 0, finite, int >= 0, int > 0, histogram column in [0, BINS), any
+float: NaN and +-Inf allowed)."""
 
 _NON_EMPTY = frozenset({"layer_indices", "ranks_seen"})
 
@@ -823,7 +881,7 @@ def _check_elements(name: str, kind: int, values: np.ndarray) -> None:
     The common case costs one or two reductions without temporaries: the minimum and the
     maximum bound every element (a NaN makes the minimum NaN, which fails ``>=``); only a
     failing array is scanned again to name its first bad element."""
-    if values.size == 0:
+    if values.size == 0 or kind == _ANY_FLOAT:
         return
     lo = values.min()
     if kind in _FLOAT_KINDS:
@@ -1118,7 +1176,7 @@ def _checked_arrays(layout: _Layout, data: memoryview, kind: str,
         if rule in _FLOAT_KINDS:
             array = floats[start:stop]  # type: ignore[index]
             lo, hi = lo_float[at], hi_float[at]
-            ok = (lo >= 0 if rule == _SUM_FLOAT
+            ok = (True if rule == _ANY_FLOAT else lo >= 0 if rule == _SUM_FLOAT
                   else (lo >= 0 if rule == _NONNEG_FLOAT else lo > -math.inf) and hi < math.inf)
         else:
             array = ints[start:stop]  # type: ignore[index]
@@ -1360,7 +1418,8 @@ def split_step_summary(
 
     Part i holds the entries ``bounds[i][0]:bounds[i][1]`` of every per-layer array (the
     exponent histograms' CSR rows with them, offsets rebased to 0) and the local-view rows
-    of those layers; local rows of layers in no range go with the first part. Every part
+    of those layers; local rows of layers in no range go with the first part, as do the
+    replica disagreements and the training scalars. Every part
     carries ``part_index = i`` and ``part_count = len(bounds)``. The parts are built from an
     already validated message and are not validated again.
 
@@ -1414,6 +1473,8 @@ def split_step_summary(
                 update[name] = np.asarray(values)[rows].tolist() if rows.size else None
         if i and message.replica_divergence is not None:
             update["replica_divergence"] = None  # the message's rows, once (first part)
+        if i:  # the training scalars, once (first part)
+            update.update(dict.fromkeys(("scalars", *_RANK_SCALAR_FIELDS)))
         parts.append(message.model_copy(update=update))
     return parts
 

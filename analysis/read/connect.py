@@ -185,6 +185,22 @@ def check_step_range(from_step: int | None, to_step: int | None) -> None:
         raise StoreError(f"from_step {from_step} is after to_step {to_step}")
 
 
+TABLE_EXISTS_SQL = (
+    "SELECT count(*) AS n FROM duckdb_tables() WHERE database_name = current_database() "
+    "AND table_name = $table"
+)
+"""One row, ``n`` = 1 when the store has the table ``$table`` (else 0): the check behind
+:func:`has_table` and :meth:`analysis.read.reader.StoreReader.has_table`."""
+
+
+def has_table(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+    """Whether the store has ``table``. A store written before a table was added and never
+    opened by a newer writer lacks it (e.g. ``step_scalars`` / ``rank_scalars``, the
+    training scalars): its readers take a missing optional table as empty."""
+    row = con.execute(TABLE_EXISTS_SQL, {"table": table}).fetchone()
+    return bool(row and row[0])
+
+
 def has_column(con: duckdb.DuckDBPyConnection, table: str, column: str) -> bool:
     """Whether the store's ``table`` has ``column`` (a store written by an earlier schema
     version lacks the columns added since, e.g. ``layers.dtype`` or ``runs.ignore_layers``)."""

@@ -45,7 +45,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from analysis.read.connect import StoreError, StoreLockedError, open_store, pick_run
+from analysis.read.connect import (
+    TABLE_EXISTS_SQL,
+    StoreError,
+    StoreLockedError,
+    open_store,
+    pick_run,
+)
 from analysis.read.query import (
     ARROW_STREAM,
     Params,
@@ -122,6 +128,13 @@ class StoreReader(ABC):
             The rows as a ``pyarrow.Table`` (DuckDB's column names and types; no columns
             for a statement without a result set).
         """
+
+    def has_table(self, table: str) -> bool:
+        """Whether the store has ``table`` (one statement,
+        :data:`analysis.read.connect.TABLE_EXISTS_SQL`): a store written before an optional
+        table existed, and never opened by a newer writer, lacks it."""
+        found = self.sql(TABLE_EXISTS_SQL, {"table": table})
+        return bool(found.num_rows and found.column("n")[0].as_py())
 
     def run_ids(self) -> list[str]:
         """Every run id of the store, ascending (code-point order)."""

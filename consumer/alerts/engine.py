@@ -241,6 +241,20 @@ class AlertEngine:
         out, self._statuses = self._statuses, []
         return out
 
+    def firing_by_rule(self) -> dict[str, int]:
+        """Open incidents (fired, not resolved; restored ones included) per rule, for every
+        rule of this engine (0 when none): the ``gradstream_firing_incidents`` gauge.
+
+        Safe from another thread (the metrics server's) while the worker feeds the engine:
+        the incidents are copied in one step (``tuple`` of a dict's values: C code under
+        the GIL), then read.
+        """
+        counts = {str(r.name): 0 for r in self.rule_types}
+        for inc in tuple(self._incidents.values()):
+            if inc.active:
+                counts[str(inc.rule)] = counts.get(str(inc.rule), 0) + 1
+        return counts
+
     def active(self, run_id: str | None = None) -> list[Incident]:
         """Open incidents (of one run, or all)."""
         return [

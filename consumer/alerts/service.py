@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from consumer.alerts.config import load_alert_rules
 from consumer.alerts.engine import AlertEngine
 from consumer.alerts.incident import ActiveIncident, active_from_events
-from consumer.alerts.sinks import KafkaAlertSink, LogSink, QueuedSink, WebhookSink
+from consumer.alerts.sink_registry import sinks_from_settings
+from consumer.alerts.sinks import KafkaAlertSink, QueuedSink
 from consumer.frames import GradientFrame
 from consumer.health_tracker import RunHealthTracker
 from consumer.runs import RunInfo
@@ -44,7 +45,8 @@ class AlertService:
 
     Args:
         engine: the rules. kafka: the alerts-topic sink (None: not published, tests).
-        sinks: queued sinks (log, webhook).
+        sinks: queued sinks (those of ``consumer.alerts.sink_registry.SINKS`` that the
+            settings configure: the log, and the webhook, Alertmanager, PagerDuty when set).
     """
 
     def __init__(self, engine: AlertEngine, kafka: KafkaAlertSink | None,
@@ -63,22 +65,20 @@ class AlertService:
     ) -> AlertService:
         """Build from a worker's or the store writer's settings: rules from
         ``alert_rules`` / ``alert_set``, the alerts topic (none when ``alerts_topic`` is
-        None), the log, and the webhook when ``webhook_url`` is set.
+        None), and the queued sinks the settings configure
+        (:func:`consumer.alerts.sink_registry.sinks_from_settings`: the log; the webhook,
+        Alertmanager and PagerDuty when their settings are given).
 
         Raises:
             consumer.alerts.config.AlertConfigError: invalid rule file or override.
+            ValueError: a sink's settings are invalid (e.g. a URL that is not http(s)).
             kafka.errors.KafkaError: the cluster cannot be reached.
         """
         rules = load_alert_rules(settings.alert_rules, settings.alert_set)
         engine = AlertEngine(rules, status_interval_s=settings.status_interval_s,
                              is_finished=is_finished)
         engine.restore(active or [])
-        sinks: list[QueuedSink] = [LogSink(settings.alert_queue_size)]
-        if settings.webhook_url:
-            sinks.append(WebhookSink(
-                settings.webhook_url, timeout_s=settings.webhook_timeout_s,
-                retries=settings.webhook_retries, queue_size=settings.alert_queue_size,
-            ))
+        sinks = sinks_from_settings(settings)
         kafka = (KafkaAlertSink(settings, settings.alerts_topic) if settings.alerts_topic
                  else None)
         return cls(engine, kafka, sinks)
@@ -176,8 +176,17 @@ class AlertService:
         for sink in self.sinks:
             sink.close(timeout)
 
+    def firing_incidents(self) -> list[tuple[str, str, int]]:
+        """(rule, severity, open incidents) for every rule of the engine
+        (:meth:`AlertEngine.firing_by_rule`; severity from the rule's configuration):
+        the ``gradstream_firing_incidents`` gauge of ``consumer.metrics``."""
+        return [(rule, str(self.engine.rules.rule(rule).severity), count)
+                for rule, count in self.engine.firing_by_rule().items()]
+
     def summary(self) -> dict[str, dict[str, int]]:
-        """Counters per sink (``kafka``, ``log``, ``webhook``) and of the engine."""
+        """Counters per sink (``kafka``, ``log``, and ``webhook``, ``alertmanager``,
+        ``pagerduty`` when configured: :class:`consumer.alerts.sinks.SinkCounters`, plus
+        the Alertmanager sink's re-sends) and of the engine."""
         out = {s.name: asdict(s.counters) for s in self.sinks}
         if self.kafka is not None:
             out["kafka"] = asdict(self.kafka.counters)

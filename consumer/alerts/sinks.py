@@ -7,6 +7,12 @@ bounded queue (never blocking), and the sink's own thread delivers it. A slow or
 sink therefore fills its queue, and events beyond ``queue_size`` are dropped and counted,
 while consumption goes on. The DuckDB ``alerts`` table is written by the worker's sink in
 its own transaction (``consumer.alerts.rows``), not here.
+
+The queued sinks a process runs are those of the registry
+:data:`consumer.alerts.sink_registry.SINKS` whose settings are given (each sink's
+``from_settings``); HTTP sinks derive from :class:`HttpSink` (one retry policy). Besides
+the log and the webhook here: Prometheus Alertmanager (``consumer.alerts.alertmanager``)
+and PagerDuty (``consumer.alerts.pagerduty``).
 """
 
 from __future__ import annotations
@@ -19,11 +25,16 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Self
+from urllib.parse import quote
 
 from consumer.alerts.rules import rule_title
 from schemas.alert import Alert, AlertSeverity, AlertState, RunStatus, encode_alert_record
 from schemas.kafka_settings import KafkaClientSettings
+
+if TYPE_CHECKING:
+    from consumer.settings import AlertingSettings
 
 log = logging.getLogger("gradstream.alerts")
 
@@ -52,8 +63,14 @@ class QueuedSink:
         name: for the thread name and log lines.
         queue_size: events waiting at most; more are dropped (counted).
 
-    Subclasses implement :meth:`deliver`; an exception from it counts as a failure.
+    Subclasses implement :meth:`deliver` (an exception from it counts as a failure) and
+    :meth:`from_settings` (to be listed in ``consumer.alerts.sink_registry.SINKS``), and may
+    implement :meth:`periodic` (work on the sink's own schedule, e.g. re-sending).
     """
+
+    IDLE_WAIT_S = 0.1
+    """Longest wait for an event before the thread runs :meth:`periodic` again (s): bounds
+    how late periodic work may run and how long :meth:`close` waits for an idle thread."""
 
     def __init__(self, name: str, queue_size: int) -> None:
         self.name = name
@@ -65,6 +82,17 @@ class QueuedSink:
                                          daemon=True)
         self._started = False
         self._last_drop_log = 0.0
+
+    @classmethod
+    def from_settings(cls, settings: AlertingSettings) -> Self | None:  # pragma: no cover
+        """The sink ``settings`` ask for, or None when they do not configure it (e.g. no
+        URL given). Called once per process by
+        ``consumer.alerts.sink_registry.sinks_from_settings``.
+
+        Raises:
+            ValueError: the settings configure it wrongly (the message says what to fix).
+        """
+        raise NotImplementedError
 
     def start(self) -> None:
         """Start the delivery thread (idempotent)."""
@@ -108,7 +136,12 @@ class QueuedSink:
     def _drain(self) -> None:
         while not self._abandon.is_set():
             try:
-                alert = self._queue.get(timeout=0.1)
+                self.periodic(time.monotonic())
+            except Exception as exc:
+                if not self._abandon.is_set():
+                    log.warning("alert sink %s: periodic work failed: %s", self.name, exc)
+            try:
+                alert = self._queue.get(timeout=self.IDLE_WAIT_S)
             except queue.Empty:
                 if self._closing.is_set():
                     return
@@ -130,6 +163,12 @@ class QueuedSink:
         """Deliver one event (runs on the sink's thread); raise on failure."""
         raise NotImplementedError
 
+    def periodic(self, now: float) -> None:
+        """Work on the sink's own schedule, run on the sink's thread before each wait for
+        an event (at least every :attr:`IDLE_WAIT_S` s while idle, between events while
+        busy); ``now`` is ``time.monotonic()``. Nothing by default. An exception is logged
+        and the thread goes on."""
+
 
 class LogSink(QueuedSink):
     """Writes each event to the ``gradstream.alerts`` logger: firing critical events at
@@ -137,6 +176,11 @@ class LogSink(QueuedSink):
 
     def __init__(self, queue_size: int = 1000) -> None:
         super().__init__("log", queue_size)
+
+    @classmethod
+    def from_settings(cls, settings: AlertingSettings) -> LogSink:
+        """Always a log sink, holding ``settings.alert_queue_size`` events."""
+        return cls(settings.alert_queue_size)
 
     def deliver(self, alert: Alert) -> None:
         """Log one line: ``[severity] rule state: message``."""
@@ -150,8 +194,100 @@ class LogSink(QueuedSink):
                 alert.state.value, alert.message)
 
 
-class WebhookError(RuntimeError):
-    """The webhook refused the event or could not be reached after every attempt."""
+class DeliveryError(RuntimeError):
+    """An HTTP sink's endpoint refused the event or could not be reached after every
+    attempt (:meth:`HttpSink.post_json`)."""
+
+
+RETRY_AFTER_CAP_S = 60.0
+"""Longest ``Retry-After`` (s) an HTTP sink honours: a longer wait would hold every event
+behind it in the sink's queue; it retries after this instead."""
+
+
+class HttpSink(QueuedSink):
+    """A queued sink that POSTs JSON to an HTTP endpoint, retrying failed attempts.
+
+    Args:
+        name: the sink's name (thread, log lines, ``AlertService.summary``).
+        url: where to POST (``http://`` or ``https://``).
+        timeout_s: per attempt, for connecting and for the response.
+        retries: extra attempts after a failed one (connection error, timeout, HTTP 408,
+            429 or 5xx; the PagerDuty Events API v2 asks clients to retry 429 and 5xx);
+            other 4xx answers (an invalid event) are not retried.
+        backoff_s: wait before retry n (1-based) is ``backoff_s * 2**(n-1)`` (exponential
+            backoff), or the server's ``Retry-After`` seconds when it sends one (capped at
+            :data:`RETRY_AFTER_CAP_S`).
+        queue_size: events waiting at most.
+
+    Raises:
+        ValueError: ``url`` is not http(s).
+    """
+
+    def __init__(self, name: str, url: str, *, timeout_s: float = 5.0, retries: int = 3,
+                 backoff_s: float = 0.5, queue_size: int = 1000) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{name} URL must start with http:// or https://, got {url!r}")
+        super().__init__(name, queue_size)
+        self.url = url
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    def post_json(self, body: Any, *, retries: int | None = None) -> bytes:
+        """POST ``body`` as JSON to :attr:`url`, retrying with backoff (runs on the sink's
+        thread; a sink being abandoned stops waiting).
+
+        Args:
+            body: JSON-serialisable value.
+            retries: extra attempts (None: :attr:`retries`); each counted in
+                ``counters.retries``.
+
+        Returns:
+            The first 64 KiB of the response body.
+
+        Raises:
+            DeliveryError: refused (non-retryable 4xx) or every attempt failed.
+        """
+        data = json.dumps(body).encode()
+        retries = self.retries if retries is None else retries
+        last = ""
+        for attempt in range(retries + 1):
+            if attempt:
+                self.counters.retries += 1
+            retry_after: float | None = None
+            request = urllib.request.Request(
+                self.url, data=data, method="POST",
+                headers={"Content-Type": "application/json", "User-Agent": "gradstream-alerts"},
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    return response.read(65536)
+            except urllib.error.HTTPError as exc:
+                last = f"HTTP {exc.code} {exc.reason}"
+                if exc.code not in (408, 429) and exc.code < 500:
+                    detail = _error_body(exc)
+                    raise DeliveryError(f"{self.url} refused the event: {last}"
+                                        + (f": {detail}" if detail else "")) from None
+                header = exc.headers.get("Retry-After") if exc.headers else None
+                if header and header.strip().isdigit():
+                    retry_after = min(float(header), RETRY_AFTER_CAP_S)
+            except (urllib.error.URLError, TimeoutError, OSError) as exc:
+                last = str(getattr(exc, "reason", exc))
+            if attempt < retries:
+                delay = retry_after if retry_after is not None else self.backoff_s * 2**attempt
+                if self.sleep(delay):
+                    break
+        raise DeliveryError(f"{self.url}: {retries + 1} attempt(s) failed, last: {last}")
+
+
+def _error_body(exc: urllib.error.HTTPError, limit: int = 500) -> str:
+    """The start of a refusal's body (e.g. the PagerDuty Events API v2's ``errors`` list,
+    Alertmanager's validation message), one line, for the log; "" when unreadable."""
+    try:
+        text = exc.read(limit).decode("utf-8", "replace")
+    except Exception:
+        return ""
+    return " ".join(text.split())
 
 
 _EMOJI = {
@@ -204,18 +340,12 @@ def slack_payload(alert: Alert) -> dict[str, Any]:
     }
 
 
-class WebhookSink(QueuedSink):
+class WebhookSink(HttpSink):
     """POSTs each event as Slack-compatible JSON (:func:`slack_payload`) to ``url``.
 
     Args:
         url: the webhook (``http://`` or ``https://``).
-        timeout_s: per attempt, for connecting and for the response.
-        retries: extra attempts after a failed one (connection error, timeout, HTTP 408,
-            429 or 5xx); other 4xx answers are not retried.
-        backoff_s: wait before retry n (1-based) is ``backoff_s * 2**(n-1)`` (exponential
-            backoff), or the server's ``Retry-After`` seconds when it sends one (capped at
-            ``60 s``).
-        queue_size: events waiting at most.
+        timeout_s / retries / backoff_s / queue_size: as :class:`HttpSink`.
 
     Raises:
         ValueError: ``url`` is not http(s).
@@ -223,48 +353,49 @@ class WebhookSink(QueuedSink):
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.5, queue_size: int = 1000) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"webhook URL must start with http:// or https://, got {url!r}")
-        super().__init__("webhook", queue_size)
-        self.url = url
-        self.timeout_s = timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
+        super().__init__("webhook", url, timeout_s=timeout_s, retries=retries,
+                         backoff_s=backoff_s, queue_size=queue_size)
+
+    @classmethod
+    def from_settings(cls, settings: AlertingSettings) -> WebhookSink | None:
+        """The webhook at ``settings.webhook_url`` (None when unset), with the settings'
+        timeout, retries and queue size.
+
+        Raises:
+            ValueError: the URL is not http(s).
+        """
+        if not settings.webhook_url:
+            return None
+        return cls(settings.webhook_url, timeout_s=settings.webhook_timeout_s,
+                   retries=settings.webhook_retries, queue_size=settings.alert_queue_size)
 
     def deliver(self, alert: Alert) -> None:
         """POST one event, retrying with backoff.
 
         Raises:
-            WebhookError: refused (non-retryable 4xx) or every attempt failed.
+            DeliveryError: refused (non-retryable 4xx) or every attempt failed.
         """
-        body = json.dumps(slack_payload(alert)).encode()
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                self.counters.retries += 1
-            retry_after: float | None = None
-            request = urllib.request.Request(
-                self.url, data=body, method="POST",
-                headers={"Content-Type": "application/json", "User-Agent": "gradstream-alerts"},
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    response.read(65536)
-                    return
-            except urllib.error.HTTPError as exc:
-                last = f"HTTP {exc.code} {exc.reason}"
-                if exc.code not in (408, 429) and exc.code < 500:
-                    raise WebhookError(f"{self.url} refused the event: {last}") from None
-                header = exc.headers.get("Retry-After") if exc.headers else None
-                if header and header.strip().isdigit():
-                    retry_after = min(float(header), 60.0)
-            except (urllib.error.URLError, TimeoutError, OSError) as exc:
-                last = str(getattr(exc, "reason", exc))
-            if attempt < self.retries:
-                delay = retry_after if retry_after is not None else self.backoff_s * 2**attempt
-                if self.sleep(delay):
-                    break
-        raise WebhookError(f"{self.url}: {self.retries + 1} attempt(s) failed, last: {last}")
+        self.post_json(slack_payload(alert))
+
+
+def rfc3339(unix_s: float) -> str:
+    """``unix_s`` (seconds since the epoch) as an RFC 3339 UTC timestamp with milliseconds,
+    e.g. ``2026-11-27T17:19:50.123Z``: what Alertmanager API v2 (``startsAt``/``endsAt``)
+    and the PagerDuty Events API v2 (``payload.timestamp``, ISO 8601) take."""
+    stamp = datetime.fromtimestamp(unix_s, tz=UTC).isoformat(timespec="milliseconds")
+    return stamp.replace("+00:00", "Z")
+
+
+def dashboard_run_url(dashboard_url: str, run_id: str) -> str:
+    """The link to one run in gradstream's dashboard: ``<dashboard_url>/?run=<run id>``
+    (the page, ``analysis/dashboard/static/dashboard.js``, selects the run named by
+    ``?run=``). It carries no token: whoever opens it is asked for one, as on any page.
+
+    Args:
+        dashboard_url: the dashboard's base URL (``AlertingSettings.dashboard_url``).
+        run_id: the run; percent-encoded.
+    """
+    return f"{dashboard_url.rstrip('/')}/?run={quote(run_id, safe='')}"
 
 
 class KafkaAlertSink:

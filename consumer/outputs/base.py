@@ -11,8 +11,10 @@ workers: merged frames onto a Kafka topic); :mod:`consumer.outputs.registry` nam
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
 
 StoredFrames = tuple[np.ndarray, np.ndarray, list[list[int]]]
 """A run's stored frames: steps int64[F], complete bool[F], ranks seen per frame."""
+
+WriteObserver = Callable[[str, float, bool], None]
+"""Told of each write: (output name, seconds it took, whether it committed)."""
 
 
 @dataclass(slots=True)
@@ -110,6 +115,14 @@ class Output(ABC):
     :meth:`restore`, :meth:`assign` and :meth:`load_sums`.
     """
 
+    name: ClassVar[str] = "output"
+    """The output's name in ``consumer.outputs.registry.OUTPUTS`` (the ``output`` label of
+    the store-write metrics, ``consumer.metrics``)."""
+
+    write_observer: WriteObserver | None = None
+    """Told of every write once it committed or failed (:meth:`timed_write`); set by the
+    loop (its metrics); None: nobody."""
+
     frame_rules: ClassVar[bool] = True
     """Whether the worker writing to this output evaluates the alert rules on its frames
     (the DuckDB output: the worker owns whole runs, in step order). False for the frames
@@ -120,6 +133,22 @@ class Output(ABC):
     def describe(self) -> str:
         """Where batches go, for the start-up log line."""
         return type(self).__name__
+
+    @contextmanager
+    def timed_write(self) -> Iterator[None]:
+        """Time the write done inside the ``with`` block (``time.perf_counter``, s) and
+        tell :attr:`write_observer` its duration and whether it committed (the block
+        returned) or failed (it raised; the exception goes on). An output wraps the step
+        that makes a batch durable in it, on whichever thread runs that step."""
+        start = time.perf_counter()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            observer = self.write_observer
+            if observer is not None:
+                observer(self.name, time.perf_counter() - start, ok)
 
     def on_open(self, hook: Callable[[Any], None]) -> None:
         """Call ``hook`` with what a reader attaches to while the loop writes (the DuckDB

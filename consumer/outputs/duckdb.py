@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from consumer.outputs.base import (
 )
 from consumer.runs import RunInfo
 from schemas.rounding import rounding_rows_sql
+from schemas.scalars import MEAN, RANK_AGGREGATES
 from schemas.stats import (
     WEIGHT_POWER_SUMS,
     ExponentHistogram,
@@ -121,6 +123,13 @@ def _histogram_columns(
         pa.ListArray.from_arrays(list_offsets, pa.array(cols.astype(np.int16)), mask=mask),
         pa.ListArray.from_arrays(list_offsets, pa.array(counts), mask=mask),
     )
+
+
+def _ranked_names(frame: GradientFrame) -> frozenset[str]:
+    """The names of ``frame``'s per-rank scalars (their step values are the store's SQL
+    aggregates, not the frame's)."""
+    rows = frame.rank_scalars
+    return frozenset(rows.names) if rows is not None and len(rows) else frozenset()
 
 
 def _run_column(values: list[str], lengths: np.ndarray) -> pa.Array:
@@ -246,6 +255,10 @@ class DuckDBSink:
                         if write_behind else None)
         self._pending: Future[None] | None = None
         self._failed: BaseException | None = None
+        self.timed: Callable[[], AbstractContextManager[object]] = nullcontext
+        """Wraps each transaction, from BEGIN to COMMIT or ROLLBACK, on the thread that
+        runs it (:meth:`DuckDBOutput.timed_write <consumer.outputs.base.Output.timed_write>`
+        for the store-write metrics); nothing by default."""
 
     @property
     def con(self) -> duckdb.DuckDBPyConnection:
@@ -475,6 +488,10 @@ class DuckDBSink:
             self._pending = self._writer.submit(self._write_now, batch, group)
 
     def _write_now(self, batch: Batch, group: str) -> None:
+        with self.timed():
+            self._transaction(batch, group)
+
+    def _transaction(self, batch: Batch, group: str) -> None:
         con = self._wcon
         con.begin()
         try:
@@ -619,6 +636,58 @@ class DuckDBSink:
             "INSERT OR REPLACE INTO frames BY NAME SELECT * FROM gs_frames",
         )
         self._write_local([f for f in fs if f.local is not None and len(f.local)])
+        self._write_scalars(fs)
+
+    def _write_scalars(self, fs: list[GradientFrame]) -> None:
+        """The frames' training scalars: the per-rank rows (a rank's row written again
+        replaces the old one), the step scalars (the value stored first stays), and the
+        step's value of each per-rank
+        scalar recomputed in SQL over every rank the store holds for the step
+        (``schemas.scalars.RANK_AGGREGATES``), so that a late rank's frame, which carries
+        only its own rows when the earlier ranks' were no longer cached, still gives the
+        aggregate over all of them."""
+        ranked = [f for f in fs if f.rank_scalars is not None and len(f.rank_scalars)]
+        stepped = [(f, {n: v for n, v in f.scalars.items() if n not in _ranked_names(f)})
+                   for f in fs if f.scalars]
+        stepped = [(f, values) for f, values in stepped if values]
+        tables: dict[str, pa.Table] = {}
+        statements: list[str] = []
+        if stepped:
+            lengths = np.array([len(values) for _, values in stepped])
+            tables["gs_step_scalars"] = pa.table({
+                "run_id": _run_column([f.run_id for f, _ in stepped], lengths),
+                "step": pa.array(np.repeat([f.step for f, _ in stepped], lengths), pa.int64()),
+                "name": pa.array([n for _, values in stepped for n in values], pa.string()),
+                "value": pa.array([v for _, values in stepped for v in values.values()],
+                                  pa.float64()),
+            })
+            # Step scalars are the same on every rank: the value stored first stays (a late
+            # rank's frame, or a replay, does not replace it).
+            statements.append("INSERT OR IGNORE INTO step_scalars "
+                              "SELECT run_id, step, name, value FROM gs_step_scalars")
+        if ranked:
+            rows = [f.rank_scalars for f in ranked]
+            lengths = np.array([len(r) for r in rows])  # type: ignore[arg-type]
+            tables["gs_rank_scalars"] = pa.table({
+                "run_id": _run_column([f.run_id for f in ranked], lengths),
+                "step": pa.array(np.repeat([f.step for f in ranked], lengths), pa.int64()),
+                "rank": pa.array(np.concatenate([r.rank for r in rows]).astype(np.int32)),
+                "name": pa.array(np.concatenate(
+                    [np.asarray(r.names, object)[r.name_index] for r in rows]), pa.string()),
+                "value": pa.array(np.concatenate([r.value for r in rows]), pa.float64()),
+            })
+            aggregate = " ".join(f"WHEN '{name}' THEN {agg.sql}(r.value)"
+                                 for name, agg in RANK_AGGREGATES.items())
+            statements += [
+                "INSERT OR REPLACE INTO rank_scalars "
+                "SELECT run_id, step, rank, name, value FROM gs_rank_scalars",
+                "INSERT OR REPLACE INTO step_scalars SELECT r.run_id, r.step, r.name, "
+                f"CASE r.name {aggregate} ELSE {MEAN.sql}(r.value) END FROM rank_scalars r "
+                "JOIN (SELECT DISTINCT run_id, step FROM gs_rank_scalars) k "
+                "ON r.run_id = k.run_id AND r.step = k.step GROUP BY r.run_id, r.step, r.name",
+            ]
+        if statements:
+            _execute_with(self._wcon, tables, *statements)
 
     def _write_local(self, fs: list[GradientFrame]) -> None:
         """Per-rank local view rows of ``fs``: a (run, step, rank) written again (replay,
@@ -743,9 +812,12 @@ class DuckDBOutput(Output):
         duckdb.IOException: the file is locked by another process.
     """
 
+    name = "duckdb"
+
     def __init__(self, db: str | Path, group: str, ignore_layers: Iterable[str] = ()) -> None:
         self.sink = DuckDBSink(db)
         self.sink.ignore_layers = tuple(ignore_layers)
+        self.sink.timed = self.timed_write  # each transaction, on the writer thread
         self.group = group
 
     @classmethod

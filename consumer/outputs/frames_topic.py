@@ -75,7 +75,8 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
     cannot show (the worker's ledger rows: replicas of another numel, other shard counts;
     the ``numel`` kind the store checks again from the sums), its refused ranks, its
     disagreeing replicas and the ranks whose summaries held NaN/Inf (wire 1.11: the store
-    writer's ``replica_divergence`` and ``nonfinite`` alerts name them).
+    writer's ``replica_divergence`` and ``nonfinite`` alerts name them), and its training
+    scalars (wire 1.12).
 
     Raises:
         pydantic.ValidationError: the frame violates the wire contract (a bug upstream).
@@ -121,6 +122,13 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
         optional["replica_divergence"] = frame.replica_divergence.astype(np.int64).ravel().tolist()
     if len(frame.nonfinite_pieces):
         optional["nonfinite_pieces"] = frame.nonfinite_pieces.ravel().tolist()
+    if frame.scalars:
+        optional["scalars"] = frame.scalars
+    rows = frame.rank_scalars
+    if rows is not None and len(rows):
+        optional.update(rank_scalar_names=list(rows.names), rank_scalar_ranks=rows.rank.tolist(),
+                        rank_scalar_index=rows.name_index.tolist(),
+                        rank_scalar_values=rows.value.tolist())
     ranks = sorted(frame.ranks_seen)
     return MergedFrame(
         run_id=frame.run_id, step=frame.step, rank=ranks[0], world_size=frame.world_size,
@@ -313,6 +321,7 @@ class FramesTopicOutput(Output):
         kafka.errors.KafkaError: the cluster cannot be reached.
     """
 
+    name = "frames_topic"
     frame_rules = False
     """The store writer evaluates the alert rules, in step order (a run's steps may be
     spread over the workers: ``ProducerSettings.partition_key="step"``)."""
@@ -356,10 +365,14 @@ class FramesTopicOutput(Output):
     def write(self, batch: Batch) -> None:
         """Publish the batch and wait for Kafka's acknowledgement of every message.
 
+        Timed (:meth:`Output.timed_write`) from the first send to the last
+        acknowledgement.
+
         Raises:
             kafka.errors.KafkaError: a message was not acknowledged.
         """
-        self.publisher.publish(batch)
+        with self.timed_write():
+            self.publisher.publish(batch)
 
     def settle(self, wait: bool) -> bool:
         """True: :meth:`write` returns once Kafka acknowledged every frame."""

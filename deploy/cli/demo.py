@@ -18,7 +18,13 @@ from typing import Annotated
 
 import typer
 
-from deploy.cli.options import ReadEndpointOption, TokenOption, WebhookOption
+from deploy.cli.options import (
+    AlertRoutingOptions,
+    ReadEndpointOption,
+    TokenOption,
+    WebhookOption,
+    with_option_groups,
+)
 
 DEMO_EVENT_LOGGERS: dict[str, tuple[str, int]] = {
     "gradstream.alerts": ("alert", logging.CRITICAL),
@@ -71,7 +77,9 @@ def intro(chosen: list[str], ranks: int, db: Path, bootstrap_servers: str | None
     )
 
 
+@with_option_groups
 def demo(
+    *,
     ranks: Annotated[int, typer.Option(min=1, max=16, help="Data-parallel ranks (processes).")] = 3,
     steps: Annotated[
         int | None, typer.Option(min=1, help="Optimiser steps per scenario (default: each "
@@ -102,6 +110,7 @@ def demo(
     ] = 0,
     read_endpoint: ReadEndpointOption = True,
     token: TokenOption = None,
+    routing: AlertRoutingOptions,
 ) -> None:
     """Train an MLP on the digits dataset, data-parallel, in four scenarios, and watch
     gradstream catch vanishing and exploding gradients, and name the rank whose corrupted
@@ -148,7 +157,7 @@ def demo(
                 Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                          TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(),
                          console=console),
-                token=token,
+                token=token, alerting=routing.settings(),
             )
     except BrokerError as exc:
         console.print(f"[red]Could not start a Kafka broker:[/] {exc}")

@@ -38,6 +38,7 @@ from schemas.nonfinite_verdict import NONFINITE_VERDICTS
 
 __all__ = [
     "DEFAULT_DB",
+    "AlertRoutingOptions",
     "AlertRulesOption",
     "AlertSetOption",
     "AlertsTopicOption",
@@ -311,6 +312,53 @@ WebhookOption = Annotated[
                  "(e.g. a Slack incoming webhook). Default: $GRADSTREAM_WEBHOOK_URL."),
 ]
 
+AlertmanagerUrlOption = Annotated[
+    str | None,
+    typer.Option("--alertmanager-url", metavar="URL",
+                 help="Send every incident to this Prometheus Alertmanager (API v2: POST "
+                 "URL/api/v2/alerts, e.g. http://alertmanager:9093) when it fires, again "
+                 "every re-send interval while it fires, and when it resolves. "
+                 "Default: $GRADSTREAM_ALERTMANAGER_URL, else none."),
+]
+AlertmanagerResendOption = Annotated[
+    float | None,
+    typer.Option("--alertmanager-resend-interval", min=0.001, metavar="SECONDS",
+                 help="Seconds between re-sends of the firing incidents to Alertmanager, "
+                 "which resolves an alert that is not re-sent before its endsAt. "
+                 "Default: $GRADSTREAM_ALERTMANAGER_RESEND_INTERVAL_S or 60 "
+                 "(Prometheus's resend delay)."),
+]
+AlertmanagerLeaseOption = Annotated[
+    float | None,
+    typer.Option("--alertmanager-lease", min=0.001, metavar="SECONDS",
+                 help="endsAt of a firing incident, seconds after each send: if gradstream "
+                 "stops re-sending it, Alertmanager resolves it then. More than the re-send "
+                 "interval. Default: $GRADSTREAM_ALERTMANAGER_LEASE_S or 4 re-send "
+                 "intervals (Prometheus's rule)."),
+]
+PagerDutyRoutingKeyOption = Annotated[
+    str | None,
+    typer.Option("--pagerduty-routing-key", metavar="KEY", show_default=False,
+                 help="Trigger a PagerDuty alert when an incident fires and resolve it when it "
+                 "resolves (Events API v2; KEY: the 32-character integration key). Prefer "
+                 "$GRADSTREAM_PAGERDUTY_ROUTING_KEY: a flag shows in `ps`. Default: that "
+                 "variable, else none."),
+]
+PagerDutyUrlOption = Annotated[
+    str | None,
+    typer.Option("--pagerduty-url", metavar="URL",
+                 help="PagerDuty Events API v2 endpoint. Default: $GRADSTREAM_PAGERDUTY_URL or "
+                 "https://events.pagerduty.com/v2/enqueue."),
+]
+DashboardUrlOption = Annotated[
+    str | None,
+    typer.Option("--dashboard-url", metavar="URL",
+                 help="Base URL of gradstream's dashboard as the people paged reach it (where "
+                 "`gradstream serve` answers): Alertmanager's generatorURL and PagerDuty's "
+                 "link open URL/?run=RUN. Default: $GRADSTREAM_DASHBOARD_URL, else no link."),
+]
+
+
 # --------------------------------------------------------------------------- running
 
 LogLevelOption = Annotated[str, typer.Option("--log-level",
@@ -396,3 +444,28 @@ def with_option_groups(command: _Command) -> _Command:
     run.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
     run.__annotations__ = {p.name: p.annotation for p in parameters}
     return typing.cast(_Command, run)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertRoutingOptions(OptionGroup):
+    """Where incidents are routed besides the webhook: Prometheus Alertmanager and
+    PagerDuty, and the dashboard their links point at
+    (``consumer.settings.AlertingSettings``); taken by ``consume``, ``serve``, ``store``
+    and ``demo``, the commands that take ``--webhook``."""
+
+    alertmanager_url: AlertmanagerUrlOption = None
+    alertmanager_resend_interval: AlertmanagerResendOption = None
+    alertmanager_lease: AlertmanagerLeaseOption = None
+    pagerduty_routing_key: PagerDutyRoutingKeyOption = None
+    pagerduty_url: PagerDutyUrlOption = None
+    dashboard_url: DashboardUrlOption = None
+
+    def settings(self) -> dict[str, Any]:
+        """The options given, as ``AlertingSettings`` fields (see :func:`given`)."""
+        return given(
+            alertmanager_url=self.alertmanager_url,
+            alertmanager_resend_interval_s=self.alertmanager_resend_interval,
+            alertmanager_lease_s=self.alertmanager_lease,
+            pagerduty_routing_key=self.pagerduty_routing_key,
+            pagerduty_url=self.pagerduty_url, dashboard_url=self.dashboard_url,
+        )

@@ -13,7 +13,12 @@ from rich.console import Console
 
 from deploy.cli.consume import ENVIRONMENT, LoggingOptions, WorkerOptions, run_served
 from deploy.cli.errors import fail
-from deploy.cli.options import MaxReadersOption, TokenOption, with_option_groups
+from deploy.cli.options import (
+    AlertRoutingOptions,
+    MaxReadersOption,
+    TokenOption,
+    with_option_groups,
+)
 from deploy.serve import DEFAULT_MAX_READERS, DEFAULT_PORT, ServedStore, ServedWorker
 
 
@@ -49,6 +54,7 @@ def serve(
     max_readers: MaxReadersOption = DEFAULT_MAX_READERS,
     token: TokenOption = None,
     worker: WorkerOptions,
+    routing: AlertRoutingOptions,
     logs: LoggingOptions,
 ) -> None:
     """Consume gradient summaries into the store AND serve the live dashboard from the same
@@ -62,7 +68,7 @@ def serve(
     console = Console(stderr=True, highlight=False)
     served: ServedWorker | ServedStore
     if consume:
-        settings = worker.settings()
+        settings = worker.settings(**routing.settings())
         if settings.frames_topic is not None:
             fail("serve writes the store in this process: unset GRADSTREAM_FRAMES_TOPIC "
                  "(scale-out workers publish their frames and have no store to serve)", 2)

@@ -13,7 +13,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -56,7 +56,7 @@ def kafka_for_demo(bootstrap_servers: str | None) -> Iterator[str]:
 def train_and_consume(
     console: Console, bootstrap: str, db: Path, chosen: list[str], ranks: int,
     steps: int | None, stamp: str, webhook: str | None, serve_port: int | None,
-    progress: Progress, token: str | None = None,
+    progress: Progress, token: str | None = None, alerting: dict[str, Any] | None = None,
 ) -> list[str]:
     """Run a worker in a thread answering reads of ``db`` on 127.0.0.1:``serve_port`` (the
     live dashboard and the read endpoint, advertised in ``<db>.serve.json``; 0 = any free
@@ -67,7 +67,10 @@ def train_and_consume(
     carries it (``http://127.0.0.1:PORT/?token=...``).
 
     The worker reads its other settings from the environment as ``gradstream consume``
-    does; ``webhook`` (None: ``GRADSTREAM_WEBHOOK_URL``, if set) receives its alerts.
+    does; ``webhook`` (None: ``GRADSTREAM_WEBHOOK_URL``, if set) receives its alerts, and
+    ``alerting`` (``consumer.settings.AlertingSettings`` fields, e.g. ``alertmanager_url``,
+    ``pagerduty_routing_key``, ``dashboard_url``; None: the environment's) routes its
+    incidents to Alertmanager and PagerDuty.
 
     Raises:
         deploy.serve.ServeError: the worker could not open and serve the store.
@@ -86,6 +89,7 @@ def train_and_consume(
         bootstrap_servers=bootstrap, db=str(db), topic=f"gradstream.demo-{stamp}.summaries",
         dlq_topic=f"gradstream.demo-{stamp}.dlq", group_id=f"gradstream-demo-{stamp}",
         shard_timeout_s=10.0, **({"webhook_url": webhook} if webhook else {}),
+        **(alerting or {}),
     )
     options = None if serve_port is None else EndpointOptions(port=serve_port, token=token)
     served = ServedLoop(functools.partial(Worker, settings), db, options, "demo")
@@ -126,6 +130,10 @@ def train_and_consume(
         fired = worker.alerts.engine.counters.fired
         console.print(f"Alerts: {fired} incident(s) fired (topic {settings.alerts_topic}); "
                       f"list them: gradstream alerts --db {db}")
+        for name, sink in worker.alerts.summary().items():
+            if name not in ("kafka", "log", "engine"):  # the routes given: webhook, ...
+                console.print(f"  routed to {name}: {sink['delivered']} event(s) delivered, "
+                              f"{sink['failed']} failed, {sink['dropped']} dropped")
     return run_ids
 
 

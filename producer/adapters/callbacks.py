@@ -1,5 +1,12 @@
 """What the framework callbacks (Hugging Face, Lightning) share: a tap built at train
-start, one summary per optimiser step, the run finished at train end."""
+start, one summary per optimiser step with the step's training scalars, the run finished at
+train end.
+
+The step's loss is this rank's mean over the micro-batches of the optimiser step: each
+framework hands every micro-batch's loss to :meth:`TapCallback.note_loss` (kept as a tensor,
+so no device synchronisation happens before the tap reads it), and :meth:`TapCallback.
+record_step` gives the mean to the tap with the learning rates of the optimiser
+(:meth:`TapCallback.note_optimizer`)."""
 
 from __future__ import annotations
 
@@ -93,6 +100,9 @@ class TapCallback:
         self._structural_ignore = structural_ignore
         self._structural_reason = structural_reason
         self.tap: GradientTap | None = None
+        self._loss_sum: Any = None
+        self._loss_count = 0
+        self._optimizer: Any = None
 
     def begin_run(
         self, model: Any, *, rank: int, world_size: int, framework: Mapping[str, Any]
@@ -140,14 +150,33 @@ class TapCallback:
         self.tap = tap
         return tap
 
+    def note_loss(self, loss: Any) -> None:
+        """Add one micro-batch's loss (a 0-d tensor or a number) to the current step's."""
+        value = loss.detach() if hasattr(loss, "detach") else float(loss)
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_count += 1
+
+    def note_optimizer(self, optimizer: Any) -> None:
+        """Send the learning rates of ``optimizer``'s parameter groups with every step (and
+        time the steps from its ``step()``: ``GradientTap.attach_optimizer``'s scalars);
+        the first optimiser noted is kept."""
+        if optimizer is None or self._optimizer is not None or self.tap is None:
+            return
+        self._optimizer = optimizer
+        self.tap.scalars.attach_optimizer(optimizer)
+
     def record_step(self, step: int) -> LayerSummaries | None:
-        """Summarise the accumulated gradients of optimiser step ``step``.
+        """Summarise the accumulated gradients of optimiser step ``step``, with the mean of
+        the losses noted since the previous step.
 
         Raises:
             RuntimeError: before :meth:`begin_run`.
         """
         if self.tap is None:
             raise RuntimeError("gradstream callback: optimiser step before the train start hook")
+        if self._loss_count:
+            self.tap.record_scalars(loss=self._loss_sum / self._loss_count)
+            self._loss_sum, self._loss_count = None, 0
         return self.tap.step(int(step))
 
     def end_run(self) -> None:

@@ -15,6 +15,12 @@ calls ``start_run``; ``on_pre_optimizer_step`` summarises the accumulated gradie
 per optimiser step (gradient accumulation gives one summary, numbered
 ``state.global_step``, 0-based); ``on_train_end`` calls ``finish_run``.
 
+Training scalars: the learning rate of each parameter group of the Trainer's optimiser,
+and this rank's loss, the mean over the step's micro-batches of the model output's
+``loss`` (a forward hook on the model: a Hugging Face model computes it when given
+labels; a model whose output has no ``loss`` sends none). The loss scale stays inside
+``accelerate`` and is not sent.
+
 The Trainer calls ``on_pre_optimizer_step`` after it clipped the gradients
 (``TrainingArguments.max_grad_norm``, default 1.0): the statistics are those of the
 gradients the optimiser receives, so with clipping active the total norm seen is at most
@@ -158,13 +164,27 @@ def _build_callback_class() -> type:
                     "learning_rate": args.learning_rate,
                 },
             )
+            self._loss_hook = model.register_forward_hook(self._output_loss)
+            self.note_optimizer(kwargs.get("optimizer"))
+
+        def _output_loss(self, module: Any, inputs: Any, output: Any) -> None:
+            """Forward hook: note the micro-batch's ``output.loss`` in training mode."""
+            loss = getattr(output, "loss", None)
+            if loss is None and isinstance(output, dict):
+                loss = output.get("loss")
+            if loss is not None and module.training and getattr(loss, "ndim", 1) == 0:
+                self.note_loss(loss)
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             """Summarise the accumulated gradients of optimiser step ``state.global_step``."""
+            self.note_optimizer(kwargs.get("optimizer"))
             self.record_step(state.global_step)
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             """Finish the run (and close the producer when asked to)."""
+            hook = getattr(self, "_loss_hook", None)
+            if hook is not None:
+                hook.remove()
             self.end_run()
 
     return GradstreamCallback

@@ -15,6 +15,11 @@ gradients once per optimiser step (after ``accumulate_grad_batches`` micro-batch
 AMP after unscaling; before gradient clipping), numbered ``trainer.global_step``
 (0-based); ``on_train_end`` calls ``finish_run``.
 
+Training scalars: this rank's loss (the mean over the step's micro-batches of the loss
+``training_step`` returned, read in ``on_before_backward``), the learning rate of each
+parameter group of the optimiser, and with ``precision="16-mixed"`` the loss scale of the
+precision plugin's ``GradScaler``.
+
 ``GradstreamCallback`` is created on first access, as a subclass of
 ``lightning.pytorch.Callback`` when the ``lightning`` package is installed, else of
 ``pytorch_lightning.Callback`` (use it with the matching ``Trainer``). Importing this module
@@ -104,9 +109,21 @@ def _build_callback_class() -> type:
             wrapped = getattr(trainer.strategy, "model", None)
             if self.local_view and hasattr(wrapped, "register_comm_hook"):
                 self.tap.attach_ddp(wrapped)
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            if scaler is not None and hasattr(scaler, "get_scale"):
+                self.tap.attach_scaler(scaler)
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            """Note this micro-batch's loss (the step's loss is their mean). Lightning
+            hands over the loss already divided by ``accumulate_grad_batches`` (so that
+            the accumulated gradient is a mean): multiplied back, it is the value
+            ``training_step`` returned."""
+            self.note_loss(loss * trainer.accumulate_grad_batches)
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            """Summarise the accumulated gradients of optimiser step ``trainer.global_step``."""
+            """Summarise the accumulated gradients of optimiser step ``trainer.global_step``
+            with the step's loss and the optimiser's learning rates."""
+            self.note_optimizer(optimizer)
             self.record_step(trainer.global_step)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:

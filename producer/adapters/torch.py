@@ -46,6 +46,7 @@ from producer.adapters.torch_layout import (
 )
 from producer.adapters.torch_reduce import InBandReducer, replica_layout
 from producer.adapters.torch_run_layers import RunLayers, gather_run_layers, replica_group
+from producer.adapters.torch_scalars import DEFAULT_TIMED_PARAMETERS, StepScalars
 from producer.adapters.torch_summary import (
     Accumulate,
     PendingSummaries,
@@ -54,6 +55,7 @@ from producer.adapters.torch_summary import (
 )
 from producer.selection import select_names
 from producer.summary import LayerSummaries
+from schemas.scalars import RankScalars
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -76,8 +78,12 @@ class SummaryRecorder(Protocol):
     ) -> None:
         """Announce the layer list (see ``GradientProducer.start_run``)."""
 
-    def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
-        """Queue precomputed statistics of one step (see ``GradientProducer``)."""
+    def record_summaries(
+        self, step: int, summaries: LayerSummaries, *,
+        scalars: Mapping[str, object] | None = None, rank_scalars: RankScalars | None = None,
+    ) -> None:
+        """Queue precomputed statistics and training scalars of one step (see
+        ``GradientProducer``)."""
 
 
 Reduce = Literal["auto", "in_band", "off"]
@@ -179,6 +185,16 @@ class GradientTap:
             slices (>= 1): extra reading about ``1 / (check_slices R)`` of the gradient per
             rank; a diverging replica is named within ``check_slices (R - 1)`` summarised
             steps.
+        timed_parameters: how many parameters, first in model order, time the end of the
+            rank's backward pass for ``compute_time_s`` (0: none;
+            :mod:`producer.adapters.torch_scalars`).
+
+    Training scalars (``schemas.scalars``) go with every summarised step: the learning
+    rates of the attached optimiser's parameter groups, the loss scale of a GradScaler
+    given to :meth:`attach_scaler`, what :meth:`record_scalars` was given (the rank's
+    ``loss``, ``tokens``...), and this rank's measured ``step_time_s`` and
+    ``compute_time_s`` (:mod:`producer.adapters.torch_scalars`). In-band, the per-rank ones
+    of every rank are gathered with the reduction and sent by rank 0.
 
     Training-thread time: everything :meth:`step` does (collecting the gradients,
     reductions, copies, ``record_summaries``) is counted in the producer's
@@ -227,6 +243,7 @@ class GradientTap:
         emulate_device: bool = False,
         reduce: Reduce = "auto",
         check_slices: int = 4,
+        timed_parameters: int = DEFAULT_TIMED_PARAMETERS,
     ) -> None:
         import_torch()
         if reduce not in ("auto", "in_band", "off"):
@@ -282,7 +299,7 @@ class GradientTap:
         self.defer = defer
         self.inexact_layers = 0
         self._pending: tuple[int, PendingSummaries, np.ndarray, np.ndarray,
-                             LayerSummaries | None] | None = None
+                             LayerSummaries | None, dict[str, float]] | None = None
         # The hot path: plain (non-DTensor) parameters, all with a gradient, need no
         # per-parameter work beyond reading .grad (layout arrays built once).
         self._tensors = [param for _, param in self._params]
@@ -297,6 +314,7 @@ class GradientTap:
         self.check_slices = check_slices
         self.reducer: InBandReducer | None = None
         self.run_layers: RunLayers | None = None
+        self.scalars = StepScalars(self._tensors, timed_parameters)
 
     @property
     def layer_names(self) -> list[str]:
@@ -478,7 +496,29 @@ class GradientTap:
 
         handle = register(_pre_hook)
         self._handles.append(handle)
+        self.scalars.attach_optimizer(optimizer)
         return handle
+
+    def attach_scaler(self, scaler: Any) -> None:
+        """Send the loss scale of an AMP ``torch.amp.GradScaler`` (``loss_scale``) with every
+        summarised step.
+
+        Raises:
+            TypeError: ``scaler`` has no ``get_scale()``.
+        """
+        self.scalars.attach_scaler(scaler)
+
+    def record_scalars(self, values: Mapping[str, Any] | None = None, /, **named: Any) -> None:
+        """Training scalars of the current step from the training loop, sent with its
+        summary: ``tap.record_scalars(loss=loss.detach(), tokens=n)`` (a 0-d tensor is read
+        when the step is summarised, so this costs no device synchronisation; names and
+        meanings in ``schemas.scalars``: ``loss``, ``tokens`` and ``samples`` are this
+        rank's own).
+
+        Raises:
+            ValueError: an invalid scalar name.
+        """
+        self.scalars.give({**(values or {}), **named})
 
     def attach_ddp(self, ddp_model: Any, process_group: Any = None) -> None:
         """Turn on the per-rank local view for a ``DistributedDataParallel`` model.
@@ -572,6 +612,7 @@ class GradientTap:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.scalars.detach()
 
     def flush(self) -> LayerSummaries | None:
         """Hand a deferred summary (``defer``) to the producer now, waiting for its copy.
@@ -595,13 +636,13 @@ class GradientTap:
             return None, 0.0
         settings = getattr(self.producer, "settings", None)
         done = self.reducer.collect(norms_only=getattr(settings, "mode", "full") == "norms")
-        if done is None or done[1] is None:
+        if done is None or done.summaries is None:
             return None, 0.0
-        step, summaries = done
         t0 = time.perf_counter()
-        self.producer.record_summaries(step, summaries)
+        self.producer.record_summaries(done.step, done.summaries, scalars=done.scalars,
+                                       rank_scalars=done.rank_scalars)
         self.steps_recorded += 1
-        return summaries, time.perf_counter() - t0
+        return done.summaries, time.perf_counter() - t0
 
     def _local_piece(self, i: int, grad: Any) -> tuple[Any, int, int] | None:
         """This rank's piece of watched parameter ``i``'s gradient ``grad``: what
@@ -652,7 +693,8 @@ class GradientTap:
                 accumulate=self.accumulate, keep_gradients=True,
                 emulate_device=self.emulate_device,
             ).result()
-        self.reducer.launch(step, np.asarray(positions, np.int64), summaries, owned, checked)
+        self.reducer.launch(step, np.asarray(positions, np.int64), summaries, owned, checked,
+                            self.scalars.take(step))
         return handed
 
     def _hand_over_pending(self) -> tuple[LayerSummaries | None, float]:
@@ -660,7 +702,7 @@ class GradientTap:
         spent inside ``record_summaries``)."""
         if self._pending is None:
             return None, 0.0
-        step, pending, index, count, local = self._pending
+        step, pending, index, count, local, scalars = self._pending
         self._pending = None
         summaries = pending.result()
         if pending.inexact:
@@ -671,11 +713,11 @@ class GradientTap:
                 "mode); reported with nonfinite = numel; reading synchronously from now on",
                 step, pending.inexact,
             )
-        return self._record(step, summaries, index, count, local)
+        return self._record(step, summaries, index, count, local, scalars)
 
     def _record(
         self, step: int, summaries: LayerSummaries, index: np.ndarray, count: np.ndarray,
-        local: LayerSummaries | None,
+        local: LayerSummaries | None, scalars: dict[str, float],
     ) -> tuple[LayerSummaries, float]:
         """Attach layout and local view, call ``record_summaries``; (the summaries handed
         over, seconds spent inside ``record_summaries``: the producer counts those)."""
@@ -683,7 +725,7 @@ class GradientTap:
         if local is not None:
             summaries = summaries.with_local(local)
         t0 = time.perf_counter()
-        self.producer.record_summaries(step, summaries)
+        self.producer.record_summaries(step, summaries, scalars=scalars)
         inside = time.perf_counter() - t0
         self.steps_recorded += 1
         return summaries, inside
@@ -757,6 +799,7 @@ class GradientTap:
                 count_list.append(piece[2])
             index, count = np.asarray(index_list), np.asarray(count_list)
         local = self._take_local()
+        scalars = self.scalars.take(step)
         if not grads:
             self.steps_without_gradients += 1
             return handed
@@ -768,8 +811,8 @@ class GradientTap:
             emulate_device=self.emulate_device,
         )
         if self.defer:
-            self._pending = (step, pending, index, count, local)
+            self._pending = (step, pending, index, count, local, scalars)
             return handed
-        handed, inside = self._record(step, pending.result(), index, count, local)
+        handed, inside = self._record(step, pending.result(), index, count, local, scalars)
         self._inside += inside
         return handed

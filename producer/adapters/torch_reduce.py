@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,7 @@ from producer.adapters.optional import import_torch
 from producer.adapters.torch_run_layers import RunLayers
 from producer.summary import LayerSummaries
 from schemas.replicas import replicas_disagree
+from schemas.scalars import RANK_SCALARS, RankScalars, split_scalars
 
 SUM_COLUMNS = 10
 """Columns of the SUM buffer: counted numel, nonfinite, nan, sum_abs, sum_sq, nan-unknown;
@@ -204,6 +205,31 @@ class _InFlight:
     maxima: Any
     works: list[Any]
     checked: np.ndarray
+    scalars: dict[str, float]
+    ranks_block: Any
+
+
+RANK_SCALAR_ORDER: tuple[str, ...] = tuple(sorted(RANK_SCALARS))
+"""The per-rank scalars' columns in the gathered block (the same on every rank)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reduced:
+    """What :meth:`InBandReducer.collect` returns for a step.
+
+    Attributes:
+        step: the optimiser step.
+        summaries: on the sender, the whole parameters' statistics (None on the other
+            ranks, or when no layer had a gradient).
+        scalars: the sender's step scalars of the step (learning rates, loss scale).
+        rank_scalars: on the sender, the per-rank scalars of every rank (None elsewhere or
+            when no rank had any).
+    """
+
+    step: int
+    summaries: LayerSummaries | None
+    scalars: dict[str, float]
+    rank_scalars: RankScalars | None
 
 
 class InBandReducer:
@@ -297,7 +323,7 @@ class InBandReducer:
 
     def launch(
         self, step: int, positions: np.ndarray, summaries: LayerSummaries | None,
-        owned: np.ndarray, checked: np.ndarray,
+        owned: np.ndarray, checked: np.ndarray, scalars: Mapping[str, float] | None = None,
     ) -> None:
         """Start the reductions of ``step`` (after collecting the previous one's).
 
@@ -307,6 +333,11 @@ class InBandReducer:
                 be 0).
             summaries: this rank's statistics of those layers' local pieces, or None.
             owned, checked: :meth:`select`'s masks for ``step``.
+            scalars: this rank's training scalars of ``step`` (``schemas.scalars``): the
+                per-rank ones are gathered from every rank by a third all-reduce, a
+                float64 [W, 2K] block in which each rank fills its own row (K values, K
+                presence flags) and zeros elsewhere, so the sum is every rank's row
+                exactly (NaN included); the step ones are the sender's.
         """
         torch = import_torch()
         dist = torch.distributed
@@ -341,12 +372,21 @@ class InBandReducer:
             maxima[rows, 1] = max_abs[check]
             maxima[rows, 3] = self.rank + 1
             self.elements_summarised += int(summaries.numel.sum())
+        step_values, own = split_scalars(scalars or {})
+        k = len(RANK_SCALAR_ORDER)
+        block = np.zeros((self.world_size, 2 * k), np.float64)
+        for j, name in enumerate(RANK_SCALAR_ORDER):
+            if name in own:
+                block[self.rank, j], block[self.rank, k + j] = own[name], 1.0
         sums_t, maxima_t = torch.from_numpy(sums), torch.from_numpy(maxima)
+        block_t = torch.from_numpy(block)
         works = [
             dist.all_reduce(sums_t, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
             dist.all_reduce(maxima_t, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
+            dist.all_reduce(block_t, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
         ]
-        self._in_flight = _InFlight(step, sums_t, maxima_t, works, self._checked_layers(step))
+        self._in_flight = _InFlight(step, sums_t, maxima_t, works, self._checked_layers(step),
+                                    step_values, block_t)
         self.steps_reduced += 1
 
     @property
@@ -354,15 +394,15 @@ class InBandReducer:
         """Whether a launched reduction has not been collected yet."""
         return self._in_flight is not None
 
-    def collect(self, norms_only: bool = False) -> tuple[int, LayerSummaries | None] | None:
+    def collect(self, norms_only: bool = False) -> Reduced | None:
         """Wait for the launched reduction and return its result.
 
         Args:
             norms_only: the statistics carry no sum |g| / max |g| (norms mode).
 
         Returns:
-            None when nothing was in flight; else ``(step, summaries)`` where
-            ``summaries`` is, on the sender, the whole parameters' statistics of the layers
+            None when nothing was in flight; else the :class:`Reduced` step, whose
+            ``summaries`` are, on the sender, the whole parameters' statistics of the layers
             some rank counted (piece 0 of 1, marked reduced over ``[0, world_size)``, with
             the cross-check's disagreements), and None on the other ranks or when no
             layer had a gradient.
@@ -373,11 +413,12 @@ class InBandReducer:
         for work in flight.works:
             work.wait()
         if self.rank != self.sender:
-            return flight.step, None
+            return Reduced(flight.step, None, flight.scalars, None)
+        ranks = _gathered_rank_scalars(flight.ranks_block.numpy())
         sums, maxima = flight.sums.numpy(), flight.maxima.numpy()
         present = np.flatnonzero(sums[:, 0] > 0)
         if present.size == 0:
-            return flight.step, None
+            return Reduced(flight.step, None, flight.scalars, ranks)
         s, m = sums[present], maxima[present]
         summaries = LayerSummaries(
             tuple(self.names[i] for i in present.tolist()), s[:, 0].astype(np.int64),
@@ -386,8 +427,8 @@ class InBandReducer:
             nan=None if (s[:, 5] > 0).any() else s[:, 2].astype(np.int64),
         ).with_layout(0, 1)
         divergence = self._divergence(sums, maxima, flight.checked)
-        return flight.step, summaries.with_reduction(
-            np.array([0, self.world_size], np.int64), divergence)
+        return Reduced(flight.step, summaries.with_reduction(
+            np.array([0, self.world_size], np.int64), divergence), flight.scalars, ranks)
 
     @staticmethod
     def _divergence(sums: np.ndarray, maxima: np.ndarray, checked: np.ndarray
@@ -406,3 +447,14 @@ class InBandReducer:
         if bad.size == 0:
             return None
         return np.column_stack([bad, maxima[bad, 3] - 1, maxima[bad, 2] - 1]).astype(np.int64)
+
+
+def _gathered_rank_scalars(block: np.ndarray) -> RankScalars | None:
+    """The per-rank scalars of a gathered float64 [W, 2K] block (:meth:`InBandReducer.
+    launch`): the rows (rank, name, value) whose presence flag is set; None when none is."""
+    k = len(RANK_SCALAR_ORDER)
+    rank, column = np.nonzero(block[:, k:] > 0)
+    if rank.size == 0:
+        return None
+    return RankScalars(RANK_SCALAR_ORDER, rank.astype(np.int64), column.astype(np.int64),
+                       block[rank, column])

@@ -13,6 +13,7 @@ import numpy as np
 from producer.flight_recorder import LocalEntry
 from producer.summary import LayerSummaries
 from producer.weights import WeightSummaries
+from schemas.scalars import RankScalars
 from schemas.stats import csr_from_dense
 from schemas.wire import (
     LocalSummary,
@@ -36,6 +37,8 @@ class StepRecord:
             the run's layer list).
         summaries: the k layers' gradient statistics (with layout and local view, if any).
         weights: the k layers' weight statistics, or None.
+        scalars: the step's step scalars (name -> value), or None.
+        rank_scalars: per-rank scalars of the ranks the summary reports for, or None.
     """
 
     step: int
@@ -43,6 +46,8 @@ class StepRecord:
     layer_indices: np.ndarray
     summaries: LayerSummaries
     weights: WeightSummaries | None
+    scalars: dict[str, float] | None = None
+    rank_scalars: RankScalars | None = None
 
 
 def step_summary(
@@ -87,6 +92,14 @@ def step_summary(
         divergence = summaries.replica_divergence
         if divergence is not None and len(divergence):
             optional["replica_divergence"] = np.asarray(divergence, np.int64).ravel().tolist()
+    if record.scalars:
+        optional["scalars"] = record.scalars
+    ranks = record.rank_scalars
+    if ranks is not None and len(ranks):
+        optional.update(rank_scalar_names=list(ranks.names),
+                        rank_scalar_ranks=ranks.rank.tolist(),
+                        rank_scalar_index=ranks.name_index.tolist(),
+                        rank_scalar_values=ranks.value.tolist())
     local = summaries.local
     if local is not None:
         keep = [i for i, n in enumerate(local.names) if n in layer_index]

@@ -3,20 +3,27 @@ broker, and the lag computation against a real consumer position."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 import urllib.request
 
+import duckdb
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from consumer.alerts.rules import RULES
 from consumer.metrics import WorkerMetrics
+from consumer.outputs.base import Batch
+from consumer.outputs.duckdb import DuckDBOutput
+from consumer.outputs.frames_topic import FramesTopicOutput
 from consumer.settings import ConsumerSettings
 from consumer.topic_admin import ensure_topics
 from consumer.worker import Worker
-from schemas.wire import RunStarted, StepSummary, encode_message
+from schemas.wire import GradientHealth, RunStarted, StepSummary, encode_message
 
 LAYERS = 3
 STEPS = 12
@@ -96,7 +103,8 @@ def test_endpoint_reports_messages_rows_dead_letters_pending_latency_and_lag(
             assert samples is not None, "the metrics endpoint does not answer"
             lags = samples.get("gradstream_consumer_lag", [])
             if (value(samples, "gradstream_messages_total") == sent and len(lags) == 2
-                    and all(v == 0 for _, v in lags)):
+                    and all(v == 0 for _, v in lags)
+                    and value(samples, "gradstream_store_write_duration_seconds_count") > 0):
                 break
             assert time.monotonic() < deadline, samples
             time.sleep(0.2)
@@ -114,6 +122,20 @@ def test_endpoint_reports_messages_rows_dead_letters_pending_latency_and_lag(
         total_s = value(samples, "gradstream_frame_latency_seconds_sum")
         assert STEPS * AGE_S <= total_s <= STEPS * (AGE_S + 60)
         assert value(samples, "process_resident_memory_bytes") > 0
+        # One run, not finished (rank 1 never sent RunFinished), healthy; every state listed.
+        assert value(samples, "gradstream_runs", health="Healthy", finished="false") == 1
+        assert value(samples, "gradstream_runs") == 1
+        assert len(samples["gradstream_runs"]) == 2 * len(GradientHealth)
+        # Every alert rule has its series, with the rule's severity.
+        rules = {labels["rule"]: labels["severity"]
+                 for labels, _ in samples["gradstream_firing_incidents"]}
+        assert rules == {str(r.name): str(worker.alerts.engine.rules.rule(r.name).severity)
+                         for r in RULES}
+        # The DuckDB transactions were timed, none failed; no *_created series.
+        assert value(samples, "gradstream_store_write_failures_total", output="duckdb") == 0
+        assert value(samples, "gradstream_store_write_duration_seconds_bucket", output="duckdb",
+                     le="+Inf") == value(samples, "gradstream_store_write_duration_seconds_count")
+        assert not [name for name in samples if name.endswith("_created")]
     finally:
         worker.stop()
         thread.join(30)
@@ -163,7 +185,7 @@ def test_workers_in_one_process_keep_separate_figures() -> None:
     assert a.registry.get_sample_value("gradstream_dead_letters_total",
                                        {"reason": "invalid"}) == 2
     assert b.registry.get_sample_value("gradstream_dead_letters_total",
-                                       {"reason": "invalid"}) is None
+                                       {"reason": "invalid"}) == 0
     assert a.registry.get_sample_value("gradstream_pending_frames") == 4
     assert b.registry.get_sample_value("gradstream_pending_frames") == 9
 
@@ -181,3 +203,87 @@ def test_serve_is_off_without_a_port_and_names_a_taken_port() -> None:
     finally:
         first.close()
     assert scrape(port) is None
+
+
+def write_figures(metrics: WorkerMetrics, output: str) -> tuple[float, float, float]:
+    """(writes observed, their total seconds, failures) of ``output``."""
+    def get(name: str) -> float:
+        got = metrics.registry.get_sample_value(name, {"output": output})
+        assert got is not None, f"{name} has no series for output {output!r}"
+        return got
+
+    return (get("gradstream_store_write_duration_seconds_count"),
+            get("gradstream_store_write_duration_seconds_sum"),
+            get("gradstream_store_write_failures_total"))
+
+
+def test_duckdb_transactions_are_timed_and_a_failed_one_counted(tmp_path) -> None:
+    metrics = WorkerMetrics()
+    output = DuckDBOutput(tmp_path / "w.duckdb", "g")
+    metrics.watch_output(output.name)
+    output.write_observer = metrics.observe_write
+    assert write_figures(metrics, "duckdb") == (0, 0, 0)  # the series exist before a write
+    try:
+        began = time.perf_counter()
+        output.write(Batch(offsets={("t", 0): 5}))
+        assert output.settle(wait=True)
+        elapsed = time.perf_counter() - began
+        count, seconds, failures = write_figures(metrics, "duckdb")
+        assert (count, failures) == (1, 0) and 0 < seconds <= elapsed
+        # a rank that is no integer: DuckDB refuses the row, the transaction rolls back
+        output.write(Batch(refusals=[("run", "not a rank", "why")]))  # type: ignore[list-item]
+        with pytest.raises(duckdb.Error):
+            output.settle(wait=True)
+        count, _, failures = write_figures(metrics, "duckdb")
+        assert (count, failures) == (2, 1)
+    finally:
+        with contextlib.suppress(duckdb.Error):  # close() re-raises the failed write
+            output.close()
+
+
+def test_frames_topic_writes_are_timed(kafka_bootstrap: str, unique_name: str) -> None:
+    settings = ConsumerSettings(bootstrap_servers=kafka_bootstrap, partitions=1,
+                                frames_topic=f"mf-{unique_name}",
+                                runs_topic=f"mf-runs-{unique_name}")
+    metrics = WorkerMetrics()
+    output = FramesTopicOutput.from_settings(settings)
+    metrics.watch_output(output.name)
+    output.write_observer = metrics.observe_write
+    try:
+        output.write(Batch())
+        output.write(Batch())
+    finally:
+        output.close()
+    count, seconds, failures = write_figures(metrics, "frames_topic")
+    assert (count, failures) == (2, 0) and seconds > 0
+
+
+def test_runs_and_incidents_are_read_at_scrape_time() -> None:
+    runs: list[dict[tuple[str, bool], int] | None] = [None]
+    incidents: list[list[tuple[str, str, int]] | None] = [None]
+    metrics = WorkerMetrics(runs=lambda: runs[-1], incidents=lambda: incidents[-1])
+    families = {f.name: f for f in metrics.registry.collect()}
+    assert families["gradstream_runs"].samples == []  # None: this process has no figures
+    assert families["gradstream_firing_incidents"].samples == []
+    runs.append({("Critical", True): 2, ("Healthy", False): 1})
+    incidents.append([("nonfinite", "critical", 3), ("stalled", "warning", 0)])
+
+    def get(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert get("gradstream_runs", health="Critical", finished="true") == 2
+    assert get("gradstream_runs", health="Healthy", finished="false") == 1
+    assert get("gradstream_runs", health="MinorIssues", finished="false") == 0
+    assert get("gradstream_firing_incidents", rule="nonfinite", severity="critical") == 3
+    assert get("gradstream_firing_incidents", rule="stalled", severity="warning") == 0
+    runs.append({("Critical", True): 5})  # read again at the next scrape
+    assert get("gradstream_runs", health="Critical", finished="true") == 5
+    assert get("gradstream_runs", health="Healthy", finished="false") == 0
+
+
+def test_dead_letter_series_start_at_zero_and_no_created_series() -> None:
+    metrics = WorkerMetrics()
+    for reason in ("invalid", "unknown_run", "conflicting_run", "refused_rank"):
+        assert metrics.registry.get_sample_value("gradstream_dead_letters_total",
+                                                 {"reason": reason}) == 0
+    assert b"_created" not in generate_latest(metrics.registry)

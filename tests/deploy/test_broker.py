@@ -1,11 +1,15 @@
 """Tests of the local Kafka broker (:mod:`deploy.broker`); its commands are tested in
 :mod:`tests.deploy.cli.test_broker`.
 
-Everything here runs a real Kafka (Maven-resolved jars, real JVM, real sockets).
+Everything here runs a real Kafka (the locked jars from Maven Central, real JVM, real
+sockets). The lock, the downloads and the choice of Java are tested in
+:mod:`tests.deploy.test_kafka_runtime`; a machine without Java or Maven in
+:mod:`tests.deploy.cli.test_broker_fresh_machine`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -23,6 +27,7 @@ from deploy.broker import (
     LocalBroker,
     resolve_kafka,
 )
+from deploy.kafka_runtime import load_lock
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -73,12 +78,15 @@ def _consume_all(bootstrap: str, topic: str, expected: int, timeout: float = 60.
         consumer.close()
 
 
-def _find_java() -> Path:
-    for directory in os.environ.get("PATH", "").split(os.pathsep):
-        candidate = Path(directory) / "java"
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return candidate.resolve()
-    pytest.fail("java is not installed: apt-get install openjdk-17-jre-headless")
+def file_repository(root: Path) -> str:
+    """A ``file://`` Maven 2 layout repository under ``root`` holding the locked jars
+    (symbolic links to the cached ones, resolved first), for offline resolutions."""
+    libs = resolve_kafka(quiet=True)
+    for jar in load_lock().jars:
+        path = root / jar.repository_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.symlink_to(libs / jar.file_name)
+    return root.as_uri()
 
 
 # ----------------------------------------------------------------------------- resolve
@@ -98,12 +106,14 @@ def test_resolve_is_cached() -> None:
 
 def test_resolve_fresh_cache_dir_concurrently(tmp_path: Path) -> None:
     """Two racing resolutions into an empty cache both succeed with the same result."""
+    repository = file_repository(tmp_path / "repository")
+    cache = tmp_path / "cache"
     results: list[Path] = []
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            results.append(resolve_kafka(tmp_path))
+            results.append(resolve_kafka(cache, repository=repository, quiet=True))
         except BaseException as exc:
             errors.append(exc)
 
@@ -115,62 +125,82 @@ def test_resolve_fresh_cache_dir_concurrently(tmp_path: Path) -> None:
     assert not errors, errors
     assert len(results) == 2 and results[0] == results[1]
     libs = results[0]
-    assert libs == tmp_path / f"kafka-{KAFKA_VERSION}" / "libs"
-    assert len(list(libs.glob("*.jar"))) > 20
-    # No temporary directories left behind.
+    assert libs == cache / f"kafka-{KAFKA_VERSION}" / "libs"
+    lock = load_lock()
+    assert sorted(p.name for p in libs.glob("*.jar")) == sorted(j.file_name for j in lock.jars)
+    assert all(not (libs / j.file_name).is_symlink() for j in lock.jars)  # copies
+    # No temporary directories or partial files left behind.
     assert sorted(p.name for p in libs.parent.iterdir()) == ["libs"]
+    assert not list(libs.glob(".*.part"))
 
     start = time.monotonic()
-    assert resolve_kafka(tmp_path) == libs
+    assert resolve_kafka(cache, repository="file:///nonexistent", quiet=True) == libs
     assert time.monotonic() - start < 0.5
 
 
 def test_resolve_uses_cache_env_and_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A complete cache directory (marker present) is returned without running anything."""
+    """A cache directory whose marker records the current lock is returned as is: no
+    download (the repository does not exist), no Java, no Maven."""
     libs = tmp_path / "cache" / f"kafka-{KAFKA_VERSION}" / "libs"
     libs.mkdir(parents=True)
-    (libs / ".gradstream-complete").write_text("{}\n")
+    (libs / ".gradstream-complete").write_text(
+        json.dumps({"lock_sha256": load_lock().digest}) + "\n"
+    )
     monkeypatch.setenv("GRADSTREAM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no java, no mvn needed
+    monkeypatch.setenv("GRADSTREAM_MAVEN_REPOSITORY", "file:///nonexistent")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert resolve_kafka() == libs
 
 
-def test_missing_java_names_what_to_install(
+def test_maven_era_cache_is_kept_and_outdated_one_replaced(tmp_path: Path) -> None:
+    """A cache completed by Maven before the lock existed (marker without a lock digest)
+    holding exactly the locked files is kept without a download; one with a wrong file is
+    replaced by a fresh download."""
+    lock = load_lock()
+    cached = resolve_kafka(quiet=True)
+    libs = tmp_path / "cache" / f"kafka-{KAFKA_VERSION}" / "libs"
+    libs.mkdir(parents=True)
+    for jar in lock.jars:
+        (libs / jar.file_name).write_bytes((cached / jar.file_name).read_bytes())
+    marker = libs / ".gradstream-complete"
+    marker.write_text(json.dumps({"kafka_version": KAFKA_VERSION, "jars": len(lock.jars)}) + "\n")
+
+    assert resolve_kafka(tmp_path / "cache", repository="file:///nonexistent") == libs
+    assert json.loads(marker.read_text())["lock_sha256"] == lock.digest
+
+    # A file differing from the lock under a marker without digest: downloaded anew.
+    marker.write_text("{}\n")
+    victim = libs / lock.jars[0].file_name
+    victim.write_bytes(b"not the jar")
+    with pytest.raises(BrokerError, match="Cannot download"):
+        resolve_kafka(tmp_path / "cache", repository="file:///nonexistent", quiet=True)
+    repository = file_repository(tmp_path / "repository")
+    assert resolve_kafka(tmp_path / "cache", repository=repository, quiet=True) == libs
+    assert victim.read_bytes() == (cached / victim.name).read_bytes()
+    assert json.loads(marker.read_text())["lock_sha256"] == lock.digest
+    assert sorted(p.name for p in libs.parent.iterdir()) == ["libs"]
+
+
+def test_resolve_needs_neither_java_nor_maven(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    empty = tmp_path / "bin"
-    empty.mkdir()
-    monkeypatch.setenv("PATH", str(empty))
-    with pytest.raises(BrokerError) as info:
-        resolve_kafka(tmp_path / "cache")
-    message = str(info.value)
-    assert "Java 17+" in message
-    assert "openjdk-17-jre-headless" in message
-    assert "KAFKA_BOOTSTRAP_SERVERS" in message
+    repository = file_repository(tmp_path / "repository")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    libs = resolve_kafka(tmp_path / "cache", repository=repository, quiet=True)
+    assert (libs / f"kafka_2.13-{KAFKA_VERSION}.jar").is_file()
 
 
-def test_missing_maven_names_what_to_install(
+def test_start_with_unusable_java_fails_clearly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    java = _find_java()
-    only_java = tmp_path / "bin"
-    only_java.mkdir()
-    (only_java / "java").symlink_to(java)
-    monkeypatch.setenv("PATH", str(only_java))
-    with pytest.raises(BrokerError) as info:
-        resolve_kafka(tmp_path / "cache")
-    message = str(info.value)
-    assert "Maven" in message
-    assert "apt-get install maven" in message
-    assert "KAFKA_BOOTSTRAP_SERVERS" in message
-
-
-def test_start_without_java_fails_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    resolve_kafka()  # jars cached: only java is missing
-    monkeypatch.setenv("PATH", str(tmp_path))
+    resolve_kafka(quiet=True)  # jars cached: only java is wrong
+    monkeypatch.setenv("GRADSTREAM_JAVA", str(tmp_path / "no-such-java"))
     broker = LocalBroker(tmp_path / "state")
-    with pytest.raises(BrokerError, match="openjdk-17-jre-headless"):
+    with pytest.raises(BrokerError) as info:
         broker.start(timeout=10)
+    message = str(info.value)
+    assert "GRADSTREAM_JAVA" in message and "is not an executable file" in message
+    assert "17 or 21" in message
     assert not broker.status().running
 
 

@@ -12,6 +12,9 @@
   const paletteRgb = config.palette.map(H.hexToRgb);
   const $ = (id) => document.getElementById(id);
   const state = { run: null, picked: false, layer: null, grid: null, series: null };
+  // A link to one run (an alert's Alertmanager generatorURL or PagerDuty link): /?run=ID
+  // selects that run once it is listed.
+  const linkedRun = new URLSearchParams(window.location.search).get("run");
 
   $("db").textContent = config.db + (config.writer ? "  (this process writes it)" : "  (read-only)");
 
@@ -40,6 +43,9 @@
     const list = $("runs");
     list.textContent = "";
     $("no-runs").hidden = runs.length > 0;
+    if (!state.picked && linkedRun !== null && runs.some((r) => r.run_id === linkedRun)) {
+      selectRun(linkedRun, true);
+    }
     if (!state.picked && runs.length && (state.run === null ||
         !runs.some((r) => r.run_id === state.run))) {
       selectRun(runs[0].run_id, false);

@@ -74,24 +74,32 @@ from __future__ import annotations
 from consumer.alerts.rules.base import Finding, FrameContext, Rule, RuleConfig, RunContext
 from consumer.alerts.rules.exploding import ExplodingRule
 from consumer.alerts.rules.grad_norm_spike import GradNormSpikeRule
+from consumer.alerts.rules.loss_scale_collapse import LossScaleCollapseRule
+from consumer.alerts.rules.loss_spike import LossSpikeRule
 from consumer.alerts.rules.missing_ranks import MissingRanksRule
 from consumer.alerts.rules.nonfinite import NonfiniteRule
+from consumer.alerts.rules.nonfinite_loss import NonfiniteLossRule
 from consumer.alerts.rules.replica_divergence import ReplicaDivergenceRule
 from consumer.alerts.rules.run_health import RunHealthRule
 from consumer.alerts.rules.shard_layout import ShardLayoutRule
 from consumer.alerts.rules.shared import FrameView, LocalOrigin, json_number, preview
 from consumer.alerts.rules.stalled import StalledRule
+from consumer.alerts.rules.straggler import StragglerRule
 from consumer.alerts.rules.vanishing import VanishingRule
 from schemas.alert import RuleName, rule_name
 
 RULES: tuple[type[Rule], ...] = (
     RunHealthRule,
     NonfiniteRule,
+    NonfiniteLossRule,
     ExplodingRule,
     VanishingRule,
     GradNormSpikeRule,
+    LossSpikeRule,
+    LossScaleCollapseRule,
     StalledRule,
     MissingRanksRule,
+    StragglerRule,
     ReplicaDivergenceRule,
     ShardLayoutRule,
 )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from consumer.outputs.base import Output
 from consumer.outputs.duckdb import DuckDBOutput
+from consumer.outputs.frames_topic import FramesTopicOutput
 from consumer.outputs.registry import OUTPUTS, open_output
 from consumer.settings import ConsumerSettings
 
@@ -15,6 +16,7 @@ def test_settings_name_a_registered_output() -> None:
     assert ConsumerSettings().output == "duckdb"
     assert ConsumerSettings(frames_topic="frames").output == "frames_topic"
     assert set(OUTPUTS) == {"duckdb", "frames_topic"}
+    assert FramesTopicOutput.name == "frames_topic"  # the ``output`` label of its writes
 
 
 def test_the_duckdb_output_opens_from_the_settings(tmp_path: Path) -> None:
@@ -23,6 +25,7 @@ def test_the_duckdb_output_opens_from_the_settings(tmp_path: Path) -> None:
     try:
         assert isinstance(output, Output) and isinstance(output, DuckDBOutput)
         assert output.describe() == settings.db
+        assert output.name == settings.output  # the store-write metrics' ``output`` label
         assert output.sink.ignore_layers == ("*.bias",)
         assert output.stored_offsets(["t"]) == {}
         assert output.assign() is None

@@ -1,5 +1,6 @@
 """`gradstream broker fetch|start|stop|status` (:mod:`deploy.cli.broker`), registered on a
-fresh Typer app. Runs a real Kafka (Maven-resolved jars, real JVM, real sockets)."""
+fresh Typer app. Runs a real Kafka (the locked jars from Maven Central, real JVM, real
+sockets)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_cli_status_not_running(tmp_path: Path) -> None:
 def test_cli_help_lists_commands() -> None:
     result = CliRunner().invoke(_cli_app(), ["broker", "--help"])
     assert result.exit_code == 0
-    for command in ("fetch", "start", "stop", "status"):
+    for command in ("fetch", "start", "stop", "status", "lock"):
         assert command in result.output
 
 
@@ -40,15 +41,45 @@ def test_cli_fetch_prints_directory() -> None:
 
 
 def test_cli_error_is_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repository without the jars: the error names the jar, the URL and the setting."""
     monkeypatch.setenv("PATH", str(tmp_path))
+    repository = (tmp_path / "empty-repository").as_uri()
+    result = CliRunner().invoke(
+        _cli_app(),
+        ["broker", "fetch", "--cache-dir", str(tmp_path / "cache"),
+         "--maven-repository", repository],
+    )
+    assert result.exit_code == 1
+    assert "Error:" in result.output
+    assert "Cannot download" in result.output and repository in result.output
+    assert "GRADSTREAM_MAVEN_REPOSITORY" in result.output
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+    assert not (tmp_path / "cache" / "kafka-4.1.0" / "libs").exists()
+
+
+def test_cli_invalid_repository_setting_is_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADSTREAM_MAVEN_REPOSITORY", "ftp://mirror.example/maven2")
     result = CliRunner().invoke(
         _cli_app(), ["broker", "fetch", "--cache-dir", str(tmp_path / "cache")]
     )
     assert result.exit_code == 1
-    assert "Error:" in result.output
-    assert "openjdk-17-jre-headless" in result.output
+    assert "GRADSTREAM_MAVEN_REPOSITORY" in result.output and "ftp://" in result.output
     assert "Traceback" not in result.output
-    assert isinstance(result.exception, SystemExit)
+
+
+def test_cli_lock_without_maven_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    output = tmp_path / "jars.lock.toml"
+    result = CliRunner().invoke(_cli_app(), ["broker", "lock", "--output", str(output)])
+    assert result.exit_code == 1
+    assert "apt-get install maven" in result.output
+    assert "never needs it" in result.output
+    assert not output.exists()
 
 
 def test_cli_start_status_stop(tmp_path: Path, unique_name: str) -> None:
@@ -58,6 +89,7 @@ def test_cli_start_status_stop(tmp_path: Path, unique_name: str) -> None:
     try:
         started = runner.invoke(app, ["broker", "start", *state])
         assert started.exit_code == 0, started.output
+        assert "java:" in started.output and "Java " in started.output
         broker = LocalBroker.from_state(tmp_path)
         assert f"export KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap}" in started.output
 

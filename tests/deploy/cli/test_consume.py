@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -50,6 +52,13 @@ def test_store_serves_its_metrics_port_once(kafka_bootstrap: str, tmp_path: Path
             time.sleep(0.2)
             page = _metrics(port)
         assert "gradstream" in page
+        # the store sees whole runs and evaluates the alert rules: both gauges have series
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(page) for s in f.samples}
+        assert samples[("gradstream_runs", (("finished", "false"), ("health", "Healthy")))] == 0
+        assert samples[("gradstream_firing_incidents",
+                        (("rule", "nonfinite"), ("severity", "critical")))] == 0
+        assert samples[("gradstream_store_write_failures_total", (("output", "duckdb"),))] == 0
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out

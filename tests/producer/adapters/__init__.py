@@ -29,6 +29,7 @@ class FakeProducer:
     layer_numel: dict[str, int] | None = None
     start_kwargs: dict[str, Any] = field(default_factory=dict)
     steps: list[tuple[int, LayerSummaries]] = field(default_factory=list)
+    scalars: list[tuple[int, dict[str, object], Any]] = field(default_factory=list)
     finished: int = 0
     closed: int = 0
 
@@ -37,10 +38,13 @@ class FakeProducer:
         self.layer_numel = dict(layer_numel)
         self.start_kwargs = kwargs
 
-    def record_summaries(self, step: int, summaries: LayerSummaries) -> None:
+    def record_summaries(self, step: int, summaries: LayerSummaries, *,
+                         scalars: Mapping[str, object] | None = None,
+                         rank_scalars: Any = None) -> None:
         assert self.layer_numel is not None, "record_summaries before start_run"
         assert set(summaries.names) <= set(self.layer_numel)
         self.steps.append((step, summaries))
+        self.scalars.append((step, dict(scalars or {}), rank_scalars))
 
     def finish_run(self, timeout: float | None = None) -> bool:
         self.finished += 1

@@ -29,9 +29,12 @@ class TinyRegressor(nn.Module):
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 2))
         self.unused = nn.Linear(2, 2)  # never in the graph: skipped every step
+        self.losses: list[float] = []
 
     def forward(self, x: Any, labels: Any) -> dict[str, Any]:
-        return {"loss": nn.functional.mse_loss(self.body(x), labels) * 50.0}
+        loss = nn.functional.mse_loss(self.body(x), labels) * 50.0
+        self.losses.append(float(loss.detach()))
+        return {"loss": loss}
 
 
 class Rows(torch.utils.data.Dataset):
@@ -53,10 +56,12 @@ class Snapshot(transformers.TrainerCallback):
     def __init__(self) -> None:
         self.expected: list[LayerSummaries] = []
         self.steps: list[int] = []
+        self.lrs: list[float] = []
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         model = kwargs["model"]
         self.steps.append(state.global_step)
+        self.lrs.append(kwargs["optimizer"].param_groups[0]["lr"])
         self.expected.append(summarize({
             n: p.grad.detach().numpy().copy()
             for n, p in model.named_parameters() if p.grad is not None
@@ -85,11 +90,22 @@ def test_trainer_run_one_summary_per_optimizer_step(tmp_path: Path) -> None:
     fake = FakeProducer()
     callback = GradstreamCallback(fake, exclude="body.2.bias", config={"user": 1})
     snapshot = Snapshot()
+    model = TinyRegressor()
     trainer = transformers.Trainer(
-        model=TinyRegressor(), args=trainer_args(tmp_path), train_dataset=Rows(64),
+        model=model, args=trainer_args(tmp_path), train_dataset=Rows(64),
         callbacks=[callback, snapshot],
     )
     trainer.train()
+    # Each summary carries the mean loss of its 4 micro-batches and the step's learning
+    # rate (the Trainer's linear schedule changes it every step).
+    losses = np.asarray(model.losses).reshape(3, 4).mean(axis=1)
+    assert len(fake.scalars) == 3
+    for (step, values, _), loss, lr in zip(fake.scalars, losses, snapshot.lrs, strict=True):
+        assert values["loss"] == pytest.approx(loss, rel=1e-6)
+        assert values["lr"] == lr
+        assert values["compute_time_s"] >= 0
+        assert ("step_time_s" in values) == (step > 0)
+    assert len(set(snapshot.lrs)) == 3
 
     assert fake.layer_numel == {
         "body.0.weight": 60, "body.0.bias": 12, "body.2.weight": 24,

@@ -29,10 +29,13 @@ class TinyModule(pl.LightningModule):
         self.body = nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Linear(12, 2))
         self.frozen = nn.Linear(2, 2)
         self.frozen.requires_grad_(False)
+        self.losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         x, y = batch
-        return nn.functional.mse_loss(self.body(x), y) * 50.0
+        loss = nn.functional.mse_loss(self.body(x), y) * 50.0
+        self.losses.append(float(loss.detach()))
+        return loss
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -89,7 +92,13 @@ def test_fit_one_summary_per_optimizer_step_before_clipping() -> None:
     fake = FakeProducer()
     callback = GradstreamCallback(fake, config={"user": 1})
     snapshot = Snapshot()
-    trainer([callback, snapshot]).fit(TinyModule(), loader())
+    module = TinyModule()
+    trainer([callback, snapshot]).fit(module, loader())
+    # Each summary carries the mean of its 4 micro-batches' training_step losses (not
+    # Lightning's loss divided for accumulation) and the optimiser's learning rate.
+    losses = np.asarray(module.losses).reshape(3, 4).mean(axis=1)
+    assert [values["loss"] for _, values, _ in fake.scalars] == pytest.approx(losses, rel=1e-6)
+    assert all(values["lr"] == 0.05 for _, values, _ in fake.scalars)
 
     assert fake.layer_numel == {
         "body.0.weight": 60, "body.0.bias": 12, "body.2.weight": 24, "body.2.bias": 2,
