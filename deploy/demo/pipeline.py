@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
-SCENARIO_NAMES = ("healthy", "vanishing", "exploding", "bad-rank")
+SCENARIO_NAMES = ("healthy", "vanishing", "exploding", "bad-rank", "loss-spike", "straggler")
 """The scenarios the demo runs by default, in this order."""
 
 

@@ -1,5 +1,6 @@
 """The demo scenarios: an MLP on the digits dataset and the training settings that make it
-healthy, vanishing, exploding or send NaN from one rank (:data:`SCENARIOS`).
+healthy, vanishing, exploding, send NaN from one rank, spike its loss on one bad batch or
+slow one rank down (:data:`SCENARIOS`).
 
 The pathologies come from the training itself: nothing invents or post-processes a
 gradient. In ``bad-rank`` one rank's *input data* is corrupted (:meth:`Scenario.shard_inputs`);
@@ -32,8 +33,8 @@ class Scenario:
         name: registry key.
         description: one line for humans (CLI help, progress bars, ``RunStarted.config``).
         expected: the pathology the training produces with the default thresholds
-            (``"healthy"``, ``"vanishing"``, ``"exploding"`` or ``"nonfinite"``);
-            documentation, not an input.
+            (``"healthy"``, ``"vanishing"``, ``"exploding"``, ``"nonfinite"``, or the alert
+            rule it fires: ``"loss_spike"``, ``"straggler"``); documentation, not an input.
         layer_sizes: widths ``(64, hidden..., 10)`` of the MLP on the digits data set.
         activation: hidden activation, ``"relu"`` or ``"sigmoid"``.
         init: weight initialisation, ``"he"``, ``"xavier"`` or ``"normal(std)"``
@@ -50,6 +51,14 @@ class Scenario:
         corrupt_from_step: first optimiser step whose shard is corrupted (>= 0).
         corrupt_value: what every feature of the corrupted sample reads as (e.g. NaN, a
             record that failed to decode).
+        spike_step: the optimiser step whose global batch reaches every rank with its
+            labels shifted by one class (a misaligned join in the data pipeline: every
+            sample carries its neighbour class's label); None: none (see
+            :meth:`shard_labels`).
+        slow_rank: the rank that computes slowly (a Python-style index into the ranks, as
+            ``corrupt_rank``), for ``slow_steps`` steps from ``slow_from_step``, each
+            taking ``slow_s`` seconds longer (a thermally throttled GPU, a noisy
+            neighbour); None: none (see :meth:`compute_delay`).
     """
 
     name: str
@@ -65,6 +74,11 @@ class Scenario:
     corrupt_rank: int | None = None
     corrupt_from_step: int = 0
     corrupt_value: float = float("nan")
+    spike_step: int | None = None
+    slow_rank: int | None = None
+    slow_from_step: int = 0
+    slow_steps: int = 0
+    slow_s: float = 0.0
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimiser step ``step``.
@@ -161,7 +175,7 @@ class Scenario:
         ``x[rows]``; on the corrupted rank (:meth:`corrupted_rank`) from
         ``corrupt_from_step`` on, the first sample of the shard has every feature replaced
         by ``corrupt_value`` (a corrupted record in that rank's data, e.g. one that failed
-        to decode). Labels are untouched.
+        to decode). Labels are untouched (:meth:`shard_labels`).
 
         Args:
             x: float32 ``(n_samples, n_features)`` data set.
@@ -179,6 +193,37 @@ class Scenario:
             xs[0, :] = self.corrupt_value
         return xs
 
+    def shard_labels(self, y: np.ndarray, rows: np.ndarray, step: int,
+                     classes: int) -> np.ndarray:
+        """The labels of a shard at optimiser step ``step``: ``y[rows]``, shifted by one
+        class (``(y + 1) mod classes``) at ``spike_step``.
+
+        Args:
+            y: int64 ``(n_samples,)`` labels in ``[0, classes)``. rows: the shard's row
+                indices. step: optimiser step. classes: number of classes.
+
+        Returns:
+            int64 ``(len(rows),)``, a new array.
+        """
+        ys = y[rows]
+        return (ys + 1) % classes if step == self.spike_step else ys
+
+    def compute_delay(self, rank: int, world_size: int, step: int) -> float:
+        """Extra seconds ``rank`` computes at optimiser ``step``: ``slow_s`` on the slow
+        rank during its slow steps, else 0.
+
+        Raises:
+            ValueError: ``slow_rank`` is outside ``[-world_size, world_size)``.
+        """
+        if self.slow_rank is None:
+            return 0.0
+        if not -world_size <= self.slow_rank < world_size:
+            raise ValueError(f"scenario {self.name!r} slows rank {self.slow_rank}, which a "
+                             f"run of {world_size} rank(s) does not have")
+        slow = (rank == self.slow_rank % world_size
+                and self.slow_from_step <= step < self.slow_from_step + self.slow_steps)
+        return self.slow_s if slow else 0.0
+
     def config(self) -> dict[str, Any]:
         """The hyper-parameters as a JSON-able dict (for ``RunStarted.config``); with a
         corrupted rank also ``corrupt_rank``, ``corrupt_from_step`` and ``corrupt_value``
@@ -190,6 +235,11 @@ class Scenario:
                 "corrupt_from_step": self.corrupt_from_step,
                 "corrupt_value": repr(self.corrupt_value),
             }
+        if self.spike_step is not None:
+            corruption.update(spike_step=self.spike_step)
+        if self.slow_rank is not None:
+            corruption.update(slow_rank=self.slow_rank, slow_from_step=self.slow_from_step,
+                              slow_steps=self.slow_steps, slow_s=self.slow_s)
         return {
             "scenario": self.name,
             "expected": self.expected,
@@ -261,6 +311,39 @@ SCENARIOS: dict[str, Scenario] = {
             steps=40,
             corrupt_rank=-1,
             corrupt_from_step=20,
+        ),
+        Scenario(
+            name="loss-spike",
+            description=(
+                "the healthy MLP, but the batch of step 22 reaches every rank with its "
+                "labels shifted by one class (a misaligned join): the loss jumps, and so "
+                "do the gradients of that step"
+            ),
+            expected="loss_spike",
+            layer_sizes=(64, 128, 64, 10),
+            activation="relu",
+            init="he",
+            lr=0.1,
+            steps=40,
+            spike_step=22,
+        ),
+        Scenario(
+            name="straggler",
+            description=(
+                "the healthy MLP, but the last rank computes 40 ms longer per step from "
+                "step 5 to 19: every rank's step time grows alike (the all-reduce waits "
+                "for it), only its own compute time names it"
+            ),
+            expected="straggler",
+            layer_sizes=(64, 128, 64, 10),
+            activation="relu",
+            init="he",
+            lr=0.1,
+            steps=30,
+            slow_rank=-1,
+            slow_from_step=5,
+            slow_steps=15,
+            slow_s=0.04,
         ),
     )
 }

@@ -43,6 +43,7 @@ class Telemetry(Protocol):
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
         local: Mapping[str, np.ndarray] | None = None,
+        scalars: Mapping[str, float] | None = None,
     ) -> None:
         """Called once per optimiser step, after the all-reduce and before the update.
 
@@ -57,6 +58,9 @@ class Telemetry(Protocol):
             local: name -> float32 *local* gradient of this rank's shard before the
                 all-reduce (same names and shapes as ``grads``), or None. The arrays are not
                 reused by the caller after this call.
+            scalars: this rank's training scalars of the step (``schemas.scalars``): its
+                shard's ``loss``, the step's ``lr``, its ``samples`` and the
+                ``compute_time_s`` of its forward and backward pass, or None.
         """
         ...
 
@@ -84,6 +88,7 @@ class NullTelemetry:
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
         local: Mapping[str, np.ndarray] | None = None,
+        scalars: Mapping[str, float] | None = None,
     ) -> None:
         """Do nothing."""
 
@@ -126,6 +131,7 @@ class RecordingTelemetry:
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
         local: Mapping[str, np.ndarray] | None = None,
+        scalars: Mapping[str, float] | None = None,
     ) -> None:
         """Keep a copy of the averaged and the local gradients of ``step`` (``weights`` are
         not recorded).
@@ -264,6 +270,7 @@ class FailingTelemetry(NullTelemetry):
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
         local: Mapping[str, np.ndarray] | None = None,
+        scalars: Mapping[str, float] | None = None,
     ) -> None:
         """Fail if this is the chosen rank and step.
 
@@ -326,17 +333,18 @@ class KafkaTelemetry:
         self, step: int, grads: dict[str, np.ndarray],
         weights: Mapping[str, np.ndarray] | None = None,
         local: Mapping[str, np.ndarray] | None = None,
+        scalars: Mapping[str, float] | None = None,
     ) -> None:
         """``producer.record_step(step, grads, weights=weights, replicated=True,
-        local_gradients=local if local_view else None)``; the producer uses the weights only
-        with its ``weight_stats`` setting.
+        local_gradients=local if local_view else None, scalars=scalars)``; the producer
+        uses the weights only with its ``weight_stats`` setting.
 
         Raises:
             Exception: whatever ``record_step`` raises (see ``GradientProducer``).
         """
         self.producer.record_step(
             step, grads, weights=weights, replicated=True,
-            local_gradients=local if self.local_view else None,
+            local_gradients=local if self.local_view else None, scalars=scalars,
         )
 
     def finish(self) -> None:

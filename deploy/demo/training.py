@@ -7,7 +7,9 @@ This is what ``gradstream demo`` really runs. Each rank is a separate process (m
 2. at step ``s`` every rank draws the same global minibatch (indices from ``(seed, s)``) and
    takes its own shard, rows ``rank::world_size``;
 3. it computes the loss and gradients of its shard (:func:`deploy.demo.mlp.forward_backward`),
-   its *local* gradients;
+   its *local* gradients, and times that computation (``compute_time_s``; a straggling
+   scenario's slow rank takes longer here, :meth:`~deploy.demo.scenarios.Scenario.
+   compute_delay`);
 4. it sends the local gradients to the parent process (the coordinator) through a
    :func:`multiprocessing.Pipe`; the parent averages them, weighted by shard size (an all-reduce
    emulation: with equal shards this is the plain mean that ``DistributedDataParallel`` uses,
@@ -16,7 +18,8 @@ This is what ``gradstream demo`` really runs. Each rank is a separate process (m
 5. it hands its telemetry the averaged gradient, the one SGD applies and the same (bit for
    bit) on every rank, together with its local gradients as the per-rank local view (in the
    real demo: the gradstream producer SDK, which sends the averaged gradient as a replicated
-   layout, counted once by the consumer, and the local view apart);
+   layout, counted once by the consumer, and the local view apart), with its training
+   scalars: its shard's loss, the learning rate, its samples and its compute time;
 6. every rank applies the same SGD update to the same parameters, so the replicas stay
    bit-identical (checked at the end by comparing a checksum of every rank's parameters).
 
@@ -205,9 +208,13 @@ def _rank_main(
         tel = telemetry = make_telemetry(rank, world_size)
         tel.start({n: int(s) for n, s in zip(names, sizes, strict=True)})
         for step in range(steps):
+            started = time.perf_counter()
             rows = scenario.batch_indices(step, seed, len(x))[rank::world_size]
             xs = scenario.shard_inputs(x, rows, rank, world_size, step)
-            loss, grads = forward_backward(params, xs, y[rows], scenario.activation)
+            ys = scenario.shard_labels(y, rows, step, scenario.layer_sizes[-1])
+            loss, grads = forward_backward(params, xs, ys, scenario.activation)
+            time.sleep(scenario.compute_delay(rank, world_size, step))
+            compute_s = time.perf_counter() - started
             flat = np.concatenate([grads[n].ravel() for n in names])
             send(("grads", step, loss, len(rows), flat))
             tag, avg_step, avg = recv()
@@ -217,7 +224,9 @@ def _rank_main(
                 n: avg[offsets[i] : offsets[i + 1]].reshape(shapes[i])
                 for i, n in enumerate(names)
             }
-            tel.step(step, applied, weights=params, local=grads)
+            tel.step(step, applied, weights=params, local=grads, scalars={
+                "loss": loss, "lr": scenario.lr_at(step), "samples": float(len(rows)),
+                "compute_time_s": compute_s})
             sgd_update(params, applied, scenario.lr_at(step))
         step = -1  # a failure from here on is not tied to a step
         telemetry = None  # finish() was called: no abort() on a failure in it

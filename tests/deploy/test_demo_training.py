@@ -331,9 +331,9 @@ class _CallLog:
         self.calls.append(("start_run", (dict(layer_numel), kwargs)))
 
     def record_step(self, step, gradients, weights=None, *, replicated=False,
-                    local_gradients=None) -> None:
+                    local_gradients=None, scalars=None) -> None:
         self.calls.append(("record_step", (step, list(gradients), weights, replicated,
-                                           local_gradients)))
+                                           local_gradients, scalars)))
 
     def finish_run(self) -> None:
         self.calls.append(("finish_run", None))
@@ -350,7 +350,7 @@ def test_kafka_telemetry_maps_onto_the_producer_api() -> None:
     params = {"layers.0.weight": np.zeros((3, 2), np.float32), "layers.0.bias": np.zeros(3)}
     avg = {"layers.0.weight": np.ones((3, 2), np.float32), "layers.0.bias": np.ones(3)}
     local = {n: 2 * g for n, g in avg.items()}
-    tel.step(0, avg, weights=params, local=local)
+    tel.step(0, avg, weights=params, local=local, scalars={"loss": 2.5, "lr": 0.1})
     tel.finish()
     tel.abort()  # already closed: no second close
     assert [c[0] for c in log.calls] == ["start_run", "record_step", "finish_run", "close"]
@@ -359,10 +359,11 @@ def test_kafka_telemetry_maps_onto_the_producer_api() -> None:
         {"vanishing_threshold": 1e-6, "exploding_threshold": 10.0, "config": {"a": 1}},
     )
     # the averaged gradient goes as a replicated layout, the local one as the local view
-    assert log.calls[1][1] == (0, ["layers.0.weight", "layers.0.bias"], params, True, local)
+    assert log.calls[1][1] == (0, ["layers.0.weight", "layers.0.bias"], params, True, local,
+                               {"loss": 2.5, "lr": 0.1})
     off = _CallLog()
     KafkaTelemetry(off, local_view=False).step(0, avg, weights=params, local=local)
-    assert off.calls[0][1][3:] == (True, None)
+    assert off.calls[0][1][3:] == (True, None, None)
 
 
 def test_corrupted_shard_inputs() -> None:
@@ -387,3 +388,22 @@ def test_import_is_light() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_loss_spike_batch_shifts_every_label_at_its_step_only() -> None:
+    sc = SCENARIOS["loss-spike"]
+    _, y = load_digits_dataset()
+    rows = sc.batch_indices(sc.spike_step, 0, len(y))
+    assert (sc.shard_labels(y, rows, sc.spike_step, 10) == (y[rows] + 1) % 10).all()
+    assert (sc.shard_labels(y, rows, sc.spike_step - 1, 10) == y[rows]).all()
+
+
+def test_straggler_delays_only_its_rank_during_its_steps() -> None:
+    sc = SCENARIOS["straggler"]
+    slow = [sc.compute_delay(1, 2, step) for step in range(sc.steps)]
+    assert slow == [sc.slow_s if sc.slow_from_step <= s < sc.slow_from_step + sc.slow_steps
+                    else 0.0 for s in range(sc.steps)]
+    assert all(sc.compute_delay(0, 2, step) == 0.0 for step in range(sc.steps))
+    assert SCENARIOS["healthy"].compute_delay(0, 1, 3) == 0.0
+    with pytest.raises(ValueError, match="does not have"):
+        sc.compute_delay(0, 0, 3)

@@ -4,8 +4,8 @@ The demo runs once per test session (its store is only read afterwards), through
 session's Kafka (:func:`tests.conftest.kafka_bootstrap`), with the smallest options that
 still give every pathology: 2 data-parallel ranks and 24 optimiser steps per scenario, so
 ``healthy`` stays healthy, ``vanishing`` flags its early sigmoid layers, ``exploding``
-diverges and turns NaN at step 21, and ``bad-rank`` turns NaN at step 20 in rank 1's local
-gradient.
+diverges and turns NaN at step 21, ``bad-rank`` turns NaN at step 20 in rank 1's local
+gradient, ``loss-spike`` spikes at step 22 and ``straggler``'s rank 1 is slow from step 5.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ gradients at step 21 and ``bad-rank`` at step 20 (the scenarios' own schedules,
 
 @pytest.fixture(scope="session")
 def demo_store(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``demo.duckdb`` written by ``gradstream demo --ranks 2 --steps 24`` (all four
-    scenarios) in a session directory; read it, never write it."""
+    """``demo.duckdb`` written by ``gradstream demo --ranks 2 --steps 24`` (every default
+    scenario) in a session directory; read it, never write it."""
     out = tmp_path_factory.mktemp("demo-store")
     result = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "demo", "--ranks", str(DEMO_RANKS),

@@ -33,10 +33,12 @@ def _run_ids(con: duckdb.DuckDBPyConnection) -> dict[str, str]:
 
 
 def test_demo_reports_each_scenario(kafka_bootstrap: str, tmp_path: Path) -> None:
-    """`gradstream demo` trains the four scenarios through Kafka; the reports read back
+    """`gradstream demo` trains the six scenarios through Kafka; the reports read back
     from DuckDB show healthy / vanishing early layers / exploding layers / NaN that started
-    in the last rank's local gradient. Every rank sent the averaged gradient as a replica,
-    counted once: ``layer_stats.numel == layers.numel``."""
+    in the last rank's local gradient; the loss spike and the straggler fire their rules,
+    naming the step and the layers whose gradient spiked, and the slow rank. Every rank
+    sent the averaged gradient as a replica, counted once: ``layer_stats.numel ==
+    layers.numel``; every run has its loss and learning rate at every step."""
     result = CliRunner().invoke(
         app,
         ["demo", "--ranks", "2", "--out", str(tmp_path), "--no-heatmap",
@@ -46,7 +48,8 @@ def test_demo_reports_each_scenario(kafka_bootstrap: str, tmp_path: Path) -> Non
     assert result.exit_code == 0, result.output
     con = duckdb.connect(str(tmp_path / "demo.duckdb"), read_only=True)
     runs = _run_ids(con)
-    assert set(runs) == {"healthy", "vanishing", "exploding", "bad-rank"}
+    assert set(runs) == {"healthy", "vanishing", "exploding", "bad-rank", "loss-spike",
+                         "straggler"}
     healthy = build_report(con, runs["healthy"])
     vanishing = build_report(con, runs["vanishing"])
     exploding = build_report(con, runs["exploding"])
@@ -56,7 +59,23 @@ def test_demo_reports_each_scenario(kafka_bootstrap: str, tmp_path: Path) -> Non
         "WHERE s.numel <> l.numel").fetchone()
     (local_ranks,) = con.execute(
         "SELECT list(DISTINCT rank ORDER BY rank) FROM local_layer_stats").fetchone()
+    scalars = dict(con.execute(
+        "SELECT run_id, count(DISTINCT step) FILTER (WHERE name = 'loss') "
+        "+ count(DISTINCT step) FILTER (WHERE name = 'lr') FROM step_scalars "
+        "GROUP BY run_id").fetchall())
+    frames = dict(con.execute("SELECT run_id, count(*) FROM frames GROUP BY run_id").fetchall())
+    fired = {rule: (run, step, layers, ranks) for run, rule, step, layers, ranks in con.execute(
+        "SELECT run_id, rule, step, layers, ranks FROM alerts WHERE state = 'firing' "
+        "AND rule IN ('loss_spike', 'straggler')").fetchall()}
     con.close()
+    assert scalars == {run: 2 * frames[run] for run in runs.values()}  # loss, lr: every step
+    run, step, layers, _ = fired["loss_spike"]
+    assert (run, step) == (runs["loss-spike"], SCENARIOS["loss-spike"].spike_step)
+    assert layers  # the layers whose gradient spiked at or before it, earliest first
+    run, step, _, ranks = fired["straggler"]
+    straggler = SCENARIOS["straggler"]
+    assert (run, ranks) == (runs["straggler"], [1])  # the last of 2 ranks
+    assert step == straggler.slow_from_step + 9  # the rule's 10th consecutive slow step
     assert mismatched == 0
     assert local_ranks == [0, 1]
     assert bad_rank.overall_health is GradientHealth.CRITICAL
