@@ -10,11 +10,14 @@ resolves in gradstream, Alertmanager resolves that alert (its API stops listing 
 notification says ``resolved`` with gradstream's resolution time) while the others stay
 firing. PagerDuty receives one valid trigger per incident and a resolve with the same
 ``dedup_key`` for the resolved one. ``gradstream demo`` given the routing flags routes its
-incidents the same way.
+incidents the same way: the demo's loss spike and straggler arrive and resolve there.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -199,16 +202,43 @@ def test_incidents_reach_alertmanager_and_pagerduty_and_resolve_there(
         served.stop()
 
 
+def received_total(alertmanager: Alertmanager, status: str) -> float:
+    """Alertmanager's own count of alerts it received with ``status`` (``firing`` or
+    ``resolved``), from its ``/metrics`` (``alertmanager_alerts_received_total``)."""
+    with urllib.request.urlopen(f"{alertmanager.url}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("alertmanager_alerts_received_total{")
+               and f'status="{status}"' in line)
+
+
 def test_demo_routes_its_incidents(kafka_bootstrap: str, tmp_path: Path, stack) -> None:
-    """`gradstream demo` with the routing flags: the exploding scenario's incidents reach
-    Alertmanager and PagerDuty, linking to the run in the dashboard."""
+    """`gradstream demo` with the routing flags: the loss-spike and straggler scenarios'
+    incidents reach Alertmanager with their labels and a link to the run in the dashboard,
+    and resolve there when gradstream resolves them (Alertmanager counts the resolved
+    alerts it received and stops listing them; it sends no notification for an alert that
+    resolved within its group wait); PagerDuty gets a trigger and a resolve for each."""
     alertmanager, _notifications, pagerduty = stack
-    result = CliRunner().invoke(app, [
-        "demo", "--scenario", "exploding", "--ranks", "2", "--steps", "24",
-        "--out", str(tmp_path / "out"), "--no-heatmap", "--no-read-endpoint",
-        "--bootstrap-servers", kafka_bootstrap, "--alertmanager-url", alertmanager.url,
-        "--pagerduty-url", pagerduty.url, "--dashboard-url", DASHBOARD,
-    ], env={"GRADSTREAM_PAGERDUTY_ROUTING_KEY": KEY, "COLUMNS": "200"})
+    seen: dict[str, dict[str, Any]] = {}
+    demo_done = threading.Event()
+
+    def watch() -> None:  # what Alertmanager lists while the demo runs
+        while not demo_done.is_set():
+            seen.update({a["labels"]["incident_id"]: a for a in alertmanager.alerts()})
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = CliRunner().invoke(app, [
+            "demo", "--scenario", "loss-spike", "--scenario", "straggler", "--ranks", "2",
+            "--out", str(tmp_path / "out"), "--no-heatmap", "--no-read-endpoint",
+            "--bootstrap-servers", kafka_bootstrap, "--alertmanager-url", alertmanager.url,
+            "--pagerduty-url", pagerduty.url, "--dashboard-url", DASHBOARD,
+        ], env={"GRADSTREAM_PAGERDUTY_ROUTING_KEY": KEY, "COLUMNS": "200"})
+    finally:
+        demo_done.set()
+        watcher.join(10)
     assert result.exit_code == 0, result.output
     assert "routed to alertmanager" in result.output and "routed to pagerduty" in result.output
     db = tmp_path / "out" / "demo.duckdb"
@@ -216,16 +246,25 @@ def test_demo_routes_its_incidents(kafka_bootstrap: str, tmp_path: Path, stack) 
     stored = read_alerts(con)
     con.close()
     fired = {a.incident_id: a for a in stored if a.state.value == "firing"}
-    assert {"exploding", "nonfinite"} <= {str(a.rule) for a in fired.values()}
-    held = {a["labels"]["incident_id"]: a for a in alertmanager.alerts()}
-    # every incident still open when the demo ended is held; resolved ones were sent as such
-    still_open = {i for i in fired if not any(
-        a.incident_id == i and a.state.value == "resolved" for a in stored)}
-    assert still_open and set(held) == still_open
-    for incident, alert in held.items():
-        run = fired[incident].run_id
-        assert alert["labels"]["run_id"] == run and run.startswith("demo-exploding-")
-        assert alert["generatorURL"] == f"{DASHBOARD}/?run={run}"
+    resolved = {a.incident_id: a for a in stored if a.state.value == "resolved"}
+    rules = {str(a.rule): a for a in fired.values()}
+    assert {"loss_spike", "straggler"} <= set(rules)
+    assert rules["loss_spike"].run_id.startswith("demo-loss-spike-")
+    assert rules["straggler"].ranks == [1]
+    # both resolve within their runs (the spike passes, the slow rank recovers)
+    assert {rules["loss_spike"].incident_id, rules["straggler"].incident_id} <= set(resolved)
+    # every incident arrived in Alertmanager, with the labels that identify it
+    assert set(seen) == set(fired)
+    for incident, alert in seen.items():
+        assert alert["labels"]["alertname"] == str(fired[incident].rule)
+        assert alert["labels"]["run_id"] == fired[incident].run_id
+        assert alert["generatorURL"] == f"{DASHBOARD}/?run={fired[incident].run_id}"
+    assert seen[rules["straggler"].incident_id]["labels"]["rank"] == "1"
+    # the resolved ones were received as resolved and are no longer held
+    assert received_total(alertmanager, "resolved") >= len(resolved)
+    held = {a["labels"]["incident_id"] for a in alertmanager.alerts()}
+    assert held == set(fired) - set(resolved)
     assert pagerduty.invalid == []
     triggers = {e["dedup_key"] for e in pagerduty.events if e["event_action"] == "trigger"}
-    assert triggers == set(fired)
+    resolves = {e["dedup_key"] for e in pagerduty.events if e["event_action"] == "resolve"}
+    assert triggers == set(fired) and resolves == set(resolved)
