@@ -253,8 +253,12 @@ def test_demo_routes_its_incidents(kafka_bootstrap: str, tmp_path: Path, stack) 
     assert rules["straggler"].ranks == [1]
     # both resolve within their runs (the spike passes, the slow rank recovers)
     assert {rules["loss_spike"].incident_id, rules["straggler"].incident_id} <= set(resolved)
-    # every incident arrived in Alertmanager, with the labels that identify it
-    assert set(seen) == set(fired)
+    # Every incident arrived in Alertmanager (its own count), the straggler's for long
+    # enough (10 slow steps) to be listed with the labels that identify it; one that fired
+    # and resolved between two polls may not have been listed.
+    assert received_total(alertmanager, "firing") >= len(fired)
+    assert rules["straggler"].incident_id in seen
+    assert set(seen) <= set(fired)
     for incident, alert in seen.items():
         assert alert["labels"]["alertname"] == str(fired[incident].rule)
         assert alert["labels"]["run_id"] == fired[incident].run_id
