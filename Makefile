@@ -19,7 +19,7 @@ DEMO_PORT ?= 8765
 # and what the goal sets up (printed while make reads this file, before any recipe runs).
 ABOUT := gradstream: streaming gradient telemetry (training ranks -> Kafka -> DuckDB health reports).
 SETUP_install := Setting up $(VENV) with gradstream[$(EXTRAS)] (pip log: $(LOG)).
-SETUP_demo := Setting up $(VENV) (pip log: $(LOG)) and a local Kafka broker, then training 4 demo scenarios.
+SETUP_demo := Setting up $(VENV) (pip log: $(LOG)) and a local Kafka broker, then training 6 demo scenarios.
 SETUP_test := Setting up $(VENV) (pip log: $(LOG)), the ML frameworks, Kafka, chromium, Prometheus and Alertmanager, then ruff and pytest.
 GOAL := $(firstword $(MAKECMDGOALS) install)
 ifneq ($(SETUP_$(GOAL)),)

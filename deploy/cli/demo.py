@@ -2,9 +2,10 @@
 (:mod:`deploy.demo.pipeline`).
 
 Starts (or reuses) a Kafka broker, runs a consumer worker writing a fresh DuckDB file,
-trains the four demo scenarios (healthy, vanishing, exploding, bad-rank) as N rank
-processes that each send the averaged gradient they apply (a replicated layout, counted
-once) with their own local gradient as the per-rank local view, then prints each run's
+trains the six demo scenarios (healthy, vanishing, exploding, bad-rank, loss-spike,
+straggler) as N rank processes that each send the averaged gradient they apply (a
+replicated layout, counted once) with their own local gradient as the per-rank local view
+and their training scalars (loss, learning rate, compute time), then prints each run's
 report read back from DuckDB and writes the CSV/JSON exports.
 """
 
@@ -112,10 +113,11 @@ def demo(
     token: TokenOption = None,
     routing: AlertRoutingOptions,
 ) -> None:
-    """Train an MLP on the digits dataset, data-parallel, in four scenarios, and watch
-    gradstream catch vanishing and exploding gradients, and name the rank whose corrupted
-    data turned every rank's update NaN, end to end (Kafka -> worker -> DuckDB -> report).
-    Writes out/demo.duckdb and per-run CSV/JSON exports."""
+    """Train an MLP on the digits dataset, data-parallel, in six scenarios, and watch
+    gradstream catch vanishing and exploding gradients, name the rank whose corrupted
+    data turned every rank's update NaN, the step of a loss spike with the layers whose
+    gradient spiked, and a straggling rank, end to end (Kafka -> worker -> DuckDB ->
+    report). Writes out/demo.duckdb and per-run CSV/JSON exports."""
     from rich.console import Console
     from rich.highlighter import NullHighlighter
     from rich.logging import RichHandler
@@ -170,5 +172,5 @@ def register(app: typer.Typer) -> None:
     app.command(
         "demo",
         help=demo.__doc__,
-        short_help="Real data-parallel training in four scenarios, end to end.",
+        short_help="Real data-parallel training in six scenarios, end to end.",
     )(demo)
