@@ -330,7 +330,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             name="straggler",
             description=(
-                "the healthy MLP, but the last rank computes 40 ms longer per step from "
+                "the healthy MLP, but the last rank computes 60 ms longer per step from "
                 "step 5 to 19: every rank's step time grows alike (the all-reduce waits "
                 "for it), only its own compute time names it"
             ),
@@ -343,7 +343,7 @@ SCENARIOS: dict[str, Scenario] = {
             slow_rank=-1,
             slow_from_step=5,
             slow_steps=15,
-            slow_s=0.04,
+            slow_s=0.06,
         ),
     )
 }
