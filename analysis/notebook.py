@@ -9,8 +9,9 @@
     run = store.run("demo-exploding-")      # an exact run id or a unique prefix
     run.layer_stats(steps=(100, 200), layers="encoder.*")   # long DataFrame
     run.frames(); run.alerts(); run.rank_stats()
+    run.scalars()                           # loss, lr, ... one column each, by step
     run.report(); run.analyze("flow")       # the pydantic models the CLI prints
-    run.plot()                              # the heatmap figure (matplotlib)
+    run.plot()                              # the heatmap figure (matplotlib), loss above
     store.sql("SELECT ...")                 # one read-only statement
 
 Every read goes through :func:`analysis.read.reader.open_reader`: the store's file opened
@@ -45,16 +46,22 @@ from analysis.notebook_sql import (
     ALERTS_SQL,
     FRAMES_SQL,
     LAYER_STATS_SQL,
+    RANK_SCALARS_SQL,
     RANK_STATS_SQL,
     RUNS_SQL,
+    STEP_SCALARS_SQL,
     Layers,
+    ScalarNames,
     Steps,
     layer_params,
+    scalar_name_params,
     step_params,
 )
 from analysis.read.connect import StoreError
+from analysis.read.query import QueryError
 from analysis.read.reader import open_reader
 from analysis.report import GradientFlowSummary
+from schemas.scalars import LOSS
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -62,6 +69,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from analysis.plots.grid import GradientGrid
+    from analysis.plots.scalars import ScalarBins
     from analysis.read.reader import StoreReader
 
 TableFlavour = Literal["pandas", "arrow", "polars"]
@@ -113,6 +121,40 @@ def _convert(table: pa.Table, as_: str) -> Any:
             f"as_={as_!r} is not a table type; choose one of {', '.join(TABLE_FLAVOURS)}"
         ) from None
     return convert(table)
+
+
+STEP_COLUMN = "step"
+"""The step column of :meth:`Run.scalars`' wide table."""
+
+STEP_SCALAR_RENAMED = "step (scalar)"
+"""The column of a training scalar named ``step`` in :meth:`Run.scalars`' wide table (a
+space and parentheses are never part of a scalar name, ``schemas.scalars``, so it cannot
+meet another column)."""
+
+
+def _wide_scalars(long: pa.Table) -> pa.Table:
+    """The long rows ``(step, name, value)`` of :data:`~analysis.notebook_sql.STEP_SCALARS_SQL`
+    as one row per step (ascending) and one float64 column per name (code-point order): a
+    step without a value of that name holds null; NaN and +-Inf stay as stored."""
+    import numpy as np
+    import pyarrow as pa
+
+    steps = long.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
+    names = np.asarray(long.column("name").to_pylist(), dtype=object)
+    values = long.column("value").to_numpy(zero_copy_only=False).astype(np.float64)
+    step_values, col = np.unique(steps, return_inverse=True)
+    columns: dict[str, pa.Array] = {STEP_COLUMN: pa.array(step_values, pa.int64())}
+    if not len(steps):
+        return pa.table(columns)
+    name_values, row = np.unique(names, return_inverse=True)
+    cells = np.full((len(name_values), len(step_values)), np.nan)
+    present = np.zeros(cells.shape, bool)
+    cells[row, col] = values
+    present[row, col] = True
+    for i, name in enumerate(name_values):
+        column = STEP_SCALAR_RENAMED if name == STEP_COLUMN else str(name)
+        columns[column] = pa.array(cells[i], pa.float64(), mask=~present[i])
+    return pa.table(columns)
 
 
 class Store:
@@ -192,7 +234,8 @@ class Store:
         Args:
             sql: exactly one statement; tables ``runs``, ``layers``, ``layer_stats``,
                 ``local_layer_stats``, ``frames``, ``alerts``, ``run_ranks``,
-                ``kafka_offsets`` (columns in ``schemas.tables``).
+                ``step_scalars``, ``rank_scalars``, ``kafka_offsets`` (columns in
+                ``schemas.tables``).
             params: named parameters, written ``$name`` in ``sql``.
             as_: ``"pandas"``, ``"arrow"`` or ``"polars"``.
             timeout_s: time limit of this statement (``None``: the store's).
@@ -334,6 +377,66 @@ class Run:
         """
         return self._table(ALERTS_SQL, step_params(steps), as_)
 
+    def scalars(self, steps: Steps = None, names: ScalarNames = None, ranks: bool = False,
+                as_: TableFlavour = "pandas") -> Any:
+        """The run's training scalars (``schemas.scalars``): loss, learning rates, loss
+        scale, tokens, timings, and any name the training loop sent.
+
+        ``ranks=False`` (default): the step scalars (``step_scalars``) wide, one row per
+        step that has any (ascending), columns ``step`` (int64) then one float64 column per
+        scalar name in code-point order (``compute_time_s``, ``loss``, ``loss_scale``,
+        ``lr``, ``lr/1``, ``samples``, ``step_time_s``, ``tokens``, user names; a scalar
+        named ``step`` becomes the column ``"step (scalar)"``). The per-rank scalars appear
+        here as the step's value over the ranks that sent one
+        (``schemas.scalars.RANK_AGGREGATES``): ``loss`` the mean (a NaN on one rank makes
+        the step's NaN), ``tokens`` / ``samples`` the sum, ``step_time_s`` /
+        ``compute_time_s`` the slowest rank's, in seconds; ``lr`` in the optimiser's units,
+        ``loss_scale`` the AMP scale. A name absent at a step is null in Arrow and polars
+        and NaN in pandas (which cannot tell it from a stored NaN: use ``as_="arrow"`` or
+        ``"polars"``, or ``ranks=True``); a stored NaN or +-Inf is kept (``np.isinf``
+        tells Inf apart).
+        ``df.plot(x="step", y="loss")`` draws the loss curve.
+
+        ``ranks=True``: the per-rank rows (``rank_scalars``) long, in step, rank, name
+        order: ``step``, ``rank`` (int64), ``name`` (str), ``value`` (float64, NaN/Inf as
+        sent): each rank's own loss, tokens, samples and its ``step_time_s`` /
+        ``compute_time_s`` (seconds, measured by its SDK; ``compute_time_s`` ends when the
+        rank's backward pass produced its last local gradient, so a straggler shows
+        here). The slowest rank of each step:
+        ``df[df.name == "compute_time_s"].pivot(index="step", columns="rank",
+        values="value").idxmax(axis=1)``.
+
+        Empty (no rows; the wide table only its ``step`` column) when the producers sent
+        no scalars, or the store was written before the training-scalar tables existed
+        and no newer writer has opened it since.
+
+        Args:
+            steps: inclusive ``(first, last)`` step range, or ``None``.
+            names: an fnmatch pattern (``"lr*"``), a list of exact names, or ``None``.
+            ranks: the per-rank rows instead of the step values.
+            as_: ``"pandas"``, ``"arrow"`` or ``"polars"``.
+
+        Raises:
+            StoreError: invalid ``steps`` or ``names``; the store cannot be read.
+            ValueError: unknown ``as_``.
+        """
+        import pyarrow as pa
+
+        params = {"run_id": self.run_id, **step_params(steps), **scalar_name_params(names)}
+        table, sql = ("rank_scalars", RANK_SCALARS_SQL) if ranks else (
+            "step_scalars", STEP_SCALARS_SQL)
+        with self.store.reader() as reader:
+            try:
+                rows = reader.sql(sql, params)
+            except QueryError:
+                if reader.has_table(table):
+                    raise
+                rows = pa.table({"step": pa.array([], pa.int64()),
+                                 **({"rank": pa.array([], pa.int64())} if ranks else {}),
+                                 "name": pa.array([], pa.string()),
+                                 "value": pa.array([], pa.float64())})
+        return _convert(rows if ranks else _wide_scalars(rows), as_)
+
     def report(self, steps: Steps = None) -> RunReport:
         """The run's summary, as ``gradstream report`` prints it
         (:func:`analysis.report.build_report`): health, flagged layers, recommendations.
@@ -395,13 +498,29 @@ class Run:
                      width_px: int = 1600) -> bytes:
         from analysis.plots.png import heatmap_png
 
-        return heatmap_png(self.grid(steps, max_steps, max_layers), width_px)
+        grid, scalars = self._grid_and_loss(steps, max_steps, max_layers)
+        return heatmap_png(grid, width_px, scalars)
+
+    def _grid_and_loss(self, steps: Steps, max_steps: int,
+                       max_layers: int) -> tuple[GradientGrid, ScalarBins]:
+        """The heatmap's grid and the run's loss on its columns, read with one reader
+        (:func:`analysis.plots.scalars.grid_scalar_bins`)."""
+        from analysis.plots.scalars import grid_scalar_bins
+
+        bounds = step_params(steps)
+        with self.store.reader() as reader:
+            grid = reader.grid(self.run_id, max_steps, max_layers, bounds["from_step"],
+                               bounds["to_step"])
+            return grid, grid_scalar_bins(reader, grid, (LOSS,))
 
     def plot(self, steps: Steps = None, max_steps: int = 1000, max_layers: int = 400,
              width_px: int = 1600) -> Figure:
         """The heatmap of log10 gradient norm (layers in model order x steps, vanishing,
         exploding and NaN/Inf cells marked), as ``gradstream plot`` draws it
-        (:func:`analysis.plots.png.plot_heatmap`).
+        (:func:`analysis.plots.png.plot_heatmap`); when the run sent a loss, the loss curve
+        above it on the same step columns (a second axes sharing the heatmap's x axis:
+        ``fig.axes[0]`` the loss, ``fig.axes[1]`` the heatmap; binned as the heatmap's
+        columns are, the title says how).
 
         Args:
             steps: inclusive step range, or ``None``.
@@ -418,8 +537,8 @@ class Run:
         """
         from analysis.plots.png import heatmap_figure
 
-        return heatmap_figure(self.grid(steps, max_steps, max_layers).require_frames(),
-                              width_px)
+        grid, scalars = self._grid_and_loss(steps, max_steps, max_layers)
+        return heatmap_figure(grid.require_frames(), width_px, scalars=scalars)
 
     def _repr_html_(self) -> str:
         return self.report()._repr_html_()

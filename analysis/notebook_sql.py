@@ -67,6 +67,28 @@ def layer_params(layers: Layers) -> dict[str, object]:
     return {"layer_glob": None, "layer_names": names}
 
 
+ScalarNames = str | Sequence[str] | None
+"""Training scalars to keep: an ``fnmatch`` pattern (``"lr*"``), a list of exact names, or
+``None`` (all)."""
+
+
+def scalar_name_params(names: ScalarNames) -> dict[str, object]:
+    """``$name_glob`` / ``$name_list`` of a ``names`` argument (see :data:`ScalarNames`).
+
+    Raises:
+        StoreError: ``names`` is neither a string, a sequence of strings nor ``None``.
+    """
+    if names is None:
+        return {"name_glob": None, "name_list": None}
+    if isinstance(names, str):
+        return {"name_glob": _glob(names), "name_list": None}
+    chosen = list(names)
+    if not all(isinstance(name, str) for name in chosen):
+        raise StoreError(f"names must be a pattern, a list of scalar names or None, "
+                         f"got {names!r}")
+    return {"name_glob": None, "name_list": chosen}
+
+
 _LAYER_FILTER = """($layer_glob IS NULL OR {name} GLOB $layer_glob)
       AND ($layer_names IS NULL OR list_contains($layer_names, {name}))"""
 """Layer selection on the name expression ``{name}``, bound by :func:`layer_params`."""
@@ -144,6 +166,31 @@ ALERTS_SQL = _run_rows_sql("alerts", f"""
         CAST(s.frame_values AS VARCHAR) AS frame_values""",
     "s.step, s.created_at, s.alert_id")
 """One run's alert events in step order (see :meth:`Run.alerts`)."""
+
+_SCALAR_FILTER = f"""s.run_id = $run_id AND {step_range("s")}
+      AND ($name_glob IS NULL OR s.name GLOB $name_glob)
+      AND ($name_list IS NULL OR list_contains($name_list, s.name))"""
+"""One run's training-scalar rows (alias ``s``) in the step range, of the names chosen
+(:func:`step_params`, :func:`scalar_name_params`)."""
+
+STEP_SCALARS_SQL = f"""
+    SELECT CAST(s.step AS BIGINT) AS step, s.name, CAST(s.value AS DOUBLE) AS value
+    FROM step_scalars AS s
+    WHERE {_SCALAR_FILTER}
+    ORDER BY s.step, s.name
+"""
+"""One run's step scalars (``step_scalars``) long, by step then name; pivoted to one column
+per name by :meth:`analysis.notebook.Run.scalars`."""
+
+RANK_SCALARS_SQL = f"""
+    SELECT CAST(s.step AS BIGINT) AS step, CAST(s.rank AS BIGINT) AS rank, s.name,
+           CAST(s.value AS DOUBLE) AS value
+    FROM rank_scalars AS s
+    WHERE {_SCALAR_FILTER}
+    ORDER BY s.step, s.rank, s.name
+"""
+"""One run's per-rank scalars (``rank_scalars``) long, by step, rank, name (see
+:meth:`analysis.notebook.Run.scalars` with ``ranks=True``)."""
 
 RUNS_SQL = """
     WITH frame_counts AS (

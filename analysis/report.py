@@ -48,6 +48,13 @@ from analysis.presentation import LAYER_ORDERS, LayerOrder, check_choice
 from analysis.read.connect import has_column, require_run
 from analysis.read.exclusion import Exclusion, run_exclusion
 from analysis.read.sql import layer_name, stats_params, step_range
+from analysis.scalars import (
+    TrainingScalars,
+    loss_scale_text,
+    loss_text,
+    timing_text,
+    training_scalars,
+)
 from schemas.health import HEALTH_COLOR, check_nonfinite_verdict, classify_health
 from schemas.rounding import rounding_rows_sql
 from schemas.wire import GradientHealth
@@ -175,6 +182,9 @@ class GradientFlowSummary(BaseModel):
       ``first_bad_local_exploding``: whether their bad rows at that step held NaN/Inf /
       a max |g| above the threshold. Under data parallelism every rank applies the same
       averaged gradient, so a NaN is everyone's; these say whose gradient it came from.
+    - ``training``: the training scalars of the range (loss, loss scale, step and compute
+      times, the slowest rank: :class:`analysis.scalars.TrainingScalars`); ``None`` when the
+      run sent none in the range or the store predates them.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -219,6 +229,7 @@ class GradientFlowSummary(BaseModel):
     excluded_rounding_level: bool = False
     findings: list[str] = Field(default_factory=list)
     nonfinite_rule: str = "critical"
+    training: TrainingScalars | None = None
 
 
 def _show_name(name: str) -> str:
@@ -489,7 +500,9 @@ def build_report(
         the consumer stored a live health, a top-N over the run's ``frames`` rows for its
         window's first step: the layer lists and frame counts (one windowed aggregate
         over the run's rows up to ``to_step``), the run row, the local view's first bad
-        step (an older store without ``local_layer_stats`` has none).
+        step (an older store without ``local_layer_stats`` has none); then the training
+        scalars, one statement after catalog look-ups for their tables
+        (:func:`analysis.scalars.training_scalars`).
 
     Raises:
         StoreError: unknown run or invalid step range; with ``nonfinite_rule="reference"``,
@@ -570,6 +583,7 @@ def build_report(
         live_window_differs=live is not None and (
             (live.frames, live.first_step, live.last_step) != (frames, first_step, last_step)
         ),
+        training=training_scalars(con, params),
     )
 
 
@@ -775,8 +789,9 @@ class SummaryRow:
 def summary_rows(summary: GradientFlowSummary) -> list[SummaryRow]:
     """The rows every rendering of a summary shows after its health, in order: the live
     health when its window differs, the step range, counts, the flagged layer lists, the
-    layers with no gradient, the exclusions (:func:`exclusion_rows`) and where bad
-    gradients started; optional rows only when they apply. Used by :func:`render_report`
+    layers with no gradient, the exclusions (:func:`exclusion_rows`), where bad
+    gradients started, and the training scalars ("loss", "loss scale", "step time":
+    :mod:`analysis.scalars`); optional rows only when they apply. Used by :func:`render_report`
     (terminal) and :func:`analysis.notebook_html.report_html` (Jupyter)."""
     rows: list[SummaryRow] = []
     live = live_health_text(summary)
@@ -818,6 +833,12 @@ def summary_rows(summary: GradientFlowSummary) -> list[SummaryRow]:
     origin = local_origin_text(summary)
     if origin is not None:
         rows.append(SummaryRow("started in", origin))
+    if summary.training is not None:
+        for label, text in (("loss", loss_text(summary.training)),
+                            ("loss scale", loss_scale_text(summary.training)),
+                            ("step time", timing_text(summary.training))):
+            if text is not None:
+                rows.append(SummaryRow(label, text))
     return rows
 
 

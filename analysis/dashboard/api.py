@@ -1,10 +1,11 @@
-"""Data of the dashboard's own JSON routes (runs, alerts, a layer's series, the analyses
-list), read with a read-only cursor.
+"""Data of the dashboard's own JSON routes (runs, alerts, a layer's series, the run's step
+scalars, the analyses list), read with a read-only cursor.
 
 Each function takes a cursor (from :class:`analysis.read.cursors.ReadCursors`) and
 returns a JSON-ready dict; non-finite floats become ``None`` (JSON has no NaN). The layer
-series comes from :mod:`analysis.plots.grid`, so the live page and ``gradstream plot``
-downsample the same way. The reads a :class:`~analysis.read.reader.StoreReader` makes too
+series comes from :mod:`analysis.plots.grid` and the step scalars from
+:mod:`analysis.plots.scalars`, so the live page and ``gradstream plot`` downsample the same
+way. The reads a :class:`~analysis.read.reader.StoreReader` makes too
 (grid, report, heatmap, an analysis) are routes of :data:`analysis.read.routes.READS`,
 answered by the server's one read handler.
 """
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from analysis import registry
 from analysis.plots.grid import load_layer_series
+from analysis.plots.scalars import load_scalar_bins
 
 if TYPE_CHECKING:
     import duckdb
@@ -110,6 +112,31 @@ def layer(
     return load_layer_series(
         cur, run_id, layer, max_points, from_step=from_step, to_step=to_step
     ).to_json()
+
+
+def scalars(
+    cur: duckdb.DuckDBPyConnection,
+    run_id: str,
+    max_steps: int,
+    names: tuple[str, ...] = (),
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> dict[str, object]:
+    """The run's step scalars binned on the heatmap's columns of the same ``max_steps``
+    and range (:func:`analysis.plots.scalars.load_scalar_bins`,
+    :meth:`~analysis.plots.scalars.ScalarBins.to_json`); ``names``: the scalars wanted
+    (``()``: all).
+
+    Returns:
+        ``{run_id, n_columns, steps_per_col, n_frames, names, series: {name: {col,
+        first_step, last_step, points, nonfinite, mean, low, high}}, caption}``: no series
+        when the run sent no scalars (or the store predates them).
+
+    Raises:
+        StoreError: unknown run, invalid range. ValueError: ``max_steps`` < 1.
+    """
+    return load_scalar_bins(cur, run_id, max_steps, names, from_step=from_step,
+                            to_step=to_step).to_json()
 
 
 def analyses() -> dict[str, object]:

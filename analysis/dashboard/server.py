@@ -80,7 +80,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from analysis.dashboard import api
 from analysis.export import export_run, file_stem
-from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, norm_palette
+from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, LOSS_COLOR, norm_palette
 from analysis.presentation import EXPORT_FORMATS
 from analysis.read.connect import StoreError
 from analysis.read.cursors import ReadCursors, StoreClosedError
@@ -363,7 +363,7 @@ class Dashboard:
         return body
 
     def index_html(self) -> bytes:
-        """The page with its configuration (colours, the flag bits of
+        """The page with its configuration (colours, the loss curve's included, the flag bits of
         ``schemas.flags.FLAG_BITS`` that ``heatmap.js`` reads, refresh interval, the paths
         of the ``/api/`` routes by read or handler name) embedded as JSON."""
         from analysis.plots.animation import script_safe_json
@@ -375,6 +375,7 @@ class Dashboard:
             "flag_colors": FLAG_COLORS,
             "flag_bits": FLAG_BITS,
             "health_colors": HEALTH_COLORS,
+            "loss_color": LOSS_COLOR,
             "refresh_ms": round(self.refresh_s * 1000),
             "db": str(self.cursors.db),
             "writer": self.cursors.writer,
@@ -458,6 +459,14 @@ class Dashboard:
         with self._cursor(args["query"]) as cur:
             key = ("layer", run, *values.values())
             body = self.cached(cur, run, key, lambda: api.layer(cur, run, **values))  # type: ignore[arg-type]
+            return Response(body, 200, media_type=_JSON)
+
+    def _scalars(self, route: Route, _name: str, args: dict[str, Any]) -> Response:
+        values = self._parse(route, args["query"])
+        run = str(values.pop("run"))
+        with self._cursor(args["query"]) as cur:
+            key = ("scalars", run, *(str(v) for v in values.values()))
+            body = self.cached(cur, run, key, lambda: api.scalars(cur, run, **values))  # type: ignore[arg-type]
             return Response(body, 200, media_type=_JSON)
 
     def _analyses(self, _route: Route, _name: str, args: dict[str, Any]) -> Response:

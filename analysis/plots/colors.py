@@ -23,6 +23,10 @@ FLAG_COLORS: dict[str, str] = {
 }
 """Mark colours of flagged cells (keys match the FLAG_* bits of :mod:`analysis.plots.grid`)."""
 
+LOSS_COLOR = "#1f77b4"
+"""Colour of the loss curve above the heatmap (matplotlib's first cycle colour, ``tab:blue``:
+no flag colour is near it, and viridis reaches blue only as a cell fill, never as a line)."""
+
 HEALTH_COLORS: dict[str, str] = {
     "Healthy": "#2e7d32",
     "MinorIssues": "#f9a825",

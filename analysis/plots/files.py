@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 from analysis.plots.animation import write_animation
 from analysis.plots.png import plot_heatmap, plot_series
+from analysis.plots.scalars import grid_scalar_bins
 from analysis.read.connect import StoreError
+from schemas.scalars import LOSS
 
 if TYPE_CHECKING:
     from analysis.read.reader import StoreReader
@@ -18,13 +20,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PlotFiles:
-    """Files written by :func:`write_pictures` and the captions of their grids."""
+    """Files written by :func:`write_pictures` and the captions of their grids;
+    ``loss_caption``: how the heatmap's loss panel is drawn (``None``: the run has no loss
+    in the range, the heatmap is drawn alone)."""
 
     heatmap: Path
     series: Path
     animation: Path
     heatmap_caption: str
     animation_caption: str
+    loss_caption: str | None = None
 
 
 def write_pictures(
@@ -40,7 +45,9 @@ def write_pictures(
     from_step: int | None = None,
     to_step: int | None = None,
 ) -> PlotFiles:
-    """Write ``<stem>-heatmap.png``, ``<stem>-norms.png`` and ``<stem>-animation.html``.
+    """Write ``<stem>-heatmap.png`` (with the run's loss above the heatmap, on its step
+    columns, when the run has one: :func:`analysis.plots.png.heatmap_figure`),
+    ``<stem>-norms.png`` and ``<stem>-animation.html``.
 
     Args:
         reader: the store's reader (:func:`analysis.read.reader.open_reader`: the file, or the
@@ -69,15 +76,18 @@ def write_pictures(
         if max_frames >= grid.shape[1]
         else reader.grid(run_id, max_frames, max_layers, from_step, to_step)
     )
+    scalars = grid_scalar_bins(reader, grid, (LOSS,))
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
         return PlotFiles(
-            heatmap=plot_heatmap(grid, out / f"{stem}-heatmap.png", width_px=width_px),
+            heatmap=plot_heatmap(grid, out / f"{stem}-heatmap.png", width_px=width_px,
+                                 scalars=scalars),
             series=plot_series(grid, out / f"{stem}-norms.png", width_px=width_px),
             animation=write_animation(frames, out / f"{stem}-animation.html"),
             heatmap_caption=grid.caption(),
             animation_caption=frames.caption(),
+            loss_caption=scalars.caption(LOSS) if LOSS in scalars.series else None,
         )
     except OSError as exc:
         raise StoreError(f"cannot write the pictures in {str(out)!r}: {exc}") from None

@@ -3,7 +3,9 @@
 - :func:`plot_heatmap`: layers (model order, top to bottom) x steps, colour = log10 of the
   gradient L2 norm; vanishing, exploding and non-finite cells marked in colours outside the
   norm scale (hollow squares when cells are large enough to keep the norm colour visible,
-  solid cells otherwise); the grid's downsampling caption under the title.
+  solid cells otherwise); the grid's downsampling caption under the title. Given the run's
+  loss binned on the grid's columns (:mod:`analysis.plots.scalars`), the loss curve is drawn
+  above the heatmap on the same step axis (shared x), its binning in the title.
 - :func:`heatmap_png`: the heatmap's PNG bytes (the notebook's inline picture).
 - :func:`plot_series`: one line per row (layer, or bin of layers) of the maximum gradient
   norm over each column's steps, log scale, flagged points marked.
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from analysis.plots.colors import FLAG_COLORS, NORM_CMAP
+from analysis.plots.colors import FLAG_COLORS, LOSS_COLOR, NORM_CMAP
 from analysis.plots.grid import (
     FLAG_EXPLODING,
     FLAG_NO_DATA,
@@ -35,12 +37,15 @@ from analysis.plots.grid import (
     FLAG_ZERO,
     GradientGrid,
 )
+from schemas.scalars import LOSS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+    from analysis.plots.scalars import ScalarBins, ScalarSeries
 
 DPI = 100
 """Pixels per inch of the PNGs (figure sizes are given in pixels)."""
@@ -55,6 +60,15 @@ ROW_PX = 16
 
 LABELED_ROWS = 60
 """Most y tick labels drawn; with more rows, labels are thinned evenly."""
+
+LOSS_PX = 220
+"""Height of the loss panel above the heatmap, pixels (added to the figure's height): room
+for a curve with five y ticks and the three title lines."""
+
+COLORBAR_WIDTH_RATIO = 0.015
+"""Width of the colour bar beside the heatmap under a loss panel, relative to the heatmap's
+(24 px of a 1600 px figure, about matplotlib's default bar): the bar gets its own grid
+column, so the loss panel and the heatmap keep the same width and step positions."""
 
 _MARK_ORDER = (  # later marks are drawn over earlier ones
     (FLAG_ZERO, "zero"),
@@ -141,13 +155,25 @@ def _check_drawable(grid: GradientGrid) -> None:
 
 
 def heatmap_figure(grid: GradientGrid, width_px: int = 1600,
-                   height_px: int | None = None) -> Figure:
-    """The layers x steps heatmap of log10 gradient norm as a matplotlib ``Figure``.
+                   height_px: int | None = None, scalars: ScalarBins | None = None,
+                   scalar: str = LOSS) -> Figure:
+    """The layers x steps heatmap of log10 gradient norm as a matplotlib ``Figure``, with the
+    run's loss above it when given.
 
     Args:
         grid: from :func:`analysis.plots.grid.load_grid`.
         width_px: figure width in pixels at :data:`DPI`.
-        height_px: figure height; default ``240 + ROW_PX x rows``, at most 2400.
+        height_px: height of the heatmap part; default ``240 + ROW_PX x rows``, at most
+            2400 (plus :data:`LOSS_PX` with a loss panel).
+        scalars: the run's step scalars on ``grid``'s columns
+            (:func:`analysis.plots.scalars.grid_scalar_bins`). When they hold ``scalar``,
+            a panel above the heatmap draws it against the same step columns (shared x
+            axis): per column the mean of its finite values (one step per column: the
+            step's value), the min..max band when columns bin several steps, and a magenta
+            ``*`` on the panel's top edge over columns with a NaN/Inf value; the title
+            says how (:meth:`ScalarBins.caption`). Without, the picture is the heatmap
+            alone.
+        scalar: the step scalar drawn (``loss``: the mean over the ranks of each step).
 
     Returns:
         The figure (not registered with pyplot; Jupyter shows it as a PNG).
@@ -160,8 +186,13 @@ def heatmap_figure(grid: GradientGrid, width_px: int = 1600,
     _check_drawable(grid)
     rows, cols = grid.shape
     height_px = height_px or min(2400, 240 + ROW_PX * rows)
+    series = None if scalars is None else scalars.series.get(scalar)
     with _figure_context():
-        fig, ax = _new_figure(width_px, height_px)
+        if series is None:
+            fig, ax = _new_figure(width_px, height_px)
+            top = cax = None
+        else:
+            fig, (top, ax, cax) = _loss_figure(width_px, height_px)
         log = grid.log_norm()
         finite = log[np.isfinite(log)]
         vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0, 1)
@@ -170,7 +201,10 @@ def heatmap_figure(grid: GradientGrid, width_px: int = 1600,
         cmap = matplotlib.colormaps[NORM_CMAP].with_extremes(bad=FLAG_COLORS["no_data"])
         image = ax.imshow(np.ma.masked_invalid(log), aspect="auto", interpolation="nearest",
                           cmap=cmap, vmin=vmin, vmax=vmax)
-        fig.colorbar(image, ax=ax, label="log10 gradient L2 norm", pad=0.01)
+        if cax is None:
+            fig.colorbar(image, ax=ax, label="log10 gradient L2 norm", pad=0.01)
+        else:
+            fig.colorbar(image, cax=cax, label="log10 gradient L2 norm")
         fig.canvas.draw()
         box = ax.get_window_extent()
         _mark_cells(ax, grid, box.width / cols, box.height / rows)
@@ -179,10 +213,57 @@ def heatmap_figure(grid: GradientGrid, width_px: int = 1600,
         ax.set_yticks(ticks, [display_name(grid.row_labels[i]) for i in ticks])
         ax.set_ylabel("layer (model order)" + (
             f", {grid.layers_per_row} per row" if grid.layers_per_row > 1 else ""))
-        _title(ax, f"Gradient flow of run {display_name(grid.run_id)}", grid)
+        title = f"Gradient flow of run {display_name(grid.run_id)}"
+        if top is None or scalars is None or series is None:
+            _title(ax, title, grid)
+        else:
+            _draw_scalar(top, series, cols, grid.steps_per_col > 1)
+            top.set_title(f"{title}\n{grid.caption()}\n{scalars.caption(scalar)}",
+                          fontsize=10, loc="left")
+            ax.set_xlim(-0.5, cols - 0.5)  # the image's extent, whatever the curve's margins
         fig.legend(handles=_legend_handles(grid), loc="outside lower left", ncol=5,
                    fontsize=8, frameon=False)
     return fig
+
+
+def _loss_figure(width_px: int, height_px: int) -> tuple[Figure, tuple[Axes, Axes, Axes]]:
+    """A pyplot-free figure with the loss panel (:data:`LOSS_PX` high) above the heatmap's
+    axes (``height_px`` high), sharing its x axis, and the colour bar's axes beside the
+    heatmap in a grid column of its own: ``(figure, (loss, heatmap, colour bar))``, in
+    ``figure.axes`` in that order."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width_px / DPI, (height_px + LOSS_PX) / DPI), dpi=DPI,
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    spec = fig.add_gridspec(2, 2, height_ratios=[LOSS_PX, height_px],
+                            width_ratios=[1.0, COLORBAR_WIDTH_RATIO])
+    loss = fig.add_subplot(spec[0, 0])
+    heat = fig.add_subplot(spec[1, 0], sharex=loss)
+    return fig, (loss, heat, fig.add_subplot(spec[1, 1]))
+
+
+def _draw_scalar(ax: Axes, series: ScalarSeries, n_columns: int, binned: bool) -> None:
+    """Draw ``series`` on ``ax`` against the heatmap's column positions (0..C-1): the
+    columns' means as a line (broken where a column has no finite value), the min..max
+    band when ``binned``, and non-finite columns as magenta ``*`` on the top edge."""
+    x = np.arange(n_columns, dtype=np.float64)
+    mean, low, high = series.dense(n_columns)
+    if binned:
+        ax.fill_between(x, low, high, color=LOSS_COLOR, alpha=0.2, linewidth=0,
+                        label="min..max of the column")
+    ax.plot(x, mean, color=LOSS_COLOR, linewidth=1.2, marker=".", markersize=3,
+            label=series.name)
+    bad = series.col[series.nonfinite > 0]
+    if len(bad):
+        ax.scatter(bad, np.ones(len(bad)), marker="*", s=40, zorder=3, clip_on=False,
+                   color=FLAG_COLORS["nonfinite"], transform=ax.get_xaxis_transform(),
+                   label=f"NaN/Inf {series.name}")
+    ax.set_ylabel(series.name)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.tick_params(labelbottom=False)
+    ax.legend(fontsize=8, loc="best")
 
 
 def plot_heatmap(
@@ -190,6 +271,7 @@ def plot_heatmap(
     path: str | os.PathLike[str],
     width_px: int = 1600,
     height_px: int | None = None,
+    scalars: ScalarBins | None = None,
 ) -> Path:
     """Draw :func:`heatmap_figure` to a PNG.
 
@@ -197,6 +279,8 @@ def plot_heatmap(
         grid: from :func:`analysis.plots.grid.load_grid`.
         path: the PNG to write (parent directories are created).
         width_px / height_px: image size in pixels (see :func:`heatmap_figure`).
+        scalars: the run's step scalars on ``grid``'s columns: the loss panel above the
+            heatmap when they hold a loss (see :func:`heatmap_figure`).
 
     Returns:
         The written path.
@@ -205,19 +289,22 @@ def plot_heatmap(
         ValueError: the grid has no column (no frame recorded in the range).
         OSError: the file cannot be written.
     """
-    return _save(heatmap_figure(grid, width_px, height_px), path)
+    return _save(heatmap_figure(grid, width_px, height_px, scalars), path)
 
 
-def heatmap_png(grid: GradientGrid, width_px: int = 1600) -> bytes:
+def heatmap_png(grid: GradientGrid, width_px: int = 1600,
+                scalars: ScalarBins | None = None) -> bytes:
     """The bytes of the PNG of :func:`heatmap_figure` (drawn without pyplot, so a
-    notebook's backend and figures are left alone).
+    notebook's backend and figures are left alone), with the loss panel when ``scalars``
+    hold a loss.
 
     Raises:
         StoreError: the grid has no frame (:meth:`GradientGrid.require_frames`).
     """
     buffer = io.BytesIO()
     with _figure_context():
-        heatmap_figure(grid.require_frames(), width_px).savefig(buffer, format="png", dpi=DPI)
+        heatmap_figure(grid.require_frames(), width_px, scalars=scalars).savefig(
+            buffer, format="png", dpi=DPI)
     return buffer.getvalue()
 
 

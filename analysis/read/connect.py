@@ -197,8 +197,8 @@ def has_table(con: duckdb.DuckDBPyConnection, table: str) -> bool:
     """Whether the store has ``table``. A store written before a table was added and never
     opened by a newer writer lacks it (e.g. ``step_scalars`` / ``rank_scalars``, the
     training scalars): its readers take a missing optional table as empty."""
-    row = con.execute(TABLE_EXISTS_SQL, {"table": table}).fetchone()
-    return bool(row and row[0])
+    rows = con.execute(TABLE_EXISTS_SQL, {"table": table}).fetchall()  # no pending result
+    return bool(rows and rows[0][0])
 
 
 def has_column(con: duckdb.DuckDBPyConnection, table: str, column: str) -> bool:

@@ -119,7 +119,7 @@ class StoreReader(ABC):
 
         Args:
             sql: exactly one statement (tables: runs, layers, layer_stats, frames, alerts,
-                run_ranks, kafka_offsets).
+                run_ranks, kafka_offsets, step_scalars, rank_scalars, ...).
             params: the statement's parameters: by name (``{"run": ...}`` for ``$run``) or
                 by position (a list, for ``?``); JSON-representable values.
             timeout_s: time limit of this statement (``None``: :attr:`timeout_s`).

@@ -21,6 +21,10 @@ EndpointReader` calls, so that no path, parameter or encoding is spelled twice.
                               heatmap (:func:`analysis.heatmap.ascii_heatmap`), plain text;
                               ``style=reference``: the reference's layout
 ``GET /api/layer``            ``run``, ``layer``, ``max_points``: one layer's norm series
+``GET /api/scalars``          ``run``, ``max_steps``, ``names`` (a JSON list; absent: all),
+                              ``from_step``, ``to_step``: the run's step scalars (loss, lr,
+                              ...) binned on the columns of the grid of the same
+                              ``max_steps`` (:mod:`analysis.plots.scalars`)
 ``GET /api/alerts``           ``run`` (optional), ``limit``: newest alerts first
 ``GET /api/analyses``         the registered analyses (:mod:`analysis.registry`): name, help,
                               JSON Schema of the options
@@ -74,7 +78,7 @@ class Param:
     Attributes:
         name: the parameter's name, in the URL and as the builder's keyword argument.
         kind: ``int``, ``str``, ``flag`` (``true`` or absent) or ``patterns`` (a JSON list
-            of strings).
+            of strings: layer-name patterns, scalar names).
         default: the value when absent (or empty).
         bounds: ``(low, high)`` of an ``int``: the server clamps into it; a reader refuses
             a value below ``low``.
@@ -102,7 +106,7 @@ class Param:
         if self.kind == "flag":
             return raw == "true"
         if self.kind == "patterns":
-            return _patterns(raw)
+            return _patterns(self.name, raw)
         try:
             value = int(raw)
         except ValueError:
@@ -129,8 +133,9 @@ class Param:
         return str(value)
 
 
-def _patterns(raw: str) -> tuple[str, ...]:
-    """The ``ignore_layers`` parameter: a JSON list of strings.
+def _patterns(name: str, raw: str) -> tuple[str, ...]:
+    """A ``patterns`` parameter (``ignore_layers``, ``names``) named ``name``: a JSON list
+    of strings.
 
     Raises:
         ParamError: not such a list.
@@ -140,7 +145,7 @@ def _patterns(raw: str) -> tuple[str, ...]:
     except ValueError:
         patterns = None
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
-        raise ParamError('ignore_layers must be a JSON list of strings, e.g. ["*.key.bias"]')
+        raise ParamError(f'{name} must be a JSON list of strings, e.g. ["a", "b.*"]')
     return tuple(patterns)
 
 
@@ -330,6 +335,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/api/layer", "_layer",
           params=(RUN, Param("layer", required=True),
                   Param("max_points", default=1000, bounds=(1, 8192)), *STEPS)),
+    Route("GET", "/api/scalars", "_scalars",
+          params=(RUN, Param("max_steps", default=1000, bounds=(1, 8192)),
+                  Param("names", "patterns", ()), *STEPS)),
     Route("GET", "/api/alerts", "_alerts",
           params=(Param("run", "str"), Param("limit", default=50, bounds=(1, 1000)))),
     Route("GET", "/api/analyses", "_analyses"),

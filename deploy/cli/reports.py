@@ -296,8 +296,9 @@ def plot(
     timeout: TimeoutOption = None,
 ) -> None:
     """Draw a run: PNG heatmap of log10 gradient norm (layers in model order x steps,
-    vanishing/exploding cells marked), PNG of per-layer norms over time, and the
-    gradient-flow animation as one offline HTML file (step slider, play button)."""
+    vanishing/exploding cells marked; the run's loss above it on the same steps when it
+    sent one), PNG of per-layer norms over time, and the gradient-flow animation as one
+    offline HTML file (step slider, play button)."""
     from analysis.export import file_stem
     from analysis.plots.files import write_pictures
 
@@ -310,6 +311,8 @@ def plot(
                                    to_step=to_step)
     console = Console(stderr=True, highlight=False)
     console.print(f"run {run_id!r}: {files.heatmap_caption}", markup=False, soft_wrap=True)
+    if files.loss_caption is not None:
+        console.print(files.loss_caption, markup=False, soft_wrap=True)
     for path in (files.heatmap, files.series, files.animation):
         console.print(f"wrote {os.fspath(path)}", markup=False, soft_wrap=True)
 

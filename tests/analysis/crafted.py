@@ -244,6 +244,59 @@ def write_run(
     return Path(path)
 
 
+def write_scalars(
+    path: str | os.PathLike[str],
+    run_id: str,
+    step_rows: Sequence[tuple[int, str, float]] = (),
+    rank_rows: Sequence[tuple[int, int, str, float]] = (),
+) -> Path:
+    """Insert training scalars of ``run_id`` into the store at ``path`` (its tables from
+    ``schemas.tables.SCHEMA_DDL``): ``step_rows`` ``(step, name, value)`` into
+    ``step_scalars``, ``rank_rows`` ``(step, rank, name, value)`` into ``rank_scalars``
+    (NaN / Inf kept), in bulk from Arrow tables as the consumer's sink does.
+
+    Returns:
+        ``path``.
+    """
+    con = create_store(path)
+    try:
+        tables = {
+            "step_scalars": pa.table({
+                "run_id": [run_id] * len(step_rows),
+                "step": pa.array([r[0] for r in step_rows], pa.int64()),
+                "name": [r[1] for r in step_rows],
+                "value": pa.array([r[2] for r in step_rows], pa.float64()),
+            }),
+            "rank_scalars": pa.table({
+                "run_id": [run_id] * len(rank_rows),
+                "step": pa.array([r[0] for r in rank_rows], pa.int64()),
+                "rank": pa.array([r[1] for r in rank_rows], pa.int32()),
+                "name": [r[2] for r in rank_rows],
+                "value": pa.array([r[3] for r in rank_rows], pa.float64()),
+            }),
+        }
+        for table, incoming in tables.items():
+            if incoming.num_rows:
+                con.register("incoming", incoming)
+                con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM incoming")
+                con.unregister("incoming")
+    finally:
+        con.close()
+    return Path(path)
+
+
+def drop_scalar_tables(path: str | os.PathLike[str]) -> Path:
+    """Make the store at ``path`` look written by a version before the training scalars:
+    drop ``step_scalars`` and ``rank_scalars``. Returns ``path``."""
+    con = duckdb.connect(str(path))
+    try:
+        con.execute("DROP TABLE IF EXISTS step_scalars")
+        con.execute("DROP TABLE IF EXISTS rank_scalars")
+    finally:
+        con.close()
+    return Path(path)
+
+
 def open_read(path: str | os.PathLike[str]) -> duckdb.DuckDBPyConnection:
     """The store opened read-only through :func:`analysis.read.connect.open_store`."""
     from analysis.read.connect import open_store

@@ -5,7 +5,9 @@ broker; ``ServedWorker`` (what ``gradstream serve`` runs) consumes them into a r
 file and serves the page from the same process. The browser must show the run with its
 health, a heatmap that grows while steps arrive, the alert raised by the worker when a
 NaN gradient is injected (and the health badge turning Critical), a layer's series on
-click, and export links whose Parquet equals the stored table. A screenshot is saved and
+click, and export links whose Parquet equals the stored table. The ranks send a training
+loss from step ``LOSS_FROM`` on: before it the loss panel stays hidden, after it the loss
+curve is drawn above the heatmap on the heatmap's step columns. A screenshot is saved and
 checked non-blank.
 
 The browser opens the token URL the process prints (``ServedWorker.dashboard_url``, as
@@ -38,6 +40,7 @@ WORLD = 2
 LAYERS = {"embed": 64, "block.0": 32, 'attn "q", k': 48, "head ünï": 16}
 STEPS = 120
 NAN_STEP = 70
+LOSS_FROM = 60
 STEP_PAUSE_S = 0.05
 
 
@@ -63,7 +66,8 @@ def stream(bootstrap: str, topic: str, run_id: str, errors: list[BaseException])
             p.start_run({k: v * WORLD for k, v in LAYERS.items()})
         for step in range(STEPS):
             for rank, p in enumerate(producers):
-                p.record_step(step, gradients(step, rank))
+                loss = {"loss": 2.0 / (1 + step) + 0.01 * rank} if step >= LOSS_FROM else {}
+                p.record_step(step, gradients(step, rank), scalars=loss)
             if step % 5 == 4:
                 for p in producers:
                     p.flush(10)
@@ -119,6 +123,12 @@ def test_dashboard_live_in_chromium(settings, tmp_path, unique_name) -> None:
             page.wait_for_function("() => Number(document.querySelector('#heatmap')"
                                    ".dataset.frames) >= 5", timeout=60_000)
             early = frames_shown(page)
+            # No loss yet: the panel above the heatmap stays hidden.
+            last_step, hidden, points = page.evaluate(
+                "() => { const h = document.querySelector('#heatmap'), "
+                "l = document.querySelector('#loss'); "
+                "return [Number(h.dataset.lastStep), l.hidden, l.dataset.points]; }")
+            assert last_step < LOSS_FROM and hidden and points == "0"
             health = page.get_attribute(row, "data-health")
             assert health in ("Healthy", "MinorIssues", "ProblemsDetected", "Critical")
             assert page.inner_text(f"{row} .badge") == health
@@ -161,6 +171,21 @@ def test_dashboard_live_in_chromium(settings, tmp_path, unique_name) -> None:
                 f"() => Number(document.querySelector('#heatmap').dataset.frames) === {STEPS}",
                 timeout=30_000,
             )
+            # The loss curve above the heatmap: one point per column from LOSS_FROM (the
+            # canvas is wider than STEPS pixels: no binning), on the heatmap's x axis.
+            page.wait_for_function(
+                "() => Number(document.querySelector('#loss').dataset.points) === "
+                f"{STEPS - LOSS_FROM}", timeout=30_000)
+            loss = page.evaluate("() => Object.assign({}, document.querySelector('#loss')"
+                                 ".dataset)")
+            assert (loss["firstStep"], loss["lastStep"]) == (str(LOSS_FROM), str(STEPS - 1))
+            assert loss["nonfinite"] == "0"
+            assert [float(loss["plotLeft"]), float(loss["plotWidth"])] == pytest.approx(
+                page.evaluate("() => { const a = document.querySelector('#heatmap')"
+                              ".gradstreamArea; return [a.x / a.ratio, a.w / a.ratio]; }"))
+            assert "loss: the step's value" in page.inner_text("#loss-caption")
+            loss_shot = tmp_path / "loss.png"
+            page.locator("#loss").screenshot(path=str(loss_shot))
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             heat = tmp_path / "heatmap.png"
@@ -185,6 +210,8 @@ def test_dashboard_live_in_chromium(settings, tmp_path, unique_name) -> None:
     assert std > 0.05 and colours > 50, (std, colours)
     std, colours = image_stats(heat)
     assert std > 0.02 and colours >= 4, (std, colours)
+    std, colours = image_stats(loss_shot)
+    assert std > 0.01 and colours >= 3, (std, colours)  # a curve on the panel
 
     con = duckdb.connect(settings.db, read_only=True)
     stored = con.execute(

@@ -57,14 +57,16 @@ def test_snippet_runs_as_written_on_the_demo_store(demo_store: Path) -> None:
     assert isinstance(store, Store)
     runs = store.runs().set_index("run_id")
     assert [r.split("-2")[0] for r in runs.index] == [
-        "demo-bad-rank", "demo-exploding", "demo-healthy", "demo-vanishing"]
+        "demo-bad-rank", "demo-exploding", "demo-healthy", "demo-loss-spike", "demo-straggler",
+        "demo-vanishing"]
     assert (runs["frames"] == DEMO_STEPS).all()
     assert (runs["world_size"] == DEMO_RANKS).all()
     assert (runs["last_step"] == DEMO_STEPS - 1).all()
     health = runs["health"].to_dict()
     by_scenario = {r.split("-2")[0]: h for r, h in health.items()}
     assert by_scenario == {"demo-bad-rank": "Critical", "demo-exploding": "Critical",
-                           "demo-healthy": "Healthy", "demo-vanishing": "ProblemsDetected"}
+                           "demo-healthy": "Healthy", "demo-loss-spike": "Healthy",
+                           "demo-straggler": "Healthy", "demo-vanishing": "ProblemsDetected"}
     exploding = runs.loc[run.run_id]
     assert exploding["first_nonfinite_step"] == 21 and exploding["alerts"] > 0
     assert run.run_id.startswith("demo-exploding-")

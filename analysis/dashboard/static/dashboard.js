@@ -1,7 +1,8 @@
 /* gradstream live dashboard: polls the JSON endpoints of analysis.dashboard.server and
- * redraws the runs (health badges), the heatmap of the selected run, the alerts feed and
- * the selected layer's norm series, with download and analysis-report links for the
- * selected run. All text from the store goes in via textContent. */
+ * redraws the runs (health badges), the heatmap of the selected run with its loss curve
+ * above it (same step columns), the alerts feed and the selected layer's norm series,
+ * with download and analysis-report links for the selected run. All text from the store
+ * goes in via textContent. */
 (function () {
   "use strict";
   const config = JSON.parse(document.getElementById("config").textContent);
@@ -11,7 +12,8 @@
   const opts = { palette: config.palette, flagColors: config.flag_colors };
   const paletteRgb = config.palette.map(H.hexToRgb);
   const $ = (id) => document.getElementById(id);
-  const state = { run: null, picked: false, layer: null, grid: null, series: null };
+  const state = { run: null, picked: false, layer: null, grid: null, series: null,
+                  scalars: null };
   // A link to one run (an alert's Alertmanager generatorURL or PagerDuty link): /?run=ID
   // selects that run once it is listed.
   const linkedRun = new URLSearchParams(window.location.search).get("run");
@@ -79,8 +81,10 @@
       state.layer = null;
       state.grid = null;
       state.series = null;
+      state.scalars = null;
       $("layer-select").textContent = "";
       drawSeries();
+      drawLoss();
     }
     for (const li of $("runs").children) {
       li.className = li.dataset.runId === runId ? "selected" : "";
@@ -218,6 +222,85 @@
     }
   }
 
+  /* The loss curve above the heatmap, on the heatmap's step columns: each bin of
+   * /api/scalars (the loss binned as the grid's columns, analysis.plots.scalars) is drawn at
+   * the centre of the grid column holding its first step, so the two share the x axis; the
+   * min..max band when a column covers several steps; NaN/Inf bins as magenta dots on the
+   * top edge. Hidden when the run has no loss. */
+  function drawLoss() {
+    const canvas = $("loss"), g = state.grid, sc = state.scalars;
+    const s = sc && sc.series ? sc.series.loss : null;
+    const area = $("heatmap").gradstreamArea;
+    const shown = Boolean(g && s && s.col.length && area && g.col_first_step.length);
+    canvas.hidden = !shown;
+    $("loss-caption").hidden = !shown;
+    canvas.dataset.points = "0";
+    canvas.dataset.nonfinite = "0";
+    if (!shown) return;
+    $("loss-caption").textContent = sc.caption;
+    const ratio = H.fitCanvas(canvas);
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    const W = canvas.clientWidth, Hh = canvas.clientHeight;
+    ctx.clearRect(0, 0, W, Hh);
+    const starts = g.col_first_step, C = starts.length;
+    const column = (step) => {  // the last column whose first step is <= step
+      let lo = 0, hi = C - 1;
+      while (lo < hi) {
+        const mid = (lo + hi + 1) >> 1;
+        if (starts[mid] <= step) lo = mid; else hi = mid - 1;
+      }
+      return lo;
+    };
+    const x0 = area.x / area.ratio, cw = area.w / area.ratio / C;
+    const xs = s.first_step.map((step) => x0 + (column(step) + 0.5) * cw);
+    const finite = s.low.concat(s.high, s.mean).filter((v) => v !== null);
+    let y0 = finite.length ? Math.min.apply(null, finite) : 0;
+    let y1 = finite.length ? Math.max.apply(null, finite) : 1;
+    if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
+    const T = 8, B = 6;
+    const py = (v) => T + (1 - (v - y0) / (y1 - y0)) * (Hh - T - B);
+    // Grid lines with their values inside the plot (the margin left of it is sized for
+    // the heatmap's layer names, maybe too narrow for numbers).
+    ctx.strokeStyle = "#d0d7de"; ctx.fillStyle = "#57606a"; ctx.lineWidth = 1;
+    ctx.font = "11px system-ui, sans-serif"; ctx.textAlign = "left"; ctx.textBaseline = "bottom";
+    for (let i = 0; i <= 2; i++) {
+      const v = y0 + (y1 - y0) * i / 2;
+      ctx.beginPath(); ctx.moveTo(x0, py(v)); ctx.lineTo(x0 + C * cw, py(v)); ctx.stroke();
+      ctx.fillText(Number(v.toPrecision(3)).toString(), x0 + 3, Math.max(12, py(v) - 1));
+    }
+    if (sc.steps_per_col > 1) {  // min..max band of each column
+      ctx.fillStyle = "rgba(31,119,180,0.2)";
+      for (let i = 0; i < xs.length; i++) {
+        if (s.low[i] === null) continue;
+        const top = py(s.high[i]);
+        ctx.fillRect(xs[i] - cw / 2, top, cw, Math.max(1, py(s.low[i]) - top));
+      }
+    }
+    ctx.strokeStyle = config.loss_color; ctx.lineWidth = 1.5; ctx.beginPath();
+    let pen = false, points = 0, bad = 0;
+    for (let i = 0; i < xs.length; i++) {
+      const gap = i > 0 && column(s.first_step[i]) !== column(s.first_step[i - 1]) + 1;
+      if (s.mean[i] === null || gap) pen = false;
+      if (s.mean[i] === null) continue;
+      points++;
+      if (!pen) { ctx.moveTo(xs[i], py(s.mean[i])); pen = true; } else ctx.lineTo(xs[i], py(s.mean[i]));
+    }
+    ctx.stroke();
+    ctx.fillStyle = config.flag_colors.nonfinite;
+    for (let i = 0; i < xs.length; i++) {
+      if (!s.nonfinite[i]) continue;
+      bad += s.nonfinite[i];
+      ctx.beginPath(); ctx.arc(xs[i], T / 2 + 1, 3.5, 0, 2 * Math.PI); ctx.fill();
+    }
+    canvas.dataset.points = String(points);
+    canvas.dataset.nonfinite = String(bad);
+    canvas.dataset.firstStep = String(s.first_step[0]);
+    canvas.dataset.lastStep = String(s.last_step[s.last_step.length - 1]);
+    canvas.dataset.plotLeft = String(x0);
+    canvas.dataset.plotWidth = String(C * cw);
+  }
+
   function selectLayer(index) {
     state.layer = index;
     $("layer-select").value = index === null ? "" : String(index);
@@ -282,6 +365,7 @@
   });
   window.addEventListener("resize", () => {
     if (state.grid) renderGrid(state.grid);
+    drawLoss();
     drawSeries();
   });
 
@@ -298,17 +382,23 @@
       const canvas = $("heatmap"), ratio = window.devicePixelRatio || 1;
       const jobs = [getJSON(routes.alerts + "?limit=50")];
       if (state.run !== null) {
-        jobs.push(getJSON(routes.grid + "?run=" + q(state.run) + "&max_steps=" +
-          Math.max(1, Math.round(canvas.clientWidth * ratio)) + "&max_layers=" +
-          Math.max(1, Math.round(canvas.clientHeight * ratio / 2))));
+        const maxSteps = Math.max(1, Math.round(canvas.clientWidth * ratio));
+        jobs.push(getJSON(routes.grid + "?run=" + q(state.run) + "&max_steps=" + maxSteps +
+          "&max_layers=" + Math.max(1, Math.round(canvas.clientHeight * ratio / 2))));
+        jobs.push(getJSON(routes.scalars + "?run=" + q(state.run) + "&max_steps=" + maxSteps +
+          "&names=" + q('["loss"]')));
         if (state.layer !== null) {
           jobs.push(getJSON(routes.layer + "?run=" + q(state.run) + "&layer=" + state.layer +
             "&max_points=" + Math.max(1, Math.round($("series").clientWidth * ratio))));
         }
       }
-      const [alerts, grid, series] = await Promise.all(jobs);
+      const [alerts, grid, scalars, series] = await Promise.all(jobs);
       renderAlerts(alerts.alerts);
       if (grid && grid.run_id === state.run) renderGrid(grid);
+      if (scalars && scalars.run_id === state.run) {
+        state.scalars = scalars;
+        drawLoss();
+      }
       if (series && series.run_id === state.run && series.layer_index === state.layer) {
         state.series = series;
         drawSeries();
