@@ -62,11 +62,15 @@ class AlertRule(StrEnum):
 
     RUN_HEALTH = "run_health"
     NONFINITE = "nonfinite"
+    NONFINITE_LOSS = "nonfinite_loss"
     EXPLODING = "exploding"
     VANISHING = "vanishing"
     GRAD_NORM_SPIKE = "grad_norm_spike"
+    LOSS_SPIKE = "loss_spike"
+    LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
     STALLED = "stalled"
     MISSING_RANKS = "missing_ranks"
+    STRAGGLER = "straggler"
     REPLICA_DIVERGENCE = "replica_divergence"
     SHARD_LAYOUT = "shard_layout"
 

@@ -43,7 +43,7 @@ from pydantic import Field
 
 from consumer.alerts.rules.base import Finding, FrameContext, Rule, RuleConfig, RunContext
 from consumer.alerts.rules.shared import preview
-from schemas.alert import RuleName
+from schemas.alert import AlertRule, RuleName
 from schemas.scalars import LOSS_SCALE
 
 
@@ -90,7 +90,7 @@ class LossScaleCollapseRule(Rule[LossScaleCollapseRuleConfig]):
         backoff_steps: steps of the counted backoffs within the window, ascending.
     """
 
-    name: ClassVar[RuleName] = "loss_scale_collapse"
+    name: ClassVar[RuleName] = AlertRule.LOSS_SCALE_COLLAPSE
     title: ClassVar[str] = "loss-scale collapse"
     description: ClassVar[str] = (
         "The AMP loss scale backed off (decreased) at least `backoffs` times within "

@@ -45,7 +45,7 @@ from consumer.alerts.robust import RollingRobustZ
 from consumer.alerts.rules.base import Finding, FrameContext, Rule, RuleConfig, RunContext
 from consumer.alerts.rules.shared import json_number, preview
 from consumer.frames import GradientFrame
-from schemas.alert import RuleName
+from schemas.alert import AlertRule, RuleName
 from schemas.scalars import LOSS
 
 _ONE_SERIES = np.zeros(1, np.int64)
@@ -120,7 +120,7 @@ class LossSpikeRule(Rule[LossSpikeRuleConfig]):
         spike_row_step: int64[lookback_steps + 1], the step of each row (-1: none yet).
     """
 
-    name: ClassVar[RuleName] = "loss_spike"
+    name: ClassVar[RuleName] = AlertRule.LOSS_SPIKE
     title: ClassVar[str] = "loss spike"
     description: ClassVar[str] = (
         "The training loss far from its recent history (robust z-score over a rolling "

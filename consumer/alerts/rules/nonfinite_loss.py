@@ -23,7 +23,7 @@ import numpy as np
 
 from consumer.alerts.rules.base import CriticalRuleConfig, Finding, FrameContext, Rule
 from consumer.alerts.rules.shared import json_number
-from schemas.alert import RuleName
+from schemas.alert import AlertRule, RuleName
 from schemas.scalars import LOSS
 
 
@@ -50,7 +50,7 @@ class NonfiniteLossRuleConfig(CriticalRuleConfig):
 class NonfiniteLossRule(Rule[NonfiniteLossRuleConfig]):
     """NaN/Inf training loss, with the ranks whose own loss is non-finite (module doc)."""
 
-    name: ClassVar[RuleName] = "nonfinite_loss"
+    name: ClassVar[RuleName] = AlertRule.NONFINITE_LOSS
     title: ClassVar[str] = "non-finite loss"
     description: ClassVar[str] = (
         "The step's training loss, or some rank's own loss, is NaN or +-Inf."

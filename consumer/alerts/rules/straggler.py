@@ -38,7 +38,7 @@ from pydantic import Field
 
 from consumer.alerts.rules.base import Finding, FrameContext, Rule, RuleConfig, RunContext
 from consumer.alerts.rules.shared import json_number
-from schemas.alert import RuleName
+from schemas.alert import AlertRule, RuleName
 from schemas.scalars import COMPUTE_TIME
 
 
@@ -108,7 +108,7 @@ class StragglerRule(Rule[StragglerRuleConfig]):
         slow_streak: int64[world_size], consecutive slow frames per rank.
     """
 
-    name: ClassVar[RuleName] = "straggler"
+    name: ClassVar[RuleName] = AlertRule.STRAGGLER
     title: ClassVar[str] = "straggler rank"
     description: ClassVar[str] = (
         "A rank whose compute time (before the gradient all-reduce) stays above `factor` "
