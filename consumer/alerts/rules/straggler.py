@@ -11,8 +11,10 @@ others wait in the collective); only the time before that wait tells which rank 
 
 Per frame, for each rank ``r`` with a finite, non-negative compute time ``t_r`` (when at
 least ``min_ranks`` ranks have one): ``slow_r = t_r > factor * median({t_q : q != r})``
-(:func:`median_of_others`, over the ranks of the frame). A rank's count of consecutive
-slow frames goes up by one when it is slow and back to 0 when it is not. A rank without a
+and ``t_r - median({t_q : q != r}) > min_excess_s`` (:func:`median_of_others`, over the
+ranks of the frame): the ratio alone would call a 2 ms step slow next to 1 ms ones. A
+rank's count of consecutive slow frames goes up by one when it is slow and back to 0 when
+it is not. A rank without a
 usable compute time in the frame (absent from ``rank_scalars``, as in a partial frame, or
 NaN) keeps its count unchanged: its absence says nothing about its speed (a rank too slow
 to make the worker's shard timeout has not recovered; absent ranks are the
@@ -94,9 +96,15 @@ class StragglerRuleConfig(RuleConfig):
             GPU, a degraded link, a noisy neighbour) stays slow for minutes to hours.
         min_ranks: usable compute times a frame needs to be judged (>= 2: one rank has no
             others to compare with).
+        min_excess_s: seconds a slow rank's compute time must also exceed the others'
+            median by. 0.006: the default targeted latency of Linux's CFS scheduler
+            (``kernel.sched_latency_ns`` = 6 ms): a rank preempted once by another process
+            can lose that much in one step without being a straggler, which matters for
+            steps of a few milliseconds, where 1.5x is that much.
     """
 
     factor: float = Field(default=1.5, gt=1, allow_inf_nan=False)
+    min_excess_s: float = Field(default=0.006, ge=0, allow_inf_nan=False)
     consecutive: int = Field(default=10, ge=1)
     min_ranks: int = Field(default=2, ge=2)
 
@@ -132,7 +140,7 @@ class StragglerRule(Rule[StragglerRuleConfig]):
         if ranks.size < cfg.min_ranks:
             return Finding(None)
         others = median_of_others(times)
-        slow = times > cfg.factor * others
+        slow = (times > cfg.factor * others) & (times - others > cfg.min_excess_s)
         streak = self.slow_streak
         streak[ranks] = np.where(slow, streak[ranks] + 1, 0)
         bad = streak[ranks] >= cfg.consecutive

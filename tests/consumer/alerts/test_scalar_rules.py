@@ -310,6 +310,16 @@ def test_straggler_uses_compute_time_not_step_time():
     assert fired.ranks == [1]
 
 
+def test_straggler_ignores_an_excess_below_min_excess():
+    """Millisecond steps: 2 ms against 1 ms is twice as slow but one preemption's worth;
+    it is not a straggler until it is also ``min_excess_s`` (6 ms) slower."""
+    run = straggler_run(**{"straggler.consecutive": 1})
+    assert run.scalar_step(0, per_rank=times([0.001, 0.001, 0.002, 0.001])) == []
+    assert run.scalar_step(1, per_rank=times([0.001, 0.001, 0.0069, 0.001])) == []
+    (fired,) = run.scalar_step(2, per_rank=times([0.001, 0.001, 0.0075, 0.001]))
+    assert fired.ranks == [2]
+
+
 def test_straggler_needs_min_ranks():
     run = straggler_run(world=2, **{"straggler.consecutive": 1, "straggler.min_ranks": 3})
     for s in range(3):
