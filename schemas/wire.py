@@ -265,11 +265,13 @@ class StepSummary(_Wire):
 
     Training scalars (schema 1.12, optional; ``schemas.scalars``): ``scalars`` maps a step
     scalar's name to its value (learning rates, AMP loss scale, user names), and the
-    per-rank ones (loss, step and compute time, tokens, samples) travel in long form:
-    ``rank_scalar_names`` (metadata) names them, and the aligned arrays
-    ``rank_scalar_ranks``, ``rank_scalar_index`` (into the names) and
-    ``rank_scalar_values`` hold one row per (rank, name), each rank one this message
-    reports for (its ``rank``, or those of ``reduced_ranks``). Values may be NaN or +-Inf.
+    per-rank ones (loss, step and compute time, tokens, samples) travel as
+    ``rank_scalar_names`` (metadata) with ``rank_scalar_values``, for ranks this message
+    reports for (its ``rank``, or those of ``reduced_ranks``; a MergedFrame's
+    ``ranks_seen``): in long form the aligned ``rank_scalar_ranks`` and
+    ``rank_scalar_index`` (into the names) give each value's (rank, name); without them the
+    form is dense, every reported rank having every name, ``rank_scalar_values`` holding
+    ranks x names values row-major in ascending rank order. Values may be NaN or +-Inf.
 
     Holding the arrays. A message validated from JSON or built in Python holds each array
     field as a list; one decoded from the binary form holds it as the decoded buffer
@@ -502,15 +504,17 @@ class StepSummary(_Wire):
         given = [getattr(self, name) is not None for name in _RANK_SCALAR_FIELDS]
         if not any(given):
             return
-        if not all(given):
-            raise ValueError("the rank scalars go together: " + ", ".join(_RANK_SCALAR_FIELDS))
-        ranks = self._np("rank_scalar_ranks")
+        if self.rank_scalar_names is None or self.rank_scalar_values is None:
+            raise ValueError("rank_scalar_names and rank_scalar_values go together")
+        if (self.rank_scalar_ranks is None) != (self.rank_scalar_index is None):
+            raise ValueError("rank_scalar_ranks and rank_scalar_index go together")
         try:
-            RankScalars(tuple(self.rank_scalar_names or ()), ranks,
-                        self._np("rank_scalar_index"), self._np("rank_scalar_values")).check()
+            rows = self.rank_scalar_rows()
+            assert rows is not None
+            rows.check()
         except ValueError as exc:
             raise ValueError(f"rank_scalar_*: {exc}") from None
-        if ranks.size and not np.isin(ranks, self._scalar_ranks()).all():
+        if len(rows) and not np.isin(rows.rank, self._scalar_ranks()).all():
             raise ValueError("rank_scalar_ranks must be ranks this message reports for")
 
     def _scalar_ranks(self) -> np.ndarray:
@@ -520,19 +524,26 @@ class StepSummary(_Wire):
         return np.asarray(self.reporting_ranks(), np.int64)
 
     def rank_scalar_rows(self) -> RankScalars | None:
-        """The per-rank scalars as :class:`schemas.scalars.RankScalars`, or None."""
+        """The per-rank scalars as :class:`schemas.scalars.RankScalars` (long rows, from
+        either form), or None.
+
+        Raises:
+            ValueError: a dense form of another length than ranks x names.
+        """
         if self.rank_scalar_names is None:
             return None
+        values = self._np("rank_scalar_values")
+        if self.rank_scalar_ranks is None:  # dense: every rank this message reports for
+            return RankScalars.from_dense(self.rank_scalar_names, self._scalar_ranks(), values)
         return RankScalars(tuple(self.rank_scalar_names), self._np("rank_scalar_ranks"),
-                           self._np("rank_scalar_index"), self._np("rank_scalar_values"))
+                           self._np("rank_scalar_index"), values)
 
     def reporting_ranks(self) -> list[int]:
         """The ranks this summary reports for: its ``rank``, or every rank of
         ``reduced_ranks`` (ascending)."""
         if self.reduced_ranks is None:
             return [self.rank]
-        ranges = self._np("reduced_ranks").reshape(-1, 2)
-        return np.concatenate([np.arange(a, b) for a, b in ranges]).tolist()
+        return ranges_to_ranks(self._np("reduced_ranks")).tolist()
 
     def _check_histogram(self, n: int, prefix: str, nonfinite_field: str) -> None:
         offsets = getattr(self, prefix + "_offsets")
@@ -583,6 +594,36 @@ _WEIGHT_DISTRIBUTION = (
     "weight_sum", "weight_sum_cube", "weight_sum_quad", "weight_min", "weight_max",
     "weight_nonfinite",
 )
+def ranges_to_ranks(ranges: np.ndarray) -> np.ndarray:
+    """The ranks of flattened ``[start, stop)`` pairs (``StepSummary.reduced_ranks``), as
+    int64, ascending when the pairs are.
+
+    >>> ranges_to_ranks(np.array([0, 2, 5, 7])).tolist()
+    [0, 1, 5, 6]
+    """
+    pairs = np.asarray(ranges, np.int64).reshape(-1, 2)
+    return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in pairs.tolist()])
+
+
+def rank_scalar_fields(rows: RankScalars, ranks: np.ndarray) -> dict[str, Any]:
+    """The ``rank_scalar_*`` field values of a StepSummary / MergedFrame carrying ``rows``
+    for the message's ``ranks`` (int64, ascending): the dense form when every rank has every
+    name (8 bytes a value instead of 24), else the long form.
+
+    Raises:
+        ValueError: ``rows`` name a rank outside ``ranks`` (a bug upstream; the message's
+            validation would refuse it).
+    """
+    dense = rows.dense(ranks)
+    if dense is not None:
+        return {"rank_scalar_names": list(rows.names), "rank_scalar_values": dense.tolist()}
+    if len(rows) and not np.isin(rows.rank, ranks).all():
+        raise ValueError("rank scalars of ranks the message does not report for")
+    return {"rank_scalar_names": list(rows.names), "rank_scalar_ranks": rows.rank.tolist(),
+            "rank_scalar_index": rows.name_index.tolist(),
+            "rank_scalar_values": rows.value.tolist()}
+
+
 _RANK_SCALAR_FIELDS = (
     "rank_scalar_names", "rank_scalar_ranks", "rank_scalar_index", "rank_scalar_values",
 )

@@ -48,6 +48,7 @@ from schemas.wire import (
     WireFormat,
     decode_message,
     encode_message,
+    rank_scalar_fields,
 )
 
 log = logging.getLogger("gradstream.consumer")
@@ -124,12 +125,10 @@ def frame_to_message(frame: GradientFrame) -> MergedFrame:
         optional["nonfinite_pieces"] = frame.nonfinite_pieces.ravel().tolist()
     if frame.scalars:
         optional["scalars"] = frame.scalars
+    ranks = sorted(frame.ranks_seen)
     rows = frame.rank_scalars
     if rows is not None and len(rows):
-        optional.update(rank_scalar_names=list(rows.names), rank_scalar_ranks=rows.rank.tolist(),
-                        rank_scalar_index=rows.name_index.tolist(),
-                        rank_scalar_values=rows.value.tolist())
-    ranks = sorted(frame.ranks_seen)
+        optional.update(rank_scalar_fields(rows, np.asarray(ranks, np.int64)))
     return MergedFrame(
         run_id=frame.run_id, step=frame.step, rank=ranks[0], world_size=frame.world_size,
         wall_time=frame.wall_time, ranks_seen=ranks,

@@ -22,6 +22,8 @@ from schemas.wire import (
     RunStarted,
     StepSummary,
     encode_message,
+    ranges_to_ranks,
+    rank_scalar_fields,
     split_step_summary,
 )
 
@@ -94,12 +96,10 @@ def step_summary(
             optional["replica_divergence"] = np.asarray(divergence, np.int64).ravel().tolist()
     if record.scalars:
         optional["scalars"] = record.scalars
-    ranks = record.rank_scalars
-    if ranks is not None and len(ranks):
-        optional.update(rank_scalar_names=list(ranks.names),
-                        rank_scalar_ranks=ranks.rank.tolist(),
-                        rank_scalar_index=ranks.name_index.tolist(),
-                        rank_scalar_values=ranks.value.tolist())
+    if record.rank_scalars is not None and len(record.rank_scalars):
+        reporting = (np.array([rank], np.int64) if summaries.reduced_ranks is None
+                     else ranges_to_ranks(summaries.reduced_ranks))
+        optional.update(rank_scalar_fields(record.rank_scalars, reporting))
     local = summaries.local
     if local is not None:
         keep = [i for i, n in enumerate(local.names) if n in layer_index]
