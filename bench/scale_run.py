@@ -21,6 +21,10 @@ single-process DuckDB mode):
   (``reduce="off"``), every rank a summary of its stage's layers: W small messages a step,
   the worker's cost per message (``pp_us_per_message``).
 
+Every message carries the training scalars the SDK sends by default (``schemas.scalars``):
+the learning rate and each reported rank's loss, step time and compute time (dense, 8
+bytes a value: 98 kB a step at 4,096 ranks beside the summary).
+
 Per case it prints: record bytes per optimiser step (values + keys of the summaries of one
 step), beside what per-rank sending (``reduce="off"``, every rank its own summary of the
 layers it holds) would put on the wire, as a ratio to one rank's full summary; the worker
@@ -102,6 +106,25 @@ def _stats(rng: np.random.Generator, numel: np.ndarray) -> dict[str, list]:
             "nonfinite": [0] * len(numel)}
 
 
+RANK_SCALAR_NAMES = ("loss", "step_time_s", "compute_time_s")
+"""The per-rank training scalars every message carries: the loss a training loop gives and
+the two times the torch tap measures on every rank (``schemas.scalars``)."""
+
+
+def _scalars(rng: np.random.Generator, ranks: np.ndarray) -> dict[str, object]:
+    """Training scalars of a message reporting for ``ranks``: the learning rate and every
+    rank's :data:`RANK_SCALAR_NAMES` (``schemas.wire.rank_scalar_fields``: dense, as the
+    SDK sends them when every rank has every name)."""
+    from schemas.scalars import RankScalars
+    from schemas.wire import rank_scalar_fields
+
+    k = len(RANK_SCALAR_NAMES)
+    rows = RankScalars(RANK_SCALAR_NAMES, np.repeat(ranks, k),
+                       np.tile(np.arange(k), len(ranks)),
+                       rng.uniform(0.1, 3.0, len(ranks) * k))
+    return {"scalars": {"lr": 3e-4}, **rank_scalar_fields(rows, ranks)}
+
+
 def stage_ranges(ranks: int, stages: int) -> list[tuple[int, int]]:
     """The ``[start, stop)`` rank range of each of ``stages`` pipeline stages over
     ``ranks`` ranks, split as evenly as possible.
@@ -124,7 +147,8 @@ def step_messages(shape: str, ranks: int, layers: int, stage_layers: int, run_id
         return [encode_message(StepSummary(
             run_id=run_id, step=step, rank=0, world_size=ranks, wall_time=time.time(),
             layer_indices=idx.tolist(), shard_index=[0] * layers, shard_count=[1] * layers,
-            reduced_ranks=[0, ranks], **_stats(rng, numel)), "binary")]
+            reduced_ranks=[0, ranks], **_stats(rng, numel),
+            **_scalars(rng, np.arange(ranks))), "binary")]
     stages = math.ceil(layers / stage_layers)
     out = []
     for i, (start, stop) in enumerate(stage_ranges(ranks, stages)):
@@ -134,7 +158,8 @@ def step_messages(shape: str, ranks: int, layers: int, stage_layers: int, run_id
             out.append(encode_message(StepSummary(
                 run_id=run_id, step=step, rank=rank, world_size=ranks, wall_time=time.time(),
                 layer_indices=idx.tolist(), shard_index=[0] * len(idx),
-                shard_count=[1] * len(idx), **stats), "binary"))
+                shard_count=[1] * len(idx), **stats,
+                **_scalars(rng, np.array([rank]))), "binary"))
     return out
 
 
@@ -150,8 +175,8 @@ def per_rank_bytes(shape: str, ranks: int, layers: int, stage_layers: int,
         return len(encode_message(StepSummary(
             run_id="r" * 36, step=1, rank=ranks - 1, world_size=ranks, wall_time=time.time(),
             layer_indices=idx.tolist(), shard_index=[index] * len(idx),
-            shard_count=[count] * len(idx), **_stats(rng, np.maximum(numel[idx] // count, 1))
-        ), "binary")) + 36
+            shard_count=[count] * len(idx), **_stats(rng, np.maximum(numel[idx] // count, 1)),
+            **_scalars(rng, np.array([ranks - 1]))), "binary")) + 36
 
     full = size(np.arange(layers), 0, 1)
     if shape == "ddp":

@@ -357,6 +357,8 @@ class GradientFrame:
             one (the mean loss, the slowest rank's times); empty when no rank sent any.
         rank_scalars: the per-rank values (loss, times, tokens) of the ranks merged into
             this version of the frame, or None when none sent any.
+        rewrite: this version of the frame may replace one already stored (a late rank's
+            frame, a frame the store receives again): the output deletes what it replaces.
 
     In norms mode ``sum_abs``, ``max_abs_grad`` and ``mean_abs_grad`` are NaN for the
     layers where some shard lacked them (module docstring).
@@ -403,6 +405,7 @@ class GradientFrame:
     )
     scalars: dict[str, float] = field(default_factory=dict)
     rank_scalars: RankScalars | None = None
+    rewrite: bool = False
 
     @property
     def all_ranks_seen(self) -> bool:

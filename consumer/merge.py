@@ -562,7 +562,9 @@ class ShardMerger:
         else:
             record.partial[shard.step] = new_ranks
             self._remember_partial(run.run_id, shard.step, pending)
-        return self._frame(run, shard.step, pending, set(new_ranks), shard.wall_time)
+        frame = self._frame(run, shard.step, pending, set(new_ranks), shard.wall_time)
+        frame.rewrite = True  # the partial frame is stored already
+        return frame
 
     def expire(self, runs: dict[str, RunInfo], now: float) -> list[GradientFrame]:
         """Finalise as partial every pending frame older than ``shard_timeout_s``.
@@ -738,11 +740,7 @@ def frame_scalars(step: list[tuple[int, dict[str, float]]], ranks: list[RankScal
     values: dict[str, float] = {}
     for _, sent in sorted(step, key=lambda item: -item[0]):  # the lowest rank last: it wins
         values.update(sent)
-    rows = None
-    if ranks:
-        rows = ranks[0].copy()
-        for more in ranks[1:]:
-            rows += more
+    rows = RankScalars.concat(ranks) if ranks else None
     return step_scalars(values, rows), rows
 
 

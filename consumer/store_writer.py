@@ -330,6 +330,7 @@ class StoreWriter(ConsumerLoop):
         if msg.scalars:
             frame.scalars = dict(msg.scalars)
         frame.rank_scalars = msg.rank_scalar_rows()
+        frame.rewrite = stored is not None  # stored before, or waiting in the batch
         self.book.record(frame, self.batch)
         if self.alerts is not None and (stored is None or ranks != stored):
             # each step once; a late rank's rewrite the engine skips (module doc)

@@ -218,6 +218,27 @@ class RankScalars:
         self.value = np.concatenate([self.value, other.value])
         return self
 
+    @classmethod
+    def concat(cls, parts: list[RankScalars]) -> RankScalars:
+        """The rows of ``parts`` (disjoint ranks) in one table: one concatenation per
+        column when every part has the same names (the usual case), else ``+=`` part by
+        part.
+
+        Raises:
+            ValueError: ``parts`` is empty.
+        """
+        if not parts:
+            raise ValueError("concat needs at least one RankScalars")
+        names = parts[0].names
+        if all(p.names == names for p in parts):
+            return cls(names, np.concatenate([p.rank for p in parts]),
+                       np.concatenate([p.name_index for p in parts]),
+                       np.concatenate([p.value for p in parts]))
+        out = parts[0].copy()
+        for more in parts[1:]:
+            out += more
+        return out
+
     def copy(self) -> RankScalars:
         """An independent copy."""
         return RankScalars(self.names, self.rank.copy(), self.name_index.copy(),

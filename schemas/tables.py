@@ -82,6 +82,11 @@ step_scalars
 rank_scalars
     One row per (run, step, rank, scalar name) of the per-rank training scalars: the
     rank's own loss, tokens and samples, and the step and compute times its SDK measured.
+    Unique on (run_id, step, rank, name) without an index, as ``layer_stats``: a frame's
+    rows are appended, and a frame that may rewrite stored rows (a late rank, a frame
+    stored again) deletes the (run, step, rank) rows it carries first, in the same
+    transaction (an index would cost more per row than the insert: 12,288 rows a step at
+    4,096 ranks).
 alerts
     Alert events raised by workers (``schemas.alert.Alert``): one row per firing or
     resolved event, keyed by ``alert_id``; the two events of an incident share
@@ -243,8 +248,7 @@ CREATE_TABLES: tuple[str, ...] = (
         step   BIGINT NOT NULL,
         rank   INTEGER NOT NULL,
         name   VARCHAR NOT NULL,
-        value  DOUBLE NOT NULL,
-        PRIMARY KEY (run_id, step, rank, name)
+        value  DOUBLE NOT NULL
     )
     """,
     """

@@ -639,32 +639,40 @@ class DuckDBSink:
         self._write_scalars(fs)
 
     def _write_scalars(self, fs: list[GradientFrame]) -> None:
-        """The frames' training scalars: the per-rank rows (a rank's row written again
-        replaces the old one), the step scalars (the value stored first stays), and the
-        step's value of each per-rank
-        scalar recomputed in SQL over every rank the store holds for the step
-        (``schemas.scalars.RANK_AGGREGATES``), so that a late rank's frame, which carries
-        only its own rows when the earlier ranks' were no longer cached, still gives the
-        aggregate over all of them."""
+        """The frames' training scalars, appended: the per-rank rows and the step
+        scalars with each per-rank name's step value (the frame's aggregate over its
+        ranks, ``consumer.merge.frame_scalars``).
+
+        A frame that may rewrite stored rows (``GradientFrame.rewrite``: a late rank, a
+        frame the store receives again) first deletes the (run, step, rank) rows it
+        carries; its step scalars keep the value stored first; and the step value of each
+        per-rank name is recomputed in SQL over every rank stored for the step
+        (``schemas.scalars.RANK_AGGREGATES``), since such a frame may carry only the late
+        rank's rows."""
         ranked = [f for f in fs if f.rank_scalars is not None and len(f.rank_scalars)]
-        stepped = [(f, {n: v for n, v in f.scalars.items() if n not in _ranked_names(f)})
-                   for f in fs if f.scalars]
-        stepped = [(f, values) for f, values in stepped if values]
+        stepped = [f for f in fs if f.scalars]
+        if not ranked and not stepped:
+            return
         tables: dict[str, pa.Table] = {}
         statements: list[str] = []
         if stepped:
-            lengths = np.array([len(values) for _, values in stepped])
+            values = [{n: v for n, v in f.scalars.items()
+                       if not (f.rewrite and n in _ranked_names(f))} for f in stepped]
+            lengths = np.array([len(v) for v in values])
             tables["gs_step_scalars"] = pa.table({
-                "run_id": _run_column([f.run_id for f, _ in stepped], lengths),
-                "step": pa.array(np.repeat([f.step for f, _ in stepped], lengths), pa.int64()),
-                "name": pa.array([n for _, values in stepped for n in values], pa.string()),
-                "value": pa.array([v for _, values in stepped for v in values.values()],
-                                  pa.float64()),
+                "run_id": _run_column([f.run_id for f in stepped], lengths),
+                "step": pa.array(np.repeat([f.step for f in stepped], lengths), pa.int64()),
+                "name": pa.array([n for v in values for n in v], pa.string()),
+                "value": pa.array([x for v in values for x in v.values()], pa.float64()),
+                "rewrite": pa.array(np.repeat([f.rewrite for f in stepped], lengths)),
             })
-            # Step scalars are the same on every rank: the value stored first stays (a late
-            # rank's frame, or a replay, does not replace it).
-            statements.append("INSERT OR IGNORE INTO step_scalars "
-                              "SELECT run_id, step, name, value FROM gs_step_scalars")
+            # a new frame's values replace a replayed copy's; a rewrite keeps what is stored
+            statements += [
+                "INSERT OR REPLACE INTO step_scalars SELECT run_id, step, name, value "
+                "FROM gs_step_scalars WHERE NOT rewrite",
+                "INSERT OR IGNORE INTO step_scalars SELECT run_id, step, name, value "
+                "FROM gs_step_scalars WHERE rewrite",
+            ]
         if ranked:
             rows = [f.rank_scalars for f in ranked]
             lengths = np.array([len(r) for r in rows])  # type: ignore[arg-type]
@@ -675,19 +683,27 @@ class DuckDBSink:
                 "name": pa.array(np.concatenate(
                     [np.asarray(r.names, object)[r.name_index] for r in rows]), pa.string()),
                 "value": pa.array(np.concatenate([r.value for r in rows]), pa.float64()),
+                "rewrite": pa.array(np.repeat([f.rewrite for f in ranked], lengths)),
             })
-            aggregate = " ".join(f"WHEN '{name}' THEN {agg.sql}(r.value)"
-                                 for name, agg in RANK_AGGREGATES.items())
-            statements += [
-                "INSERT OR REPLACE INTO rank_scalars "
-                "SELECT run_id, step, rank, name, value FROM gs_rank_scalars",
-                "INSERT OR REPLACE INTO step_scalars SELECT r.run_id, r.step, r.name, "
-                f"CASE r.name {aggregate} ELSE {MEAN.sql}(r.value) END FROM rank_scalars r "
-                "JOIN (SELECT DISTINCT run_id, step FROM gs_rank_scalars) k "
-                "ON r.run_id = k.run_id AND r.step = k.step GROUP BY r.run_id, r.step, r.name",
-            ]
-        if statements:
-            _execute_with(self._wcon, tables, *statements)
+            if any(f.rewrite for f in ranked):
+                aggregate = " ".join(f"WHEN '{name}' THEN {agg.sql}(r.value)"
+                                     for name, agg in RANK_AGGREGATES.items())
+                statements += [
+                    "DELETE FROM rank_scalars USING (SELECT DISTINCT run_id, step, rank "
+                    "FROM gs_rank_scalars WHERE rewrite) k WHERE rank_scalars.run_id = "
+                    "k.run_id AND rank_scalars.step = k.step AND rank_scalars.rank = k.rank",
+                    "INSERT INTO rank_scalars SELECT run_id, step, rank, name, value "
+                    "FROM gs_rank_scalars",
+                    "INSERT OR REPLACE INTO step_scalars SELECT r.run_id, r.step, r.name, "
+                    f"CASE r.name {aggregate} ELSE {MEAN.sql}(r.value) END FROM rank_scalars r "
+                    "JOIN (SELECT DISTINCT run_id, step FROM gs_rank_scalars WHERE rewrite) k "
+                    "ON r.run_id = k.run_id AND r.step = k.step "
+                    "GROUP BY r.run_id, r.step, r.name",
+                ]
+            else:
+                statements.append("INSERT INTO rank_scalars SELECT run_id, step, rank, name, "
+                                  "value FROM gs_rank_scalars")
+        _execute_with(self._wcon, tables, *statements)
 
     def _write_local(self, fs: list[GradientFrame]) -> None:
         """Per-rank local view rows of ``fs``: a (run, step, rank) written again (replay,

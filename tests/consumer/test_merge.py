@@ -68,9 +68,29 @@ def test_timeout_gives_partial_frame_then_late_shard_rewrites_it():
     assert m.expire({"r": RUN}, 104.9) == []
     (partial,) = m.expire({"r": RUN}, 105.0)
     assert not partial.complete and partial.missing_ranks == (1,)
+    assert not partial.rewrite  # written first
     late = m.add(RUN, shard(4, 1, 4.0), P, 50, 200.0)
     assert late is not None and late.complete and late.max_abs_grad.tolist() == [4.0, 4.0]
+    assert late.rewrite  # replaces the stored partial frame
     assert m.add(RUN, shard(4, 1, 4.0), P, 51, 200.0) is None
+
+
+def test_frame_scalars_join_the_ranks_values_and_their_step_aggregates():
+    """The lowest rank's step scalars, every rank's per-rank rows, the mean loss and the
+    slowest compute time; a late rank's rewrite (cached sums) carries every rank's rows."""
+    def scalar_shard(step: int, rank: int, loss: float, lr: float) -> StepSummary:
+        return shard(step, rank).model_copy(update={
+            "scalars": {"lr": lr}, "rank_scalar_names": ["loss", "compute_time_s"],
+            "rank_scalar_values": [loss, 0.1 * (rank + 1)]})
+
+    m = ShardMerger(5.0, StoreStub().load)
+    m.add(RUN, scalar_shard(0, 2, 3.0, 0.3), P, 1, 0.0)
+    m.add(RUN, scalar_shard(0, 0, 1.0, 0.1), P, 2, 0.0)
+    (partial,) = m.expire({"r": RUN}, 10.0)
+    assert partial.scalars == {"lr": 0.1, "loss": 2.0, "compute_time_s": pytest.approx(0.3)}
+    late = m.add(RUN, scalar_shard(0, 1, 5.0, 0.2), P, 3, 20.0)
+    assert late.scalars["loss"] == 3.0 and late.scalars["lr"] == 0.1
+    assert sorted(late.rank_scalars.values_of("loss")[0].tolist()) == [0, 1, 2]
 
 
 def test_late_shard_after_restart_reads_stored_sums():

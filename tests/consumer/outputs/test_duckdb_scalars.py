@@ -17,8 +17,9 @@ from tests.consumer.outputs.test_duckdb_replay import LAYERS, _frame, _started
 
 
 def _with_scalars(step: int, ranks: tuple[int, ...], losses: dict[int, float],
-                  times: dict[int, float]) -> Batch:
+                  times: dict[int, float], rewrite: bool = False) -> Batch:
     frame = _frame(step, np.arange(LAYERS), 1.0, ranks)
+    frame.rewrite = rewrite
     rows = [RankScalars.of_rank(r, {"loss": losses[r], "compute_time_s": times[r]})
             for r in ranks]
     frame.scalars, frame.rank_scalars = frame_scalars(
@@ -58,12 +59,12 @@ def test_late_rank_recomputes_the_step_values_over_every_stored_rank(tmp_path: P
     sink.write(first, "g")
     assert _step_values(sink, 3)["loss"] == 2.0
     # The late rank's frame carries only its own rows (the earlier ones were not cached).
-    sink.write(_with_scalars(3, (1,), {1: 4.0}, {1: 0.25}), "g")
+    sink.write(_with_scalars(3, (1,), {1: 4.0}, {1: 0.25}, rewrite=True), "g")
     values = _step_values(sink, 3)
     assert values["loss"] == 3.0 and values["compute_time_s"] == 0.5
     assert values["lr"] == 0.1  # a step scalar stored first stays
     # Written again (a replay): the same rows, the same values.
-    sink.write(_with_scalars(3, (1,), {1: 4.0}, {1: 0.25}), "g")
+    sink.write(_with_scalars(3, (1,), {1: 4.0}, {1: 0.25}, rewrite=True), "g")
     assert sink.con.execute("SELECT count(*) FROM rank_scalars").fetchone() == (4,)
     assert _step_values(sink, 3)["loss"] == 3.0
     sink.close()
