@@ -508,6 +508,14 @@ class StepSummary(_Wire):
             raise ValueError("rank_scalar_names and rank_scalar_values go together")
         if (self.rank_scalar_ranks is None) != (self.rank_scalar_index is None):
             raise ValueError("rank_scalar_ranks and rank_scalar_index go together")
+        names = self.rank_scalar_names
+        if self.rank_scalar_ranks is None:  # dense: one value per (reported rank, name)
+            expected = len(names) * len(self._scalar_ranks())
+            if len(self.rank_scalar_values) != expected or len(set(names)) != len(names):
+                raise ValueError(
+                    f"rank_scalar_*: dense rank scalars need {len(self._scalar_ranks())} x "
+                    f"{len(names)} values of unique names, got {len(self.rank_scalar_values)}")
+            return
         try:
             rows = self.rank_scalar_rows()
             assert rows is not None

@@ -39,7 +39,7 @@ from consumer.outputs.base import (
 )
 from consumer.runs import RunInfo
 from schemas.rounding import rounding_rows_sql
-from schemas.scalars import MEAN, RANK_AGGREGATES
+from schemas.scalars import MEAN, RANK_AGGREGATES, RankScalars
 from schemas.stats import (
     WEIGHT_POWER_SUMS,
     ExponentHistogram,
@@ -123,6 +123,17 @@ def _histogram_columns(
         pa.ListArray.from_arrays(list_offsets, pa.array(cols.astype(np.int16)), mask=mask),
         pa.ListArray.from_arrays(list_offsets, pa.array(counts), mask=mask),
     )
+
+
+def _names_column(rows: list[RankScalars]) -> pa.Array:
+    """The scalar name of every row of ``rows`` as a dictionary-encoded string column (one
+    small dictionary, an int32 index a row, instead of a Python string a row)."""
+    names = list(dict.fromkeys(n for r in rows for n in r.names))
+    position = {n: i for i, n in enumerate(names)}
+    index = np.concatenate([np.array([position[n] for n in r.names], np.int32)[r.name_index]
+                            for r in rows])
+    return pa.DictionaryArray.from_arrays(pa.array(index, pa.int32()),
+                                          pa.array(names, pa.string()))
 
 
 def _ranked_names(frame: GradientFrame) -> frozenset[str]:
@@ -680,8 +691,7 @@ class DuckDBSink:
                 "run_id": _run_column([f.run_id for f in ranked], lengths),
                 "step": pa.array(np.repeat([f.step for f in ranked], lengths), pa.int64()),
                 "rank": pa.array(np.concatenate([r.rank for r in rows]).astype(np.int32)),
-                "name": pa.array(np.concatenate(
-                    [np.asarray(r.names, object)[r.name_index] for r in rows]), pa.string()),
+                "name": _names_column(rows),  # type: ignore[arg-type]
                 "value": pa.array(np.concatenate([r.value for r in rows]), pa.float64()),
                 "rewrite": pa.array(np.repeat([f.rewrite for f in ranked], lengths)),
             })
