@@ -355,8 +355,9 @@ class _Pending:
     """rank -> part indices arrived, for ranks with some but not all of their parts."""
     step_scalars: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     """(sending rank, step scalars) of the summaries that carried some."""
-    rank_scalars: list[RankScalars] = field(default_factory=list)
-    """The per-rank scalars the summaries carried."""
+    rank_scalars: list[StepSummary] = field(default_factory=list)
+    """The summaries that carried per-rank scalars (their rows are built once, per frame:
+    :func:`rank_rows`)."""
 
 
 @dataclass(slots=True)
@@ -666,8 +667,9 @@ class ShardMerger:
         if pending.local:
             frame.local = LocalRows.concat(pending.local)
         if pending.step_scalars or pending.rank_scalars:
-            frame.scalars, frame.rank_scalars = frame_scalars(pending.step_scalars,
-                                                              pending.rank_scalars)
+            frame.scalars, frame.rank_scalars = frame_scalars(
+                pending.step_scalars,
+                [rank_rows(pending.rank_scalars)] if pending.rank_scalars else [])
         return frame
 
     # -- offsets -------------------------------------------------------------------------
@@ -712,7 +714,7 @@ def _merge_counted(pending: _Pending, shard: StepSummary, world_size: int) -> No
     if shard.scalars:
         pending.step_scalars.append((shard.rank, shard.scalars))
     if shard.rank_scalar_names is not None:
-        pending.rank_scalars.append(shard.rank_scalar_rows())  # type: ignore[arg-type]
+        pending.rank_scalars.append(shard)
     if shard.replica_divergence is not None and len(shard.replica_divergence):
         pending.divergence.append(
             np.asarray(shard.replica_divergence, np.int64).reshape(-1, 3).astype(np.int32))
@@ -722,6 +724,27 @@ def _merge_counted(pending: _Pending, shard: StepSummary, world_size: int) -> No
             layers = np.asarray(shard.layer_indices, np.int64)[bad]
             pending.nonfinite.append(np.column_stack([np.full(len(layers), shard.rank),
                                                       layers]))
+
+
+def rank_rows(shards: list[StepSummary]) -> RankScalars:
+    """The per-rank scalar rows of a frame's ``shards`` (each carrying some, disjoint
+    ranks). Summaries of one rank each in the dense form with the same names (per-rank
+    sending, the usual case) become one table with one concatenation; others go through
+    their own rows (:meth:`schemas.wire.StepSummary.rank_scalar_rows`).
+
+    Raises:
+        ValueError: ``shards`` is empty.
+    """
+    if not shards:
+        raise ValueError("rank_rows needs at least one summary")
+    names = shards[0].rank_scalar_names
+    if all(s.rank_scalar_ranks is None and s.reduced_ranks is None
+           and s.rank_scalar_names == names for s in shards):
+        ranks = np.fromiter((s.rank for s in shards), np.int64, count=len(shards))
+        values = np.concatenate([np.asarray(s.rank_scalar_values, np.float64)
+                                 for s in shards])
+        return RankScalars.from_dense(names or (), ranks, values)
+    return RankScalars.concat([s.rank_scalar_rows() for s in shards])  # type: ignore[misc]
 
 
 def frame_scalars(step: list[tuple[int, dict[str, float]]], ranks: list[RankScalars]
