@@ -100,6 +100,7 @@ def _rank(rank: int, world: int, port: int, layers: int, width: int, steps: int,
             queue.put({"share": read / (total * steps), "tap_ms": tap_s[0] / steps * 1e3,
                        "tap_cpu_ms": tap_s[1] / steps * 1e3,
                        "reduce_ms": reduce_s[0] / steps * 1e3})
+        dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
 
