@@ -316,7 +316,13 @@ def test_dashboard_queries_and_rules_on_a_real_scrape(worker: Worker, prometheus
     for ref in ("A", "B", "C"):  # p50, p90, p99 of the DuckDB transactions
         (latency,) = results[("Store write latency", ref)]
         assert latency["metric"]["output"] == "duckdb"
-        assert 0 < float(latency["value"][1]) < 64, latency
+        # NaN when Prometheus's samples in the window show no new write (a run this small
+        # may be written between two scrapes); else within the histogram's buckets
+        value = float(latency["value"][1])
+        assert math.isnan(value) or 0 < value < 64, latency
+    writes = prometheus.value(
+        f'sum(gradstream_store_write_duration_seconds_count{{job="{JOB}", output="duckdb"}})')
+    assert writes >= 1  # the worker's transactions were timed
 
     # The shipped rules: loaded, evaluated without error; the dead letter fires its alert.
     shipped = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"]
