@@ -23,13 +23,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import subprocess
 import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from kafka import KafkaProducer
 from consumer.settings import ConsumerSettings
 from consumer.worker import Worker
 from producer import GradientProducer
+from tests.integration.alertmanager import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "gradstream-dashboard.json"
@@ -59,25 +59,6 @@ NAN_STEPS = (10, 11)
 """Rank 1's gradient holds a NaN at these steps: the ``nonfinite`` incident fires at step
 10 and stays open (it resolves after ``resolve_after`` = 5 clean steps; none follow)."""
 LAYERS = {"embed": 32, "attn.q": 16, "head": 8}  # elements per rank
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    """Call ``check`` every 0.2 s until it returns something truthy (returned);
-    AssertionError naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 class Prometheus:
@@ -263,7 +244,7 @@ def test_dashboard_queries_and_rules_on_a_real_scrape(worker: Worker, prometheus
     started = time.monotonic()
     settings = worker.settings
     wait_until("the first scrape of the worker",
-               lambda: prometheus.value(f'up{{job="{JOB}"}}') == 1)
+               lambda: prometheus.value(f'up{{job="{JOB}"}}') == 1, 60)
 
     run_id = f"run-{unique_name}"
     stream_run(settings, run_id)
@@ -273,7 +254,7 @@ def test_dashboard_queries_and_rules_on_a_real_scrape(worker: Worker, prometheus
         prometheus.value(frames) == STEPS
         and prometheus.value(f'sum(gradstream_dead_letters_total{{job="{JOB}"}})') == 1
         and prometheus.value(
-            f'sum(gradstream_firing_incidents{{job="{JOB}", rule="nonfinite"}})') == 1))
+            f'sum(gradstream_firing_incidents{{job="{JOB}", rule="nonfinite"}})') == 1), 60)
 
     # The worker's own scrape: no problem for promtool.
     with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics.port}/metrics",
