@@ -17,7 +17,8 @@ one run:
    this process) around both gives ``us_per_message``: the least of ``--repeat`` passes,
    each with a fresh worker and store. A second pass over the same records
    with a fresh worker and store times the stages (the first pass carries no timers):
-   decode + validate (``schemas.wire.decode_message``); frame + health
+   decode + validate (``Worker.decode``: a poll's records together,
+   ``schemas.wire_batch.decode_messages``); frame + health
    (``ShardMerger._frame``: the frame fields and the layout check, and ``Worker._emit``:
    health, alert rules, metrics, the batch); output (the write); merge (the rest of a
    record: the checks against the run, ``ShardMerger.add`` without the frame, the loop's
@@ -109,6 +110,16 @@ def _handled_worker(settings: Any) -> Any:
     return worker
 
 
+def _feed(worker: Any, records: list[Record]) -> None:
+    """Hand ``records`` to ``worker`` as its loop does: in polls of ``max_poll_records``,
+    each decoded together (``Worker.decode``) and then handled record by record."""
+    poll = worker.settings.max_poll_records
+    for start in range(0, len(records), poll):
+        chunk = records[start:start + poll]
+        for record, message in zip(chunk, worker.decode(chunk), strict=True):
+            worker.consume(record, message)
+
+
 def _check(worker: Any, records: int, frames: int) -> None:
     """Every record handled (at least once: a consumer group may hand a partition's last
     records again after a rebalance), every frame complete, no dead letter."""
@@ -134,8 +145,7 @@ def in_process(settings: Any, records: list[Record], frames: int,
     try:
         clock = time.process_time
         t0 = clock()
-        for record in records:
-            worker.consume(record)
+        _feed(worker, records)
         t1 = clock()
         worker.flush(settle=True)
         t2 = clock()
@@ -153,8 +163,6 @@ def in_process(settings: Any, records: list[Record], frames: int,
 def stage_split(settings: Any, records: list[Record], frames: int) -> dict[str, float]:
     """CPU seconds per stage (:data:`STAGES`) of handling ``records`` with a fresh worker,
     each stage function wrapped in ``time.process_time`` calls (module doc)."""
-    import consumer.worker as worker_module
-
     worker = _handled_worker(settings)
     cpu = dict.fromkeys(STAGES, 0.0)
     clock = time.process_time
@@ -168,21 +176,18 @@ def stage_split(settings: Any, records: list[Record], frames: int) -> dict[str, 
                 cpu[stage] += clock() - t
         return wrapper
 
-    decode = worker_module.decode_message
-    worker_module.decode_message = timed("decode_validate", decode)
+    worker.decode = timed("decode_validate", worker.decode)
     worker.merger._frame = timed("frame_health", worker.merger._frame)
     worker._emit = timed("frame_health", worker._emit)
     try:
         t0 = clock()
-        for record in records:
-            worker.consume(record)
+        _feed(worker, records)
         handling = clock() - t0
         t1 = clock()
         worker.flush(settle=True)
         cpu["output"] = clock() - t1
         _check(worker, len(records), frames)
     finally:
-        worker_module.decode_message = decode
         worker._close()
     cpu["merge"] = handling - cpu["decode_validate"] - cpu["frame_health"]
     return cpu

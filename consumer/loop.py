@@ -41,6 +41,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from kafka import ConsumerRebalanceListener
@@ -137,8 +138,16 @@ class ConsumerLoop(ABC):
         """Topics to consume."""
 
     @abstractmethod
-    def handle(self, record: Any) -> None:
-        """Use one record: decode it and put what it yields into :attr:`batch`."""
+    def handle(self, record: Any, message: Any = None) -> None:
+        """Use one record: decode it (unless :meth:`decode` gave ``message``, its
+        decoded value or the WireError refusing it) and put what it yields into
+        :attr:`batch`."""
+
+    def decode(self, records: list[Any]) -> list[Any] | None:
+        """Decode one partition's records of a poll together, before they are handled
+        one by one: one entry per record (the message, or the WireError refusing it); or
+        None, the default, to leave each record's decoding to :meth:`handle`."""
+        return None
 
     def restore(self) -> None:
         """Rebuild state from the output (default: the runs and their health)."""
@@ -300,8 +309,9 @@ class ConsumerLoop(ABC):
                 continue
             with self._lock:
                 for batch in records.values():
-                    for record in batch:
-                        self.consume(record)
+                    decoded = self.decode(batch) or repeat(None)  # (None: handle decodes)
+                    for record, message in zip(batch, decoded, strict=False):
+                        self.consume(record, message)
                         if self._due():  # a poll may return seconds of work
                             self.flush()
                 self.metrics.on_poll(records, self._consumer)  # messages; lag <= 1/s
@@ -330,11 +340,12 @@ class ConsumerLoop(ABC):
 
     # -- records -------------------------------------------------------------------------
 
-    def consume(self, record: Any) -> None:
-        """Note ``record``'s position and hand it to :meth:`handle`."""
+    def consume(self, record: Any, message: Any = None) -> None:
+        """Note ``record``'s position and hand it to :meth:`handle` (with ``message``, its
+        value decoded ahead by :meth:`decode`, if any)."""
         self.checkpoint.consumed(record.topic, record.partition, record.offset)
         self.counters.messages += 1
-        self.handle(record)
+        self.handle(record, message)
 
     def dead_letter(self, record: Any, reason: str, error: str) -> None:
         """Send ``record`` to the dead-letter topic with ``reason`` (error class ``error``:

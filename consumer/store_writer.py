@@ -215,7 +215,7 @@ class StoreWriter(ConsumerLoop):
 
     # -- records -------------------------------------------------------------------------
 
-    def handle(self, record: Any) -> None:
+    def handle(self, record: Any, message: Any = None) -> None:
         """Store an alert event, or register a run / reconcile a frame / store a flight
         recorder's local rows (a LocalSummary a worker republished)."""
         alerts = record.topic == self.settings.alerts_topic

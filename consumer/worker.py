@@ -69,8 +69,8 @@ from schemas.wire import (
     RunStarted,
     StepSummary,
     WireError,
-    decode_message,
 )
+from schemas.wire_batch import decode_messages, decode_one
 
 log = logging.getLogger("gradstream.consumer")
 
@@ -251,12 +251,19 @@ class Worker(ConsumerLoop):
 
     # -- records -------------------------------------------------------------------------
 
-    def handle(self, record: Any) -> None:
-        """Decode one summaries record and dispatch it by message type."""
-        try:
-            message = decode_message(record.value)
-        except WireError as exc:
-            self.dead_letter(record, exc.reason, "invalid")
+    def decode(self, records: list[Any]) -> list[Any]:
+        """Decode a poll's summaries records together
+        (:func:`schemas.wire_batch.decode_messages`: the binary step summaries of one shape
+        in one NumPy pass, each record's result the one it gets alone)."""
+        return decode_messages([record.value for record in records])
+
+    def handle(self, record: Any, message: Any = None) -> None:
+        """Dispatch one summaries record by message type (decoded here unless
+        :meth:`decode` gave ``message``); a refused one goes to the dead-letter topic."""
+        if message is None:
+            message = decode_one(record.value)
+        if isinstance(message, WireError):
+            self.dead_letter(record, message.reason, "invalid")
             return
         if isinstance(message, StepSummary):
             self._on_step(message, record)

@@ -61,7 +61,7 @@ class CountingLoop(ConsumerLoop):
     def topics(self) -> list[str]:
         return ["t"]
 
-    def handle(self, record: Any) -> None:
+    def handle(self, record: Any, message: Any = None) -> None:
         return None
 
 
