@@ -20,6 +20,14 @@ from schemas.topics import (
     DEFAULT_SUMMARIES_TOPIC,
 )
 
+DEFAULT_ICEBERG_NAMESPACE = "gradstream"
+"""The Iceberg namespace of the store's tables unless ``GRADSTREAM_ICEBERG_NAMESPACE``
+says otherwise (the project's name: one namespace holds one store's table set)."""
+
+ICEBERG_WAREHOUSE_SCHEMES = ("file", "s3")
+"""Warehouse URL schemes the Iceberg output writes to (pyiceberg's PyArrow FileIO: local
+files and S3 or an S3-compatible endpoint)."""
+
 
 class LoopSettings(TopicCreationSettings):
     """Settings every consumer loop reads (:class:`consumer.loop.ConsumerLoop`): the
@@ -30,6 +38,15 @@ class LoopSettings(TopicCreationSettings):
         dlq_topic: where unusable messages go.
         group_id: Kafka consumer group (the store: the name of its offsets in DuckDB).
         db: DuckDB file the process writes.
+        iceberg_catalog: the Apache Iceberg output's SQL catalog (a SQLAlchemy URL:
+            ``sqlite:///path/catalog.db``; ``GRADSTREAM_ICEBERG_CATALOG``): when set, a
+            worker writes the store's tables to Iceberg instead of ``db``
+            (:mod:`consumer.outputs.iceberg`). None = no Iceberg output.
+        iceberg_warehouse: where the Iceberg tables' files go (``file:///path`` or
+            ``s3://bucket/path``; ``GRADSTREAM_ICEBERG_WAREHOUSE``); S3 endpoint and
+            credentials come from the standard ``AWS_ENDPOINT_URL``,
+            ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_REGION``.
+        iceberg_namespace: the Iceberg namespace of the tables (created if absent).
         flush_interval_s: longest time finalised frames wait before being written.
         max_batch_rows: write as soon as this many layer rows are waiting.
         max_frames: rolling window of run health in frames (0 = whole run).
@@ -64,6 +81,9 @@ class LoopSettings(TopicCreationSettings):
     dlq_topic: str = DEFAULT_DLQ_TOPIC
     group_id: str = DEFAULT_CONSUMER_GROUP
     db: str = DEFAULT_DB
+    iceberg_catalog: str | None = Field(default=None, min_length=1)
+    iceberg_warehouse: str | None = Field(default=None, min_length=1)
+    iceberg_namespace: str = Field(default=DEFAULT_ICEBERG_NAMESPACE, min_length=1)
     flush_interval_s: float = Field(default=0.2, gt=0)
     max_batch_rows: int = Field(default=500_000, gt=0)
     max_frames: int = Field(default=0, ge=0)
@@ -83,6 +103,19 @@ class LoopSettings(TopicCreationSettings):
         list."""
         if isinstance(value, str):
             return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("iceberg_warehouse")
+    @classmethod
+    def _iceberg_warehouse(cls, value: str | None) -> str | None:
+        """Accept a ``file://`` or ``s3://`` warehouse URL.
+
+        Raises:
+            ValueError: another scheme.
+        """
+        if value is not None and urlsplit(value).scheme not in ICEBERG_WAREHOUSE_SCHEMES:
+            raise ValueError(f"iceberg_warehouse must be a file:///path or s3://bucket/path "
+                             f"URL, got {value!r}")
         return value
 
 
@@ -261,6 +294,9 @@ class ConsumerSettings(AlertingSettings):
         runs_topic: compacted topic where scale-out workers keep every run's RunStarted,
             so a worker that takes over a partition knows the runs on it.
         alerts_topic: where alert events and run statuses are published (key = run id).
+
+    The output (:attr:`output`): the frames topic in scale-out mode, else the Iceberg
+    tables when ``iceberg_catalog`` is set, else the DuckDB file ``db``.
     """
 
     topic: str = DEFAULT_SUMMARIES_TOPIC
@@ -276,8 +312,11 @@ class ConsumerSettings(AlertingSettings):
     @property
     def output(self) -> str:
         """The output the worker writes to (:data:`consumer.outputs.registry.OUTPUTS`):
-        ``frames_topic`` when ``frames_topic`` is set (scale-out mode), else ``duckdb``."""
-        return "duckdb" if self.frames_topic is None else "frames_topic"
+        ``frames_topic`` when ``frames_topic`` is set (scale-out mode), else ``iceberg``
+        when ``iceberg_catalog`` is set, else ``duckdb``."""
+        if self.frames_topic is not None:
+            return "frames_topic"
+        return "duckdb" if self.iceberg_catalog is None else "iceberg"
 
     def membership_kwargs(self) -> dict[str, Any]:
         """``group_instance_id`` / ``session_timeout_ms`` for KafkaConsumer, when set."""

@@ -13,9 +13,27 @@ from consumer.outputs.base import Output
 from consumer.outputs.duckdb import DuckDBOutput
 from consumer.outputs.frames_topic import FramesTopicOutput
 
+
+def _iceberg(settings: Any) -> Output:
+    """:meth:`consumer.outputs.iceberg.IcebergOutput.from_settings`, imported when used:
+    pyiceberg is the optional ``iceberg`` extra.
+
+    Raises:
+        ModuleNotFoundError: pyiceberg is not installed (``pip install 'gradstream[iceberg]'``).
+    """
+    try:
+        from consumer.outputs.iceberg import IcebergOutput
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"the iceberg output needs pyiceberg ({exc}): pip install 'gradstream[iceberg]'"
+        ) from exc
+    return IcebergOutput.from_settings(settings)
+
+
 OUTPUTS: dict[str, Callable[[Any], Output]] = {
     "duckdb": DuckDBOutput.from_settings,
     "frames_topic": FramesTopicOutput.from_settings,
+    "iceberg": _iceberg,
 }
 """Output name -> constructor from a worker's settings (``ConsumerSettings.output``)."""
 

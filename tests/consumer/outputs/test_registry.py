@@ -15,7 +15,8 @@ from consumer.settings import ConsumerSettings
 def test_settings_name_a_registered_output() -> None:
     assert ConsumerSettings().output == "duckdb"
     assert ConsumerSettings(frames_topic="frames").output == "frames_topic"
-    assert set(OUTPUTS) == {"duckdb", "frames_topic"}
+    assert ConsumerSettings(iceberg_catalog="sqlite:///c.db").output == "iceberg"
+    assert set(OUTPUTS) == {"duckdb", "frames_topic", "iceberg"}
     assert FramesTopicOutput.name == "frames_topic"  # the ``output`` label of its writes
 
 
