@@ -149,6 +149,11 @@ class ConsumerLoop(ABC):
         None, the default, to leave each record's decoding to :meth:`handle`."""
         return None
 
+    def read_partitions(self, partitions: list[Any]) -> list[Any]:
+        """Of every partition of the topics (``TopicPartition``), those a loop that joins
+        no group reads (default: all)."""
+        return partitions
+
     def restore(self) -> None:
         """Rebuild state from the output (default: the runs and their health)."""
         assert self.output is not None
@@ -293,7 +298,7 @@ class ConsumerLoop(ABC):
         # A single reader keeping its offsets in its output joins no group: a restart
         # after SIGKILL reads at once instead of waiting for the dead member's session.
         self._consumer = KafkaConsumer(**kwargs, group_id=None)
-        partitions = _all_partitions(self._consumer, self.topics())
+        partitions = self.read_partitions(_all_partitions(self._consumer, self.topics()))
         self._consumer.assign(partitions)
         self.on_assigned(partitions)
 

@@ -118,6 +118,13 @@ class LoopSettings(TopicCreationSettings):
                              f"URL, got {value!r}")
         return value
 
+    @property
+    def store_output(self) -> str:
+        """The store this loop writes when it writes one
+        (:data:`consumer.outputs.registry.OUTPUTS`): ``iceberg`` when ``iceberg_catalog``
+        is set, else ``duckdb`` (the file ``db``)."""
+        return "duckdb" if self.iceberg_catalog is None else "iceberg"
+
 
 PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
 """Where alert events are sent to PagerDuty (PagerDuty Events API v2, "Send an Alert
@@ -314,9 +321,7 @@ class ConsumerSettings(AlertingSettings):
         """The output the worker writes to (:data:`consumer.outputs.registry.OUTPUTS`):
         ``frames_topic`` when ``frames_topic`` is set (scale-out mode), else ``iceberg``
         when ``iceberg_catalog`` is set, else ``duckdb``."""
-        if self.frames_topic is not None:
-            return "frames_topic"
-        return "duckdb" if self.iceberg_catalog is None else "iceberg"
+        return "frames_topic" if self.frames_topic is not None else self.store_output
 
     def membership_kwargs(self) -> dict[str, Any]:
         """``group_instance_id`` / ``session_timeout_ms`` for KafkaConsumer, when set."""

@@ -72,8 +72,9 @@ from consumer.alerts.service import AlertService
 from consumer.frames import LocalRows, MergedShards, compute_frame
 from consumer.loop import ConsumerLoop, LoopCounters
 from consumer.merge import check_layout, merge_shard, not_yet_counted
-from consumer.outputs.duckdb import DuckDBOutput
+from consumer.outputs.base import Output
 from consumer.outputs.frames_topic import message_to_merged, message_violations
+from consumer.outputs.registry import open_output
 from consumer.runs import RunInfo
 from consumer.store_writer_settings import StoreWriterSettings
 from schemas.alert import Alert, decode_alert_record
@@ -119,7 +120,7 @@ class StoreWriter(ConsumerLoop):
     Counters = StoreWriterCounters
     counters: StoreWriterCounters
     settings: StoreWriterSettings
-    output: DuckDBOutput | None
+    output: Output | None
     partial_cache_size = 4096
     """Merged sums of partial frames kept in memory for late ranks (else read back)."""
 
@@ -137,13 +138,29 @@ class StoreWriter(ConsumerLoop):
         s = self.settings
         return [s.frames_topic] + ([s.alerts_topic] if s.alerts_topic else [])
 
-    def open_output(self) -> DuckDBOutput:
-        """The DuckDB file (offsets kept under ``group_id``).
+    def open_output(self) -> Output:
+        """The store (offsets kept under ``group_id``): the DuckDB file, or the Iceberg
+        table set when ``iceberg_catalog`` is set (``settings.store_output``).
 
         Raises:
             duckdb.IOException: the DuckDB file is locked by another process.
         """
-        return DuckDBOutput.from_settings(self.settings)
+        return open_output(self.settings.store_output, self.settings)
+
+    def read_partitions(self, partitions: list[Any]) -> list[Any]:
+        """The partitions of ``assigned_partitions`` (every one when None).
+
+        Raises:
+            ValueError: an assigned partition number that no topic read has.
+        """
+        wanted = self.settings.assigned_partitions
+        if wanted is None:
+            return partitions
+        missing = set(wanted) - {tp.partition for tp in partitions}
+        if missing:
+            raise ValueError(f"assigned_partitions {sorted(missing)} do not exist in the "
+                             f"topics {', '.join(self.topics())}")
+        return [tp for tp in partitions if tp.partition in wanted]
 
     def restore(self) -> None:
         """Runs, health, each stored step's rank set and the incidents still firing from
@@ -351,7 +368,7 @@ class StoreWriter(ConsumerLoop):
         sums = self.output.load_sums(run, step)
         if sums is None:
             return None
-        refused, misfit_layers = self.output.sink.load_frame_verdict(run.run_id, step)
+        refused, misfit_layers = self.output.load_frame_verdict(run.run_id, step)
         # the rows themselves are not stored: one row per misfit layer keeps the verdict
         rows = np.zeros((misfit_layers, 5), np.int64)
         rows[:, 0] = -1 - np.arange(misfit_layers)

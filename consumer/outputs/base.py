@@ -171,6 +171,12 @@ class Output(ABC):
         the output keeps none (default) or the frame is not stored."""
         return None
 
+    def load_frame_verdict(self, run_id: str, step: int) -> tuple[list[int], int]:
+        """(refused ranks, number of layers whose pieces do not fit) of the stored frame
+        (run, step), for a late rank merged into it; ([], 0) when the output keeps none
+        (default) or the frame is not stored."""
+        return [], 0
+
     @abstractmethod
     def stored_offsets(self, topics: Iterable[str]) -> dict[PartitionKey, int] | None:
         """Next offset to consume per partition as stored with the rows, or None when

@@ -878,6 +878,10 @@ class DuckDBOutput(Output):
         """The stored merged sums of (run, step) (:meth:`DuckDBSink.load_sums`)."""
         return self.sink.load_sums(run, step)
 
+    def load_frame_verdict(self, run_id: str, step: int) -> tuple[list[int], int]:
+        """As :meth:`DuckDBSink.load_frame_verdict`."""
+        return self.sink.load_frame_verdict(run_id, step)
+
     def stored_offsets(self, topics: Iterable[str]) -> dict[PartitionKey, int]:
         """The offsets written with the rows, per (topic, partition)."""
         return {(topic, partition): offset for topic in topics

@@ -499,6 +499,17 @@ class IcebergOutput(Output):
         idx = tbl["layer_index"].to_numpy().astype(np.int64)
         return MergedShards.empty(run.num_layers).merge_at(idx, stored_sums(tbl))
 
+    def load_frame_verdict(self, run_id: str, step: int) -> tuple[list[int], int]:
+        """(refused ranks, layers whose pieces do not fit) of the stored frame (run,
+        step), as :meth:`consumer.outputs.duckdb.DuckDBSink.load_frame_verdict`."""
+        tbl = self._scan("frames", And(EqualTo("run_id", run_id), EqualTo("step", int(step))),
+                         ("refused_ranks", "layout_violations"))
+        if tbl.num_rows == 0:
+            return [], 0
+        refused = tbl["refused_ranks"][0].as_py() or []
+        violations = tbl["layout_violations"][0].as_py()
+        return [int(r) for r in refused], int(violations or 0)
+
     def stored_offsets(self, topics: Iterable[str]) -> dict[PartitionKey, int]:
         """The next offset per (topic, partition) of this output's group: for each
         partition, the value in the newest snapshot of ``kafka_offsets`` (its current

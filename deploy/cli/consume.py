@@ -33,6 +33,7 @@ from deploy.cli.options import (
     FramesTopicOption,
     GroupInstanceIdOption,
     GroupOption,
+    IcebergOptions,
     IgnoreLayersOption,
     LogFormatOption,
     LogLevelOption,
@@ -187,6 +188,7 @@ def consume(
     frames_topic: FramesTopicOption = None,
     runs_topic: RunsTopicOption = None,
     workers: WorkersOption = 1,
+    iceberg: IcebergOptions,
     routing: AlertRoutingOptions,
     read: ReadOptions,
     logs: LoggingOptions,
@@ -198,7 +200,7 @@ def consume(
     to the dead-letter topic and never stop it."""
     logs.setup()
     settings = worker.settings(**given(frames_topic=frames_topic, runs_topic=runs_topic),
-                               **routing.settings())
+                               **iceberg.settings(), **routing.settings())
     if workers > 1:
         if settings.frames_topic is None:
             raise typer.BadParameter(
@@ -212,8 +214,9 @@ def consume(
     from consumer.worker import Worker
     from deploy.serve import ServedLoop
 
-    # A scale-out worker publishes its frames and writes no store: nothing to serve.
-    options = read.options() if settings.frames_topic is None else None
+    # A scale-out worker publishes its frames and writes no store, and an Iceberg table
+    # set is read from its catalog by any process: nothing to serve.
+    options = read.options() if settings.output == "duckdb" else None
     served = ServedLoop(functools.partial(Worker, settings), settings.db, options, "consume")
     run_served(served, "consume", "gradstream.consumer", "finishing the batch")
 
@@ -223,6 +226,15 @@ StoreGroupOption = Annotated[
     typer.Option("--group", help="Name under which the store keeps its consumed offsets in "
                  "DuckDB (it joins no Kafka consumer group: it reads every partition "
                  "itself)."),
+]
+
+
+AssignPartitionsOption = Annotated[
+    str | None,
+    typer.Option("--assign-partitions", help="Read only these partition numbers of the "
+                 "frames and alerts topics (comma-separated, e.g. 0,2): several store "
+                 "processes writing one Iceberg table set (--iceberg-catalog) each take "
+                 "some. Default: $GRADSTREAM_ASSIGNED_PARTITIONS, else every partition."),
 ]
 
 
@@ -243,6 +255,8 @@ def store(
     nonfinite_rule: NonfiniteVerdictOption = None,
     metrics_port: MetricsPortOption = None,
     stuck_partition_timeout: StuckPartitionTimeoutOption = None,
+    assign_partitions: AssignPartitionsOption = None,
+    iceberg: IcebergOptions,
     routing: AlertRoutingOptions,
     read: ReadOptions,
     logs: LoggingOptions,
@@ -268,12 +282,15 @@ def store(
         ignore_layers=ignore_layers or None, exclude_rounding_level=exclude_rounding_level,
         nonfinite_rule=None if nonfinite_rule is None else nonfinite_rule.value,
         metrics_port=metrics_port, stuck_partition_timeout_s=stuck_partition_timeout,
-    ), **routing.settings())
+        assigned_partitions=assign_partitions,
+    ), **iceberg.settings(), **routing.settings())
     try:
         load_alert_rules(settings.alert_rules, settings.alert_set)
     except AlertConfigError as exc:
         fail(f"invalid alert rules:\n{exc}", 2)
-    served = ServedLoop(functools.partial(StoreWriter, settings), settings.db, read.options(),
+    # An Iceberg table set is read from its catalog by any process: nothing to serve.
+    options = read.options() if settings.store_output == "duckdb" else None
+    served = ServedLoop(functools.partial(StoreWriter, settings), settings.db, options,
                         "store")
     run_served(served, "store", "gradstream.store", "writing the batch")
 

@@ -50,6 +50,7 @@ __all__ = [
     "FramesTopicOption",
     "FromStepOption",
     "GroupOption",
+    "IcebergOptions",
     "IgnoreLayersOption",
     "LogFormatOption",
     "LogLevelOption",
@@ -140,12 +141,37 @@ WriteDbOption = Annotated[
                  f"Default: $GRADSTREAM_DB or ./{DEFAULT_DB}."),
 ]
 """The store a process writes; ``None`` leaves it to the settings (``GRADSTREAM_DB``)."""
+
+
+def store_location(value: str | os.PathLike[str]) -> Path | str:
+    """A ``--db`` of a command that reads: a DuckDB file's path as a ``Path``, or a store
+    URL (``iceberg+...``, :mod:`analysis.read.store_url`) as the ``str`` given (a ``Path``
+    would fold its ``//``).
+
+    Raises:
+        typer.BadParameter: a store URL of an unknown kind.
+    """
+    from analysis.read.store_url import store_url_scheme
+
+    text = os.fspath(value)
+    try:
+        return text if store_url_scheme(text) is not None else Path(text)
+    except Exception as exc:  # StoreError, without importing DuckDB for the check
+        raise typer.BadParameter(str(exc)) from None
+
+
 DbOption = Annotated[
     Path,
-    typer.Option("--db", envvar="GRADSTREAM_DB", show_default=True,
-                 help="DuckDB store written by `gradstream consume` (env GRADSTREAM_DB)."),
+    typer.Option("--db", envvar="GRADSTREAM_DB", show_default=True, metavar="PATH|URL",
+                 parser=store_location,
+                 help="DuckDB store written by `gradstream consume` (env GRADSTREAM_DB), or "
+                 "an Apache Iceberg table set: iceberg+<catalog>?warehouse=<warehouse>"
+                 "[&namespace=<ns>], e.g. iceberg+sqlite:////abs/catalog.db?warehouse="
+                 "file:///abs/wh (S3 settings from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+                 "AWS_SECRET_ACCESS_KEY, AWS_REGION; needs pip install 'gradstream[iceberg]')."),
 ]
-"""The store a command reads; write the default as ``= Path(DEFAULT_DB)``."""
+"""The store a command reads; write the default as ``= Path(DEFAULT_DB)``. A store URL
+comes as a ``str`` (:func:`store_location`)."""
 RunOption = Annotated[
     str | None,
     typer.Option("--run", show_default=False,
@@ -469,3 +495,41 @@ class AlertRoutingOptions(OptionGroup):
             pagerduty_routing_key=self.pagerduty_routing_key,
             pagerduty_url=self.pagerduty_url, dashboard_url=self.dashboard_url,
         )
+
+
+IcebergCatalogOption = Annotated[
+    str | None,
+    typer.Option("--iceberg-catalog", help="Write the store to Apache Iceberg tables in this "
+                 "SQL catalog instead of the DuckDB file (sqlite:///catalog.db, "
+                 "postgresql+psycopg2://user:pw@host/db). Default: "
+                 "$GRADSTREAM_ICEBERG_CATALOG; needs pip install 'gradstream[iceberg]'."),
+]
+IcebergWarehouseOption = Annotated[
+    str | None,
+    typer.Option("--iceberg-warehouse", help="Where the Iceberg tables' files go: "
+                 "file:///path or s3://bucket/path (S3 endpoint and credentials from "
+                 "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION). "
+                 "Default: $GRADSTREAM_ICEBERG_WAREHOUSE."),
+]
+IcebergNamespaceOption = Annotated[
+    str | None,
+    typer.Option("--iceberg-namespace", help="Iceberg namespace of the store's tables "
+                 "(created if absent). Default: $GRADSTREAM_ICEBERG_NAMESPACE or gradstream."),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class IcebergOptions(OptionGroup):
+    """Where a process that writes the store writes it when not to DuckDB: an Apache
+    Iceberg table set (``consumer.settings.LoopSettings.iceberg_*``,
+    :mod:`consumer.outputs.iceberg`); taken by ``consume`` and ``store``."""
+
+    iceberg_catalog: IcebergCatalogOption = None
+    iceberg_warehouse: IcebergWarehouseOption = None
+    iceberg_namespace: IcebergNamespaceOption = None
+
+    def settings(self) -> dict[str, Any]:
+        """The options given, as ``LoopSettings`` fields (see :func:`given`)."""
+        return given(iceberg_catalog=self.iceberg_catalog,
+                     iceberg_warehouse=self.iceberg_warehouse,
+                     iceberg_namespace=self.iceberg_namespace)
