@@ -60,6 +60,7 @@ from analysis.notebook_sql import (
 from analysis.read.connect import StoreError
 from analysis.read.query import QueryError
 from analysis.read.reader import open_reader
+from analysis.read.store_url import store_url_scheme
 from analysis.report import GradientFlowSummary
 from schemas.scalars import LOSS
 
@@ -162,7 +163,11 @@ class Store:
 
     Args:
         db: the DuckDB file written by ``gradstream consume`` / ``store`` / ``serve`` /
-            ``demo``.
+            ``demo``, or a store URL as a ``str`` (:mod:`analysis.read.store_url`): an
+            Apache Iceberg table set is ``"iceberg+sqlite:////abs/catalog.db?warehouse=
+            file:///abs/wh"`` (:mod:`analysis.read.iceberg`; S3 settings from the AWS_*
+            variables), read from its current snapshot, each reader loading the whole
+            table set (``with store:`` loads it once for many calls).
         timeout_s: time limit of each read, seconds (``None``: ``GRADSTREAM_QUERY_TIMEOUT_S``,
             else the reader's default of 60 s).
 
@@ -178,7 +183,7 @@ class Store:
     """
 
     def __init__(self, db: str | os.PathLike[str], timeout_s: float | None = None) -> None:
-        self.db = Path(db)
+        self.db: Path | str = os.fspath(db) if store_url_scheme(db) is not None else Path(db)
         self.timeout_s = timeout_s
         self._held: StoreReader | None = None
         with self.reader():
@@ -222,8 +227,8 @@ class Store:
 
     @property
     def via(self) -> str:
-        """How reads are answered now: ``"read-only file"`` or ``"gradstream <command> (pid
-        N) at <url>"``."""
+        """How reads are answered now: ``"read-only file"``, ``"gradstream <command> (pid
+        N) at <url>"`` or ``"Iceberg snapshot of namespace <ns> in <catalog>"``."""
         with self.reader() as reader:
             return reader.via
 

@@ -13,4 +13,6 @@ module reads through it, and it imports none of them when loaded.
 - :mod:`analysis.read.sidecar`: ``<db>.serve.json``, by which a serving process is found.
 - :mod:`analysis.read.reader`: the one reader (the file read-only, or the endpoint of the
   process that writes it).
+- :mod:`analysis.read.store_url`: stores named by a URL (``<kind>+<url>``), one line per kind.
+- :mod:`analysis.read.iceberg`: the reader of an Apache Iceberg table set (``iceberg+...``).
 """

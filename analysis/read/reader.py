@@ -15,6 +15,10 @@ of two :class:`StoreReader` implementations with the same methods and the same r
   (:mod:`analysis.read.endpoint_codec`: Arrow IPC for tables and grids, the pydantic JSON for
   reports).
 
+A store named by a URL (``iceberg+...``, :mod:`analysis.read.store_url`) is opened by the
+reader of its kind (:class:`analysis.read.iceberg.IcebergReader`, a ``FileReader`` on the
+table set's snapshot).
+
 With the file held and no live endpoint, :func:`open_reader` raises
 :class:`~analysis.read.query.StoreHeldError`, a :class:`~analysis.read.connect.StoreError` that says
 what to do. Every read, on either path, is one statement or one builder call under one
@@ -67,6 +71,7 @@ from analysis.read.query import (
 )
 from analysis.read.routes import EXPORT, QUERY, READS, Route, checked_analysis
 from analysis.read.sidecar import ServeInfo, read_sidecar
+from analysis.read.store_url import open_url_reader, store_url_scheme
 
 if TYPE_CHECKING:
     import duckdb
@@ -94,9 +99,10 @@ class StoreReader(ABC):
     """Read access to one gradstream store (see the module docstring).
 
     Attributes:
-        db: the store's file.
-        via: how reads are answered: ``"read-only file"`` or ``"gradstream <command> (pid
-            N) at <url>"``.
+        db: the store's file, or its URL (a ``str``, password hidden; e.g. an Iceberg table
+            set, :mod:`analysis.read.store_url`).
+        via: how reads are answered: ``"read-only file"``, ``"gradstream <command> (pid
+            N) at <url>"`` or ``"Iceberg snapshot ..."``.
         timeout_s: the time limit of each read, seconds.
 
     Every method raises :class:`~analysis.read.connect.StoreError` (or a subclass) with a one-line
@@ -107,7 +113,7 @@ class StoreReader(ABC):
     manager, or call :meth:`close`.
     """
 
-    db: Path
+    db: Path | str
     via: str
     timeout_s: float
 
@@ -265,12 +271,20 @@ class FileReader(StoreReader):
         self._con: duckdb.DuckDBPyConnection | None = open_store(self.db, read_only=True)
         harden(self._con)
 
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        """A new cursor of the connection, on which one read runs (the caller closes it).
+
+        Raises:
+            StoreError: the reader is closed.
+        """
+        if self._con is None:
+            raise StoreError(f"the reader of {str(self.db)!r} is closed")
+        return self._con.cursor()
+
     def _call(self, work: Callable[[duckdb.DuckDBPyConnection], T],
               timeout_s: float | None = None) -> T:
         """``work(cursor)`` on a new cursor, under the time limit; DuckDB errors classified."""
-        if self._con is None:
-            raise StoreError(f"the reader of {str(self.db)!r} is closed")
-        cur = self._con.cursor()
+        cur = self._cursor()
         try:
             with time_limit(cur, self.timeout_s if timeout_s is None else
                             resolve_timeout(timeout_s)):
@@ -283,9 +297,7 @@ class FileReader(StoreReader):
     ) -> pa.Table:
         """See :meth:`StoreReader.sql`."""
         limit = self.timeout_s if timeout_s is None else resolve_timeout(timeout_s)
-        if self._con is None:
-            raise StoreError(f"the reader of {str(self.db)!r} is closed")
-        cur = self._con.cursor()
+        cur = self._cursor()
         try:
             return execute_read_only(cur, sql, limit, params)
         finally:
@@ -462,20 +474,26 @@ class EndpointReader(StoreReader):
 
 def open_reader(db: str | os.PathLike[str], timeout_s: float | None = None) -> StoreReader:
     """A reader of the store ``db``: its file when free, else the endpoint of the process
-    that holds it.
+    that holds it; or, for a store URL, that URL's reader.
 
     Args:
-        db: the DuckDB file written by the consumer's sink.
+        db: the DuckDB file written by the consumer's sink, or a store URL as a ``str``
+            (:mod:`analysis.read.store_url`: ``iceberg+sqlite:////abs/catalog.db?warehouse=
+            file:///abs/wh``, an Apache Iceberg table set, :mod:`analysis.read.iceberg`).
         timeout_s: time limit of each read, seconds (``None``:
             ``GRADSTREAM_QUERY_TIMEOUT_S``, else 60).
 
     Returns:
-        A :class:`FileReader` or an :class:`EndpointReader`; the caller closes it.
+        A :class:`FileReader`, an :class:`EndpointReader` or the reader of the URL's kind
+        (:data:`analysis.read.store_url.STORE_URL_SCHEMES`); the caller closes it.
 
     Raises:
         StoreHeldError: another process holds the file and advertises no live endpoint.
-        StoreError: missing file, not a gradstream store; QueryError: invalid time limit.
+        StoreError: missing file, not a gradstream store, a store URL that cannot be read
+            (the message says what to do); QueryError: invalid time limit.
     """
+    if store_url_scheme(db) is not None:
+        return open_url_reader(os.fspath(db), timeout_s)
     file = Path(db)
     try:
         return FileReader(file, timeout_s)

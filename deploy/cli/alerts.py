@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from schemas.alert import Alert
 
 
-def _stored_alerts(db: Path, timeout: float | None, run: str | None, rule: str | None,
+def _stored_alerts(db: Path | str, timeout: float | None, run: str | None, rule: str | None,
                    state: str | None, limit: int) -> list[Alert] | None:
     """The store's alert events (``consumer.alerts.rows.alerts_query``), or None when a
     process that answers no reads holds the store.
@@ -169,7 +169,8 @@ def alerts(
     try:
         events = _stored_alerts(db, timeout, run, rule, state, limit)
     except StoreError as exc:
-        fail(f"{exc} (--follow reads the alerts topic instead)" if not db.exists() else str(exc))
+        missing = isinstance(db, Path) and not db.exists()  # a store URL is a str
+        fail(f"{exc} (--follow reads the alerts topic instead)" if missing else str(exc))
     if events is None:
         Console(stderr=True).print(
             f"the store {str(db)!r} is held by a running worker: reading the alerts topic "

@@ -70,9 +70,10 @@ shared by the commands that read the store (report, export, plot, query, analyze
 
 
 @contextmanager
-def reading(db: Path, timeout: float | None) -> Iterator[StoreReader]:
-    """The store's reader (:func:`analysis.read.reader.open_reader`), closed on exit; a
-    ``StoreError`` (opening or reading) ends the command with its one-line message."""
+def reading(db: Path | str, timeout: float | None) -> Iterator[StoreReader]:
+    """The store's reader (:func:`analysis.read.reader.open_reader`: a DuckDB file's path,
+    or a store URL as a ``str``, ``iceberg+...``), closed on exit; a ``StoreError``
+    (opening or reading) ends the command with its one-line message."""
     from analysis.read.connect import StoreError
     from analysis.read.reader import open_reader
 

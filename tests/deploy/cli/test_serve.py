@@ -18,6 +18,10 @@ SCALE_OUT_ONLY = {"--frames-topic", "--runs-topic", "--workers"}
 """Options of ``consume`` that make a worker write no store: nothing to serve."""
 READ_ENDPOINT = {"--read-endpoint", "--no-read-endpoint", "--read-port"}
 """Where ``consume`` answers reads; ``serve`` answers them on its own ``--host``/``--port``."""
+ICEBERG_STORE = {"--iceberg-catalog", "--iceberg-warehouse", "--iceberg-namespace"}
+"""Options of ``consume`` that make a worker write an Iceberg table set: ``serve``'s
+dashboard reads the DuckDB file its worker writes (an Iceberg table set is read with the
+read commands' ``iceberg+...`` store URLs)."""
 
 
 def _options(name: str) -> dict[str, Any]:
@@ -27,7 +31,7 @@ def _options(name: str) -> dict[str, Any]:
 
 def test_serve_takes_every_option_of_consume() -> None:
     consume, serve = _options("consume"), _options("serve")
-    missing = set(consume) - set(serve) - SCALE_OUT_ONLY - READ_ENDPOINT
+    missing = set(consume) - set(serve) - SCALE_OUT_ONLY - READ_ENDPOINT - ICEBERG_STORE
     assert not missing, f"serve lacks {sorted(missing)}"
     for flag in ("--alert-set", "--webhook", "--metrics-port", "--log-format", "--max-frames",
                  "--partitions", "--alert-rules", "--db", "--bootstrap-servers",
