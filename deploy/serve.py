@@ -16,7 +16,11 @@ loop (:class:`consumer.worker.Worker` for ``gradstream consume``, ``serve`` and 
 :class:`consumer.store_writer.StoreWriter` for ``gradstream store``) on a background thread with a
 :class:`ReadEndpoint` attached, or none (``--no-read-endpoint``). :class:`ServedWorker` is
 that helper for a worker; :class:`ServedStore` serves a store no process writes,
-read-only.
+read-only: a DuckDB file, or a store named by a store URL (an Apache Iceberg table set,
+``iceberg+...``), whose current snapshot is loaded and re-read when the writers commit
+(:class:`analysis.read.snapshots.SnapshotCursors`, every
+:data:`DEFAULT_SNAPSHOT_INTERVAL_S` s at most while it is read); such a store has no
+sidecar (its readers open it themselves), so its token is the one printed.
 
 Long queries never hold up ingestion: read requests run on their own threads and cursors
 (MVCC snapshots, no lock shared with the writer's transactions), at the lowest CPU
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
 
     from analysis.dashboard.server import DashboardServer
     from analysis.read.cursors import ReadCursors
+    from analysis.read.snapshots import SnapshotCursors
     from consumer.loop import ConsumerLoop
     from consumer.outputs.duckdb import DuckDBSink
     from consumer.settings import ConsumerSettings
@@ -79,6 +84,16 @@ holds up ingestion (``bench/read_contention.py``: the ingest rate under 4 reader
 query back to back, with this and at normal priority)."""
 
 
+DEFAULT_SNAPSHOT_INTERVAL_S = 2.0
+"""Least seconds between two checks of a served store URL's current snapshot (``serve
+--snapshot-interval``, ``GRADSTREAM_SERVE_SNAPSHOT_INTERVAL_S``). A check is one query to
+the catalog (each table's metadata location); the store is loaded again only when a table
+changed. The Iceberg output commits at most every 5 s
+(``consumer.settings.DEFAULT_ICEBERG_COMMIT_INTERVAL_S``) and a row must be readable
+within 10 s of being produced: 2 s keeps the dashboard's share of that small while a page
+polling every second costs one catalog query per 2 s."""
+
+
 class ServeError(Exception):
     """The endpoint or its loop could not start; ``str(exc)`` tells the user what to do."""
 
@@ -107,7 +122,10 @@ class EndpointOptions:
         token: the secret every route requires (header, or the cookie set by the URL
             :attr:`ReadEndpoint.dashboard_url`); ``None``: a random one
             (:func:`~analysis.read.sidecar.new_token`). Either way it is written in
-            the sidecar.
+            the sidecar (a store file's; a store URL has none).
+        snapshot_interval_s: least seconds between two checks of a served store URL's
+            snapshot (:class:`~analysis.read.snapshots.SnapshotCursors`); unused for a
+            store file.
 
     Raises:
         ValueError: ``token`` fails :func:`~analysis.read.sidecar.check_token`.
@@ -120,6 +138,7 @@ class EndpointOptions:
     max_readers: int | None = DEFAULT_MAX_READERS
     reader_nice: int = READER_NICE
     token: str | None = None
+    snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S
 
     def __post_init__(self) -> None:
         from analysis.read.sidecar import check_token
@@ -143,7 +162,8 @@ class BoundedReadCursors:
         ValueError: ``max_readers`` < 1 or ``nice`` outside 0-19.
     """
 
-    def __init__(self, cursors: ReadCursors, max_readers: int | None, nice: int = 0) -> None:
+    def __init__(self, cursors: ReadCursors | SnapshotCursors, max_readers: int | None,
+                 nice: int = 0) -> None:
         if max_readers is not None and max_readers < 1:
             raise ValueError(f"max_readers must be at least 1, got {max_readers}")
         if not 0 <= nice <= 19:
@@ -172,6 +192,10 @@ class BoundedReadCursors:
         with slot, self.inner.cursor() as cur:
             yield cur
 
+    def snapshot_key(self, cur: duckdb.DuckDBPyConnection) -> int | None:
+        """The inner cursors' ``snapshot_key(cur)``: which loaded snapshot ``cur`` reads."""
+        return self.inner.snapshot_key(cur)
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Close the cursors (``ReadCursors.close``): queued requests then get
         ``StoreClosedError``."""
@@ -182,20 +206,22 @@ class ReadEndpoint:
     """The loopback read endpoint (dashboard, ``/api/query``...) of one store.
 
     Args:
-        db: the store file.
+        db: the store file, or a store URL (``iceberg+...``, :mod:`analysis.read.store_url`;
+            served read-only, without a sidecar).
         options: where and how to serve.
         status: extra JSON for ``/api/status`` (e.g. the loop's counters).
         command: the ``gradstream`` command of this process, written in the sidecar.
 
     :meth:`attach` is the ``on_open`` hook of a consumer loop; :meth:`open_read_only`
-    serves a file no process writes. :attr:`url` is the base URL once serving,
-    :attr:`token` its secret, :attr:`dashboard_url` the URL to open in a browser.
+    serves a file or a store URL no process of this machine holds. :attr:`url` is the base
+    URL once serving, :attr:`token` its secret, :attr:`dashboard_url` the URL to open in a
+    browser.
     """
 
     def __init__(self, db: str | os.PathLike[str], options: EndpointOptions,
                  status: Callable[[], dict[str, Any]] | None = None,
                  command: str = "serve") -> None:
-        self.db = Path(db)
+        self.db: Path | str = _store(db)
         self.options = options
         self.status = status
         self.command = command
@@ -217,15 +243,20 @@ class ReadEndpoint:
         self.serve(ReadCursors.from_connection(sink.read_cursor(), self.db), writer=True)
 
     def open_read_only(self) -> str:
-        """Open the store read-only and serve it. Returns the URL.
+        """Open the store read-only and serve it: a file as it is, a store URL as its
+        current snapshot, re-read when it changes (:class:`~analysis.read.snapshots.
+        SnapshotCursors`). Returns the URL.
 
         Raises:
-            ServeError: missing file, store locked by a writer, or address in use.
+            ServeError: missing file, store locked by a writer, a store URL that cannot
+                be read (the message says why), or address in use.
         """
         import duckdb
 
         from analysis.read.cursors import ReadCursors
 
+        if isinstance(self.db, str):
+            return self._open_snapshots(self.db)
         if not self.db.exists():
             raise ServeError(f"no gradstream store at {str(self.db)!r} (pass --db)")
         try:
@@ -235,8 +266,27 @@ class ReadEndpoint:
                              f"{_held_hint(self.db, exc)}") from None
         return self.serve(cursors, writer=False)
 
-    def serve(self, cursors: ReadCursors, writer: bool) -> str:
-        """Serve ``cursors`` over HTTP and write the sidecar. Returns the URL.
+    def _open_snapshots(self, url: str) -> str:
+        """Serve the store URL ``url`` from its loaded snapshots (``/api/status`` tells
+        which one, unless :attr:`status` says something else). Returns the URL.
+
+        Raises:
+            ServeError: the store cannot be opened or read, or the address is in use.
+        """
+        from analysis.read.connect import StoreError
+        from analysis.read.snapshots import open_snapshot_cursors
+
+        try:
+            cursors = open_snapshot_cursors(url, self.options.snapshot_interval_s)
+        except (StoreError, ValueError) as exc:
+            raise ServeError(str(exc)) from None
+        if self.status is None:
+            self.status = cursors.status
+        return self.serve(cursors, writer=False)
+
+    def serve(self, cursors: ReadCursors | SnapshotCursors, writer: bool) -> str:
+        """Serve ``cursors`` over HTTP and write the sidecar (a store file's). Returns the
+        URL.
 
         Raises:
             ServeError: the address cannot be bound (``cursors`` are then closed).
@@ -260,7 +310,8 @@ class ReadEndpoint:
         self.server.start()
         self.url = client_url(self.server.url, o.host)
         self.token = token
-        write_sidecar(self.db, self.url, token, writer=writer, command=self.command)
+        if isinstance(self.db, Path):
+            write_sidecar(self.db, self.url, token, writer=writer, command=self.command)
         return self.url
 
     @property
@@ -277,7 +328,8 @@ class ReadEndpoint:
         from analysis.read.sidecar import remove_sidecar
 
         with self._closing:
-            remove_sidecar(self.db)
+            if isinstance(self.db, Path):
+                remove_sidecar(self.db)
             if self.server is not None:
                 self.server.stop()
                 self.server = None
@@ -308,8 +360,8 @@ class ServedLoop(Generic[LoopT]):
                  db: str | os.PathLike[str], options: EndpointOptions | None,
                  command: str = "serve") -> None:
         self.db = str(db)
-        self.endpoint = (None if options is None
-                         else ReadEndpoint(db, options, self._status, command))
+        self.endpoint = (None if options is None  # a loop writes a file: always a Path
+                         else ReadEndpoint(Path(db), options, self._status, command))
         self._opened = threading.Event()
         self.loop = make_loop(self._on_open)
         self.url = ""
@@ -432,23 +484,29 @@ class ServedWorker(ServedLoop["Worker"]):
 
 
 class ServedStore:
-    """The dashboard on a store no process writes (opened read-only); no loop.
+    """The dashboard on a store no process of this machine holds, read-only; no loop.
 
     Args:
-        db: the store file.
-        host / port / refresh_s / query_timeout_s / max_readers / token: as
-            :class:`EndpointOptions`.
+        db: the store file (no process writes it), or a store URL (an Iceberg table set,
+            which writers may be writing: its snapshot is re-read, module docstring).
+        host / port / refresh_s / query_timeout_s / max_readers / token /
+            snapshot_interval_s: as :class:`EndpointOptions`.
+
+    :attr:`db` is the store as shown to users (a store URL without its password once
+    started).
     """
 
-    def __init__(self, db: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 refresh_s: float = 1.0, query_timeout_s: float = 120.0,
+    def __init__(self, db: str | os.PathLike[str], host: str = "127.0.0.1",
+                 port: int = DEFAULT_PORT, refresh_s: float = 1.0,
+                 query_timeout_s: float = 120.0,
                  max_readers: int | None = DEFAULT_MAX_READERS,
-                 token: str | None = None) -> None:
-        self.db = str(db)
+                 token: str | None = None,
+                 snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S) -> None:
+        self.db = os.fspath(db)
         # No writer to leave the CPU to: readers keep their normal priority.
-        self.endpoint = ReadEndpoint(db, EndpointOptions(host, port, refresh_s, query_timeout_s,
-                                                         max_readers, reader_nice=0,
-                                                         token=token))
+        self.endpoint = ReadEndpoint(db, EndpointOptions(
+            host, port, refresh_s, query_timeout_s, max_readers, reader_nice=0, token=token,
+            snapshot_interval_s=snapshot_interval_s))
         self.url = ""
 
     @property
@@ -460,9 +518,12 @@ class ServedStore:
         """Open the store read-only and serve it. Returns the URL.
 
         Raises:
-            ServeError: missing file, store locked by a writer, or address in use.
+            ServeError: missing file, store locked by a writer, a store URL that cannot be
+                read, or address in use.
         """
         self.url = self.endpoint.open_read_only()
+        if self.endpoint.cursors is not None:
+            self.db = str(self.endpoint.cursors.db)
         return self.url
 
     def wait(self, stop: threading.Event, poll_s: float = 0.5) -> bool:
@@ -482,6 +543,20 @@ class ServedStore:
     def stop(self) -> None:
         """Stop serving and close the store."""
         self.endpoint.close()
+
+
+def _store(db: str | os.PathLike[str]) -> Path | str:
+    """``db`` as the ``str`` of a store URL of a registered kind (a ``Path`` would fold its
+    ``//``; :func:`analysis.read.store_url.store_url_scheme`), else as a store file's
+    ``Path``, as every process that writes a file has always taken it (the CLI refuses a
+    store URL of an unknown kind before)."""
+    from analysis.read.connect import StoreError
+    from analysis.read.store_url import store_url_scheme
+
+    try:
+        return os.fspath(db) if store_url_scheme(db) is not None else Path(db)
+    except StoreError:
+        return Path(db)
 
 
 def _held_hint(db: Path, exc: Exception) -> str:

@@ -139,13 +139,17 @@ _LOGIN_PAGE = """<!doctype html>
 <p>Open the URL printed by <code>gradstream serve</code> (or <code>gradstream demo</code>)
 when it started, <code>http://HOST:PORT/?{param}=...</code>: it lets this browser in until
 it closes.</p>
-<p>Lost it? The token is the <code>token</code> field of <code>{sidecar}</code>, the file
-beside the store (readable only by its owner): open this page's address with
-<code>?{param}=</code> and that value.</p>
+<p>Lost it? {lost}</p>
 </body></html>
 """
-"""The page answered (401) to a browser without the token; ``{sidecar}``: the sidecar's
-file name."""
+"""The page answered (401) to a browser without the token; ``{lost}``: where else the token
+is (:data:`_LOST_IN_SIDECAR` or :data:`_LOST_NO_SIDECAR`)."""
+_LOST_IN_SIDECAR = """The token is the <code>token</code> field of <code>{sidecar}</code>, the
+file beside the store (readable only by its owner): open this page's address with
+<code>?{param}=</code> and that value."""
+_LOST_NO_SIDECAR = """A store named by a URL has no file beside it to hold the token: restart
+<code>gradstream serve</code> with a token you choose (<code>GRADSTREAM_TOKEN</code>) and open
+this page's address with <code>?{param}=</code> and that value."""
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 _JSON = "application/json; charset=utf-8"
 
@@ -294,7 +298,7 @@ class Dashboard:
             routes=routes,
             middleware=[Middleware(ResponseHeaders), Middleware(LoopbackOnly, enabled=loopback),
                         Middleware(TokenRequired, token=self.token, port=port,
-                                   sidecar=sidecar_path(self.cursors.db).name)],
+                                   sidecar=self._sidecar())],
             exception_handlers={HTTPException: self._http_exception},
         )
         app.router.redirect_slashes = False  # a path with a stray "/" is unknown: 404
@@ -322,6 +326,13 @@ class Dashboard:
 
         return endpoint
 
+    def _sidecar(self) -> str | None:
+        """The name of the sidecar that holds the token: ``<db>.serve.json`` beside a
+        store file; None for a store named by a store URL (``cursors.db`` a ``str``),
+        which :class:`deploy.serve.ReadEndpoint` does not advertise."""
+        db = self.cursors.db
+        return sidecar_path(db).name if isinstance(db, os.PathLike) else None
+
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
         """Starlette's 404 (no route) and 405 (another method) as JSON errors."""
         assert isinstance(exc, HTTPException)
@@ -347,8 +358,12 @@ class Dashboard:
         ``finalized_at``, so the sum changes; both are written in the same transaction as
         the frame's ``layer_stats`` rows, so a fingerprint always matches its rows. A
         finished run costs one small aggregate per poll instead of a scan of its history.
+        The fingerprint begins with the cursors' ``snapshot_key(cur)``: a store re-read as
+        a whole (:class:`analysis.read.snapshots.SnapshotCursors`) numbers its loaded
+        snapshots, so an entry computed on one snapshot is never served for another.
         """
-        fingerprint = tuple(cur.execute(_FINGERPRINT_SQL, {"run_id": run_id}).fetchone() or ())
+        fingerprint = (self.cursors.snapshot_key(cur),
+                       *(cur.execute(_FINGERPRINT_SQL, {"run_id": run_id}).fetchone() or ()))
         with self._cache_lock:
             hit = self._cache.get(key)
             if hit is not None and hit[0] == fingerprint:
@@ -645,10 +660,11 @@ class TokenRequired:
     A page URL with the right ``?token=`` gets the cookie and a 303 to the same URL
     without it; a request with the token (``Authorization: Bearer`` or the cookie
     :func:`cookie_name` of ``port``) goes on; any other is refused with 401 (a page: the
-    HTML page naming ``sidecar``; an ``/api/`` route: a JSON error).
+    HTML page naming ``sidecar``, the file holding the token, None when there is none; an
+    ``/api/`` route: a JSON error).
     """
 
-    def __init__(self, app: ASGIApp, token: str, port: int, sidecar: str) -> None:
+    def __init__(self, app: ASGIApp, token: str, port: int, sidecar: str | None) -> None:
         self.app = app
         self.token = token
         self.cookie = cookie_name(port)
@@ -699,11 +715,15 @@ class TokenRequired:
         an ``/api/`` route a JSON error."""
         extra = {"WWW-Authenticate": 'Bearer realm="gradstream"'}
         if not page:
-            message = (f"missing or wrong token: send 'Authorization: Bearer <token>' (the "
-                       f"token field of {self.sidecar}, beside the store), or open the URL "
-                       "printed by `gradstream serve` / `gradstream demo`")
+            where = (f"the token field of {self.sidecar}, beside the store"
+                     if self.sidecar is not None else "the token `gradstream serve` printed")
+            message = (f"missing or wrong token: send 'Authorization: Bearer <token>' "
+                       f"({where}), or open the URL printed by `gradstream serve` / "
+                       "`gradstream demo`")
             return _error(401, message, "unauthorized", extra)
-        body = _LOGIN_PAGE.format(sidecar=escape(self.sidecar), param=TOKEN_PARAM)
+        lost = (_LOST_IN_SIDECAR.format(sidecar=escape(self.sidecar), param=TOKEN_PARAM)
+                if self.sidecar is not None else _LOST_NO_SIDECAR.format(param=TOKEN_PARAM))
+        body = _LOGIN_PAGE.format(lost=lost, param=TOKEN_PARAM)
         return Response(body.encode("utf-8"), 401, {**extra, "Content-Security-Policy": _CSP},
                         "text/html; charset=utf-8")
 

@@ -105,6 +105,13 @@ class ReadCursors:
                 self._active.discard(cur)
                 self._lock.notify_all()
 
+    def snapshot_key(self, cur: duckdb.DuckDBPyConnection) -> None:
+        """None: a cursor here reads the one database, which changes only by transactions
+        (so a response cache keyed on its rows sees every change);
+        :meth:`analysis.read.snapshots.SnapshotCursors.snapshot_key` tells which loaded
+        snapshot a cursor reads."""
+        return None
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Refuse new cursors, interrupt the queries still running (waiting up to
         ``timeout_s`` for their requests to end), then close the root connection if this

@@ -1,9 +1,12 @@
 """``gradstream serve``: a consumer worker and the live dashboard in one process
 (:mod:`deploy.serve`). It takes every option of the worker (:class:`WorkerOptions`, as
-``consume`` does) plus where and how to serve."""
+``consume`` does) plus where and how to serve. With ``--no-consume`` it serves a store
+read-only: a DuckDB file, or an Apache Iceberg table set named by a store URL
+(``--db 'iceberg+...'``), whose snapshot it re-reads while writers commit."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from pathlib import Path
 from typing import Annotated
@@ -14,12 +17,49 @@ from rich.console import Console
 from deploy.cli.consume import ENVIRONMENT, LoggingOptions, WorkerOptions, run_served
 from deploy.cli.errors import fail
 from deploy.cli.options import (
+    DEFAULT_DB,
     AlertRoutingOptions,
     MaxReadersOption,
     TokenOption,
+    store_location,
     with_option_groups,
 )
-from deploy.serve import DEFAULT_MAX_READERS, DEFAULT_PORT, ServedStore, ServedWorker
+from deploy.serve import (
+    DEFAULT_MAX_READERS,
+    DEFAULT_PORT,
+    DEFAULT_SNAPSHOT_INTERVAL_S,
+    ServedStore,
+    ServedWorker,
+)
+
+ServeDbOption = Annotated[
+    Path | None,
+    typer.Option("--db", metavar="PATH|URL", parser=store_location, show_default=False,
+                 help="DuckDB file to write (created if absent). "
+                 f"Default: $GRADSTREAM_DB or ./{DEFAULT_DB}. With --no-consume, the store "
+                 "to serve: that file, or an Apache Iceberg table set's store URL "
+                 "iceberg+<catalog>?warehouse=<warehouse>[&namespace=<ns>] as the read "
+                 "commands take it (e.g. iceberg+sqlite:////abs/catalog.db?warehouse="
+                 "file:///abs/wh), re-read while writers commit (--snapshot-interval)."),
+]
+"""``serve``'s ``--db``: the worker's ``WriteDbOption`` (a path), except that a store URL
+stays the ``str`` given (:func:`deploy.cli.options.store_location`), for ``--no-consume``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeWorkerOptions(WorkerOptions):
+    """The worker's options as ``serve`` takes them: ``--db`` may also be a store URL
+    (:data:`ServeDbOption`), which only ``--no-consume`` serves; ``consume`` keeps
+    :class:`WorkerOptions`, whose ``--db`` is a DuckDB file's path."""
+
+    db: ServeDbOption = None
+
+
+CONSUME_URL_MESSAGE = (
+    "serve's worker writes a DuckDB file at --db, not a store URL: add --no-consume to serve "
+    "the Iceberg table set read-only, and write Iceberg with `gradstream consume "
+    "--iceberg-catalog URL --iceberg-warehouse URL` (or `gradstream store`)")
+"""Why ``serve`` without ``--no-consume`` refuses a store URL (exit status 2)."""
 
 
 @with_option_groups
@@ -53,7 +93,16 @@ def serve(
     ] = 120.0,
     max_readers: MaxReadersOption = DEFAULT_MAX_READERS,
     token: TokenOption = None,
-    worker: WorkerOptions,
+    snapshot_interval: Annotated[
+        float,
+        typer.Option(envvar="GRADSTREAM_SERVE_SNAPSHOT_INTERVAL_S", min=0.1,
+                     help="With --no-consume on a store URL (Iceberg): least seconds between "
+                     "two checks of the tables' current snapshot. A read arriving later "
+                     "starts a check in the background (one catalog query) and the tables "
+                     "are loaded again when a writer committed; reads meanwhile get the "
+                     "snapshot already loaded."),
+    ] = DEFAULT_SNAPSHOT_INTERVAL_S,
+    worker: ServeWorkerOptions,
     routing: AlertRoutingOptions,
     logs: LoggingOptions,
 ) -> None:
@@ -63,12 +112,16 @@ def serve(
     open the printed URL (http://127.0.0.1:PORT/?token=...), which lets the browser in;
     scripts send the header (the token is in <db>.serve.json). `gradstream query` goes
     through this process while it holds the store. Stops on Ctrl-C / SIGTERM. The worker is
-    the one of `gradstream consume` and takes the same options."""
+    the one of `gradstream consume` and takes the same options. With --no-consume it
+    serves a store read-only: a DuckDB file no process writes, or an Iceberg table set
+    (--db 'iceberg+...'), whose new snapshots show up as writers commit them."""
     logs.setup()
     console = Console(stderr=True, highlight=False)
     served: ServedWorker | ServedStore
     if consume:
         settings = worker.settings(**routing.settings())
+        if isinstance(store_location(settings.db), str):  # --db or $GRADSTREAM_DB
+            fail(CONSUME_URL_MESSAGE, 2)
         if settings.frames_topic is not None:
             fail("serve writes the store in this process: unset GRADSTREAM_FRAMES_TOPIC "
                  "(scale-out workers publish their frames and have no store to serve)", 2)
@@ -77,8 +130,9 @@ def serve(
     else:
         from consumer.settings import ConsumerSettings
 
-        db = Path(worker.db or ConsumerSettings().db)
-        served = ServedStore(db, host, port, refresh, query_timeout, max_readers, token)
+        db = store_location(worker.db or ConsumerSettings().db)
+        served = ServedStore(db, host, port, refresh, query_timeout, max_readers, token,
+                             snapshot_interval)
     mode = "consuming into" if consume else "serving read-only"
     run_served(served, "serve", "gradstream.serve", "stopping",
                lambda _url: console.print(
