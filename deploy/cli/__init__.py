@@ -37,7 +37,18 @@ __all__ = ["app", "build_app", "main"]
 
 def build_app() -> typer.Typer:
     """A new root ``gradstream`` application with every subcommand registered."""
-    from deploy.cli import alerts, analyze, broker, consume, demo, dlq, inspect, reports, serve
+    from deploy.cli import (
+        alerts,
+        analyze,
+        broker,
+        consume,
+        demo,
+        dlq,
+        inspect,
+        maintain,
+        reports,
+        serve,
+    )
 
     root = typer.Typer(
         name="gradstream",
@@ -61,6 +72,7 @@ def build_app() -> typer.Typer:
     analyze.register(root)
     demo.register(root)
     broker.register(root)
+    maintain.register(root)
     return root
 
 

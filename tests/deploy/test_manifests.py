@@ -38,6 +38,7 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 SETTINGS_OF = {
     "consume": ("consumer.settings", "ConsumerSettings"),
     "store": ("consumer.store_writer_settings", "StoreWriterSettings"),
+    "maintain": ("consumer.iceberg_maintenance", "MaintenanceSettings"),
 }
 """gradstream subcommand -> module and class of the settings it reads from the environment."""
 
@@ -177,9 +178,9 @@ def _compose_env(service: dict[str, Any]) -> dict[str, str]:
     return {k: _as_str(v) for k, v in env.items()}
 
 
-def _compose_containers() -> list[Container]:
+def _compose_containers(compose: dict[str, Any] | None = None) -> list[Container]:
     out = []
-    for name, svc in _compose()["services"].items():
+    for name, svc in (compose or _compose())["services"].items():
         command = svc.get("command")
         entry = svc.get("entrypoint")
         out.append(
@@ -209,34 +210,49 @@ def _k8s_expand(text: str, env: dict[str, str], where: str) -> str:
     return _K8S_VAR.sub(sub, text)
 
 
-def _k8s_env(container: dict[str, Any], where: str) -> dict[str, str]:
-    maps = _configmaps()
+def _k8s_env(container: dict[str, Any], where: str,
+             docs: list[dict[str, Any]] | None = None) -> dict[str, str]:
+    """The container's environment from its ConfigMaps and Secrets (those of deploy/k8s, or
+    of ``docs``)."""
+    if docs is None:
+        maps = _configmaps()
+    else:
+        maps = {d["metadata"]["name"]: dict(d.get("data") or d.get("stringData") or {})
+                for d in docs if d["kind"] in ("ConfigMap", "Secret")}
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        ref = source["configMapRef"]["name"]
-        assert ref in maps, f"{where}: envFrom ConfigMap {ref!r} is not in deploy/k8s"
+        ref = (source.get("configMapRef") or source["secretRef"])["name"]
+        assert ref in maps, f"{where}: envFrom {ref!r} is not in deploy/k8s"
         env.update(maps[ref])
     for item in container.get("env", []):
         if "value" in item:
             env[item["name"]] = _as_str(item["value"])
         else:
-            ref = item["valueFrom"]["configMapKeyRef"]
+            source = item["valueFrom"]
+            ref = source.get("configMapKeyRef") or source["secretKeyRef"]
             assert ref["name"] in maps, f"{where}: ConfigMap {ref['name']!r} missing"
             assert ref["key"] in maps[ref["name"]], f"{where}: key {ref['key']!r} missing"
             env[item["name"]] = maps[ref["name"]][ref["key"]]
     return env
 
 
-def _k8s_containers() -> list[Container]:
+def _pod_template(doc: dict[str, Any]) -> dict[str, Any]:
+    """The pod template of a workload (a CronJob's is in its job template)."""
+    spec = doc["spec"]["jobTemplate"]["spec"] if doc["kind"] == "CronJob" else doc["spec"]
+    return spec["template"]
+
+
+def _k8s_containers(docs: list[dict[str, Any]] | None = None) -> list[Container]:
     out = []
-    for _, doc in _k8s_docs():
-        if doc["kind"] not in ("Deployment", "StatefulSet", "Job"):
+    for doc in [d for _, d in _k8s_docs()] if docs is None else docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet", "Job", "CronJob"):
             continue
-        pod = doc["spec"]["template"]["spec"]
-        replicas = int(doc["spec"].get("replicas", 1)) if doc["kind"] != "Job" else 1
+        pod = _pod_template(doc)["spec"]
+        replicas = int(doc["spec"].get("replicas", 1)) if doc["kind"] in (
+            "Deployment", "StatefulSet") else 1
         for c in pod["containers"]:
             where = f"k8s:{doc['kind']}/{doc['metadata']['name']}/{c['name']}"
-            env = _k8s_env(c, where)
+            env = _k8s_env(c, where, docs)
             out.append(
                 Container(
                     where=where,
@@ -421,8 +437,11 @@ def test_dockerfile_installs_the_repository_package_with_pip() -> None:
             for i in range(len(tokens) - 1):
                 if tokens[i] == "pip" and tokens[i + 1] == "install":
                     targets = [t for t in tokens[i + 2:] if not t.startswith("-")]
-                    if "." in targets:
+                    extras = [t[2:-1].split(",") for t in targets if t.startswith(".[")]
+                    if "." in targets or extras:
                         installed_in = workdir
+                    for extra in (e for names in extras for e in names):
+                        assert extra in _pyproject()["project"]["optional-dependencies"], extra
     assert installed_in is not None, "no `pip install .` in the Dockerfile"
     project = _pyproject()
     needed = ["pyproject.toml", project["project"]["readme"]]
@@ -867,3 +886,257 @@ def test_k8s_objects_share_the_namespace_and_kustomization_lists_every_file() ->
     assert kustomization["namespace"] == name
     files = {p.name for p in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization["resources"]) == files
+
+
+# ----------------------------------------------------------------------------- Iceberg team shape
+# deploy/docker-compose.iceberg.yml (an override of docker-compose.yml) and deploy/k8s/iceberg/
+# (a kustomization of the base's files but the DuckDB store, and its own): PostgreSQL catalog,
+# S3-compatible object store, several Iceberg stores, the maintenance job.
+
+ICEBERG_COMPOSE_FILE = DEPLOY / "docker-compose.iceberg.yml"
+ICEBERG_K8S_DIR = K8S_DIR / "iceberg"
+SEQUENCES_REPLACED = ("command", "entrypoint")
+"""Compose override keys whose sequences replace the base's (Compose Specification, "Merge
+and override"); other sequences are appended, mappings merged key by key."""
+
+
+def _compose_merge(base: Any, override: Any, key: str = "") -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for k, v in override.items():
+            merged[k] = _compose_merge(base[k], v, k) if k in base else v
+        return merged
+    if isinstance(base, list) and isinstance(override, list) and key not in SEQUENCES_REPLACED:
+        return base + [v for v in override if v not in base]
+    return override
+
+
+@cache
+def _iceberg_compose() -> dict[str, Any]:
+    """docker-compose.yml with docker-compose.iceberg.yml over it (`-f` both)."""
+    return _compose_merge(_compose(), yaml.safe_load(ICEBERG_COMPOSE_FILE.read_text()))
+
+
+@cache
+def _iceberg_k8s() -> tuple[dict[str, Any], ...]:
+    """The documents deploy/k8s/iceberg/kustomization.yaml lists, in its namespace."""
+    kustomization = yaml.safe_load((ICEBERG_K8S_DIR / "kustomization.yaml").read_text())
+    docs = []
+    for resource in kustomization["resources"]:
+        path = ICEBERG_K8S_DIR / resource
+        assert path.is_file(), f"deploy/k8s/iceberg: resource {resource} is not a file"
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return tuple(docs)
+
+
+def _iceberg_containers() -> list[Container]:
+    """Every container of the team shape: compose services not in a profile, or in the
+    profile `maintenance`; every k8s workload."""
+    compose = _iceberg_compose()
+    active = {"services": {n: s for n, s in compose["services"].items()
+                           if set(s.get("profiles", [])) <= {"maintenance"}}}
+    return _compose_containers(active) + _k8s_containers(list(_iceberg_k8s()))
+
+
+def _iceberg_gradstream() -> list[Container]:
+    """The shape's own gradstream processes (stores, maintenance): the workers are the
+    base's, checked above."""
+    return [c for c in _iceberg_containers() if c.is_gradstream and c.subcommand != "consume"]
+
+
+def _iceberg_stores(source: str) -> list[Container]:
+    return [c for c in _iceberg_gradstream() if c.source == source and c.subcommand == "store"]
+
+
+def _iceberg_one(source: str, image_repo: str) -> list[Container]:
+    return [c for c in _iceberg_containers()
+            if c.source == source and c.image.split(":")[0].endswith(image_repo)]
+
+
+def test_iceberg_kustomization_is_the_base_without_the_duckdb_store_plus_its_files() -> None:
+    kustomization = yaml.safe_load((ICEBERG_K8S_DIR / "kustomization.yaml").read_text())
+    base = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    assert {r[3:] for r in listed if r.startswith("../")} == set(base["resources"]) - {
+        "store-statefulset.yaml"}
+    own = {p.name for p in ICEBERG_K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    assert {r for r in listed if not r.startswith("../")} == own
+    assert kustomization["namespace"] == base["namespace"]
+    assert kustomization["images"] == base["images"]
+    for doc in _iceberg_k8s():
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == base["namespace"], doc["metadata"]
+    names = [(d["kind"], d["metadata"]["name"]) for d in _iceberg_k8s()]
+    assert len(names) == len(set(names)), "a kind/name twice"
+    assert ("StatefulSet", "gradstream-store") not in names
+
+
+def test_compose_iceberg_shape_replaces_the_duckdb_store() -> None:
+    services = _iceberg_compose()["services"]
+    assert services["store"].get("profiles") == ["duckdb"], "the DuckDB store still starts"
+    assert services["maintain"].get("profiles") == ["maintenance"]
+    assert services["maintain"].get("restart") == "no"
+    named = _iceberg_compose().get("volumes") or {}
+    for name in ("catalog", "object-store"):
+        sources = [str(v).split(":")[0] for v in services[name].get("volumes", [])]
+        assert sources and all(s in named for s in sources), f"{name}: not on a named volume"
+
+
+@pytest.mark.parametrize("container", _iceberg_gradstream(), ids=lambda c: c.where)
+def test_iceberg_commands_and_environment_load_into_the_settings(
+    container: Container, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for the base: real subcommands and options, every variable a setting of the
+    process (or a standard AWS variable the Iceberg output reads), flags agreeing with it."""
+    from consumer.outputs.iceberg import S3_ENVIRONMENT
+
+    assert container.entrypoint is None, container.where
+    assert container.subcommand in SETTINGS_OF, container.args
+    ctx = _parse(container.args, container.where)
+    settings_class = _settings_class(container.subcommand)
+    allowed = _env_names(settings_class) | set(S3_ENVIRONMENT)
+    unknown = sorted(k for k in container.env if k.upper() not in allowed)
+    assert not unknown, f"{container.where}: not settings of {container.subcommand}: {unknown}"
+    gradstream_env = {k: v for k, v in container.env.items() if k not in S3_ENVIRONMENT}
+    settings = _settings_from_env(settings_class, gradstream_env, monkeypatch)
+    for name, value in ctx.params.items():
+        if ctx.get_parameter_source(name).name == "COMMANDLINE" and name in type(
+                settings).model_fields:
+            assert str(getattr(settings, name)) == str(value), (container.where, name)
+    assert settings.iceberg_catalog.startswith("postgresql+psycopg2://"), container.where
+    assert settings.iceberg_warehouse.startswith("s3://"), container.where
+    assert set(S3_ENVIRONMENT) - {"AWS_SESSION_TOKEN"} <= set(container.env), container.where
+    if container.subcommand == "store":
+        assert settings.store_output == "iceberg", container.where
+        assert settings.group_id == _topics("DEFAULT_STORE_GROUP")
+        assert settings.frames_topic == _topics("DEFAULT_FRAMES_TOPIC")
+        assert settings.assigned_partitions, f"{container.where}: reads every partition"
+
+
+def test_iceberg_stores_share_the_partitions_and_the_tables() -> None:
+    """Each source runs several stores, one process each, reading disjoint partitions that
+    together are every partition of the topics; every gradstream process of the shape uses
+    the same Kafka, catalog, warehouse and namespace."""
+    for source in ("compose", "k8s"):
+        stores = _iceberg_stores(source)
+        assert len(stores) >= 2, f"{source}: one store is not the team shape"
+        partitions = int(_workers(source)[0].env["GRADSTREAM_PARTITIONS"])
+        read = [int(p) for s in stores for p in s.env["GRADSTREAM_ASSIGNED_PARTITIONS"].split(",")]
+        assert sorted(read) == list(range(partitions)), f"{source}: partitions read {read}"
+        for store in stores:
+            assert store.replicas == 1, f"{store.where}: two processes would read the same"
+            if source == "k8s":
+                assert store.spec["kind"] == "StatefulSet", store.where
+        kafka = {_workers(source)[0].env["KAFKA_BOOTSTRAP_SERVERS"]} | {
+            s.env["KAFKA_BOOTSTRAP_SERVERS"] for s in stores}
+        assert len(kafka) == 1, f"{source}: {kafka}"
+        tables = {tuple(c.env.get(k) for k in ("GRADSTREAM_ICEBERG_CATALOG",
+                                                "GRADSTREAM_ICEBERG_WAREHOUSE",
+                                                "GRADSTREAM_ICEBERG_NAMESPACE",
+                                                "AWS_ENDPOINT_URL"))
+                  for c in _iceberg_gradstream() if c.source == source}
+        assert len(tables) == 1, f"{source}: processes disagree on the tables: {tables}"
+
+
+def test_iceberg_catalog_and_object_store_match_the_urls() -> None:
+    """The catalog URL names the PostgreSQL service with its user, password and database;
+    the S3 endpoint is the MinIO service, the keys its root user; the bucket the one-shot
+    creates is the warehouse's."""
+    from sqlalchemy.engine import make_url
+
+    services = {s["metadata"]["name"]: s for s in _iceberg_k8s() if s["kind"] == "Service"}
+    for source in ("compose", "k8s"):
+        (store, *_) = _iceberg_stores(source)
+        url = make_url(store.env["GRADSTREAM_ICEBERG_CATALOG"])
+        (postgres,) = _iceberg_one(source, "postgres")
+        minio, bucket_job = sorted(_iceberg_one(source, "minio/minio"),
+                                   key=lambda c: "mb" in c.args)
+        endpoint = store.env["AWS_ENDPOINT_URL"]
+        if source == "compose":
+            assert url.host == postgres.where.split(":")[1] and url.port == 5432
+            assert endpoint == f"http://{minio.where.split(':')[1]}:9000"
+        else:
+            for host, port, target in ((url.host, url.port, postgres),
+                                       *[(h, int(p), minio) for h, p in
+                                         [endpoint.removeprefix("http://").split(":")]]):
+                service = services[host]
+                (svc_port,) = service["spec"]["ports"]
+                labels = _pod_template(target.spec)["metadata"]["labels"]
+                assert svc_port["port"] == port and service["spec"]["selector"].items() <= (
+                    labels.items()), f"Service {host} does not reach {target.where}"
+        assert (url.drivername, url.username, url.password, url.database) == (
+            "postgresql+psycopg2", postgres.env["POSTGRES_USER"],
+            postgres.env["POSTGRES_PASSWORD"], postgres.env["POSTGRES_DB"]), source
+        assert (store.env["AWS_ACCESS_KEY_ID"], store.env["AWS_SECRET_ACCESS_KEY"]) == (
+            minio.env["MINIO_ROOT_USER"], minio.env["MINIO_ROOT_PASSWORD"]), source
+        assert bucket_job.args[-3:-1] == ["mb", "--ignore-existing"]
+        alias, _, bucket = bucket_job.args[-1].partition("/")
+        scheme, _, rest = endpoint.partition("://")
+        keys = f"{minio.env['MINIO_ROOT_USER']}:{minio.env['MINIO_ROOT_PASSWORD']}"
+        assert bucket_job.env[f"MC_HOST_{alias}"] == f"{scheme}://{keys}@{rest}", source
+        warehouse = store.env["GRADSTREAM_ICEBERG_WAREHOUSE"]
+        assert warehouse.removeprefix("s3://").split("/")[0] == bucket, source
+
+
+def test_iceberg_images_are_pinned_and_the_same_in_compose_and_k8s() -> None:
+    """gradstream's image is the Dockerfile's, which installs the PostgreSQL driver; every
+    other image has a release tag, the same in both shapes."""
+    image = _gradstream_image()
+    images = {source: {c.image for c in _iceberg_containers() if c.source == source}
+              for source in ("compose", "k8s")}
+    assert images["compose"] == images["k8s"], images
+    for name in images["k8s"]:
+        repo, _, tag = name.rpartition(":")
+        assert repo and tag and tag != "latest", name
+    assert image in images["k8s"]
+    extras = [t for v in _docker_values("RUN") for t in shlex.split(v) if t.startswith(".[")]
+    installed = {e for t in extras for e in t[2:-1].split(",")}
+    optional = _pyproject()["project"]["optional-dependencies"]
+    assert any("sql-postgres" in dep for e in installed for dep in optional[e]), installed
+
+
+def test_iceberg_store_metrics_are_exposed_and_scraped() -> None:
+    services = [s for s in _k8s("Service")]
+    for store in [*_iceberg_stores("compose"), *_iceberg_stores("k8s")]:
+        port = int(store.env["GRADSTREAM_METRICS_PORT"])
+        assert int(_parse(store.args, store.where).params["metrics_port"]) == port
+        if store.source == "compose":
+            assert str(port) in {str(p) for p in store.spec.get("expose", [])}, store.where
+            assert not store.spec.get("ports"), f"{store.where}: replicas share no host port"
+            continue
+        template = _pod_template(store.spec)
+        (spec,) = template["spec"]["containers"]
+        assert {p["name"]: p["containerPort"] for p in spec["ports"]}["metrics"] == port
+        selecting = [s for s in services
+                     if s["spec"]["selector"].items() <= template["metadata"]["labels"].items()]
+        assert selecting, f"{store.where}: no metrics Service selects its pod"
+        for svc in selecting:
+            assert svc["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+        assert store.spec["spec"]["serviceName"] in {s["metadata"]["name"] for s in selecting}
+
+
+def test_iceberg_start_order_and_maintenance_schedule() -> None:
+    services = _iceberg_compose()["services"]
+    for store in _iceberg_stores("compose"):
+        depends = store.spec["depends_on"]
+        assert depends["kafka-topics"]["condition"] == "service_completed_successfully"
+        assert depends["catalog"]["condition"] == "service_healthy"
+        assert depends["object-store-bucket"]["condition"] == "service_completed_successfully"
+    assert services["object-store-bucket"]["restart"] == "no"
+    assert services["object-store-bucket"]["depends_on"]["object-store"]["condition"] == (
+        "service_healthy")
+    for name in ("catalog", "object-store"):
+        assert services[name]["healthcheck"]["test"], name
+    uid, gid = _dockerfile_user()
+    (cron,) = [d for d in _iceberg_k8s() if d["kind"] == "CronJob"]
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    assert len(cron["spec"]["schedule"].split()) == 5
+    pod = _pod_template(cron)["spec"]
+    assert pod["restartPolicy"] in ("OnFailure", "Never")
+    (container,) = pod["containers"]
+    assert container["args"][0] == "maintain"
+    for doc in _iceberg_k8s():
+        if doc["kind"] in ("StatefulSet", "CronJob") and _pod_template(doc)["spec"][
+                "containers"][0]["image"] == _gradstream_image():
+            ctx = _pod_template(doc)["spec"]["securityContext"]
+            assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["runAsNonRoot"]) == (uid, gid, True)
