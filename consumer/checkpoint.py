@@ -6,8 +6,9 @@ offsets stored with the rows and those written but not yet acknowledged to Kafka
 asks which output it writes to (:class:`consumer.outputs.base.Output`).
 
 The loop runs :meth:`Checkpoint.commit` when the checkpoint is :meth:`due
-<Checkpoint.due>` (``max_batch_rows`` layer rows wait, or ``flush_interval_s`` has passed
-and the output has no write in flight), before partitions are revoked and at stop:
+<Checkpoint.due>` (``max_batch_rows`` layer rows wait, or ``flush_interval_s`` has passed,
+or the output's own longer ``min_write_interval_s``, and the output has no write in
+flight), before partitions are revoked and at stop:
 
 1. For every partition read, the offset to store is the next one to consume, but never
    past the first record of a frame still waiting for ranks (``pending``): a crash then
@@ -76,7 +77,9 @@ class Checkpoint:
         """Whether to commit now (checked after every record, so cheap):
         ``max_batch_rows`` layer rows were put into the batch since the last commit
         (``layer_rows``: the loop's running count, an upper bound), or
-        ``flush_interval_s`` has passed and ``output`` has no write in flight. While a
+        ``flush_interval_s`` (or ``output.min_write_interval_s``, when longer:
+        :attr:`consumer.outputs.base.Output.min_write_interval_s`) has passed and
+        ``output`` has no write in flight. While a
         write-behind transaction runs, the batch keeps growing instead of the loop
         blocking on it, so under load transactions grow to cover the time one takes (a
         DuckDB transaction smaller than a row group costs more per row to commit).
@@ -86,7 +89,10 @@ class Checkpoint:
         """
         if layer_rows - self._rows_at_commit >= self.max_batch_rows:
             return True
-        if time.monotonic() - self._last_commit < self.flush_interval_s:
+        interval = self.flush_interval_s
+        if output is not None and output.min_write_interval_s > interval:
+            interval = output.min_write_interval_s
+        if time.monotonic() - self._last_commit < interval:
             return False
         return output is None or output.settle(wait=False)
 

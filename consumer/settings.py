@@ -24,6 +24,16 @@ DEFAULT_ICEBERG_NAMESPACE = "gradstream"
 """The Iceberg namespace of the store's tables unless ``GRADSTREAM_ICEBERG_NAMESPACE``
 says otherwise (the project's name: one namespace holds one store's table set)."""
 
+DEFAULT_ICEBERG_COMMIT_INTERVAL_S = 5.0
+"""Seconds the Iceberg output asks the loop to leave at least between two writes
+(``GRADSTREAM_ICEBERG_COMMIT_INTERVAL_S``;
+:attr:`consumer.outputs.base.Output.min_write_interval_s`). Every write commits a
+snapshot to each table it touches, at a fixed cost that grows with the table's snapshot
+count, so writes are spaced; but a row must be readable within 10 s of being produced. A
+row waits in the batch at most this interval (or the write in flight, if longer), then its
+own write: half of the 10 s here leaves the other half to a write, which takes well under
+5 s at ``max_batch_rows`` rows (``bench/lakehouse.py``)."""
+
 ICEBERG_WAREHOUSE_SCHEMES = ("file", "s3")
 """Warehouse URL schemes the Iceberg output writes to (pyiceberg's PyArrow FileIO: local
 files and S3 or an S3-compatible endpoint)."""
@@ -47,6 +57,8 @@ class LoopSettings(TopicCreationSettings):
             credentials come from the standard ``AWS_ENDPOINT_URL``,
             ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and ``AWS_REGION``.
         iceberg_namespace: the Iceberg namespace of the tables (created if absent).
+        iceberg_commit_interval_s: least seconds between two writes of the Iceberg output
+            (:data:`DEFAULT_ICEBERG_COMMIT_INTERVAL_S`); the DuckDB output ignores it.
         flush_interval_s: longest time finalised frames wait before being written.
         max_batch_rows: write as soon as this many layer rows are waiting.
         max_frames: rolling window of run health in frames (0 = whole run).
@@ -84,6 +96,7 @@ class LoopSettings(TopicCreationSettings):
     iceberg_catalog: str | None = Field(default=None, min_length=1)
     iceberg_warehouse: str | None = Field(default=None, min_length=1)
     iceberg_namespace: str = Field(default=DEFAULT_ICEBERG_NAMESPACE, min_length=1)
+    iceberg_commit_interval_s: float = Field(default=DEFAULT_ICEBERG_COMMIT_INTERVAL_S, ge=0)
     flush_interval_s: float = Field(default=0.2, gt=0)
     max_batch_rows: int = Field(default=500_000, gt=0)
     max_frames: int = Field(default=0, ge=0)

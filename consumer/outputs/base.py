@@ -130,6 +130,13 @@ class Output(ABC):
     writer evaluates the rules over the merged frames, put back in step order
     (:mod:`consumer.store_writer`)."""
 
+    min_write_interval_s: float = 0.0
+    """Least seconds the output asks the loop to leave between two writes
+    (:meth:`consumer.checkpoint.Checkpoint.due` waits for the larger of this and
+    ``flush_interval_s``; ``max_batch_rows`` still makes a write due at once); 0: the
+    loop's own interval. Set by an output whose every write has a fixed cost that larger,
+    rarer writes spread (the Iceberg output: a snapshot per table and write)."""
+
     def describe(self) -> str:
         """Where batches go, for the start-up log line."""
         return type(self).__name__

@@ -1,5 +1,7 @@
 """Scale-out chaos: two workers and the store, each SIGKILLed and restarted several times
-at random moments while several multi-rank runs stream.
+at random moments while several multi-rank runs stream; then the same with two store
+processes writing one Apache Iceberg table set (``--iceberg-catalog``), each reading half
+of the partitions (``--assign-partitions``).
 
 The processes are the real ``gradstream consume --frames-topic`` and ``gradstream store``
 commands (configured through ``GRADSTREAM_*`` variables, as ``consume --workers N`` starts
@@ -7,7 +9,9 @@ its children); workers use static group membership, so a restarted worker takes 
 partitions back without waiting for its predecessor's session to expire. Afterwards the
 store must hold exactly the frames computed offline from the same summaries (0 missing,
 0 duplicated, 0 wrong-valued), each alert event once, every incident resolved once, and
-every restarted process must have written again within 5 s of its start.
+every restarted process must have written again within 5 s of its start (DuckDB) or 20 s
+(Iceberg: a restarted store reads the stored runs back from the tables, and each write is
+one commit per table to the catalog).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import duckdb
 import numpy as np
+import pytest
 from kafka import KafkaProducer
 
 from consumer.frames import MergedShards, compute_frame
@@ -35,7 +41,7 @@ LAYERS = 6
 STEPS = 160
 RUNS = 4
 KILLS = 7
-MAX_RESUME_S = 5.0
+MAX_RESUME_S = {"duckdb": 5.0, "iceberg": 20.0}
 STEP_INTERVAL_S = 0.2
 """Streaming lasts about STEPS * STEP_INTERVAL_S = 32 s, while the kills happen."""
 NAN_STEPS = range(70, 73)
@@ -130,13 +136,56 @@ class Process:
         return self.popen.wait(60)
 
 
-def test_kill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, unique_name):
+def store_settings(store: str, tmp_path: Path) -> dict[str, str]:
+    """The store's ``GRADSTREAM_*`` settings: a DuckDB file, or an Iceberg table set (a
+    SQLite catalog and a warehouse directory)."""
+    if store == "duckdb":
+        return {"GRADSTREAM_DB": str(tmp_path / "store.duckdb")}
+    return {"GRADSTREAM_ICEBERG_CATALOG": f"sqlite:///{tmp_path / 'catalog.db'}",
+            "GRADSTREAM_ICEBERG_WAREHOUSE": (tmp_path / "warehouse").as_uri(),
+            "GRADSTREAM_DB": str(tmp_path / "unused.duckdb")}
+
+
+def stored_tables(store: str, tmp_path: Path) -> tuple[list[tuple], list[tuple], list[tuple]]:
+    """(layer rows, frame rows, alert rows) of the store, read with DuckDB or with
+    pyiceberg alone."""
+    layer_columns = ["run_id", "step", "layer_index", "numel", "sum_abs", "sum_sq",
+                     "max_abs_grad", "nonfinite"]
+    frame_columns = ["run_id", "step", "complete"]
+    alert_columns = ["alert_id", "incident_id", "run_id", "rule", "state", "first_step"]
+    if store == "duckdb":
+        con = duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True)
+        try:
+            return tuple(  # type: ignore[return-value]
+                con.execute(f"SELECT {', '.join(columns)} FROM {table}").fetchall()
+                for table, columns in (("layer_stats", layer_columns),
+                                       ("frames", frame_columns), ("alerts", alert_columns)))
+        finally:
+            con.close()
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from schemas.iceberg_catalog import CATALOG_NAME  # the writer's name: tables are kept per name
+
+    catalog = SqlCatalog(CATALOG_NAME, uri=f"sqlite:///{tmp_path / 'catalog.db'}",
+                         warehouse=(tmp_path / "warehouse").as_uri())
+
+    def rows(table: str, columns: list[str]) -> list[tuple]:
+        arrow = catalog.load_table(f"gradstream.{table}").scan(
+            selected_fields=tuple(columns)).to_arrow()
+        return list(zip(*(arrow[c].to_pylist() for c in columns), strict=True))
+
+    return (rows("layer_stats", layer_columns), rows("frames", frame_columns),
+            rows("alerts", alert_columns))
+
+
+@pytest.mark.parametrize("store_kind", ["duckdb", "iceberg"])
+def test_kill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, unique_name, store_kind):
     topics = {name: f"chaos-{name}-{unique_name}"
               for name in ("summaries", "frames", "dlq", "alerts", "runs")}
-    db = tmp_path / "store.duckdb"
     base = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap,
                 GRADSTREAM_FRAMES_TOPIC=topics["frames"], GRADSTREAM_DLQ_TOPIC=topics["dlq"],
                 GRADSTREAM_ALERTS_TOPIC=topics["alerts"], GRADSTREAM_PARTITIONS="4")
+    stored = store_settings(store_kind, tmp_path)
     command = [sys.executable, "-m", "deploy.cli"]
     workers = [
         Process(f"worker{i}", [*command, "consume"], dict(
@@ -146,9 +195,15 @@ def test_kill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, unique_name):
             GRADSTREAM_SESSION_TIMEOUT_MS="10000"))
         for i in range(2)
     ]
-    store = Process("store", [*command, "store"],
-                    dict(base, GRADSTREAM_DB=str(db), GRADSTREAM_GROUP_ID="chaos-store"))
-    processes = [*workers, store]
+    if store_kind == "duckdb":
+        stores = [Process("store", [*command, "store"],
+                          dict(base, **stored, GRADSTREAM_GROUP_ID="chaos-store"))]
+    else:  # two store processes, half of the partitions each, one table set
+        stores = [Process(f"store{i}", [*command, "store"],
+                          dict(base, **stored, GRADSTREAM_GROUP_ID="chaos-store",
+                               GRADSTREAM_ASSIGNED_PARTITIONS=parts))
+                  for i, parts in enumerate(("0,1", "2,3"))]
+    processes = [*workers, *stores]
     for p in processes:
         p.start()
     for p in processes:
@@ -164,7 +219,7 @@ def test_kill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, unique_name):
     # next kill comes after the restarted process resumed (wrote, or had nothing to read).
     victims: list[Process] = []
     while len(victims) < KILLS:
-        round_ = rng.sample(processes, 3)
+        round_ = rng.sample(processes, len(processes))
         if victims and round_[0] is victims[-1]:
             round_[0], round_[1] = round_[1], round_[0]
         victims += round_
@@ -207,7 +262,8 @@ def test_kill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, unique_name):
         time.sleep(8.0)  # the workers publish the last frames
         for p in workers:
             assert p.terminate() == 0, "\n".join(p.log[-20:])
-        assert store.terminate() == 0, "\n".join(store.log[-20:])
+        for p in stores:
+            assert p.terminate() == 0, "\n".join(p.log[-20:])
     finally:
         producer.close()
         for p in processes:
@@ -215,10 +271,10 @@ def test_kill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, unique_name):
                 p.kill()
             (tmp_path / f"{p.name}.log").write_text("\n".join(p.log))
     # Whatever the last store incarnation had not read yet is read by a fresh store.
-    final = StoreWriter(StoreWriterSettings(bootstrap_servers=kafka_bootstrap,
-                                            frames_topic=topics["frames"],
-                                            alerts_topic=topics["alerts"],
-                                            group_id="chaos-store", db=str(db)))
+    final = StoreWriter(StoreWriterSettings(
+        bootstrap_servers=kafka_bootstrap, frames_topic=topics["frames"],
+        alerts_topic=topics["alerts"], group_id="chaos-store",
+        **{k.removeprefix("GRADSTREAM_").lower(): v for k, v in stored.items()}))
     thread = threading.Thread(target=final.run, daemon=True)
     thread.start()
     run_ids = [f"run{r}" for r in range(RUNS)]
@@ -230,23 +286,17 @@ def test_kill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, unique_name):
         thread.join(60)
     assert final.error is None
 
-    con = duckdb.connect(str(db), read_only=True)
-    rows = con.execute("SELECT run_id, step, layer_index, numel, sum_abs, sum_sq, "
-                       "max_abs_grad, nonfinite FROM layer_stats").fetchall()
-    frames = con.execute("SELECT run_id, step, complete FROM frames").fetchall()
-    alerts = con.execute("SELECT alert_id, incident_id, run_id, rule, state, first_step "
-                         "FROM alerts").fetchall()
-    con.close()
-    stored: dict[tuple[str, int], dict[int, tuple]] = {}
+    rows, frames, alerts = stored_tables(store_kind, tmp_path)
+    by_step: dict[tuple[str, int], dict[int, tuple]] = {}
     duplicated = 0
     for run_id, step, layer, *values in rows:
-        per_step = stored.setdefault((run_id, step), {})
+        per_step = by_step.setdefault((run_id, step), {})
         duplicated += layer in per_step
         per_step[layer] = tuple(values)
     lost = wrong = 0
     for run in range(RUNS):
         for step in range(STEPS):
-            got = stored.get((f"run{run}", step), {})
+            got = by_step.get((f"run{run}", step), {})
             for layer, want in enumerate(offline(run, step)):
                 if layer not in got:
                     lost += 1
@@ -256,11 +306,12 @@ def test_kill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, unique_name):
     duplicated += len(frames) - len({(r, s) for r, s, _ in frames})
     restarts = [s for p in processes for s in p.resume_s[1:]]
     max_resume = max((s if s is not None else float("inf") for s in restarts), default=0.0)
-    print(f"lost={lost} duplicated={duplicated} wrong={wrong} max_resume_s={max_resume:.2f}")
+    print(f"{store_kind}: lost={lost} duplicated={duplicated} wrong={wrong} "
+          f"max_resume_s={max_resume:.2f}")
     assert (lost, duplicated, wrong) == (0, 0, 0)
     assert all(complete for *_, complete in frames)
     assert len(restarts) == KILLS
-    assert max_resume <= MAX_RESUME_S, {p.name: p.resume_s for p in processes}
+    assert max_resume <= MAX_RESUME_S[store_kind], {p.name: p.resume_s for p in processes}
     # Alerts: one row per event, one nonfinite incident in run 0, fired and resolved once.
     assert len({a[0] for a in alerts}) == len(alerts)
     nonfinite = [a for a in alerts if a[3] == "nonfinite"]

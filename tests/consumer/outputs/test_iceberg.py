@@ -5,8 +5,10 @@ properties of each write's last commit."""
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,18 +19,26 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
-from pyiceberg.table.snapshots import ancestors_of
+from pyiceberg.table.snapshots import Operation, ancestors_of
 
-from consumer.frames import GradientFrame, LocalRows
+from consumer.checkpoint import Checkpoint
+from consumer.frames import GradientFrame, LocalRows, MergedShards, compute_frame
 from consumer.merge import frame_scalars
 from consumer.outputs.base import Batch, RunState
 from consumer.outputs.duckdb import DuckDBSink
-from consumer.outputs.iceberg import IcebergOutput, offset_property, s3_properties
+from consumer.outputs.iceberg import (
+    IcebergOutput,
+    NewObjectFile,
+    WriterFileIO,
+    offset_property,
+    s3_properties,
+)
 from consumer.outputs.registry import open_output
 from consumer.runbook import RunBook
 from consumer.settings import ConsumerSettings
 from schemas.alert import Alert, AlertRule, AlertSeverity, AlertState
 from schemas.scalars import RankScalars
+from schemas.stats import GradientSums
 from schemas.stats.exponent_histogram import EXP_HIST_BINS
 from schemas.wire import RunFinished, RunStarted
 from tests.consumer.outputs.test_duckdb_local import _local
@@ -75,6 +85,8 @@ def _history() -> list[Batch]:
         vanishing_threshold=1e-7, exploding_threshold=1e3, host="h2", start_time=5.0,
         config={"lr": 0.1}, ignore_layers=["b"]))
     partial = _frame(4, np.array([0, 2]), 7.0, (0,))
+    partial.refused_ranks = {1: "conflicting_run"}  # (the verdict a late rank keeps)
+    partial.layout_violations = np.array([[2, 0, 0, 40, 100], [2, 1, 0, 40, 100]], np.int64)
     _scalars(partial, {0: 5.0})
     second.frames[("r", 4)] = (partial, "MinorIssues")
     second.run_states["r"] = RunState("MinorIssues", 5, 1, 4, None)
@@ -229,6 +241,8 @@ def test_offsets_come_back_from_the_snapshot_history(local_catalog: tuple[str, s
         sums = reopened.load_sums(book.runs["r"], 4)
         assert sums is not None and sums.gradient.numel.tolist() == [100] * LAYERS
         assert reopened.load_sums(book.runs["r"], 99) is None
+        assert reopened.load_frame_verdict("r", 3) == ([], 0)
+        assert reopened.load_frame_verdict("r", 99) == ([], 0)
     finally:
         reopened.close()
 
@@ -252,7 +266,9 @@ def test_a_late_rank_rewrite_replaces_the_partial_frame(local_catalog: tuple[str
     layer_stats = _reader(catalog, warehouse).load_table(("gradstream", "layer_stats"))
     partial = layer_stats.scan(row_filter="step = 4").to_arrow()
     assert sorted(partial["layer_index"].to_pylist()) == [0, 2]
+    assert output.load_frame_verdict("r", 4) == ([1], 1)  # what a late rank merges into
     output.write(third)
+    assert output.load_frame_verdict("r", 4) == ([], 0)
     output.close()
 
     reader = _reader(catalog, warehouse)
@@ -301,12 +317,201 @@ def test_the_settings_open_the_iceberg_output(local_catalog: tuple[str, str]) ->
         assert isinstance(output, IcebergOutput) and output.name == "iceberg"
         assert output.describe().endswith("namespace lab")
         assert ("lab", "runs") in _reader(catalog, warehouse).list_tables("lab")
+        # a worker's output commits behind, no more often than the setting asks
+        assert output.min_write_interval_s == settings.iceberg_commit_interval_s == 5.0
+        assert output.settle(wait=False)
     finally:
         output.close()
     with pytest.raises(ValueError, match="GRADSTREAM_ICEBERG_WAREHOUSE"):
         open_output("iceberg", ConsumerSettings(iceberg_catalog=catalog))
     with pytest.raises(ValueError, match="file:///path or s3://"):
         ConsumerSettings(iceberg_catalog=catalog, iceberg_warehouse="/no/scheme")
+
+
+def _run_batch(run_id: str, steps: range, offsets: dict[tuple[str, int], int],
+               start: bool = False, scale: float = 1.0) -> Batch:
+    """Complete 2-rank frames of ``run_id`` at ``steps`` (``LAYERS`` layers), its run
+    state and ``offsets``; its RunStarted with ``start``."""
+    batch = Batch()
+    if start:
+        batch.runs_started.append(_started().model_copy(update={"run_id": run_id}))
+    for step in steps:
+        merged = MergedShards(GradientSums.from_columns(
+            np.full(LAYERS, 100, np.int64), np.full(LAYERS, scale + step),
+            np.full(LAYERS, scale), np.full(LAYERS, scale / 10), np.zeros(LAYERS, np.int64)))
+        frame = compute_frame(run_id, step, merged, vanishing_threshold=1e-7,
+                              exploding_threshold=1e3, ranks_seen=(0, 1), world_size=2,
+                              wall_time=float(step))
+        _scalars(frame, {0: 1.0, 1: 2.0})
+        batch.frames[(run_id, step)] = (frame, "Healthy")
+    batch.run_states[run_id] = RunState("Healthy", steps.stop, 0, steps.stop - 1, None)
+    batch.offsets.update(offsets)
+    return batch
+
+
+def _operations(reader: SqlCatalog, table: str) -> list[str]:
+    """The operation of every snapshot of ``table``, oldest first."""
+    metadata = reader.load_table(("gradstream", table)).metadata
+    return [s.summary.operation.value for s in metadata.snapshots if s.summary is not None]
+
+
+def _keys(reader: SqlCatalog, table: str = "layer_stats",
+          columns: tuple[str, ...] = ("run_id", "step", "layer_index")) -> list[tuple[Any, ...]]:
+    """``columns`` of every row of ``table``, sorted (duplicates kept)."""
+    rows = reader.load_table(("gradstream", table)).scan(selected_fields=columns).to_arrow()
+    return sorted(zip(*(rows[c].to_pylist() for c in columns), strict=True))
+
+
+def test_new_frames_are_appended_and_a_restarted_output_replaces_a_replay(
+    tmp_path: Path, local_catalog: tuple[str, str]
+) -> None:
+    """New frames (of two runs in one batch) are pure appends: no delete, nothing read
+    back. A restarted output knows what is stored from the tables' metadata, so the
+    frames a crash makes it write again replace their rows; the step after them is
+    appended again."""
+    catalog, warehouse = local_catalog
+    first = _run_batch("a", range(0, 3), {("t", 0): 6}, start=True)
+    first.runs_started.append(_started().model_copy(update={"run_id": "b"}))
+    first.frames.update(_run_batch("b", range(0, 2), {}).frames)
+    first.run_states["b"] = RunState("Healthy", 2, 0, 1, None)
+    output = IcebergOutput(catalog, warehouse, GROUP)
+    output.write(first)
+    output.write(_run_batch("a", range(3, 5), {("t", 0): 10}))
+    output.close()
+    reader = _reader(catalog, warehouse)
+    for table in ("layer_stats", "frames", "step_scalars", "rank_scalars", "layers"):
+        assert set(_operations(reader, table)) == {Operation.APPEND.value}, table
+    assert len(_operations(reader, "layer_stats")) == 2
+    layer_stats = reader.load_table(("gradstream", "layer_stats"))
+    partitions = layer_stats.inspect.files()["partition"].to_pylist()
+    assert sorted(p["run_id"] for p in partitions) == ["a", "a", "b"]  # a file per run
+
+    # the crash lost the offsets of the last write: the restarted worker replays it
+    restarted = IcebergOutput(catalog, warehouse, GROUP)
+    try:
+        restarted.write(_run_batch("a", range(3, 5), {("t", 0): 10}, scale=2.0))
+        restarted.write(_run_batch("a", range(5, 6), {("t", 0): 12}))
+    finally:
+        restarted.close()
+    expected = sorted([("a", s, i) for s in range(6) for i in range(LAYERS)]
+                      + [("b", s, i) for s in range(2) for i in range(LAYERS)])
+    assert _keys(reader) == expected
+    assert _keys(reader, "frames", ("run_id", "step")) == sorted(
+        [("a", s) for s in range(6)] + [("b", s) for s in range(2)])
+    replayed = reader.load_table(("gradstream", "layer_stats")).scan(
+        row_filter="run_id = 'a' and step = 4").to_arrow()
+    assert set(replayed["sum_abs"].to_pylist()) == {6.0}  # the replay's values
+    replay, *appends = _operations(reader, "layer_stats")[2:]
+    assert replay in {Operation.DELETE.value, Operation.OVERWRITE.value}  # rows replaced
+    assert appends == [Operation.APPEND.value] * 2  # the replay's rows, then step 5
+    ranks = reader.load_table(("gradstream", "rank_scalars")).scan(
+        row_filter="run_id = 'a' and step = 4 and name = 'loss'").to_arrow()
+    assert sorted(ranks["rank"].to_pylist()) == [0, 1]
+
+
+def test_a_write_behind_output_commits_in_order_and_stops_at_a_failed_commit(
+    tmp_path: Path, local_catalog: tuple[str, str]
+) -> None:
+    """With ``write_behind`` (the worker's output) every batch is committed by the time
+    the output settles, as a synchronous write would; a commit that fails on the writer
+    thread is raised to the loop, and no later batch commits its offsets."""
+    catalog, warehouse = local_catalog
+    output = IcebergOutput(catalog, warehouse, GROUP, write_behind=True, commit_interval_s=0)
+    for batch in _history():
+        output.write(batch)
+    assert output.settle(wait=True)
+    _assert_same_store(_iceberg_tables(_reader(catalog, warehouse)),
+                       _duckdb_tables(_history(), tmp_path / "s.duckdb"), 0.0)
+
+    _reader(catalog, warehouse).drop_table(("gradstream", "layer_stats"))  # behind its back
+    output.write(_run_batch("r", range(5, 7), {("t", 0): 20}))
+    with pytest.raises(Exception, match="layer_stats"):
+        output.settle(wait=True)
+    with pytest.raises(Exception, match="layer_stats"):
+        output.write(_run_batch("r", range(7, 8), {("t", 0): 22}))
+    output.close()
+    reopened = IcebergOutput(catalog, warehouse, GROUP)
+    try:
+        assert reopened.stored_offsets(["t"]) == {("t", 0): 15, ("t", 1): 3}
+    finally:
+        reopened.close()
+
+
+def test_two_writers_commit_to_the_same_tables_at_once(
+    local_catalog: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two outputs (two consumer groups, each its own runs and partition) write at the
+    same moments to the same tables: the commits that find a table changed by the other
+    are tried again, and every row is stored once, with both groups' offsets."""
+    catalog, warehouse = local_catalog
+    caplog.set_level(logging.INFO)
+    IcebergOutput(catalog, warehouse, GROUP).close()  # the tables exist before the race
+    writes = 6
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def write(group: str, run_id: str, partition: int) -> None:
+        output = IcebergOutput(catalog, warehouse, group, write_behind=True,
+                               commit_interval_s=0)
+        try:
+            for i in range(writes):
+                batch = _run_batch(run_id, range(2 * i, 2 * i + 2), {("t", partition): i + 1},
+                                   start=i == 0)
+                start.wait(30)  # both writers' batches go to the tables together
+                output.write(batch)
+            output.settle(wait=True)
+        except BaseException as exc:
+            errors.append(exc)
+            start.abort()
+        finally:
+            output.close()
+
+    threads = [threading.Thread(target=write, args=(f"g{i}", f"run{i}", i)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    retries = [r for r in caplog.records if "concurrent update" in r.getMessage()
+               or "conflicted" in r.getMessage()]
+    assert retries  # not vacuous: commits did meet the other writer's
+    reader = _reader(catalog, warehouse)
+    assert _keys(reader) == sorted((f"run{w}", s, i) for w in range(2)
+                                   for s in range(2 * writes) for i in range(LAYERS))
+    runs = reader.load_table(("gradstream", "runs")).scan().to_arrow()
+    assert sorted(zip(runs["run_id"].to_pylist(), runs["frames"].to_pylist(),
+                      strict=True)) == [("run0", 2 * writes), ("run1", 2 * writes)]
+    offsets = reader.load_table(("gradstream", "kafka_offsets")).scan().to_arrow()
+    assert sorted(offsets.select(["consumer_group", "kafka_partition", "next_offset"])
+                  .to_pylist(), key=repr) == [
+        {"consumer_group": "g0", "kafka_partition": 0, "next_offset": writes},
+        {"consumer_group": "g1", "kafka_partition": 1, "next_offset": writes}]
+    for i in range(2):
+        output = IcebergOutput(catalog, warehouse, f"g{i}")
+        try:
+            assert output.stored_offsets(["t"]) == {("t", i): writes}
+        finally:
+            output.close()
+
+
+def test_the_loop_writes_no_more_often_than_the_output_asks(
+    local_catalog: tuple[str, str]
+) -> None:
+    """The checkpoint waits for the output's ``min_write_interval_s`` when it is longer
+    than its own flush interval; ``max_batch_rows`` still makes a write due at once."""
+    catalog, warehouse = local_catalog
+    output = IcebergOutput(catalog, warehouse, GROUP, commit_interval_s=60.0)
+    try:
+        checkpoint = Checkpoint(flush_interval_s=0.01, max_batch_rows=1000)
+        checkpoint.started(0)
+        time.sleep(0.05)
+        assert checkpoint.due(None, 10)  # the loop's own interval has passed
+        assert not checkpoint.due(output, 10)
+        assert checkpoint.due(output, 1000)
+        checkpoint._last_commit -= 60.0  # a minute later
+        assert checkpoint.due(output, 10)
+    finally:
+        output.close()
 
 
 def _free_port() -> int:
@@ -345,6 +550,12 @@ def test_an_s3_warehouse_holds_the_tables(
     settings = ConsumerSettings(iceberg_catalog=catalog, iceberg_warehouse=warehouse,
                                 group_id=GROUP)
     output = open_output(settings.output, settings)
+    assert isinstance(output, IcebergOutput)
+    io = output.tables["layer_stats"].io
+    assert isinstance(io, WriterFileIO)  # a small file in one PutObject request
+    _, (options,) = io.fs_by_scheme("s3", "lake").__reduce__()
+    assert options["allow_delayed_open"] and options["endpoint_override"] == s3_endpoint
+    assert isinstance(io.new_output("s3://lake/history/new.avro"), NewObjectFile)  # no HEAD
     for batch in _history():
         output.write(batch)
     output.close()
