@@ -14,6 +14,12 @@ SMALLINT -> int (Iceberg has no 16-bit integer), DOUBLE -> double, BOOLEAN -> bo
 ``T[]`` -> ``list<T>``; NOT NULL columns are required fields, and a DuckDB primary key
 becomes the table's identifier fields (the row key other engines may upsert on).
 
+Schema evolution (:func:`evolve_schema`): a table set written by an earlier gradstream is
+brought to the store's current columns when the output opens it, by Iceberg's rules: a
+column the store gained is added, optional (rows written before read it as null), a
+narrower number type is promoted (int -> long, float -> double), nothing is dropped, and
+any other change stops the output with the table and column named.
+
 Partitioning: identity on ``run_id`` for every table that has it (all but
 ``kafka_offsets``). The reads of the store are per run (a report, an analysis, a plot or
 an export takes one run), so a run's reads open only its own data files; and a rewrite of
@@ -158,6 +164,7 @@ from pyiceberg.transforms import IdentityTransform
 from pyiceberg.types import (
     BooleanType,
     DoubleType,
+    FloatType,
     IcebergType,
     IntegerType,
     ListType,
@@ -550,6 +557,57 @@ Commit = tuple[str, pa.Table, BooleanExpression, dict[str, str]]
 first, snapshot properties)."""
 
 
+PROMOTIONS: frozenset[tuple[type, type]] = frozenset({
+    (IntegerType, LongType), (FloatType, DoubleType)})
+"""The column type changes Iceberg allows on data already written that the store's
+schema may need (Iceberg table spec, "Schema Evolution": int -> long, float -> double)."""
+
+
+def evolve_schema(table: Table, expected: Schema) -> Table:
+    """Bring ``table`` (created by an earlier gradstream) to the columns of ``expected``
+    (:func:`iceberg_schemas`: the store's current DuckDB schema), by Iceberg's rules
+    (Iceberg table spec, "Schema Evolution"), in one schema update:
+
+    - a column the table lacks is added, optional (Iceberg cannot add a required column
+      to data already written: rows written before read it as null, as DuckDB's
+      ``ALTER TABLE ADD COLUMN`` gives them);
+    - a column of a narrower type is promoted (:data:`PROMOTIONS`);
+    - a column the table has and the store no longer writes is kept (nothing is dropped:
+      other engines may read it; new rows leave it null).
+
+    Returns:
+        ``table``, refreshed when its schema changed.
+
+    Raises:
+        ValueError: a column's type changed in a way Iceberg does not allow (naming the
+            table and the column): migrate the table, or write to a new namespace.
+    """
+    current = {f.name: f for f in table.schema().fields}
+    missing = [f for f in expected.fields if f.name not in current]
+    promote = []
+    for f in expected.fields:
+        have = current.get(f.name)
+        if have is None or str(have.field_type) == str(f.field_type):  # (ids aside)
+            continue
+        if (type(have.field_type), type(f.field_type)) not in PROMOTIONS:
+            raise ValueError(
+                f"Iceberg table {'.'.join(table.name())} column {f.name!r} is "
+                f"{have.field_type}, the store now writes {f.field_type}, which Iceberg "
+                "cannot promote: migrate the table or write to a new namespace")
+        promote.append(f)
+    if not missing and not promote:
+        return table
+    with table.update_schema() as update:
+        for f in missing:
+            update.add_column(f.name, f.field_type, doc=f.doc, required=False)
+        for f in promote:
+            update.update_column(f.name, field_type=f.field_type)
+    log.info("Iceberg table %s: added column(s) %s, promoted %s", ".".join(table.name()),
+             [f.name for f in missing] or "none", [f.name for f in promote] or "none")
+    table.refresh()
+    return table
+
+
 class IcebergOutput(Output):
     """Batches into Iceberg tables (module docstring): one pyiceberg transaction per table
     the batch puts rows in, the offsets in the snapshot properties of the last one
@@ -624,9 +682,9 @@ class IcebergOutput(Output):
             self.schemas = iceberg_schemas(self.staging.con)
             self.catalog.create_namespace_if_not_exists(namespace)
             self.tables: dict[str, Table] = {
-                name: self.catalog.create_table_if_not_exists(
+                name: evolve_schema(self.catalog.create_table_if_not_exists(
                     (namespace, name), schema=schema, partition_spec=self._spec(schema),
-                    properties=TABLE_PROPERTIES)
+                    properties=TABLE_PROPERTIES), schema)
                 for name, schema in self.schemas.items()
             }
         except BaseException:

@@ -661,3 +661,51 @@ def test_a_worker_over_kafka_stores_what_the_duckdb_worker_stores(
         drop = {"frames": ("finalized_at",), "alerts": ("created_at",),
                 "kafka_offsets": ("consumer_group",)}.get(name, ())
         assert _rows(iceberg[name], drop) == _rows(rows, drop), name
+
+
+def test_an_older_table_gains_the_columns_the_store_writes_now(
+    tmp_path: Path, local_catalog: tuple[str, str]
+) -> None:
+    """A table set written by an earlier gradstream (here: ``frames`` without
+    ``layout_violations``) is brought to the store's columns when the output opens it, by
+    Iceberg's rules: the column is added, optional; the rows written before read it as
+    null, the rows written after hold what the DuckDB store holds."""
+    catalog, warehouse = local_catalog
+    first, *rest = _history()
+    output = IcebergOutput(catalog, warehouse, GROUP)
+    output.write(first)
+    output.close()
+    with _reader(catalog, warehouse).load_table(("gradstream", "frames")).update_schema() as u:
+        u.delete_column("layout_violations")
+    reopened = IcebergOutput(catalog, warehouse, GROUP)
+    for batch in rest:
+        reopened.write(batch)
+    reopened.close()
+    table = _reader(catalog, warehouse).load_table(("gradstream", "frames"))
+    assert not table.schema().find_field("layout_violations").required
+    got = {(r["run_id"], r["step"]): r["layout_violations"]
+           for r in table.scan().to_arrow().to_pylist()}
+    stored = _duckdb_tables(_history(), tmp_path / "s.duckdb")["frames"].to_pylist()
+    want = {(r["run_id"], r["step"]): r["layout_violations"] for r in stored}
+    before = {("r", step) for step in range(4)} - {key for b in rest for key in b.frames}
+    assert before and all(got[key] is None for key in before)
+    after = {key for b in rest for key in b.frames}
+    assert after and {k: got[k] for k in after} == {k: want[k] for k in after}
+    assert any(want[k] is not None for k in after)  # not vacuous: values, not nulls
+
+
+def test_a_column_type_iceberg_cannot_promote_is_refused(local_catalog: tuple[str, str]) -> None:
+    """A table whose column has a type the store's cannot be promoted from stops the
+    output at open, naming the table and the column."""
+    from pyiceberg.schema import Schema
+    from pyiceberg.types import NestedField, StringType
+
+    catalog, warehouse = local_catalog
+    IcebergOutput(catalog, warehouse, GROUP).close()
+    reader = _reader(catalog, warehouse)
+    reader.drop_table(("gradstream", "run_ranks"))
+    reader.create_table(("gradstream", "run_ranks"), schema=Schema(
+        NestedField(1, "run_id", StringType(), required=True),
+        NestedField(2, "rank", StringType(), required=False)))
+    with pytest.raises(ValueError, match=r"gradstream\.run_ranks column 'rank' is string"):
+        IcebergOutput(catalog, warehouse, GROUP)
