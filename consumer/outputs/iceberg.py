@@ -179,6 +179,10 @@ from consumer.frames import MergedShards
 from consumer.outputs.base import Batch, KnownState, Output, PartitionKey, commit_offsets
 from consumer.outputs.duckdb import DuckDBSink, stored_sums
 from consumer.settings import DEFAULT_ICEBERG_COMMIT_INTERVAL_S, DEFAULT_ICEBERG_NAMESPACE
+from schemas.iceberg_catalog import (  # the readers' contract, shared with the writer
+    CATALOG_NAME,
+    s3_properties,
+)
 
 if TYPE_CHECKING:
     import duckdb
@@ -194,11 +198,6 @@ _QUIET_DELETE = threading.Lock()
 warning filtered (a key that may be stored and is not, e.g. a replay that finds nothing
 left by the crash, is an expected case): ``warnings.catch_warnings`` swaps the process's
 filters, which is safe for one thread at a time only, and commits run on several."""
-
-CATALOG_NAME = "gradstream"
-"""The catalog's name: pyiceberg's SQL catalog keeps tables of several catalogs in one
-database, keyed by this name (its ``catalog_name`` column), so another engine opens the
-same database under this name to see the tables."""
 
 OFFSETS_TABLE = "kafka_offsets"
 """The table whose commit ends every write and carries the offsets in its snapshot
@@ -301,16 +300,6 @@ LOAD_SUMS_COLUMNS: tuple[str, ...] = (
 )
 """``layer_stats`` columns :func:`consumer.outputs.duckdb.stored_sums` reads."""
 
-S3_ENVIRONMENT: dict[str, str] = {
-    "AWS_ENDPOINT_URL": "s3.endpoint",
-    "AWS_ACCESS_KEY_ID": "s3.access-key-id",
-    "AWS_SECRET_ACCESS_KEY": "s3.secret-access-key",
-    "AWS_SESSION_TOKEN": "s3.session-token",
-    "AWS_REGION": "s3.region",
-}
-"""Standard AWS environment variables (AWS SDKs and CLI, "Environment variables to
-configure the AWS CLI") -> the pyiceberg FileIO property that takes each (pyiceberg
-configuration, "S3")."""
 
 _SCALAR_TYPES: dict[str, Callable[[], IcebergType]] = {
     "VARCHAR": StringType, "JSON": StringType, "BIGINT": LongType, "INTEGER": IntegerType,
@@ -320,10 +309,6 @@ _SCALAR_TYPES: dict[str, Callable[[], IcebergType]] = {
 long 64-bit; JSON is text)."""
 
 
-def s3_properties(environ: Mapping[str, str]) -> dict[str, str]:
-    """pyiceberg FileIO properties from the AWS variables set in ``environ``
-    (:data:`S3_ENVIRONMENT`); unset or empty variables are left out."""
-    return {prop: environ[var] for var, prop in S3_ENVIRONMENT.items() if environ.get(var)}
 
 
 class NewObjectFile(PyArrowFile):

@@ -104,8 +104,8 @@ def maintain(
         open_catalog,
     )
     from consumer.iceberg_maintenance import maintain as run_maintenance
-    from consumer.outputs.iceberg import s3_properties
     from deploy.cli.consume import valid_settings
+    from schemas.iceberg_catalog import s3_properties
 
     settings = valid_settings(MaintenanceSettings, **given(
         iceberg_catalog=catalog, iceberg_warehouse=warehouse, iceberg_namespace=namespace,

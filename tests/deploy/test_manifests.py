@@ -988,7 +988,7 @@ def test_iceberg_commands_and_environment_load_into_the_settings(
 ) -> None:
     """As for the base: real subcommands and options, every variable a setting of the
     process (or a standard AWS variable the Iceberg output reads), flags agreeing with it."""
-    from consumer.outputs.iceberg import S3_ENVIRONMENT
+    from schemas.iceberg_catalog import S3_ENVIRONMENT
 
     assert container.entrypoint is None, container.where
     assert container.subcommand in SETTINGS_OF, container.args

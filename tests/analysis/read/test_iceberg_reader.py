@@ -355,14 +355,15 @@ def test_the_url_keeps_catalog_parameters_and_hides_passwords() -> None:
 
 def test_the_shared_catalog_contract_is_the_writers() -> None:
     """The reader's catalog name, namespace, S3 variables and commit order
-    (schemas.iceberg_catalog) are the Iceberg output's."""
+    (schemas.iceberg_catalog) are the Iceberg output's (its catalog name and S3
+    variables are imported from there)."""
     from consumer.outputs import iceberg as output
     from consumer.settings import DEFAULT_ICEBERG_NAMESPACE
     from schemas import iceberg_catalog as contract
 
     assert contract.CATALOG_NAME == output.CATALOG_NAME
     assert contract.DEFAULT_NAMESPACE == DEFAULT_ICEBERG_NAMESPACE
-    assert contract.S3_ENVIRONMENT == output.S3_ENVIRONMENT
+    assert contract.s3_properties is output.s3_properties
     assert contract.COMMITTED_LAST == output.COMMIT_LAST
 
 
