@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import socket
 import time
 from typing import Any
@@ -103,6 +104,11 @@ def _rank(rank: int, world: int, port: int, layers: int, width: int, steps: int,
         dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
+    # gloo can abort the interpreter's shutdown after the teardown ("terminate called
+    # without an active exception"): a rank that finished exits 0 at once
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def measure(world: int, layers: int, width: int, steps: int) -> dict[str, float]:

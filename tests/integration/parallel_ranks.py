@@ -12,8 +12,10 @@ Rank 0 puts them on a queue for the test to compare with the store.
 from __future__ import annotations
 
 import math
+import os
+import sys
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,22 @@ from producer.adapters.torch import GradientTap
 IN, HIDDEN, OUT = 6, 16, 4
 STEPS = 3
 MICRO = 2
+
+
+def leave(queue: Any) -> NoReturn:
+    """End a spawned rank that did all its work: flush ``queue``, then exit 0 at once.
+
+    A gloo process group can abort the interpreter's own shutdown after
+    ``destroy_process_group`` ("terminate called without an active exception": one of
+    gloo's C++ worker threads still joinable while Python finalises), which turns a rank
+    that finished into a random nonzero exit code. A rank calls this only after its work
+    and the teardown returned, so a rank that raised still exits nonzero.
+    """
+    queue.close()
+    queue.join_thread()  # everything put on the queue is in the pipe
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def model(seed: int = 0) -> nn.Sequential:
@@ -196,6 +214,7 @@ def run_rank(kind: str, rank: int, world: int, init: str, bootstrap: str, topic:
         dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
+    leave(queue)
 
 
 def _normalised(raw: str) -> str:
@@ -369,3 +388,4 @@ def run_pipeline_rank(rank: int, world: int, dp: int, init: str, bootstrap: str,
         dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
+    leave(queue)

@@ -31,6 +31,7 @@ from torch import nn
 from producer import GradientProducer
 from producer.adapters.torch import GradientTap
 from producer.adapters.torch_layout import UnsupportedParallelismError
+from tests.integration.parallel_ranks import leave
 
 CASES = ("fsdp1", "fsdp1_orig_params", "fsdp1_inner", "pipeline")
 
@@ -74,6 +75,7 @@ def refusal_rank(rank: int, world: int, init: str, bootstrap: str, topic: str, r
         dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
+    leave(queue)
 
 
 def test_unresolvable_fsdp1_and_per_rank_layer_lists_are_refused_at_start_run(

@@ -22,6 +22,7 @@ from producer.adapters.torch import GradientTap
 from producer.adapters.torch_layout import gradient_piece
 from producer.adapters.torch_summary import summarize_tensors
 from producer.summary import LayerSummaries, summarize
+from tests.integration.parallel_ranks import leave
 from tests.producer.adapters import FakeProducer, FakeSettings
 
 nn = torch.nn
@@ -529,6 +530,7 @@ def _fsdp_rank(rank: int, world: int, init: str, queue: Any) -> None:
         dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
+    leave(queue)
 
 
 def test_fsdp2_shards_merge_to_full_tensor_statistics(tmp_path: Path) -> None:

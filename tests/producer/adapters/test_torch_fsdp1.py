@@ -23,7 +23,7 @@ import torch
 from producer.adapters.naming import normalize_name
 from producer.adapters.torch import GradientTap
 from producer.adapters.torch_fsdp1 import original_parameters, unsupported_fsdp1
-from tests.integration.parallel_ranks import fsdp1_full_gradients
+from tests.integration.parallel_ranks import fsdp1_full_gradients, leave
 from tests.producer.adapters import FakeProducer
 
 nn = torch.nn
@@ -79,6 +79,7 @@ def _rank(rank: int, world: int, init: str, orig: bool, queue: Any) -> None:
         dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
+    leave(queue)
 
 
 @pytest.mark.parametrize("orig,world", [(True, 2), (False, 2), (True, 3), (False, 3)])

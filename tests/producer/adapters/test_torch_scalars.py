@@ -17,6 +17,7 @@ import torch
 
 from producer.adapters.torch import GradientTap
 from producer.adapters.torch_scalars import StepScalars, learning_rate_names
+from tests.integration.parallel_ranks import leave
 from tests.producer.adapters import FakeProducer
 
 nn = torch.nn
@@ -113,6 +114,7 @@ def _rank(rank: int, world: int, init: str, queue: Any) -> None:
         dist.barrier()  # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
+    leave(queue)
 
 
 def test_in_band_gathers_every_rank_and_the_straggler_computes_longer(tmp_path: Path) -> None:
