@@ -24,6 +24,11 @@ one run:
    record: the checks against the run, ``ShardMerger.add`` without the frame, the loop's
    bookkeeping). Each is printed as a share of that pass's total. A few steps of another
    run go through a throwaway worker first (imports, the first DuckDB write), unmeasured.
+   The same in-process measure at the ``--fit-layers`` sizes (4 and 64 layers per
+   message by default, the same ranks and steps) gives the least-squares line
+   ``cost = fixed + per_row * layers``: ``fixed_us_per_message`` is what a message costs
+   whatever its size (decode, validation, the checks and bookkeeping), ``us_per_row``
+   what each of its layer rows adds (frame fields, health, alert rules, the write).
 2. **End to end.** The same messages go through a real broker (``--bootstrap-servers``,
    else ``KAFKA_BOOTSTRAP_SERVERS``, else a temporary local broker) to a fresh topic, sent
    from this process (``pipeline_throughput.produce_direct``: the SDK's producer
@@ -34,10 +39,11 @@ one run:
    the loop thread's own CPU per message (``time.pthread_getcpuclockid``).
 
 Run: ``python bench/message_cost.py [--ranks 64] [--layers 16] [--steps 200] [--repeat 3]
-[--bootstrap-servers HOST:PORT] [--profile FILE.html]``. The last line is
+[--fit-layers 4,64] [--bootstrap-servers HOST:PORT] [--profile FILE.html]``. The last line is
 ``us_per_message=N decode_validate=R merge=R frame_health=R output=R
-e2e_us_per_message=N`` (the ratios are shares of the in-process total; target:
-``us_per_message`` at most 50 for 16-layer messages). Figures in ``bench/README.md``.
+e2e_us_per_message=N fixed_us_per_message=N us_per_row=N`` (the ratios are shares of the
+in-process total; target: ``fixed_us_per_message`` at most 50). Figures in
+``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ from collections import namedtuple
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -103,10 +111,12 @@ def _settings(bootstrap: str, tmp: Path, label: str) -> Any:
 def _handled_worker(settings: Any) -> Any:
     """A Worker opened as ``run()`` opens it (output, alerts topic, restore), without a
     Kafka consumer: records are handed to ``consume``."""
+    from consumer.loop import freeze_startup_heap
     from consumer.worker import Worker
 
     worker = Worker(settings)
     worker.open()
+    freeze_startup_heap()  # as run() does, once per process
     return worker
 
 
@@ -261,6 +271,44 @@ def end_to_end(bootstrap: str, tmp: Path, ranks: int, layers: int,
     return worker.counters.messages, wall, cpu, loop
 
 
+def fixed_cost(points: dict[int, float]) -> tuple[float, float]:
+    """Split in-process cost into a fixed part per message and a part per layer row.
+
+    Args:
+        points: layers per message -> CPU µs per message (at least two layer counts).
+
+    Returns:
+        (intercept, slope) of the least-squares line ``cost = fixed + per_row * layers``:
+        the fixed µs per message (what a message costs whatever its size: decode, checks,
+        bookkeeping) and the µs per layer row (frame fields, health, alert rules, write).
+
+    Raises:
+        ValueError: fewer than two distinct layer counts.
+
+    >>> fixed_cost({4: 30.0, 16: 54.0, 64: 150.0})
+    (22.0, 2.0)
+    """
+    if len(points) < 2:
+        raise ValueError("the fit needs at least two layer counts")
+    layers = np.array(sorted(points), dtype=np.float64)
+    cost = np.array([points[int(k)] for k in layers])
+    slope, intercept = np.polyfit(layers, cost, 1)
+    return round(float(intercept), 6), round(float(slope), 6)
+
+
+def best_in_process(bootstrap: str, tmp: Path, records: list[Record], frames: int,
+                    repeat: int, profile: str | None = None) -> tuple[list[float], float, float]:
+    """``repeat`` in-process passes over ``records``, each with a fresh worker and store.
+
+    Returns:
+        (CPU seconds of each pass, handling and writing of the least one).
+    """
+    passes = [in_process(_settings(bootstrap, tmp, "plain"), records, frames,
+                         profile if i == 0 else None) for i in range(repeat)]
+    handle, write = min(passes, key=sum)
+    return [sum(p) for p in passes], handle, write
+
+
 def main(argv: list[str] | None = None) -> None:
     """Measure and print the figures (module doc); ``argv`` as on the command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -274,6 +322,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3,
                         help="in-process passes, the least CPU kept (default 3): other "
                         "processes on a shared machine slow single passes down")
+    parser.add_argument("--fit-layers", type=lambda v: [int(k) for k in v.split(",")],
+                        default=[4, 64], metavar="N,N",
+                        help="further layers per message, measured in process like "
+                        "--layers, for the fixed cost per message (default 4,64)")
     parser.add_argument("--profile", metavar="FILE.html",
                         help="profile the in-process handling with pyinstrument")
     args = parser.parse_args(argv)
@@ -293,14 +345,24 @@ def main(argv: list[str] | None = None) -> None:
         in_process(_settings(bootstrap, tmp, "warm"), build_records(
             f"bench-warm-{uuid.uuid4().hex[:8]}", "bench-msg", args.ranks, args.layers, warm),
             warm)
-        passes = [in_process(_settings(bootstrap, tmp, "plain"), records, frames,
-                             args.profile if i == 0 else None) for i in range(args.repeat)]
-        handle, write = min(passes, key=sum)
+        passes, handle, write = best_in_process(bootstrap, tmp, records, frames, args.repeat,
+                                                args.profile)
         total = handle + write
         print(f"in process: {n} records, CPU {handle / n * 1e6:.1f} µs per message handled + "
               f"{write / n * 1e6:.1f} µs per message written = {total / n * 1e6:.1f} µs "
               f"(best of {args.repeat}: " + ", ".join(
-                  f"{sum(p) / n * 1e6:.1f}" for p in passes) + ")")
+                  f"{p / n * 1e6:.1f}" for p in passes) + ")")
+        points = {args.layers: total / n * 1e6}
+        for layers in sorted(set(args.fit_layers) - {args.layers}):
+            other = build_records(f"bench-msg-{uuid.uuid4().hex[:8]}", "bench-msg",
+                                  args.ranks, layers, args.steps)
+            _, h, w = best_in_process(bootstrap, tmp, other, frames, args.repeat)
+            points[layers] = (h + w) / len(other) * 1e6
+        fixed, per_row = fixed_cost(points)
+        print("in process by message size: " + ", ".join(
+            f"{k} layers {v:.1f} µs" for k, v in sorted(points.items()))
+            + f" -> fixed {fixed:.1f} µs per message + {per_row:.2f} µs per layer row "
+            "(least squares)")
         cpu = stage_split(_settings(bootstrap, tmp, "split"), records, frames)
         split_total = sum(cpu.values())
         print("split (CPU µs per message, timed pass): " + "  ".join(
@@ -313,7 +375,8 @@ def main(argv: list[str] | None = None) -> None:
               f"({loop / read * 1e6:.1f} on the worker's loop thread)")
         ratios = " ".join(f"{name}={cpu[name] / split_total:.2f}" for name in STAGES)
         print(f"us_per_message={total / n * 1e6:.1f} {ratios} "
-              f"e2e_us_per_message={cpu_e2e / read * 1e6:.1f}")
+              f"e2e_us_per_message={cpu_e2e / read * 1e6:.1f} "
+              f"fixed_us_per_message={fixed:.1f} us_per_row={per_row:.2f}")
 
 
 if __name__ == "__main__":

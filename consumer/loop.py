@@ -35,12 +35,14 @@ assignment. Either way no record is skipped or stored twice.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +60,24 @@ if TYPE_CHECKING:
     from consumer.alerts.service import AlertService
 
 log = logging.getLogger("gradstream.consumer")
+
+
+@cache
+def freeze_startup_heap() -> None:
+    """Take every object alive now out of the garbage collector's scans, once per process.
+
+    A consumer process starts with about 120,000 objects the cyclic garbage collector
+    tracks (the imported modules, DuckDB's and pydantic's, the store's schema, the restored
+    run state), and they live as long as the process. Each full (generation 2) collection
+    would walk them all again; after ``gc.collect()`` (so that no garbage is kept)
+    ``gc.freeze()`` moves them to the permanent generation, and a full collection walks
+    only what the loop made since (CPython's ``gc`` documentation recommends this for
+    long-running servers). ``bench/message_cost.py``: about 5 µs less worker CPU per
+    message. An object frozen here is never collected as part of a cycle, so this runs
+    once per process, from :meth:`ConsumerLoop.run` after the output is open and restored.
+    """
+    gc.collect()
+    gc.freeze()
 
 @dataclass(slots=True)
 class LoopCounters:
@@ -239,6 +259,7 @@ class ConsumerLoop(ABC):
         self._started = time.monotonic()
         try:
             self.open()
+            freeze_startup_heap()
             self.metrics.serve(self.settings.metrics_port)
             self.dlq = DeadLetterQueue.connect(self.settings)
             self.connect()
