@@ -56,7 +56,7 @@ from analysis.scalars import (
     training_scalars,
 )
 from schemas.health import HEALTH_COLOR, check_nonfinite_verdict, classify_health
-from schemas.rounding import rounding_rows_sql
+from schemas.rounding import at_rounding_sql, rounding_rows_sql, roundoff_sql
 from schemas.wire import GradientHealth
 
 if TYPE_CHECKING:
@@ -423,6 +423,139 @@ def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
     """
 
 
+def _summary_from_frames_sql(with_dtype: bool) -> str:
+    """:func:`_summary_sql`'s rows from the frames' stored summaries
+    (:mod:`schemas.frame_summary`) instead of the run's ``layer_stats`` rows.
+
+    The same parameters and the same rows (the layer rows' last column, ``first_step``,
+    is only given for layers without gradient, the one use :func:`build_report` makes of
+    it). The frames of the run up to ``$to_step`` give the flagged rows (their layer
+    indices) and the rows at rounding level (the stored candidates judged with the
+    layer's dtype by :func:`schemas.rounding.at_rounding_sql`, the expression the full
+    scan evaluates); only for the layers at rounding level in some frame, ``layer_stats``
+    is read (their first step and their first step above rounding level, which decide
+    ``no_gradient``: the full scan's ``step < s0``). Cost: O(frames + flagged rows), plus
+    one filtered read of ``layer_stats``'s ``step`` and ``layer_index`` when some layer
+    is at rounding level.
+    """
+    roundoff = roundoff_sql("l.dtype" if with_dtype else "NULL")
+    flags = " UNION ALL ".join(
+        f"SELECT step, unnest({column}) AS layer_index, '{kind}' AS kind FROM fr_range"
+        for column, kind in (("vanishing_indices", "v"), ("exploding_indices", "e"),
+                             ("nonfinite_indices", "n"), ("inf_indices", "i")))
+    return f"""
+    WITH fr AS (
+        SELECT * FROM frames
+        WHERE run_id = $run_id AND ($to_step IS NULL OR step <= $to_step)
+    ),
+    fr_range AS (SELECT * FROM fr WHERE $from_step IS NULL OR step >= $from_step),
+    rc AS (
+        SELECT c.step, c.layer_index
+        FROM (SELECT step, top_magnitude AS top, unnest(rounding_candidates) AS layer_index,
+                     unnest(rounding_magnitudes) AS magnitude, unnest(rounding_gaps) AS widest
+              FROM fr WHERE len(rounding_candidates) > 0) AS c
+        LEFT JOIN layers AS l ON l.run_id = $run_id AND l.layer_index = c.layer_index
+        WHERE {at_rounding_sql("c.magnitude", "c.top", roundoff, "c.widest", nonfinite=None)}
+    ),
+    zl AS (
+        SELECT s.layer_index, min(s.step) AS first_step,
+               min(s.step) FILTER (WHERE r.step IS NULL) AS gradient_step,
+               max(s.step) FILTER (WHERE $from_step IS NULL OR s.step >= $from_step)
+                   AS last_in_range
+        FROM layer_stats AS s
+        LEFT JOIN rc AS r ON r.step = s.step AND r.layer_index = s.layer_index
+        WHERE s.run_id = $run_id AND ($to_step IS NULL OR s.step <= $to_step)
+          AND s.layer_index IN (SELECT DISTINCT layer_index FROM rc)
+        GROUP BY s.layer_index
+    ),
+    x AS (SELECT unnest($excluded::INTEGER[]) AS layer_index),
+    fl AS (
+        SELECT step, layer_index, bool_or(kind = 'v') AS is_vanishing,
+               bool_or(kind = 'e') AS is_exploding, bool_or(kind = 'n') AS nonfinite,
+               bool_or(kind = 'i') AS inf
+        FROM ({flags}) GROUP BY step, layer_index
+    ),
+    s AS (
+        SELECT f.step, f.layer_index, f.nonfinite,
+               f.is_vanishing AND NOT excluded AND NOT ($exclude_rounding AND coalesce(
+                   z.layer_index IS NOT NULL
+                   AND (z.gradient_step IS NULL OR f.step < z.gradient_step), false))
+                   AS vanishing,
+               (f.is_exploding OR ($reference AND f.inf)) AND NOT excluded AS exploding
+        FROM (SELECT *, layer_index IN (SELECT layer_index FROM x) AS excluded FROM fl) AS f
+        LEFT JOIN zl AS z ON z.layer_index = f.layer_index
+    ),
+    flagged AS (
+        SELECT layer_index, bool_or(vanishing) AS vanishing, bool_or(exploding) AS exploding,
+               bool_or(nonfinite) AS nonfinite
+        FROM s GROUP BY layer_index
+    ),
+    zero AS (
+        SELECT layer_index, first_step FROM zl
+        WHERE last_in_range IS NOT NULL
+          AND (gradient_step IS NULL OR last_in_range < gradient_step)
+    ),
+    per_layer AS (
+        SELECT coalesce(g.layer_index, z.layer_index) AS layer_index,
+               coalesce(g.vanishing, false) AS vanishing,
+               coalesce(g.exploding, false) AS exploding,
+               coalesce(g.nonfinite, false) AS nonfinite,
+               z.layer_index IS NOT NULL AS no_gradient, z.first_step
+        FROM flagged AS g FULL JOIN zero AS z ON z.layer_index = g.layer_index
+    ),
+    f AS (
+        SELECT step,
+               bool_or(vanishing OR exploding OR (nonfinite AND NOT $reference)) AS issue,
+               bool_or(nonfinite) AS nonfinite
+        FROM s GROUP BY step
+    ),
+    counts AS (
+        SELECT count(*) AS frames,
+               (SELECT count(*) FROM f WHERE issue) AS issue_frames,
+               max(step) AS last_step,
+               (SELECT min(step) FROM f WHERE nonfinite) AS first_nonfinite_step,
+               min(step) AS first_step
+        FROM fr_range WHERE num_layers > 0
+    )
+    SELECT c.frames, c.issue_frames, c.last_step, c.first_nonfinite_step, c.first_step,
+           p.layer_index,
+           {layer_name("p")} AS name,
+           p.vanishing, p.exploding, p.nonfinite, p.no_gradient, p.first_step
+    FROM counts AS c
+    LEFT JOIN (SELECT * FROM per_layer
+               WHERE vanishing OR exploding OR nonfinite OR no_gradient) AS p ON true
+    LEFT JOIN layers AS l ON l.run_id = $run_id AND l.layer_index = p.layer_index
+    ORDER BY p.layer_index
+    """
+
+
+def frames_summarise(con: duckdb.DuckDBPyConnection, run_id: str,
+                     to_step: int | None) -> bool:
+    """Whether the stored frame summaries (:mod:`schemas.frame_summary`) stand for the
+    run's ``layer_stats`` rows up to ``to_step`` (None: all), so that a report may read
+    them instead of the rows: the store has the summary columns, every ``frames`` row of
+    the run up to ``to_step`` has its summary, and their layer counts (``num_layers``)
+    add up to the ``layer_stats`` rows there (a store whose rows were written by another
+    program, or before the summaries existed, is read row by row). Two aggregates,
+    answered mostly from DuckDB's row-group statistics.
+    """
+    if not has_column(con, "frames", "rounding_gaps"):
+        return False
+    bound = "" if to_step is None else " AND step <= $to_step"
+    params: dict[str, object] = {"run_id": run_id}
+    if to_step is not None:
+        params["to_step"] = to_step
+    row = con.execute(
+        "SELECT count(*) FILTER (WHERE vanishing_indices IS NULL OR rounding_gaps IS NULL), "
+        f"coalesce(sum(num_layers), 0) FROM frames WHERE run_id = $run_id{bound}", params,
+    ).fetchone()
+    stored = con.execute(
+        f"SELECT count(*) FROM layer_stats WHERE run_id = $run_id{bound}", params,
+    ).fetchone()
+    assert row is not None and stored is not None  # aggregates
+    return row[0] == 0 and row[1] == stored[0]
+
+
 def _has_layer_dtype(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether the store's ``layers`` table has the ``dtype`` column (an older store's
     lacks it)."""
@@ -476,6 +609,7 @@ def build_report(
     exclude_rounding: bool = False,
     order: LayerOrder = "model",
     nonfinite_rule: str = "critical",
+    full_scan: bool = False,
 ) -> GradientFlowSummary:
     """Summarise one run from the store: flagged layers, health, recommendations.
 
@@ -493,6 +627,10 @@ def build_report(
             lists and the names quoted in the recommendations.
         nonfinite_rule: ``"critical"`` (default) or ``"reference"``: how NaN/Inf
             gradients count in the verdict (``GradientFlowSummary.nonfinite_rule``).
+        full_scan: read the layer lists and frame counts from every ``layer_stats`` row
+            of the run even where the frames' stored summaries stand for them
+            (:func:`frames_summarise`); the result is the same (the report's tests
+            compare both), only slower: O(rows) instead of O(frames + flagged rows).
 
     Returns:
         The :class:`GradientFlowSummary` of the frames in the range; field formulas are in
@@ -522,7 +660,10 @@ def build_report(
     no_gradient: list[str] = []
     since: list[int] = []
     exclusion = run_exclusion(con, run_id, ignore_layers)
-    rows = con.execute(_summary_sql(_has_layer_dtype(con), with_nan), {
+    summary_sql = (_summary_from_frames_sql(_has_layer_dtype(con))
+                   if not full_scan and frames_summarise(con, run_id, to_step)
+                   else _summary_sql(_has_layer_dtype(con), with_nan))
+    rows = con.execute(summary_sql, {
         **params, "excluded": exclusion.layer_index, "exclude_rounding": exclude_rounding,
         "reference": reference,
     }).fetchall()

@@ -42,6 +42,15 @@ MIGRATIONS: tuple[str, ...] = (
     # frames: why a frame is partial besides its missing ranks
     "ALTER TABLE frames ADD COLUMN IF NOT EXISTS refused_ranks INTEGER[]",
     "ALTER TABLE frames ADD COLUMN IF NOT EXISTS layout_violations INTEGER",
+    # frames: the summary a report reads instead of the rows (schemas.frame_summary)
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS vanishing_indices INTEGER[]",
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS exploding_indices INTEGER[]",
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS nonfinite_indices INTEGER[]",
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS inf_indices INTEGER[]",
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS top_magnitude DOUBLE",
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS rounding_candidates INTEGER[]",
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS rounding_magnitudes DOUBLE[]",
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS rounding_gaps DOUBLE[]",
     # alerts: the incident, its first step, the frame values and wall time
     "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS incident_id VARCHAR",
     "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS first_step BIGINT",

@@ -164,12 +164,54 @@ def at_rounding_level(magnitude: np.ndarray, roundoff: np.ndarray,
     return candidate & (detached * np.sqrt(roundoff) >= 1.0)
 
 
-def _roundoff_case(dtype_column: str) -> str:
+def roundoff_sql(dtype_column: str) -> str:
     """SQL expression of ``u`` for a dtype column (same values as :func:`unit_roundoff`)."""
     whens = " ".join(f"WHEN '{name}' THEN {eps / 2.0!r}::DOUBLE"
                      for name, eps in DTYPE_EPS.items())
     return (f"CASE {dtype_column} {whens} "
             f"ELSE {DTYPE_EPS[DEFAULT_DTYPE] / 2.0!r}::DOUBLE END")
+
+
+LARGEST_ROUNDOFF: float = max(DTYPE_EPS.values()) / 2.0
+"""The largest ``u`` of any dtype (bfloat16's, 2^-8): a row above ``LARGEST_ROUNDOFF * A``
+fails condition 2 whatever its layer's dtype."""
+
+def magnitude_sql(table: str = "") -> str:
+    """SQL of a row's magnitude ``a`` (:func:`gradient_magnitude`) over the ``layer_stats``
+    columns of ``table`` (an alias, or "" for unqualified columns)."""
+    t = f"{table}." if table else ""
+    return f"coalesce({t}mean_abs_grad, sqrt({t}sum_sq / {t}numel))"
+
+
+def gap_sql(window: str) -> str:
+    """SQL of a row's ratio to the next larger magnitude of its frame (condition 3's
+    consecutive ratio, ``x / 0 = inf`` for ``x > 0``, ``0 / 0 = 1``; NULL for the largest),
+    over a column ``magnitude`` and the named ``window`` (one frame's rows ordered by
+    ``magnitude DESC, layer_index``)."""
+    return (f"CASE WHEN magnitude > 0 THEN lag(magnitude) OVER {window} / magnitude "
+            f"WHEN lag(magnitude) OVER {window} > 0 THEN 'infinity'::DOUBLE ELSE 1.0 END")
+
+
+def widest_gap_sql(frame: str) -> str:
+    """SQL of ``W_l`` (condition 3): the widest ``gap`` from the frame's largest magnitude
+    down to this row, the frame's rows being those of the same ``frame`` columns (e.g.
+    ``"step"`` or ``"run_id, step"``)."""
+    return (f"max(gap) OVER (PARTITION BY {frame} ORDER BY magnitude DESC, layer_index "
+            "ROWS UNBOUNDED PRECEDING)")
+
+
+def at_rounding_sql(magnitude: str, top: str, roundoff: str, widest: str,
+                    nonfinite: str | None = "nonfinite") -> str:
+    """SQL of the judgement of one row (module doc, conditions 1-3), NULL read as False.
+
+    ``nonfinite=None`` leaves out condition 1 (``nonfinite = 0 AND top > 0``), for rows
+    already known to meet it (the stored candidates of :mod:`schemas.frame_summary`).
+    Every reader of the judgement builds it from this one expression, so that a judgement
+    from stored inputs is the one :func:`rounding_rows_sql` makes.
+    """
+    first = "" if nonfinite is None else f"{nonfinite} = 0 AND {top} > 0 AND "
+    return (f"coalesce({first}{magnitude} <= {roundoff} * {top} "
+            f"AND {widest} * sqrt({roundoff}) >= 1.0, false)")
 
 
 def rounding_rows_sql(with_dtype: bool = True, with_nan: bool | None = None) -> str:
@@ -196,8 +238,8 @@ def rounding_rows_sql(with_dtype: bool = True, with_nan: bool | None = None) -> 
     return f"""
     WITH gs_base AS (
         SELECT s.step, s.layer_index, s.is_vanishing, s.is_exploding, s.nonfinite,{nan}
-               coalesce(s.mean_abs_grad, sqrt(s.sum_sq / s.numel)) AS magnitude,
-               {_roundoff_case("l.dtype" if with_dtype else "NULL")} AS roundoff
+               {magnitude_sql("s")} AS magnitude,
+               {roundoff_sql("l.dtype" if with_dtype else "NULL")} AS roundoff
         FROM layer_stats AS s
         LEFT JOIN layers AS l ON l.run_id = s.run_id AND l.layer_index = s.layer_index
         WHERE s.run_id = $run_id AND ($to_step IS NULL OR s.step <= $to_step)
@@ -205,19 +247,14 @@ def rounding_rows_sql(with_dtype: bool = True, with_nan: bool | None = None) -> 
     gs_gaps AS (
         SELECT *,
                max(magnitude) OVER (PARTITION BY step) AS top,
-               CASE WHEN magnitude > 0 THEN lag(magnitude) OVER gs_w / magnitude
-                    WHEN lag(magnitude) OVER gs_w > 0 THEN 'infinity'::DOUBLE
-                    ELSE 1.0 END AS gap
+               {gap_sql("gs_w")} AS gap
         FROM gs_base
         WINDOW gs_w AS (PARTITION BY step ORDER BY magnitude DESC, layer_index)
     ),
     gs_judged AS (
         SELECT *,
-               coalesce(nonfinite = 0 AND top > 0 AND magnitude <= roundoff * top
-                        AND max(gap) OVER (PARTITION BY step ORDER BY magnitude DESC,
-                                           layer_index ROWS UNBOUNDED PRECEDING)
-                            * sqrt(roundoff) >= 1.0,
-                        false) AS at_rounding
+               {at_rounding_sql("magnitude", "top", "roundoff", widest_gap_sql("step"))}
+                   AS at_rounding
         FROM gs_gaps
     )
     SELECT step, layer_index, is_vanishing, is_exploding, nonfinite,{nan_out} magnitude,

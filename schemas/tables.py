@@ -70,7 +70,10 @@ frames
     (``refused_ranks``: a refused RunStarted, a dead-lettered summary; the others sent
     nothing) and how many layers hold pieces that do not fit their parameter
     (``layout_violations``: numel that does not add up, a replica of another size, another
-    shard count).
+    shard count). The frame's summary, written with its rows (``schemas.frame_summary``:
+    the layer indices flagged vanishing, exploding, non-finite and Inf, and the inputs of
+    the rounding-level judgement), so that a report reads frames instead of rows; NULL in
+    a row stored before the summary existed.
 step_scalars
     One row per (run, step, scalar name) of the training scalars (``schemas.scalars``):
     the step scalars the producers sent (learning rates ``lr``, ``lr/1``...,
@@ -98,6 +101,7 @@ kafka_offsets
     same transaction as the rows it covers (exactly-once into the store).
 """
 
+from schemas.frame_summary import SUMMARY_COLUMNS
 from schemas.migrations import MIGRATIONS
 
 CREATE_TABLES: tuple[str, ...] = (
@@ -212,6 +216,14 @@ CREATE_TABLES: tuple[str, ...] = (
         finalized_at     DOUBLE NOT NULL,
         refused_ranks    INTEGER[],
         layout_violations INTEGER,
+        vanishing_indices INTEGER[],
+        exploding_indices INTEGER[],
+        nonfinite_indices INTEGER[],
+        inf_indices       INTEGER[],
+        top_magnitude     DOUBLE,
+        rounding_candidates INTEGER[],
+        rounding_magnitudes DOUBLE[],
+        rounding_gaps       DOUBLE[],
         PRIMARY KEY (run_id, step)
     )
     """,
@@ -290,8 +302,10 @@ FRAMES_COLUMNS: tuple[str, ...] = (
     "nonfinite_layers", "complete", "ranks_seen", "missing_ranks", "wall_time", "finalized_at",
 )
 """Column order of ``frames`` (its required columns; the optional ``refused_ranks`` and
-``layout_violations`` follow, see :data:`FRAMES_OPTIONAL_COLUMNS`)."""
+``layout_violations`` and the summary follow, see :data:`FRAMES_OPTIONAL_COLUMNS`)."""
 
-FRAMES_OPTIONAL_COLUMNS: tuple[str, ...] = ("refused_ranks", "layout_violations")
-"""The nullable columns of ``frames``: the missing ranks whose data was refused, and the
-number of layers whose pieces do not fit their parameter."""
+FRAMES_OPTIONAL_COLUMNS: tuple[str, ...] = (
+    "refused_ranks", "layout_violations", *SUMMARY_COLUMNS)
+"""The nullable columns of ``frames``: the missing ranks whose data was refused, the
+number of layers whose pieces do not fit their parameter, and the frame's summary
+(``schemas.frame_summary``)."""

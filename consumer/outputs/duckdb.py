@@ -5,11 +5,13 @@ worker and of ``gradstream store``; :class:`DuckDBSink` owns the file. Rows are 
 bulk from Arrow tables, never row by row. A batch's frames replace what is stored for
 their (run, step): the ``layer_stats`` rows of those keys are deleted, then the new rows
 appended with a plain ``INSERT ... SELECT``, and ``frames`` rows are upserted on their
-(run, step) key. So a rewritten frame (late shard, replay after a crash) replaces the old
-rows, and a frame written twice appears once. The next offset to consume per partition is
-written in the same transaction as the rows it covers, so the store is exactly-once with
-respect to Kafka (README.md, "Tables"). Each transaction runs on a writer thread while the
-caller prepares the next batch (``write_behind``); reads wait for it.
+(run, step) key, each with its summary computed from the rows inserted with it
+(:func:`schemas.frame_summary.frame_summary_sql`). So a rewritten frame (late shard,
+replay after a crash) replaces the old rows, and a frame written twice appears once.
+The next offset to consume per partition is written in the same transaction as the rows
+it covers, so the store is exactly-once with respect to Kafka (README.md, "Tables").
+Each transaction runs on a writer thread while the caller prepares the next batch
+(``write_behind``); reads wait for it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from consumer.outputs.base import (
     commit_offsets,
 )
 from consumer.runs import RunInfo
+from schemas.frame_summary import frame_summary_sql
 from schemas.rounding import rounding_rows_sql
 from schemas.scalars import MEAN, RANK_AGGREGATES, RankScalars
 from schemas.stats import (
@@ -644,7 +647,10 @@ class DuckDBSink:
             "WHERE layer_stats.run_id = f.run_id AND layer_stats.step = f.step",
             f"INSERT INTO layer_stats ({', '.join(columns)}) "
             f"SELECT {', '.join(columns)} FROM gs_stats",
-            "INSERT OR REPLACE INTO frames BY NAME SELECT * FROM gs_frames",
+            # the frame's summary (schemas.frame_summary) from the rows just inserted
+            "INSERT OR REPLACE INTO frames BY NAME SELECT f.*, x.* EXCLUDE (run_id, step) "
+            f"FROM gs_frames AS f LEFT JOIN ({frame_summary_sql('gs_stats')}) AS x "
+            "USING (run_id, step)",
         )
         self._write_local([f for f in fs if f.local is not None and len(f.local)])
         self._write_scalars(fs)
