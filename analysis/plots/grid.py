@@ -10,7 +10,12 @@ Every picture and the dashboard draw from these two reductions of ``layer_stats`
   entry of the bin was vanishing, exploding or non-finite. The SQL returns at most
   ``max_steps x max_layers`` cells, so the work in Python is bounded whatever the run's
   length. :meth:`GradientGrid.caption` says how the grid was downsampled; every picture
-  prints it.
+  prints it. Two statements (one snapshot: a file read alone, or a served read's
+  ``BEGIN TRANSACTION READ ONLY`` cursor): the range's distinct steps (a scan of ``step``
+  alone: the columns' steps and ``k``), then one aggregation over the seven columns the
+  cells need, each row's column found by arithmetic on its step when the frames are
+  evenly spaced, else by a join on the listed frames (no CTE of the rows, no per-cell
+  step bookkeeping).
 - :func:`load_layer_series`: one layer's norms over its recorded steps, binned the same
   way (maximum and minimum per bin).
 
@@ -44,27 +49,55 @@ from schemas.flags import FLAG_VANISHING as FLAG_VANISHING
 from schemas.flags import FLAG_ZERO as FLAG_ZERO
 from schemas.flags import predicate
 
-_GRID_SQL = f"""
-    WITH s AS (
-        SELECT step, layer_index, grad_norm, flow_intensity, is_vanishing, is_exploding,
-               nonfinite
-        FROM layer_stats WHERE run_id = $run_id AND {step_range()}
-    ),
-    {step_buckets("s", "max_steps")}
+_FRAMES_SQL = f"""
+    SELECT DISTINCT step FROM layer_stats
+    WHERE run_id = $run_id AND {step_range()}
+    ORDER BY step
+"""
+"""The recorded frames of the range (the steps of the grid's columns), ascending: a scan of
+``step`` alone."""
+
+_CELL_FLAGS = " | ".join(
+    f"CASE WHEN {predicate(name, 's')} THEN {bit} ELSE 0 END"
+    for name, bit in (("vanishing", FLAG_VANISHING), ("exploding", FLAG_EXPLODING),
+                      ("nonfinite", FLAG_NONFINITE))
+)
+"""A row's FLAG_VANISHING | FLAG_EXPLODING | FLAG_NONFINITE bits (a NULL flag counts as
+unset, as ``bool_or`` ignores NULL); ``bit_or`` over a cell gives "any row of the cell"."""
+
+
+def _cells_sql(bucket: str, join: str = "") -> str:
+    """The one aggregation of :func:`load_grid`: per (row, column) cell the maximum norm and
+    flow intensity and the OR of the row flags, reading only ``layer_index``, ``step``,
+    ``grad_norm``, ``flow_intensity`` and the three flag columns.
+
+    Args:
+        bucket: the SQL of a row's column number (``s.step`` -> ``0..C-1``).
+        join: a join bringing the relation ``bucket`` reads (``""``: none).
+    """
+    return f"""
     SELECT s.layer_index // $layers_per_row AS row_no,
-           b.bucket AS col_no,
+           {bucket} AS col_no,
            max(s.grad_norm) AS max_norm,
            max(s.flow_intensity) AS max_flow,
-           bool_or({predicate("vanishing", "s")}) AS vanishing,
-           bool_or({predicate("exploding", "s")}) AS exploding,
-           bool_or({predicate("nonfinite", "s")}) AS nonfinite,
-           min(s.step) AS first_step,
-           max(s.step) AS last_step,
-           any_value(b.n_frames) AS n_frames,
-           any_value(b.k) AS k
-    FROM s JOIN bucketed AS b USING (step)
+           bit_or({_CELL_FLAGS})::UTINYINT AS flags
+    FROM layer_stats AS s {join}
+    WHERE s.run_id = $run_id AND {step_range("s")}
     GROUP BY row_no, col_no
 """
+
+
+_STRIDED_CELLS_SQL = _cells_sql("(s.step - $first_step) // $col_span")
+"""Cells when the frames are evenly spaced (``first_step + j * stride``): the column is
+arithmetic on the step, ``col_span = stride * k``, no join."""
+
+_LISTED_CELLS_SQL = _cells_sql(
+    "b.col_no",
+    "JOIN (SELECT unnest($frame_steps::BIGINT[]) AS step, "
+    "unnest($frame_cols::BIGINT[]) AS col_no) AS b ON b.step = s.step",
+)
+"""Cells for frames at any steps: each frame's column sent as two lists (steps, columns)
+and joined on the step."""
 
 _SERIES_SQL = f"""
     WITH s AS (
@@ -369,9 +402,6 @@ def load_grid(
     shape = load_run_shape(con, run_id)
     n_layers = len(shape.layer_names)
     m = _bins(n_layers, max_layers)
-    cells = con.execute(
-        _GRID_SQL, params | {"max_steps": max_steps, "layers_per_row": m}
-    ).fetchnumpy()
     n_rows = -(-n_layers // m) if n_layers else 0
     row_first = np.arange(n_rows, dtype=np.int64) * m
     row_last = np.minimum(row_first + m, n_layers) - 1
@@ -379,40 +409,60 @@ def load_grid(
         shape.layer_names[a] if a == b else f"{shape.layer_names[a]} … {shape.layer_names[b]}"
         for a, b in zip(row_first.tolist(), row_last.tolist(), strict=True)
     ]
-    if len(cells["row_no"]) == 0:
+    steps = np.asarray(con.execute(_FRAMES_SQL, params).fetchnumpy()["step"], dtype=np.int64)
+    n_frames = len(steps)
+    if n_frames == 0:
         empty = np.zeros((n_rows, 0))
         return GradientGrid(
             run_id, labels, row_first, row_last, np.zeros(0, np.int64), np.zeros(0, np.int64),
             np.zeros(0, np.int64), empty, empty.copy(), np.zeros((n_rows, 0), np.uint8), 1, m,
             0, n_layers, shape.vanishing_threshold, shape.exploding_threshold,
         )
-    n_frames, k = int(cells["n_frames"][0]), int(cells["k"][0])
+    k = _bins(n_frames, max_steps)
     n_cols = -(-n_frames // k)
+    frame_cols = np.arange(n_frames, dtype=np.int64) // k
+    cells = con.execute(*_cells_query(steps, frame_cols, k, params | {"layers_per_row": m}))
+    cells = cells.fetchnumpy()
     rows = np.asarray(cells["row_no"], dtype=np.int64)
     cols = np.asarray(cells["col_no"], dtype=np.int64)
-    if rows.max() >= n_rows:
+    if len(rows) and rows.max() >= n_rows:
         raise StoreError(f"run {run_id!r} has layer_stats rows beyond its {n_layers} layers")
+    if len(cols) and (cols.min() < 0 or cols.max() >= n_cols):  # frames of one snapshot
+        raise StoreError(f"run {run_id!r} changed while its grid was read; read it again")
     max_norm = np.full((n_rows, n_cols), np.nan)
     max_flow = np.full((n_rows, n_cols), np.nan)
     max_norm[rows, cols] = _f64(cells["max_norm"])
     max_flow[rows, cols] = _f64(cells["max_flow"])
     flags = np.full((n_rows, n_cols), FLAG_NO_DATA, dtype=np.uint8)
-    flags[rows, cols] = (
-        np.asarray(cells["vanishing"], bool) * FLAG_VANISHING
-        | np.asarray(cells["exploding"], bool) * FLAG_EXPLODING
-        | np.asarray(cells["nonfinite"], bool) * FLAG_NONFINITE
-    ).astype(np.uint8)
+    flags[rows, cols] = np.asarray(cells["flags"], dtype=np.uint8)
     flags[max_norm == 0] |= FLAG_ZERO
-    first_step = np.full(n_cols, np.iinfo(np.int64).max, dtype=np.int64)
-    last_step = np.full(n_cols, np.iinfo(np.int64).min, dtype=np.int64)
-    np.minimum.at(first_step, cols, np.asarray(cells["first_step"], dtype=np.int64))
-    np.maximum.at(last_step, cols, np.asarray(cells["last_step"], dtype=np.int64))
-    col_frames = np.minimum(k, n_frames - np.arange(n_cols, dtype=np.int64) * k)
+    starts = np.arange(n_cols, dtype=np.int64) * k
+    first_step = steps[starts]
+    last_step = steps[np.minimum(starts + k, n_frames) - 1]
+    col_frames = np.minimum(k, n_frames - starts)
     return GradientGrid(
         run_id, labels, row_first, row_last, first_step, last_step, col_frames, max_norm,
         max_flow, flags, k, m, n_frames, n_layers, shape.vanishing_threshold,
         shape.exploding_threshold,
     )
+
+
+def _cells_query(steps: np.ndarray, frame_cols: np.ndarray, k: int,
+                 params: dict[str, object]) -> tuple[str, dict[str, object]]:
+    """The cells statement of :func:`load_grid` and its parameters for the recorded frames
+    ``steps`` (int64[F], ascending, distinct) in columns ``frame_cols`` (``j // k``).
+
+    Evenly spaced frames (every step, every N-th step: the usual runs) give each row's
+    column by arithmetic on its step (:data:`_STRIDED_CELLS_SQL`, ~1.5x faster than the
+    join at 10 M rows); other frames send their columns as lists joined on the step
+    (:data:`_LISTED_CELLS_SQL`). Both give the same cells: the columns of ``frame_cols``.
+    """
+    stride = int(steps[1] - steps[0]) if len(steps) > 1 else 1
+    if len(steps) == 1 or bool((np.diff(steps) == stride).all()):
+        return _STRIDED_CELLS_SQL, params | {"first_step": int(steps[0]),
+                                             "col_span": stride * k}
+    return _LISTED_CELLS_SQL, params | {"frame_steps": steps.tolist(),
+                                        "frame_cols": frame_cols.tolist()}
 
 
 @dataclass(frozen=True)

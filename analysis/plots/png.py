@@ -199,13 +199,16 @@ def heatmap_figure(grid: GradientGrid, width_px: int = 1600,
         if vmin == vmax:
             vmin, vmax = vmin - 0.5, vmax + 0.5
         cmap = matplotlib.colormaps[NORM_CMAP].with_extremes(bad=FLAG_COLORS["no_data"])
+        # Colours mapped on the R x C cells, then resampled to the pixels ("rgba" stage):
+        # with nearest-neighbour sampling the same picture as mapping every pixel, at the
+        # cost of the cells rather than of the image.
         image = ax.imshow(np.ma.masked_invalid(log), aspect="auto", interpolation="nearest",
-                          cmap=cmap, vmin=vmin, vmax=vmax)
+                          interpolation_stage="rgba", cmap=cmap, vmin=vmin, vmax=vmax)
         if cax is None:
             fig.colorbar(image, ax=ax, label="log10 gradient L2 norm", pad=0.01)
         else:
             fig.colorbar(image, cax=cax, label="log10 gradient L2 norm")
-        fig.canvas.draw()
+        _lay_out(fig)
         box = ax.get_window_extent()
         _mark_cells(ax, grid, box.width / cols, box.height / rows)
         _step_axis(ax, grid)
@@ -224,6 +227,17 @@ def heatmap_figure(grid: GradientGrid, width_px: int = 1600,
         fig.legend(handles=_legend_handles(grid), loc="outside lower left", ncol=5,
                    fontsize=8, frameon=False)
     return fig
+
+
+def _lay_out(fig: Figure) -> None:
+    """Place the axes as drawing will (the figure's constrained layout, which measures the
+    text), without rendering: the cell size in pixels is known before the marks are chosen,
+    and the images (bounded by pixels, yet the slowest artists) are drawn once, on save."""
+    engine = fig.get_layout_engine()
+    if engine is None:
+        fig.canvas.draw()
+    else:
+        engine.execute(fig)
 
 
 def _loss_figure(width_px: int, height_px: int) -> tuple[Figure, tuple[Axes, Axes, Axes]]:
@@ -322,11 +336,13 @@ def _mark_cells(ax: Axes, grid: GradientGrid, cell_w: float, cell_h: float) -> N
     from matplotlib.colors import to_rgba
 
     hollow = min(cell_w, cell_h) >= MIN_MARK_PX
-    overlay = np.zeros((*grid.shape, 4))
+    overlay = np.zeros((*grid.shape, 4), dtype=np.uint8)  # 8-bit RGBA: resampled fastest
     for bit, key in _MARK_ORDER:
         if bit == FLAG_ZERO or not hollow:
-            overlay[(grid.flags & bit) > 0] = to_rgba(FLAG_COLORS[key])
-    ax.imshow(overlay, aspect="auto", interpolation="nearest")
+            overlay[(grid.flags & bit) > 0] = np.round(np.multiply(to_rgba(FLAG_COLORS[key]),
+                                                                   255))
+    if overlay[..., 3].any():  # nothing to fill: no second image to draw
+        ax.imshow(overlay, aspect="auto", interpolation="nearest")
     if not hollow:
         return
     side_pt = 0.8 * min(cell_w, cell_h) * 72 / DPI
