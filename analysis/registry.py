@@ -128,13 +128,23 @@ class Analysis(Generic[OptionsT, ReportT]):
         to_step: int | None,
         values: Mapping[str, object],
     ) -> ReportT:
-        """:meth:`options_from` ``values``, then :attr:`build` the report.
+        """:meth:`options_from` ``values``, then :attr:`build` the report, or return the
+        report built before for the same store, run, range and options while the run has
+        no new or rewritten rows (:data:`analysis.read.result_cache.RESULTS`: one bounded
+        LRU cache for every analysis; the returned report is shared, treat it as
+        read-only).
 
         Raises:
             ValueError: an invalid option (or what :attr:`build` raises).
             analysis.read.connect.StoreError: see :attr:`build`.
         """
-        return self.build(con, run_id, from_step, to_step, self.options_from(values))
+        from analysis.read.result_cache import RESULTS
+
+        options = self.options_from(values)
+        key = (self.name, from_step, to_step, options.model_dump_json())
+        return RESULTS.get_or_compute(
+            con, run_id, key, lambda: self.build(con, run_id, from_step, to_step, options)
+        )
 
 
 def get(name: str) -> Analysis[Any, Any]:

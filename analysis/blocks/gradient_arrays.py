@@ -45,6 +45,12 @@ from schemas.flags import flag_bits_sql
 
 _RMS = "s.grad_norm / sqrt(greatest(s.numel - s.nonfinite, 1))"
 
+ROW_BATCH = 1 << 20
+"""Rows per Arrow batch when :func:`load_history` streams a run's rows (and per layer
+chunk of the derived arrays, in elements): 2^20 rows are about 25 MB in flight, small next
+to the ``layers x steps`` arrays they fill, and large enough that the per-batch overhead
+(one NumPy scatter) is negligible."""
+
 _ROWS_SQL = f"""
     SELECT s.layer_index, s.step, s.grad_norm, {flag_bits_sql("s")} AS flags
     FROM layer_stats AS s
@@ -264,27 +270,63 @@ class GradientHistory:
         steps = np.broadcast_to(self.steps.astype(np.float64), self.norms.shape)
         if self.valid.all():
             return Packed(self.norms, steps, self.flags, self.counts)
-        order = np.argsort(self.valid.view(np.uint8), axis=1, kind="stable")
         width = int(self.counts.max(initial=0))
-        order = order[:, order.shape[1] - width :]
-        return Packed(
-            np.take_along_axis(self.norms, order, axis=1),
-            np.where(
-                np.take_along_axis(self.valid, order, axis=1),
-                np.take_along_axis(steps, order, axis=1),
+        values = np.empty((self.num_layers, width))
+        packed_steps = np.empty((self.num_layers, width))
+        flags = np.empty((self.num_layers, width), dtype=np.uint8)
+        # Row by row the sort is independent of the other rows: done a chunk of layers
+        # at a time, the int64 order array never exceeds one chunk.
+        for rows in layer_chunks(self.num_layers, self.num_steps):
+            valid = self.valid[rows]
+            order = np.argsort(valid.view(np.uint8), axis=1, kind="stable")
+            order = order[:, order.shape[1] - width :]
+            values[rows] = np.take_along_axis(self.norms[rows], order, axis=1)
+            packed_steps[rows] = np.where(
+                np.take_along_axis(valid, order, axis=1),
+                np.take_along_axis(steps[rows], order, axis=1),
                 np.nan,
-            ),
-            np.take_along_axis(self.flags, order, axis=1),
-            self.counts,
-        )
+            )
+            flags[rows] = np.take_along_axis(self.flags[rows], order, axis=1)
+        return Packed(values, packed_steps, flags, self.counts)
 
     @cached_property
     def global_norm(self) -> np.ndarray:
         """float64 ``[T]`` the whole-model gradient norm per step,
         ``sqrt(sum_l grad_norm[l, t]^2)`` over the layers with a usable norm (what
         ``torch.nn.utils.clip_grad_norm_`` measures); NaN at a step without any."""
-        total = np.sqrt(np.nansum(np.square(self.norms), axis=0))
+        if self.norms.size <= ROW_BATCH or self.num_steps == 1:
+            total = np.sqrt(np.nansum(np.square(self.norms), axis=0))
+        else:
+            # NumPy sums a C-contiguous [L, T] array over axis 0 one row after the other;
+            # adding the rows in the same order, a chunk of squares at a time, gives the
+            # same bits without an [L, T] temporary.
+            acc = np.zeros(self.num_steps)
+            for rows in layer_chunks(self.num_layers, self.num_steps):
+                squares = np.square(self.norms[rows])
+                squares[np.isnan(squares)] = 0.0
+                for row in squares:
+                    acc += row
+            total = np.sqrt(acc)
         return np.where(self.valid.any(axis=0), total, np.nan)
+
+
+def layer_chunks(layers: int, width: int) -> list[slice]:
+    """Consecutive slices of ``range(layers)`` of at most :data:`ROW_BATCH` elements each
+    for rows ``width`` wide (at least one layer per slice), covering every layer in order.
+
+    A per-layer (row-wise) computation done chunk by chunk gives the same bits as over the
+    whole array (NumPy reduces each row of a C-contiguous block on its own) while its
+    temporaries stay within one chunk.
+
+    Args:
+        layers: ``L``, rows of the array.
+        width: ``W``, columns per row.
+
+    Returns:
+        The slices; empty for ``layers == 0``.
+    """
+    size = max(1, ROW_BATCH // max(width, 1))
+    return [slice(start, min(start + size, layers)) for start in range(0, layers, size)]
 
 
 def load_history(
@@ -315,7 +357,6 @@ def load_history(
     run_rows = con.execute(_RUN_SQL, {"run_id": run_id}).fetchall()
     # The run exists (checked by require_run).
     van, exp, world, _num_layers, run_first_step = run_rows[0]
-    rows = con.sql(_ROWS_SQL, params=params).fetchnumpy()
     steps = np.asarray(con.sql(_STEPS_SQL, params=params).fetchnumpy()["step"], dtype=np.int64)
     layers = con.sql(_LAYER_SQL, params=params).fetchnumpy()
     update = con.sql(_UPDATE_SQL, params=params).fetchnumpy()
@@ -324,21 +365,26 @@ def load_history(
     count = layer_index.size
     position = np.full(int(layer_index.max(initial=-1)) + 1, -1, dtype=np.int64)
     position[layer_index] = np.arange(count)
-    row_layer = position[np.asarray(rows["layer_index"], dtype=np.int64)]
-    row_step = np.asarray(rows["step"], dtype=np.int64)
-    if steps.size and steps[-1] - steps[0] + 1 == steps.size:
-        row_pos = row_step - steps[0]
-    else:
-        row_pos = np.searchsorted(steps, row_step)
+    dense_steps = bool(steps.size) and int(steps[-1] - steps[0] + 1) == steps.size
     norms = np.full((count, steps.size), np.nan)
     flags = np.zeros((count, steps.size), dtype=np.uint8)
     present = np.zeros((count, steps.size), dtype=bool)
-    norms[row_layer, row_pos] = np.asarray(rows["grad_norm"], dtype=np.float64)
-    flags[row_layer, row_pos] = np.asarray(rows["flags"], dtype=np.uint8)
-    present[row_layer, row_pos] = True
-    if np.isnan(norms[present]).any():
-        raise StoreError(f"run {run_id!r} has NULL or NaN grad_norm values in layer_stats")
-    norms[(flags & FLAG_NONFINITE) != 0] = np.nan
+    # The rows stream in Arrow batches of ROW_BATCH and are scattered into the arrays
+    # as they come: the memory beyond the L x T arrays is one batch, whatever the run's size.
+    reader = con.sql(_ROWS_SQL, params=params).to_arrow_reader(batch_size=ROW_BATCH)
+    for batch in reader:
+        row_layer = position[batch.column(0).to_numpy(zero_copy_only=False).astype(np.int64)]
+        row_step = batch.column(1).to_numpy(zero_copy_only=False).astype(np.int64)
+        row_pos = row_step - steps[0] if dense_steps else np.searchsorted(steps, row_step)
+        # NULL arrives as NaN (Arrow -> NumPy of a nullable float column).
+        row_norm = batch.column(2).to_numpy(zero_copy_only=False).astype(np.float64)
+        row_flags = batch.column(3).to_numpy(zero_copy_only=False).astype(np.uint8)
+        if np.isnan(row_norm).any():
+            raise StoreError(f"run {run_id!r} has NULL or NaN grad_norm values in layer_stats")
+        row_norm[(row_flags & FLAG_NONFINITE) != 0] = np.nan
+        norms[row_layer, row_pos] = row_norm
+        flags[row_layer, row_pos] = row_flags
+        present[row_layer, row_pos] = True
     valid = ~np.isnan(norms)
     exclusion = run_range.exclusion
     excluded = np.isin(layer_index, np.asarray(exclusion.layer_index, dtype=np.int64))

@@ -15,11 +15,47 @@ reference function and says where gradstream departs from it.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from analysis.blocks.significance import DEFAULT_ALPHA, t_critical, z_critical
+
+RowsT = TypeVar("RowsT")
+
+
+def concat_rows(parts: Sequence[RowsT]) -> RowsT:
+    """Join the per-chunk results of a row-wise statistic computed a chunk of layers at a
+    time (:func:`analysis.blocks.gradient_arrays.layer_chunks`) into the result over every
+    layer, in chunk order.
+
+    Args:
+        parts: one result per chunk, all of one kind: a NumPy array (joined along axis 0),
+            a tuple of them, or a dataclass whose array fields are per row (as
+            :class:`Moments`, :class:`Trend`, :class:`TurningPoints`).
+
+    Returns:
+        The same kind of result over the rows of every part.
+
+    Raises:
+        ValueError: ``parts`` is empty.
+    """
+    if not parts:
+        raise ValueError("concat_rows needs at least one chunk")
+    first = parts[0]
+    if isinstance(first, np.ndarray):
+        return np.concatenate(parts, axis=0)  # type: ignore[return-value]
+    if isinstance(first, tuple):
+        return tuple(concat_rows(list(column)) for column in zip(*parts, strict=True))  # type: ignore[return-value]
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.replace(first, **{  # type: ignore[type-var]
+            f.name: concat_rows([getattr(part, f.name) for part in parts])
+            for f in dataclasses.fields(first)
+        })
+    raise TypeError(f"concat_rows cannot join {type(first).__name__}")
 
 
 @dataclass(frozen=True)

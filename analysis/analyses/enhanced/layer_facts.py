@@ -23,6 +23,7 @@ from analysis.blocks.gradient_arrays import (
     FLAG_NONFINITE,
     FLAG_VANISHING,
     GradientHistory,
+    layer_chunks,
 )
 from analysis.blocks.significance import family_alpha
 
@@ -114,10 +115,12 @@ def compute_layer_facts(
     packed = history.packed
     x, n = packed.values, packed.counts
     per_layer = family_alpha(alpha, history.num_layers)
-    mom = series.moments(x)
-    median, p5, p95 = series.nearest_rank_percentiles(x, n)
-    turning = series.turning_points(x, n, per_layer)
-    fit = series.trend(x, packed.steps, per_layer)
+    # Every statistic below is row-wise: computed a chunk of layers at a time, its
+    # [L, T] temporaries (sorted copy, centred values, differences) stay within one chunk.
+    chunks = layer_chunks(history.num_layers, x.shape[1]) or [slice(0, 0)]
+    (mom, median, p5, p95, turning, fit, consistency, smooth, flow_rate) = series.concat_rows(
+        [_row_statistics(x[rows], packed.steps[rows], n[rows], per_layer) for rows in chunks]
+    )
 
     recent = packed.window(window)
     with np.errstate(divide="ignore"):
@@ -168,10 +171,10 @@ def compute_layer_facts(
         median=median,
         p5=p5,
         p95=p95,
-        consistency=series.flow_consistency(x),
-        smoothness=series.smoothness(x, mom.mean),
+        consistency=consistency,
+        smoothness=smooth,
         stability=stability,
-        flow_rate=series.information_flow_rate(x, n),
+        flow_rate=flow_rate,
         fit=fit,
         turning=turning,
         convergence=convergence,
@@ -187,6 +190,26 @@ def compute_layer_facts(
     )
 
 
+def _row_statistics(
+    x: np.ndarray, steps: np.ndarray, n: np.ndarray, alpha: float
+) -> tuple[series.Moments, np.ndarray, np.ndarray, np.ndarray, series.TurningPoints,
+           series.Trend, np.ndarray, np.ndarray, np.ndarray]:
+    """The row-wise statistics of :func:`compute_layer_facts` over some layers' packed
+    series ``x`` (float64 ``[K, W]``), their ``steps`` and sample counts ``n``: moments,
+    median, p5, p95, turning points, trend (tests at ``alpha``), flow consistency,
+    smoothness and information flow rate."""
+    mom = series.moments(x)
+    median, p5, p95 = series.nearest_rank_percentiles(x, n)
+    return (
+        mom, median, p5, p95,
+        series.turning_points(x, n, alpha),
+        series.trend(x, steps, alpha),
+        series.flow_consistency(x),
+        series.smoothness(x, mom.mean),
+        series.information_flow_rate(x, n),
+    )
+
+
 def grid_log_changes(history: GradientHistory) -> np.ndarray:
     """``ln n_t - ln n_prev`` of each layer between consecutive samples, placed at the step
     of the later sample on the history's step grid, so that layers can be compared step
@@ -199,16 +222,20 @@ def grid_log_changes(history: GradientHistory) -> np.ndarray:
     out = np.full(norms.shape, np.nan)
     if norms.shape[1] < 2:
         return out
+    # Element-wise per layer: a chunk of layers at a time, the logarithms and differences
+    # stay within one chunk besides the result.
     if history.valid.all():
-        out[:, 1:] = series.log_changes(norms)
+        for rows in layer_chunks(history.num_layers, history.num_steps):
+            out[rows, 1:] = series.log_changes(norms[rows])
         return out
     packed = history.packed
-    changes = series.log_changes(packed.values)
-    later = packed.steps[:, 1:]
-    ok = ~np.isnan(changes) & ~np.isnan(later)
-    rows = np.nonzero(ok)[0]
-    cols = np.searchsorted(history.steps, later[ok].astype(np.int64))
-    out[rows, cols] = changes[ok]
+    for chunk in layer_chunks(history.num_layers, packed.values.shape[1]):
+        changes = series.log_changes(packed.values[chunk])
+        later = packed.steps[chunk, 1:]
+        ok = ~np.isnan(changes) & ~np.isnan(later)
+        rows = np.nonzero(ok)[0] + chunk.start
+        cols = np.searchsorted(history.steps, later[ok].astype(np.int64))
+        out[rows, cols] = changes[ok]
     return out
 
 

@@ -42,7 +42,12 @@ from analysis.analyses.enhanced.models import (
     TrainingDynamics,
 )
 from analysis.blocks import series
-from analysis.blocks.gradient_arrays import FLAG_ISSUE, FLAG_NONFINITE, GradientHistory
+from analysis.blocks.gradient_arrays import (
+    FLAG_ISSUE,
+    FLAG_NONFINITE,
+    GradientHistory,
+    layer_chunks,
+)
 from analysis.blocks.significance import family_alpha, pearson_significant, z_critical
 
 
@@ -134,7 +139,13 @@ def layer_interactions(
     per_pair = family_alpha(alpha, sum(count - d for d in distances))
     tested = []
     for d in distances:
-        r, n = series.row_pearson(changes[:-d], changes[d:])
+        # Row-wise (pair i is rows i and i + d): a chunk of pairs at a time, the
+        # correlation's [pairs, T] temporaries stay within one chunk.
+        chunks = layer_chunks(count - d, changes.shape[1])
+        r, n = series.concat_rows([
+            series.row_pearson(changes[rows], changes[rows.start + d : rows.stop + d])
+            for rows in chunks
+        ])
         tested.append((r, n, pearson_significant(r, n, per_pair)))
     out: list[LayerInteraction] = []
     for i in range(count):

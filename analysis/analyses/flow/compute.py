@@ -41,6 +41,7 @@ from analysis.blocks.gradient_arrays import (
     FLAG_VANISHING,
     GradientHistory,
     Packed,
+    layer_chunks,
 )
 from analysis.blocks.significance import family_alpha, tukey_fences
 from analysis.read.connect import StoreError
@@ -67,13 +68,11 @@ def flow_from_history(
     if history.num_layers == 0:
         raise StoreError(f"run {history.run_id!r} has no gradient rows in the step range")
     packed = history.packed
-    x, n = packed.values, packed.counts
-    mom = series.moments(x)
-    consistency = series.flow_consistency(x)
-    bottleneck = series.bottleneck_score(x, mom.mean)
-    flow_rate = series.information_flow_rate(x, n)
+    x = packed.values
     window = packed.window(cfg.temporal_window)
-    step_scores = series.step_consistency(x)[:, -window.values.shape[1] :]
+    mean, consistency, bottleneck, flow_rate, step_scores = _layer_series(
+        packed, window.values.shape[1]
+    )
 
     layer_flows = [
         _layer_flow(history, i, window, step_scores[i], consistency, bottleneck, flow_rate)
@@ -87,9 +86,9 @@ def flow_from_history(
     else:
         temporal = _temporal_flows(history, window, cfg)
     if reference:
-        network = _reference_network(history, x, mom.mean, consistency, bottleneck, flow_rate)
+        network = _reference_network(history, x, mean, consistency, bottleneck, flow_rate)
     else:
-        network = _network(history, mom.mean, consistency)
+        network = _network(history, mean, consistency)
     paths = _critical_paths(history, network) if cfg.show_critical_paths else []
     regions = cfg.show_problem_regions
     if regions and reference:
@@ -111,6 +110,29 @@ def flow_from_history(
         dead_zones=dead,
         visualization_config=cfg,
     )
+
+
+def _layer_series(
+    packed: Packed, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer of the packed series: mean, flow consistency, bottleneck score,
+    information flow rate (float64 ``[L]`` each) and the step consistency of the last
+    ``width`` columns (float64 ``[L, width]``), computed a chunk of layers at a time
+    (:func:`analysis.blocks.gradient_arrays.layer_chunks`: each is a row-wise statistic, so
+    the bits are those of one pass over the whole array, and the temporaries stay within
+    one chunk)."""
+    x, n = packed.values, packed.counts
+    layers = x.shape[0]
+    mean, consistency, bottleneck, flow_rate = (np.empty(layers) for _ in range(4))
+    step_scores = np.empty((layers, width))
+    for rows in layer_chunks(layers, x.shape[1]):
+        part = x[rows]
+        mean[rows] = series.moments(part).mean
+        consistency[rows] = series.flow_consistency(part)
+        bottleneck[rows] = series.bottleneck_score(part, mean[rows])
+        flow_rate[rows] = series.information_flow_rate(part, n[rows])
+        step_scores[rows] = series.step_consistency(part)[:, part.shape[1] - width :]
+    return mean, consistency, bottleneck, flow_rate, step_scores
 
 
 def _layer_flow(
@@ -297,11 +319,26 @@ def _reference_regions(
 def _edge_arrays(history: GradientHistory) -> dict[str, np.ndarray]:
     """Per edge ``e`` (from layer ``e + 1`` to layer ``e``, model positions) over the
     aligned steps: flow strength, consistency, blocked fraction, mean log gain."""
-    norms = history.norms
     count = max(history.num_layers - 1, 0)
-    rms = norms / np.sqrt(np.maximum(history.numel, 1).astype(np.float64))[:, None]
+    out = {key: np.empty(count) for key in
+           ("strength", "consistency", "blocked_fraction", "mean_log_gain")}
+    # Every quantity is per edge (row-wise over the two layers' aligned steps): done a
+    # chunk of edges at a time, the [edges, T] temporaries stay within one chunk.
+    for edges in layer_chunks(count, history.num_steps):
+        for key, value in _edge_chunk(history, edges.start, edges.stop).items():
+            out[key][edges] = value
+    return out
+
+
+def _edge_chunk(history: GradientHistory, start: int, stop: int) -> dict[str, np.ndarray]:
+    """:func:`_edge_arrays` for the edges ``start:stop`` (layers ``start:stop + 1``)."""
+    norms = history.norms[start : stop + 1]
+    rms = norms / np.sqrt(
+        np.maximum(history.numel[start : stop + 1], 1).astype(np.float64)
+    )[:, None]
     src, dst = rms[1:], rms[:-1]
-    both = history.valid[1:] & history.valid[:-1]
+    present = history.valid[start : stop + 1]
+    both = present[1:] & present[:-1]
     common = both.sum(axis=1)
     blocked = (both & (norms[:-1] == 0)).sum(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -314,7 +351,6 @@ def _edge_arrays(history: GradientHistory) -> dict[str, np.ndarray]:
     consistency = np.where(gm.n > 0, series.stability(gm.std, gm.mean), 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         blocked_fraction = np.where(common > 0, blocked / common, 0.0)
-    assert strength.shape == (count,)
     return {
         "strength": strength,
         "consistency": consistency,
