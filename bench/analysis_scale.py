@@ -77,33 +77,63 @@ def build_store(path: Path, layers: int, steps: int, console: Console) -> None:
         stale.unlink(missing_ok=True)
     con = duckdb.connect(str(path))
     try:
-        for ddl in SCHEMA_DDL:
-            con.execute(ddl)
-        # Every insert names its columns (BY NAME): a column the schema gains later is
-        # NULL or its default here instead of breaking the positional order.
-        con.execute(
-            "INSERT INTO runs BY NAME SELECT ? AS run_id, 1 AS world_size, ? AS num_layers, "
-            "1e-7 AS vanishing_threshold, 1e3 AS exploding_threshold, 'bench' AS host, "
-            "0.0 AS start_time",
-            [RUN, layers],
-        )
-        con.execute(
-            "INSERT INTO layers BY NAME SELECT ? AS run_id, i AS layer_index, "
-            "'blocks.' || (i // 2) || CASE WHEN i % 2 = 0 THEN '.weight' ELSE '.bias' END "
-            "AS name, CASE WHEN i % 2 = 0 THEN 4096 ELSE 64 END AS numel, "
-            "'float32' AS dtype FROM range(?) t(i)",
-            [RUN, layers],
-        )
+        create_run(con, RUN, layers)
         con.execute("SELECT setseed(0.25)")
         with console.status(f"building {layers} x {steps} = {layers * steps:,} rows..."):
             t0 = time.perf_counter()
-            con.execute(_BUILD_SQL, {"run": RUN, "layers": layers, "steps": steps,
-                                     "last": steps - 1})
+            insert_layer_stats(con, RUN, layers, steps, 0, steps)
             con.execute("CHECKPOINT")
         console.print(f"built {layers * steps:,} rows in {time.perf_counter() - t0:.1f} s "
                       f"({path.stat().st_size / 1e6:.0f} MB)")
     finally:
         con.close()
+
+
+def create_run(con: duckdb.DuckDBPyConnection, run: str, layers: int) -> None:
+    """Create the project's tables on ``con`` (``schemas.tables.SCHEMA_DDL``) and store the
+    run ``run``: its ``runs`` row (one rank, vanishing threshold 1e-7, exploding threshold
+    1e3 on mean / max |g|, start time 0.0) and ``layers`` layers in model order, named
+    ``blocks.<i // 2>.weight`` (4096 elements) / ``.bias`` (64), dtype float32.
+
+    Raises:
+        duckdb.Error: the run is already stored (primary key of ``runs``).
+    """
+    for ddl in SCHEMA_DDL:
+        con.execute(ddl)
+    # Every insert names its columns (BY NAME): a column the schema gains later is
+    # NULL or its default here instead of breaking the positional order.
+    con.execute(
+        "INSERT INTO runs BY NAME SELECT ? AS run_id, 1 AS world_size, ? AS num_layers, "
+        "1e-7 AS vanishing_threshold, 1e3 AS exploding_threshold, 'bench' AS host, "
+        "0.0 AS start_time",
+        [run, layers],
+    )
+    con.execute(
+        "INSERT INTO layers BY NAME SELECT ? AS run_id, i AS layer_index, "
+        "'blocks.' || (i // 2) || CASE WHEN i % 2 = 0 THEN '.weight' ELSE '.bias' END "
+        "AS name, CASE WHEN i % 2 = 0 THEN 4096 ELSE 64 END AS numel, "
+        "'float32' AS dtype FROM range(?) t(i)",
+        [run, layers],
+    )
+
+
+def insert_layer_stats(con: duckdb.DuckDBPyConnection, run: str, layers: int, steps: int,
+                       first: int, stop: int, step_major: bool = False) -> None:
+    """Append the ``layer_stats`` rows of steps ``first <= step < stop`` of a ``layers`` x
+    ``steps`` history (the module docstring's profile; ``steps`` places the weight
+    exponent histograms at steps 0 and ``steps - 1``), one ``INSERT ... SELECT``.
+
+    ``step_major``: rows in (step, layer) order, as the consumer appends frame after
+    frame (one sort of the chunk); default: the order DuckDB's cross product yields
+    (layer after layer). Seed ``random()`` first (``SELECT setseed(x)``) for a
+    reproducible history.
+
+    Raises:
+        duckdb.Error: the schema no longer takes these rows.
+    """
+    con.execute(_BUILD_SQL + (" ORDER BY step, layer_index" if step_major else ""),
+                {"run": run, "layers": layers, "first": first, "stop": stop,
+                 "last": steps - 1})
 
 
 _BUILD_SQL = """
@@ -121,7 +151,7 @@ _BUILD_SQL = """
                END AS norm,
                0.02 + 0.001 * (l.i % 7) + s.t * 1e-7 AS sigma,
                0.001 * ((l.i % 5) - 2) AS mu
-        FROM range($layers) AS l(i), range($steps) AS s(t)
+        FROM range($layers) AS l(i), range($first, $stop) AS s(t)
     )
     SELECT $run AS run_id, step, layer_index, numel,
            norm / sqrt(numel) * 0.8 * numel AS sum_abs,
