@@ -9,12 +9,27 @@ read-only. :func:`open_store` turns that and the other opening failures into a
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import duckdb
 
 REQUIRED_TABLES: tuple[str, ...] = ("runs", "layers", "layer_stats", "frames")
 """Tables of ``schemas.tables.SCHEMA_DDL`` that the analysis reads."""
+
+READ_MEMORY_LIMIT_ENV = "GRADSTREAM_READ_MEMORY_LIMIT"
+"""Environment variable overriding :data:`DEFAULT_READ_MEMORY_LIMIT`."""
+
+DEFAULT_READ_MEMORY_LIMIT = "1GB"
+"""DuckDB ``memory_limit`` of a read-only store connection. DuckDB's buffer pool keeps the
+table pages a query read, up to its limit (80 % of RAM by default): reading a 100 M-row
+run left about 3.7 GB of pages held after the query, on top of the analysis's own arrays.
+The file's pages stay in the operating system's page cache anyway, so a small pool costs
+a re-read from memory, not from disk; a query needing more (a sort or window over the whole
+run) spills to ``<store>.tmp``. 1 GB keeps a 100 M-row analysis within a few GB
+(``bench/history_scale.py``)."""
+
+_MEMORY_LIMIT = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
 
 
 class StoreError(Exception):
@@ -40,11 +55,14 @@ def open_store(path: str | os.PathLike[str], read_only: bool = True) -> duckdb.D
     Returns:
         A DuckDB connection; the caller closes it.
 
+    A read-only connection's DuckDB buffer pool is limited to :func:`read_memory_limit`.
+
     Raises:
         StoreLockedError: it is locked by a writing process, or already open in this
             process in the other mode.
-        StoreError: the file does not exist; it is not a DuckDB file; or it lacks the
-            gradstream tables (``schemas.tables.SCHEMA_DDL``).
+        StoreError: the file does not exist; it is not a DuckDB file; it lacks the
+            gradstream tables (``schemas.tables.SCHEMA_DDL``); or
+            ``GRADSTREAM_READ_MEMORY_LIMIT`` is not a size.
     """
     file = Path(path)
     if not file.exists():
@@ -84,7 +102,34 @@ def open_store(path: str | os.PathLike[str], read_only: bool = True) -> duckdb.D
             f"{str(file)!r} is a DuckDB file but not a gradstream store "
             f"(missing tables: {', '.join(missing)})"
         )
+    if read_only:
+        try:
+            limit = read_memory_limit()
+        except StoreError:
+            con.close()
+            raise
+        # A second open of the file in this process shares the first one's DuckDB
+        # instance, whose configuration a reader locks (analysis.read.query.harden).
+        (locked,) = con.execute("SELECT current_setting('lock_configuration')").fetchall()[0]
+        if not locked:
+            con.execute(f"SET memory_limit = '{limit}'")
     return con
+
+
+def read_memory_limit() -> str:
+    """The DuckDB ``memory_limit`` of a read-only store connection:
+    ``GRADSTREAM_READ_MEMORY_LIMIT`` (e.g. ``4GB``, ``512MiB``), else
+    :data:`DEFAULT_READ_MEMORY_LIMIT`.
+
+    Raises:
+        StoreError: the variable is not a size (a number and a unit: B, KB, MB, GB, TB,
+            KiB, MiB, GiB, TiB).
+    """
+    value = os.environ.get(READ_MEMORY_LIMIT_ENV, "").strip() or DEFAULT_READ_MEMORY_LIMIT
+    if not _MEMORY_LIMIT.match(value):
+        raise StoreError(f"{READ_MEMORY_LIMIT_ENV} must be a size such as 1GB or 512MiB, "
+                         f"got {value!r}")
+    return value
 
 
 def list_runs(con: duckdb.DuckDBPyConnection) -> list[str]:
