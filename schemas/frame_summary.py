@@ -11,33 +11,44 @@ and in the same transaction (a rewritten frame's summary is replaced with its ro
 - ``vanishing_indices``, ``exploding_indices``, ``nonfinite_indices``: the layer indices
   of the frame's rows with ``is_vanishing``, ``is_exploding``, ``nonfinite > 0``
   (ascending, INTEGER[]; empty, never NULL, when there is none);
-- ``inf_indices``: those with an Inf element, ``coalesce(nonfinite > nan, false)`` (the
+- ``inf_indices``: those with an Inf element, ``nonfinite > nan`` with ``nan`` known (the
   reference's exploding rule, ``schemas.health.NONFINITE_VERDICTS``);
 - the inputs of the rounding judgement for every row that may be at rounding level under
   some dtype: ``top_magnitude`` (``A``, the largest magnitude of the frame) and, in layer
   order, ``rounding_candidates`` (layer indices of the rows meeting condition 1 and
   ``a <= LARGEST_ROUNDOFF * A``, condition 2 under the largest unit roundoff of any dtype),
-  ``rounding_magnitudes`` (their ``a``) and ``rounding_gaps`` (their ``W``, condition 3).
+  ``rounding_magnitudes`` (their ``a``) and ``rounding_gaps`` (their ``W``, condition 3;
+  NULL for the frame's largest row, as SQL's ``lag`` gives).
 
 The judgement itself needs the layer's dtype, which a reader takes from ``layers`` as the
-full scan does: :func:`schemas.rounding.at_rounding_sql` over these stored doubles is the
-expression :func:`schemas.rounding.rounding_rows_sql` evaluates over the same doubles, so
-the two agree row for row. A row not among the candidates fails condition 1 or 2 for every
-dtype (``u * A <= LARGEST_ROUNDOFF * A``), so it is at rounding level under none.
+full scan does, and evaluates :func:`schemas.rounding.at_rounding_sql` over these stored
+doubles: the expression :func:`schemas.rounding.rounding_rows_sql` evaluates over the same
+doubles, so the two agree row for row. A row not among the candidates fails condition 1
+or 2 for every dtype (``u * A <= LARGEST_ROUNDOFF * A``), so it is at rounding level under
+none.
 
-Everything is one SQL statement over a relation with ``layer_stats``'s columns
-(:func:`frame_summary_sql`), run by the DuckDB writer on the batch it inserts
-(:class:`consumer.outputs.duckdb.DuckDBSink`, which the Iceberg output stages through too)
-and by :func:`fill_frame_summaries` on rows stored before the columns existed or written
-by another program. A ``frames`` row whose summary is NULL is one the writer did not
-summarise; a reader then scans the rows instead.
+The values are computed here in NumPy over a whole batch at once (one sort of the batch's
+rows by frame and magnitude, no loop over frames or layers), reproducing DuckDB's
+semantics of the full scan's SQL bit for bit: IEEE arithmetic, and NaN ordered above
+every number (``NaN > 0``, ``x <= NaN`` and ``max`` returning NaN are all true there).
+``tests/analysis/test_report_frame_summary.py`` checks reports from these summaries
+against the SQL scan on random runs written by the real writer. The writer
+(:class:`consumer.outputs.duckdb.DuckDBSink`, which the Iceberg output stages through
+too) calls :func:`summarize_frames` on each batch; :func:`fill_frame_summaries` gives the
+summary to ``frames`` rows stored before the columns existed or written by another
+program. A ``frames`` row whose summary is NULL is one nobody summarised; a reader then
+scans the rows instead.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
-from schemas.rounding import LARGEST_ROUNDOFF, gap_sql, magnitude_sql, widest_gap_sql
+import numpy as np
+import pyarrow as pa
+
+from schemas.rounding import LARGEST_ROUNDOFF
 
 if TYPE_CHECKING:
     import duckdb
@@ -48,82 +59,197 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
 )
 """The ``frames`` columns of the summary (module doc), in table order."""
 
+FILL_CHUNK_ROWS = 1 << 21
+"""``layer_stats`` rows :func:`fill_frame_summaries` holds at once (whole frames; about
+100 MB of columns): bounded memory whatever the store's size."""
 
-def frame_summary_sql(rows: str) -> str:
-    """One row per frame (``run_id``, ``step``) of ``rows`` with its summary.
 
-    Args:
-        rows: a relation (table name or parenthesised query) with ``layer_stats``'s columns
-            ``run_id``, ``step``, ``layer_index``, ``numel``, ``sum_sq``, ``mean_abs_grad``,
-            ``nonfinite``, ``nan``, ``is_vanishing``, ``is_exploding``, holding every row of
-            each frame it holds (the judgement compares a frame's rows with each other).
+def _above_zero(x: np.ndarray) -> np.ndarray:
+    """``x > 0`` as DuckDB evaluates it on DOUBLE (NaN is above every number)."""
+    return np.isnan(x) | (x > 0)
+
+
+def _at_most(x: np.ndarray, bound: np.ndarray) -> np.ndarray:
+    """``x <= bound`` as DuckDB evaluates it on DOUBLE (NaN <= NaN; x <= NaN)."""
+    return np.isnan(bound) | (~np.isnan(x) & (x <= bound))
+
+
+def _segmented_running_max(values: np.ndarray, known: np.ndarray,
+                           lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """SQL's ``max(values) OVER (PARTITION BY <segment> ORDER BY <row order> ROWS UNBOUNDED
+    PRECEDING)`` over consecutive segments of ``lengths`` rows: NULLs (``~known``) ignored,
+    NaN above every number (DuckDB's ``max``, as ``np.maximum`` propagates NaN).
+
+    The segments are laid out as the rows of a ``[segments, longest]`` matrix padded with
+    -inf (below every value here: the gaps are >= 0, inf or NaN), so one
+    ``np.maximum.accumulate`` along the rows restarts at every segment.
 
     Returns:
-        A query with columns ``run_id``, ``step`` and :data:`SUMMARY_COLUMNS` (module doc).
-        Cost: one hash aggregate over ``rows``; the window sort of the rounding judgement
-        runs only over the frames holding a candidate row.
+        (running max float64[n], known bool[n]: some non-NULL value so far in the segment).
     """
-    frame = "run_id, step"
-    return f"""
-    WITH fs_rows AS (
-        SELECT run_id, step, layer_index, nonfinite, nan, is_vanishing, is_exploding,
-               {magnitude_sql()} AS magnitude
-        FROM {rows}
-    ),
-    fs_top AS (
-        SELECT {frame}, max(magnitude) AS top FROM fs_rows GROUP BY {frame}
-    ),
-    fs_candidate AS (
-        SELECT r.*, t.top,
-               r.nonfinite = 0 AND t.top > 0
-                   AND r.magnitude <= {LARGEST_ROUNDOFF!r}::DOUBLE * t.top AS candidate
-        FROM fs_rows AS r JOIN fs_top AS t USING ({frame})
-    ),
-    fs_judged AS (
-        SELECT *, {widest_gap_sql(frame)} AS widest
-        FROM (
-            SELECT *, {gap_sql("fs_w")} AS gap
-            FROM fs_candidate
-            WHERE ({frame}) IN (SELECT {frame} FROM fs_candidate WHERE candidate)
-            WINDOW fs_w AS (PARTITION BY {frame} ORDER BY magnitude DESC, layer_index)
-        )
-    ),
-    fs_rounding AS (
-        SELECT {frame},
-               list(layer_index ORDER BY layer_index) AS rounding_candidates,
-               list(magnitude ORDER BY layer_index) AS rounding_magnitudes,
-               list(widest ORDER BY layer_index) AS rounding_gaps
-        FROM fs_judged WHERE candidate GROUP BY {frame}
-    ),
-    fs_flags AS (
-        SELECT {frame}, max(magnitude) AS top_magnitude,
-               list(layer_index ORDER BY layer_index) FILTER (WHERE is_vanishing)
-                   AS vanishing_indices,
-               list(layer_index ORDER BY layer_index) FILTER (WHERE is_exploding)
-                   AS exploding_indices,
-               list(layer_index ORDER BY layer_index) FILTER (WHERE nonfinite > 0)
-                   AS nonfinite_indices,
-               list(layer_index ORDER BY layer_index)
-                   FILTER (WHERE coalesce(nonfinite > nan, false)) AS inf_indices
-        FROM fs_rows GROUP BY {frame}
-    )
-    SELECT {frame},
-           coalesce(f.vanishing_indices, []::INTEGER[]) AS vanishing_indices,
-           coalesce(f.exploding_indices, []::INTEGER[]) AS exploding_indices,
-           coalesce(f.nonfinite_indices, []::INTEGER[]) AS nonfinite_indices,
-           coalesce(f.inf_indices, []::INTEGER[]) AS inf_indices,
-           f.top_magnitude,
-           coalesce(r.rounding_candidates, []::INTEGER[]) AS rounding_candidates,
-           coalesce(r.rounding_magnitudes, []::DOUBLE[]) AS rounding_magnitudes,
-           coalesce(r.rounding_gaps, []::DOUBLE[]) AS rounding_gaps
-    FROM fs_flags AS f LEFT JOIN fs_rounding AS r USING ({frame})
+    n = values.size
+    width = int(lengths.max(initial=0))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    row = np.repeat(np.arange(lengths.size), lengths)
+    col = np.arange(n) - np.repeat(starts, lengths)
+    grid = np.full((lengths.size, width), -np.inf)
+    grid[row, col] = np.where(known, values, -np.inf)
+    seen = np.zeros((lengths.size, width), bool)
+    seen[row, col] = known
+    running = np.maximum.accumulate(grid, axis=1)[row, col]
+    return running, np.logical_or.accumulate(seen, axis=1)[row, col]
+
+
+def _by_magnitude(magnitude: np.ndarray, segment: np.ndarray) -> np.ndarray:
+    """The order of rows grouped in consecutive segments (``segment`` ascending) that sorts
+    each segment by magnitude, largest first, NaN above +inf (DuckDB's ``ORDER BY a
+    DESC``), ties in their given order (a stable sort).
+
+    Returns:
+        int64[n] positions into the given rows.
     """
+    nan = np.isnan(magnitude)
+    key = np.where(nan, -np.inf, -magnitude)
+    if nan.any():  # rare: NaN and +inf would tie on the key; a three-key sort
+        return np.lexsort((key, ~nan, segment))
+    # One stable argsort along the rows of a [segments, longest] matrix of the keys,
+    # padded with +inf (after every key: magnitudes are >= 0, so keys are <= 0).
+    lengths = np.diff(np.flatnonzero(np.concatenate([[True], segment[1:] != segment[:-1],
+                                                     [True]])))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    width = int(lengths.max())
+    grid = np.full((lengths.size, width), np.inf)
+    row = np.repeat(np.arange(lengths.size), lengths)
+    col = np.arange(magnitude.size) - np.repeat(starts, lengths)
+    grid[row, col] = key
+    order = np.argsort(grid, axis=1, kind="stable")
+    real = np.arange(width)[None, :] < lengths[:, None]  # pads sort last in each row
+    return (order + starts[:, None])[real]
+
+
+def _index_lists(mask: np.ndarray, layer_index: np.ndarray, offsets: np.ndarray,
+                 values: np.ndarray | None = None, dtype: pa.DataType | None = None,
+                 ) -> pa.Array:
+    """Per frame (rows ``offsets[i]:offsets[i+1]``), the list of ``values`` (default the
+    layer indices) of its rows in ``mask``, in row order."""
+    counts = np.diff(np.concatenate([[0], np.cumsum(mask)])[offsets])
+    list_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    picked = (layer_index if values is None else values)[mask]
+    return pa.ListArray.from_arrays(pa.array(list_offsets),
+                                    pa.array(picked, type=dtype or pa.int32()))
+
+
+def summarize_frames(
+    lengths: np.ndarray,
+    layer_index: np.ndarray,
+    numel: np.ndarray,
+    sum_sq: np.ndarray,
+    mean_abs_grad: np.ndarray,
+    nonfinite: np.ndarray,
+    nan: np.ndarray | None,
+    is_vanishing: np.ndarray,
+    is_exploding: np.ndarray,
+) -> dict[str, pa.Array]:
+    """The summary (module doc) of consecutive frames whose rows are concatenated.
+
+    Args:
+        lengths: int[F] rows of each frame (0 allowed: its summary is empty lists and a
+            NULL ``top_magnitude``).
+        layer_index: int[n] (n = ``lengths.sum()``), each frame's rows in ascending layer
+            order. numel: int64[n] (> 0). sum_sq: float64[n]. mean_abs_grad: float64[n],
+            NaN where unknown (stored NULL: the magnitude is then the RMS). nonfinite:
+            int64[n]. nan: int64[n] NaN counts, negative where unknown, or None (all
+            unknown). is_vanishing, is_exploding: bool[n].
+
+    Returns:
+        :data:`SUMMARY_COLUMNS` -> Arrow array of F entries (INTEGER[] / DOUBLE / DOUBLE[]).
+
+    Raises:
+        ValueError: the arrays do not have ``lengths.sum()`` entries.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = int(lengths.sum())
+    layer_index = np.asarray(layer_index, dtype=np.int32)
+    if any(np.shape(a)[0] != n for a in (layer_index, numel, sum_sq, mean_abs_grad,
+                                           nonfinite, is_vanishing, is_exploding)):
+        raise ValueError(f"the row arrays must have {n} entries (the frames' lengths)")
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    frame = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    nonfinite = np.asarray(nonfinite, dtype=np.int64)
+    mean_abs = np.asarray(mean_abs_grad, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rms = np.sqrt(np.asarray(sum_sq, np.float64) / np.asarray(numel, np.float64))
+    magnitude = np.where(np.isnan(mean_abs), rms, mean_abs)  # coalesce(mean_abs_grad, rms)
+    # A (top): max over the frame, NaN when any row is NaN (DuckDB's max)
+    nonempty = lengths > 0
+    top = np.full(lengths.size, np.nan)
+    if n:
+        top[nonempty] = np.maximum.reduceat(magnitude, offsets[:-1][nonempty])
+    top_row = top[frame]
+    candidate = ((nonfinite == 0) & _above_zero(top_row)
+                 & _at_most(magnitude, LARGEST_ROUNDOFF * top_row))
+    widest = np.full(n, np.nan)
+    widest_known = np.zeros(n, bool)
+    judged = np.repeat(np.add.reduceat(candidate, offsets[:-1]) > 0 if n else
+                       np.zeros(0, bool), lengths) if n else np.zeros(0, bool)
+    if judged.any():
+        # W over the frames holding a candidate: their rows by magnitude, largest first
+        # (NaN first, then +inf), ties in layer order (the rows' order: the sort is stable)
+        rows = np.flatnonzero(judged)
+        order = _by_magnitude(magnitude[rows], frame[rows])
+        m = magnitude[rows][order]
+        seg = frame[rows][order]
+        first = np.ones(m.size, bool)
+        first[1:] = seg[1:] != seg[:-1]
+        prev = np.concatenate([[np.nan], m[:-1]])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            # CASE WHEN a > 0 THEN lag(a) / a WHEN lag(a) > 0 THEN inf ELSE 1.0 END, where
+            # lag(a) is NULL on a frame's first row (NULL / a is NULL; NULL > 0 is not true)
+            gap = np.where(_above_zero(m), prev / m,
+                           np.where(~first & _above_zero(prev), np.inf, 1.0))
+        gap_known = ~(first & _above_zero(m))
+        seg_lengths = np.diff(np.flatnonzero(np.concatenate([first, [True]])))
+        running, known = _segmented_running_max(gap, gap_known, seg_lengths)
+        widest[rows[order]] = running
+        widest_known[rows[order]] = known
+    gaps = pa.array(widest[candidate], pa.float64(), mask=~widest_known[candidate])
+    counts = np.diff(np.concatenate([[0], np.cumsum(candidate)])[offsets])
+    gap_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    nan_known = np.zeros(n, bool) if nan is None else np.asarray(nan) >= 0
+    inf = nan_known & (nonfinite > np.where(nan_known, nan if nan is not None else 0, 0))
+    return {
+        "vanishing_indices": _index_lists(np.asarray(is_vanishing, bool), layer_index, offsets),
+        "exploding_indices": _index_lists(np.asarray(is_exploding, bool), layer_index, offsets),
+        "nonfinite_indices": _index_lists(nonfinite > 0, layer_index, offsets),
+        "inf_indices": _index_lists(inf, layer_index, offsets),
+        "top_magnitude": pa.array(top, pa.float64(), mask=~nonempty),
+        "rounding_candidates": _index_lists(candidate, layer_index, offsets),
+        "rounding_magnitudes": _index_lists(candidate, layer_index, offsets, magnitude,
+                                            pa.float64()),
+        "rounding_gaps": pa.ListArray.from_arrays(pa.array(gap_offsets), gaps),
+    }
+
+
+_MISSING_SQL = """
+    SELECT run_id, step FROM frames WHERE vanishing_indices IS NULL {run}
+    ORDER BY run_id, step
+"""
+
+_ROWS_SQL = """
+    SELECT s.run_id, s.step, s.layer_index, s.numel, s.sum_sq,
+           coalesce(s.mean_abs_grad, 'NaN'::DOUBLE) AS mean_abs_grad, s.nonfinite,
+           coalesce(s.nan, -1) AS nan, s.is_vanishing, s.is_exploding
+    FROM layer_stats AS s
+    SEMI JOIN gs_fill_keys AS k ON k.run_id = s.run_id AND k.step = s.step
+    ORDER BY s.run_id, s.step, s.layer_index
+"""
 
 
 def fill_frame_summaries(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> int:
-    """Compute the summary of every ``frames`` row that has none (NULL
-    ``vanishing_indices``) from its ``layer_stats`` rows: stores written before the
-    summary existed, or built by another program.
+    """Give every ``frames`` row without a summary (NULL ``vanishing_indices``) the one its
+    ``layer_stats`` rows make (:func:`summarize_frames`): stores written before the
+    summary existed, or built by another program. Frames are taken in step order, about
+    :data:`FILL_CHUNK_ROWS` rows at a time, each chunk one ``UPDATE``.
 
     Args:
         con: a writable connection to a store at the current schema
@@ -132,19 +258,49 @@ def fill_frame_summaries(con: duckdb.DuckDBPyConnection, run_id: str | None = No
 
     Returns:
         The number of ``frames`` rows given a summary (a frame without any ``layer_stats``
-        row keeps none).
+        row gets empty lists and a NULL ``top_magnitude``).
 
     Raises:
         duckdb.Error: the store lacks the tables or columns (run the DDL first).
     """
-    where = "vanishing_indices IS NULL" + ("" if run_id is None else " AND run_id = $run_id")
+    run = "" if run_id is None else "AND run_id = $run_id"
     params = {} if run_id is None else {"run_id": run_id}
-    rows = (f"(SELECT s.* FROM layer_stats AS s SEMI JOIN "
-            f"(SELECT run_id, step FROM frames WHERE {where}) AS k USING (run_id, step))")
-    sets = ", ".join(f"{c} = x.{c}" for c in SUMMARY_COLUMNS)
-    row = con.execute(
-        f"UPDATE frames SET {sets} FROM ({frame_summary_sql(rows)}) AS x "
-        "WHERE frames.run_id = x.run_id AND frames.step = x.step "
-        "AND frames.vanishing_indices IS NULL", params,
-    ).fetchone()
-    return 0 if row is None else int(row[0])
+    keys = con.sql(_MISSING_SQL.format(run=run), params=params).to_arrow_table()
+    if keys.num_rows == 0:
+        return 0
+    con.register("gs_fill_keys", keys)
+    try:  # each frame's row count, so that a chunk holds whole frames
+        sizes = con.sql(
+            "SELECT k.run_id, k.step, count(s.step) AS n FROM gs_fill_keys AS k "
+            "LEFT JOIN layer_stats AS s ON s.run_id = k.run_id AND s.step = k.step "
+            "GROUP BY k.run_id, k.step ORDER BY k.run_id, k.step").to_arrow_table()
+    finally:
+        con.unregister("gs_fill_keys")
+    before = np.concatenate([[0], np.cumsum(sizes["n"].to_numpy())[:-1]])
+    chunk_of = before // FILL_CHUNK_ROWS
+    bounds = [0, *np.flatnonzero(np.diff(chunk_of)) + 1, sizes.num_rows]
+    filled = 0
+    for lo, hi in itertools.pairwise(bounds):
+        chunk = sizes.slice(int(lo), int(hi - lo))
+        con.register("gs_fill_keys", chunk.select(["run_id", "step"]))
+        try:
+            stats = con.sql(_ROWS_SQL).to_arrow_table()
+        finally:
+            con.unregister("gs_fill_keys")
+        columns = summarize_frames(
+            chunk["n"].to_numpy(),
+            *(stats[c].to_numpy(zero_copy_only=False) for c in (
+                "layer_index", "numel", "sum_sq", "mean_abs_grad", "nonfinite", "nan",
+                "is_vanishing", "is_exploding")),
+        )
+        summary = pa.table({"run_id": chunk["run_id"], "step": chunk["step"], **columns})
+        con.register("gs_fill_summary", summary)
+        try:
+            sets = ", ".join(f"{c} = x.{c}" for c in SUMMARY_COLUMNS)
+            row = con.execute(
+                f"UPDATE frames SET {sets} FROM gs_fill_summary AS x "
+                "WHERE frames.run_id = x.run_id AND frames.step = x.step").fetchone()
+        finally:
+            con.unregister("gs_fill_summary")
+        filled += 0 if row is None else int(row[0])
+    return filled

@@ -6,7 +6,7 @@ bulk from Arrow tables, never row by row. A batch's frames replace what is store
 their (run, step): the ``layer_stats`` rows of those keys are deleted, then the new rows
 appended with a plain ``INSERT ... SELECT``, and ``frames`` rows are upserted on their
 (run, step) key, each with its summary computed from the rows inserted with it
-(:func:`schemas.frame_summary.frame_summary_sql`). So a rewritten frame (late shard,
+(:func:`schemas.frame_summary.summarize_frames`). So a rewritten frame (late shard,
 replay after a crash) replaces the old rows, and a frame written twice appears once.
 The next offset to consume per partition is written in the same transaction as the rows
 it covers, so the store is exactly-once with respect to Kafka (README.md, "Tables").
@@ -40,7 +40,7 @@ from consumer.outputs.base import (
     commit_offsets,
 )
 from consumer.runs import RunInfo
-from schemas.frame_summary import frame_summary_sql
+from schemas.frame_summary import summarize_frames
 from schemas.rounding import rounding_rows_sql
 from schemas.scalars import MEAN, RANK_AGGREGATES, RankScalars
 from schemas.stats import (
@@ -636,6 +636,14 @@ class DuckDBSink:
             "layout_violations": pa.array(
                 [len(np.unique(f.layout_violations[:, 0])) for f in fs], pa.int32()),
         })
+        nan = stats["nan"]
+        summary = summarize_frames(
+            lengths, cat("layer_index"), cat("numel"), cat("sum_sq"), cat("mean_abs_grad"),
+            cat("nonfinite"),
+            None if nan.null_count == len(nan) else nan.fill_null(-1).to_numpy(),
+            cat("is_vanishing"), cat("is_exploding"))
+        for name, column in summary.items():  # the frames' summaries (schemas.frame_summary)
+            frame_rows = frame_rows.append_column(name, column)
         # Optional columns no frame of the batch has are left to their default (NULL)
         # instead of being converted and appended value by value.
         columns = [name for name in LAYER_STATS_COLUMNS
@@ -647,10 +655,7 @@ class DuckDBSink:
             "WHERE layer_stats.run_id = f.run_id AND layer_stats.step = f.step",
             f"INSERT INTO layer_stats ({', '.join(columns)}) "
             f"SELECT {', '.join(columns)} FROM gs_stats",
-            # the frame's summary (schemas.frame_summary) from the rows just inserted
-            "INSERT OR REPLACE INTO frames BY NAME SELECT f.*, x.* EXCLUDE (run_id, step) "
-            f"FROM gs_frames AS f LEFT JOIN ({frame_summary_sql('gs_stats')}) AS x "
-            "USING (run_id, step)",
+            "INSERT OR REPLACE INTO frames BY NAME SELECT * FROM gs_frames",
         )
         self._write_local([f for f in fs if f.local is not None and len(f.local)])
         self._write_scalars(fs)
