@@ -25,7 +25,7 @@ from analysis.analyses.enhanced.models import (
     OptimizationDifficulty,
 )
 from analysis.blocks import series
-from analysis.blocks.gradient_arrays import GradientHistory
+from analysis.blocks.gradient_arrays import GradientHistory, layer_chunks
 from analysis.blocks.significance import family_alpha, pearson_significant, z_critical
 
 ZERO_GROUP = "zero gradient"
@@ -56,25 +56,74 @@ def decade_groups(means: np.ndarray) -> list[tuple[str, np.ndarray]]:
     return groups
 
 
-def synchronization(changes: np.ndarray) -> float | None:
+def synchronization(changes: np.ndarray, rows: np.ndarray | None = None) -> float | None:
     """Mean pairwise Pearson correlation of the rows of ``changes`` (NaN = missing), from
     ``(sum_t S_t^2 / T - m) / (m (m - 1))`` with ``S_t`` the sum of the standardised rows;
     rows with fewer than 3 values or no variance are left out.
 
+    Args:
+        changes: float64 ``[L, T]``.
+        rows: int64 positions of the rows of ``changes`` to use (``None`` = every row), in
+            the order they are summed.
+
     Returns:
         In [-1, 1], or ``None`` for fewer than 2 usable rows.
+
+    The rows are read a chunk at a time (:func:`analysis.blocks.gradient_arrays.layer_chunks`):
+    the moments are row-wise and ``S_t`` is added row after row in the order NumPy sums a
+    C-contiguous block over axis 0, so the bits are those of one pass over every row while
+    the temporaries stay within one chunk.
     """
-    mom = series.moments(changes)
+    width = changes.shape[1]
+    positions = (np.arange(changes.shape[0]) if rows is None
+                 else np.asarray(rows, dtype=np.int64))
+    chunks = layer_chunks(positions.size, width)
+    mom = (series.concat_rows([series.moments(changes[positions[c]]) for c in chunks])
+           if chunks else series.moments(changes[positions]))
     usable = (mom.n >= 3) & (mom.std > 0)
     m = int(usable.sum())
     if m < 2:
         return None
-    rows = changes[usable]
-    z = (rows - mom.mean[usable, None]) / mom.std[usable, None]
-    columns = int((~np.isnan(rows)).any(axis=0).sum())
-    total = np.nansum(z, axis=0)
-    value = (float(np.sum(total * total)) / columns - m) / (m * (m - 1))
+    used, mean, std = positions[usable], mom.mean[usable], mom.std[usable]
+    covered = np.zeros(width, dtype=bool)
+    total = _RowSum(width)
+    for c in layer_chunks(used.size, width):
+        part = changes[used[c]]
+        covered |= (~np.isnan(part)).any(axis=0)
+        z = (part - mean[c, None]) / std[c, None]
+        z[np.isnan(z)] = 0.0  # np.nansum's NaN -> 0
+        total.add(z)
+    columns = int(covered.sum())
+    value = (float(np.sum(total.value * total.value)) / columns - m) / (m * (m - 1))
     return float(min(max(value, -1.0), 1.0))
+
+
+class _RowSum:
+    """The sum over axis 0 of rows given a block at a time, with the bits of ``np.sum(a,
+    axis=0)`` over all of them at once: NumPy reduces a C-contiguous ``[K, T]`` block over
+    axis 0 by copying its first row and adding the others one after the other, in order
+    (no pairwise summation across rows), which is what :meth:`add` does across blocks.
+
+    Args:
+        width: ``T``, the length of a row.
+    """
+
+    def __init__(self, width: int) -> None:
+        self._width = width
+        self._acc: np.ndarray | None = None
+
+    def add(self, block: np.ndarray) -> None:
+        """Add the rows of ``block`` (float64 ``[K, T]``), in order."""
+        for row in block:
+            if self._acc is None:
+                self._acc = row.astype(np.float64, copy=True)
+            else:
+                self._acc += row
+
+    @property
+    def value(self) -> np.ndarray:
+        """float64 ``[T]`` the sum so far (zeros before any row, as ``np.sum`` of none)."""
+        return self._acc if self._acc is not None else np.zeros(self._width)
 
 
 def _difficulty(health: list[LayerHealth]) -> OptimizationDifficulty:
@@ -111,7 +160,11 @@ def build_hierarchy(
     means = facts.moments.mean
     if groups is None:
         groups = decade_groups(means)
-    energy = np.nansum(np.square(history.norms), axis=1)
+    # Row-wise, a chunk of layers at a time: the squares stay within one chunk.
+    norms = history.norms
+    energy = np.empty(history.num_layers)
+    for rows in layer_chunks(history.num_layers, history.num_steps):
+        energy[rows] = np.nansum(np.square(norms[rows]), axis=1)
     total_energy = float(energy.sum())
     total_params = max(float(history.numel.sum()), 1.0)
     layer_groups: list[LayerGroup] = []
@@ -131,7 +184,8 @@ def build_hierarchy(
                 layers=[history.names[i] for i in members],
                 group_characteristics=GroupCharacteristics(
                     average_gradient_norm=float(means[members].mean()),
-                    gradient_synchronization=synchronization(facts.log_changes[members]),
+                    gradient_synchronization=synchronization(facts.log_changes,
+                                                             members),
                     learning_rate_sensitivity=float(ratio.mean()) if ratio.size else None,
                     optimization_difficulty=_difficulty([facts.health[i] for i in members]),
                 ),
@@ -149,17 +203,29 @@ def build_hierarchy(
                 optimization_impact=float(history.numel[members].sum()) / total_params,
             )
         )
-        rows = facts.log_changes[members]
-        valid = ~np.isnan(rows)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            level_series.append(
-                np.where(valid, rows, 0.0).sum(axis=0) / valid.sum(axis=0)
-            )
+        level_series.append(_level_changes(facts.log_changes, members))
     return GradientHierarchy(
         layer_groups=layer_groups,
         hierarchy_levels=levels,
         cross_level_interactions=cross_level(np.array(level_series), alpha),
     )
+
+
+def _level_changes(changes: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """float64 ``[T]`` the mean over ``members`` (positions) of the rows of ``changes``
+    that have a value at each step (NaN where none has), the members read a chunk at a
+    time (:class:`_RowSum`: the bits of one pass over ``changes[members]``)."""
+    width = changes.shape[1]
+    total = _RowSum(width)
+    counts = np.zeros(width, dtype=np.int64)
+    for c in layer_chunks(members.size, width):
+        rows = changes[members[c]]
+        valid = ~np.isnan(rows)
+        counts += valid.sum(axis=0)
+        rows[~valid] = 0.0
+        total.add(rows)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return total.value / counts
 
 
 def cross_level(level_changes: np.ndarray, alpha: float) -> list[CrossLevelInteraction]:

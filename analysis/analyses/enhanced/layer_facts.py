@@ -131,11 +131,18 @@ def compute_layer_facts(
 
     counts = np.maximum(history.rows, 1)
     flags = history.flags
-    vanishing = ((flags & FLAG_VANISHING) != 0).sum(axis=1) / counts
-    dead = ((flags & FLAG_DEAD) != 0).sum(axis=1) / counts
-    issue = ((flags & FLAG_ISSUE) != 0).sum(axis=1) / counts
-    exploding = ((flags & FLAG_EXPLODING) != 0).sum(axis=1).astype(np.int64)
-    nonfinite = ((flags & FLAG_NONFINITE) != 0).sum(axis=1).astype(np.int64)
+    # Counts per layer, a chunk of layers at a time (exact integers, the [L, T] masks
+    # stay within one chunk).
+    bits = (FLAG_VANISHING, FLAG_DEAD, FLAG_ISSUE, FLAG_EXPLODING, FLAG_NONFINITE)
+    hits = np.empty((len(bits), history.num_layers), dtype=np.int64)
+    for rows in layer_chunks(history.num_layers, history.num_steps):
+        for k, bit in enumerate(bits):
+            hits[k, rows] = ((flags[rows] & bit) != 0).sum(axis=1)
+    vanishing = hits[0] / counts
+    dead = hits[1] / counts
+    issue = hits[2] / counts
+    exploding = hits[3]
+    nonfinite = hits[4]
     last_column = history.num_steps - 1 - np.argmax(history.present[:, ::-1], axis=1)
     last_flags = flags[np.arange(history.num_layers), last_column]
     stability = series.stability(mom.std, mom.mean)

@@ -418,7 +418,11 @@ def issue_step_ratio(history: GradientHistory) -> float:
     """Share of steps with any flagged layer (vanishing, exploding, NaN/Inf, zero)."""
     if history.num_steps == 0:
         return 0.0
-    return float(((history.flags & FLAG_ISSUE) != 0).any(axis=0).mean())
+    # A chunk of layers at a time: the [L, T] mask stays within one chunk.
+    flagged = np.zeros(history.num_steps, dtype=bool)
+    for rows in layer_chunks(history.num_layers, history.num_steps):
+        flagged |= ((history.flags[rows] & FLAG_ISSUE) != 0).any(axis=0)
+    return float(flagged.mean())
 
 
 def network_level(

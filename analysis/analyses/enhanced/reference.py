@@ -45,7 +45,7 @@ from analysis.analyses.enhanced.models import (
     SuggestionType,
     UrgencyLevel,
 )
-from analysis.blocks.gradient_arrays import GradientHistory
+from analysis.blocks.gradient_arrays import GradientHistory, layer_chunks
 
 __all__ = [
     "HIGH_MEAN",
@@ -136,13 +136,21 @@ def reference_facts(history: GradientHistory, facts: LayerFacts, window: int) ->
     with np.errstate(invalid="ignore", divide="ignore"):
         stability = np.minimum(1.0 / (1.0 + std / mean), 1.0)
     stability = np.where((n > 0) & (mean != 0), stability, 0.0)
-    d2 = np.abs(x[:, 2:] - 2.0 * x[:, 1:-1] + x[:, :-2])
-    valid = ~np.isnan(d2)
+    # Both row-wise: a chunk of layers at a time, the [L, W] temporaries (second
+    # differences, masked products) stay within one chunk, with the bits of one pass.
+    avg_d2, slope = np.empty(history.num_layers), np.empty(history.num_layers)
+    for rows in layer_chunks(history.num_layers, x.shape[1]):
+        part = x[rows]
+        d2 = np.abs(part[:, 2:] - 2.0 * part[:, 1:-1] + part[:, :-2])
+        valid = ~np.isnan(d2)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            avg_d2[rows] = np.where(valid, d2, 0.0).sum(axis=1) / valid.sum(axis=1)
+        del d2, valid
+        slope[rows] = _index_slope(part)
     with np.errstate(invalid="ignore", divide="ignore"):
-        avg_d2 = np.where(valid, d2, 0.0).sum(axis=1) / valid.sum(axis=1)
         smooth = np.minimum(1.0 / (1.0 + avg_d2), 1.0)
     smooth = np.where(n >= 3, smooth, 1.0)
-    trend_strength = np.minimum(np.abs(_index_slope(x)), 1.0)
+    trend_strength = np.minimum(np.abs(slope), 1.0)
     newest_first = x[:, -window:][:, ::-1] if x.shape[1] else x
     slope_rev = _index_slope(newest_first)
     convergence = np.where(slope_rev < 0, np.minimum(-slope_rev, 1.0), 0.0)
