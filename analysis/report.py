@@ -423,7 +423,7 @@ def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
     """
 
 
-def _summary_from_frames_sql(with_dtype: bool) -> str:
+def _summary_from_frames_sql(with_dtype: bool, exclude_rounding: bool) -> str:
     """:func:`_summary_sql`'s rows from the frames' stored summaries
     (:mod:`schemas.frame_summary`) instead of the run's ``layer_stats`` rows.
 
@@ -432,17 +432,79 @@ def _summary_from_frames_sql(with_dtype: bool) -> str:
     it). The frames of the run up to ``$to_step`` give the flagged rows (their layer
     indices) and the rows at rounding level (the stored candidates judged with the
     layer's dtype by :func:`schemas.rounding.at_rounding_sql`, the expression the full
-    scan evaluates); only for the layers at rounding level in some frame, ``layer_stats``
-    is read (their first step and their first step above rounding level, which decide
-    ``no_gradient``: the full scan's ``step < s0``). Cost: O(frames + flagged rows), plus
-    one filtered read of ``layer_stats``'s ``step`` and ``layer_index`` when some layer
-    is at rounding level.
+    scan evaluates). ``layer_stats`` is read only for the layers at rounding level in some
+    frame: their row count, first step and last step in the range, and, for those whose
+    rows are not all at rounding level, their first step above it (which decide
+    ``no_gradient``: the full scan's ``step < s0``). Without ``exclude_rounding`` a
+    frame's issue and the layers' flags come from its index lists as they are (the
+    excluded layers filtered out of each list); with it, the vanishing flag of a row
+    depends on its layer's ``s0``, so the lists are unnested into rows. Cost:
+    O(frames + flagged rows), plus one filtered read of ``layer_stats`` when some layer is
+    at rounding level.
+
+    Args:
+        with_dtype: the store's ``layers`` table has the ``dtype`` column.
+        exclude_rounding: the statement for a report with ``exclude_rounding`` (module
+            doc; no ``$exclude_rounding`` parameter here).
     """
     roundoff = roundoff_sql("l.dtype" if with_dtype else "NULL")
-    flags = " UNION ALL ".join(
-        f"SELECT step, unnest({column}) AS layer_index, '{kind}' AS kind FROM fr_range"
-        for column, kind in (("vanishing_indices", "v"), ("exploding_indices", "e"),
-                             ("nonfinite_indices", "n"), ("inf_indices", "i")))
+    excluded = "lambda x: NOT list_contains($excluded::INTEGER[], x)"
+    exploding = (f"list_filter(CASE WHEN $reference THEN list_concat(exploding_indices, "
+                 f"inf_indices) ELSE exploding_indices END, {excluded})")
+    if exclude_rounding:
+        flags = " UNION ALL ".join(
+            f"SELECT step, unnest({column}) AS layer_index, '{kind}' AS kind FROM fr_range"
+            for column, kind in (("vanishing_indices", "v"), ("exploding_indices", "e"),
+                                 ("nonfinite_indices", "n"), ("inf_indices", "i")))
+        judged = f"""
+    fl AS (
+        SELECT step, layer_index, bool_or(kind = 'v') AS is_vanishing,
+               bool_or(kind = 'e') AS is_exploding, bool_or(kind = 'n') AS nonfinite,
+               bool_or(kind = 'i') AS inf
+        FROM ({flags}) GROUP BY step, layer_index
+    ),
+    s AS (
+        SELECT f.step, f.layer_index, f.nonfinite,
+               f.is_vanishing AND NOT excluded AND NOT coalesce(
+                   z.layer_index IS NOT NULL
+                   AND (z.gradient_step IS NULL OR f.step < z.gradient_step), false)
+                   AS vanishing,
+               (f.is_exploding OR ($reference AND f.inf)) AND NOT excluded AS exploding
+        FROM (SELECT *, list_contains($excluded::INTEGER[], layer_index) AS excluded
+              FROM fl) AS f
+        LEFT JOIN zl AS z ON z.layer_index = f.layer_index
+    ),
+    flagged AS (
+        SELECT layer_index, bool_or(vanishing) AS vanishing, bool_or(exploding) AS exploding,
+               bool_or(nonfinite) AS nonfinite
+        FROM s GROUP BY layer_index
+    ),
+    f AS (
+        SELECT step,
+               bool_or(vanishing OR exploding OR (nonfinite AND NOT $reference)) AS issue,
+               bool_or(nonfinite) AS nonfinite
+        FROM s GROUP BY step
+    ),"""
+    else:
+        judged = f"""
+    lists AS (
+        SELECT step, list_filter(vanishing_indices, {excluded}) AS v,
+               {exploding} AS e, nonfinite_indices AS n
+        FROM fr_range
+    ),
+    flagged AS (
+        SELECT layer_index, bool_or(kind = 'v') AS vanishing,
+               bool_or(kind = 'e') AS exploding, bool_or(kind = 'n') AS nonfinite
+        FROM (SELECT DISTINCT unnest(v) AS layer_index, 'v' AS kind FROM lists
+              UNION ALL SELECT DISTINCT unnest(e), 'e' FROM lists
+              UNION ALL SELECT DISTINCT unnest(n), 'n' FROM lists)
+        GROUP BY layer_index
+    ),
+    f AS (
+        SELECT step, len(v) > 0 OR len(e) > 0 OR (len(n) > 0 AND NOT $reference) AS issue,
+               len(n) > 0 AS nonfinite
+        FROM lists
+    ),"""
     return f"""
     WITH fr AS (
         SELECT * FROM frames
@@ -457,39 +519,29 @@ def _summary_from_frames_sql(with_dtype: bool) -> str:
         LEFT JOIN layers AS l ON l.run_id = $run_id AND l.layer_index = c.layer_index
         WHERE {at_rounding_sql("c.magnitude", "c.top", roundoff, "c.widest", nonfinite=None)}
     ),
-    zl AS (
-        SELECT s.layer_index, min(s.step) AS first_step,
-               min(s.step) FILTER (WHERE r.step IS NULL) AS gradient_step,
+    rc_count AS (SELECT layer_index, count(*) AS n FROM rc GROUP BY layer_index),
+    zr AS (
+        SELECT s.layer_index, count(*) AS n, min(s.step) AS first_step,
                max(s.step) FILTER (WHERE $from_step IS NULL OR s.step >= $from_step)
                    AS last_in_range
         FROM layer_stats AS s
-        LEFT JOIN rc AS r ON r.step = s.step AND r.layer_index = s.layer_index
         WHERE s.run_id = $run_id AND ($to_step IS NULL OR s.step <= $to_step)
-          AND s.layer_index IN (SELECT DISTINCT layer_index FROM rc)
+          AND s.layer_index IN (SELECT layer_index FROM rc_count)
         GROUP BY s.layer_index
     ),
-    x AS (SELECT unnest($excluded::INTEGER[]) AS layer_index),
-    fl AS (
-        SELECT step, layer_index, bool_or(kind = 'v') AS is_vanishing,
-               bool_or(kind = 'e') AS is_exploding, bool_or(kind = 'n') AS nonfinite,
-               bool_or(kind = 'i') AS inf
-        FROM ({flags}) GROUP BY step, layer_index
+    zg AS (
+        SELECT s.layer_index, min(s.step) AS gradient_step
+        FROM layer_stats AS s
+        ANTI JOIN rc AS r ON r.step = s.step AND r.layer_index = s.layer_index
+        WHERE s.run_id = $run_id AND ($to_step IS NULL OR s.step <= $to_step)
+          AND s.layer_index IN (SELECT z.layer_index FROM zr AS z JOIN rc_count AS c
+                                USING (layer_index) WHERE z.n > c.n)
+        GROUP BY s.layer_index
     ),
-    s AS (
-        SELECT f.step, f.layer_index, f.nonfinite,
-               f.is_vanishing AND NOT excluded AND NOT ($exclude_rounding AND coalesce(
-                   z.layer_index IS NOT NULL
-                   AND (z.gradient_step IS NULL OR f.step < z.gradient_step), false))
-                   AS vanishing,
-               (f.is_exploding OR ($reference AND f.inf)) AND NOT excluded AS exploding
-        FROM (SELECT *, layer_index IN (SELECT layer_index FROM x) AS excluded FROM fl) AS f
-        LEFT JOIN zl AS z ON z.layer_index = f.layer_index
-    ),
-    flagged AS (
-        SELECT layer_index, bool_or(vanishing) AS vanishing, bool_or(exploding) AS exploding,
-               bool_or(nonfinite) AS nonfinite
-        FROM s GROUP BY layer_index
-    ),
+    zl AS (
+        SELECT z.layer_index, z.first_step, z.last_in_range, g.gradient_step
+        FROM zr AS z LEFT JOIN zg AS g USING (layer_index)
+    ),{judged}
     zero AS (
         SELECT layer_index, first_step FROM zl
         WHERE last_in_range IS NOT NULL
@@ -502,12 +554,6 @@ def _summary_from_frames_sql(with_dtype: bool) -> str:
                coalesce(g.nonfinite, false) AS nonfinite,
                z.layer_index IS NOT NULL AS no_gradient, z.first_step
         FROM flagged AS g FULL JOIN zero AS z ON z.layer_index = g.layer_index
-    ),
-    f AS (
-        SELECT step,
-               bool_or(vanishing OR exploding OR (nonfinite AND NOT $reference)) AS issue,
-               bool_or(nonfinite) AS nonfinite
-        FROM s GROUP BY step
     ),
     counts AS (
         SELECT count(*) AS frames,
@@ -660,13 +706,13 @@ def build_report(
     no_gradient: list[str] = []
     since: list[int] = []
     exclusion = run_exclusion(con, run_id, ignore_layers)
-    summary_sql = (_summary_from_frames_sql(_has_layer_dtype(con))
-                   if not full_scan and frames_summarise(con, run_id, to_step)
-                   else _summary_sql(_has_layer_dtype(con), with_nan))
-    rows = con.execute(summary_sql, {
-        **params, "excluded": exclusion.layer_index, "exclude_rounding": exclude_rounding,
-        "reference": reference,
-    }).fetchall()
+    arguments = {**params, "excluded": exclusion.layer_index, "reference": reference}
+    if not full_scan and frames_summarise(con, run_id, to_step):
+        summary_sql = _summary_from_frames_sql(_has_layer_dtype(con), exclude_rounding)
+    else:
+        summary_sql = _summary_sql(_has_layer_dtype(con), with_nan)
+        arguments["exclude_rounding"] = exclude_rounding
+    rows = con.execute(summary_sql, arguments).fetchall()
     for *_counts, index, name, is_van, is_exp, is_nf, is_zero, first_step in rows:
         if index is None:
             continue
