@@ -432,15 +432,16 @@ def _summary_from_frames_sql(with_dtype: bool, exclude_rounding: bool) -> str:
     it). The frames of the run up to ``$to_step`` give the flagged rows (their layer
     indices) and the rows at rounding level (the stored candidates judged with the
     layer's dtype by :func:`schemas.rounding.at_rounding_sql`, the expression the full
-    scan evaluates). ``layer_stats`` is read only for the layers at rounding level in some
-    frame: their row count, first step and last step in the range, and, for those whose
-    rows are not all at rounding level, their first step above it (which decide
-    ``no_gradient``: the full scan's ``step < s0``). Without ``exclude_rounding`` a
-    frame's issue and the layers' flags come from its index lists as they are (the
-    excluded layers filtered out of each list); with it, the vanishing flag of a row
-    depends on its layer's ``s0``, so the lists are unnested into rows. Cost:
-    O(frames + flagged rows), plus one filtered read of ``layer_stats`` when some layer is
-    at rounding level.
+    scan evaluates). For the layers at rounding level in some frame, which frames hold them
+    decides ``no_gradient`` (the full scan's ``step < s0``, ``s0`` the first frame holding
+    the layer above rounding level): a frame with ``num_layers = layer_index_max + 1``
+    holds every layer up to ``layer_index_max``; only the rows of the other frames (partial
+    frames of sharded or pipelined runs) are read from ``layer_stats``. Without
+    ``exclude_rounding`` a frame's issue and the layers' flags come from its index lists
+    as they are (the excluded layers filtered out of each list); with it, the vanishing
+    flag of a row depends on its layer's ``s0``, so the lists are unnested into rows. Cost:
+    O(frames + flagged rows), plus the ``layer_stats`` rows of frames not holding every
+    layer up to their largest.
 
     Args:
         with_dtype: the store's ``layers`` table has the ``dtype`` column.
@@ -520,23 +521,44 @@ def _summary_from_frames_sql(with_dtype: bool, exclude_rounding: bool) -> str:
         WHERE {at_rounding_sql("c.magnitude", "c.top", roundoff, "c.widest", nonfinite=None)}
     ),
     rc_count AS (SELECT layer_index, count(*) AS n FROM rc GROUP BY layer_index),
-    zr AS (
-        SELECT s.layer_index, count(*) AS n, min(s.step) AS first_step,
-               max(s.step) FILTER (WHERE $from_step IS NULL OR s.step >= $from_step)
-                   AS last_in_range
-        FROM layer_stats AS s
-        WHERE s.run_id = $run_id AND ($to_step IS NULL OR s.step <= $to_step)
+    fd AS (
+        SELECT step, layer_index_max AS m, num_layers = layer_index_max + 1 AS dense FROM fr
+    ),
+    sparse_rows AS (
+        SELECT s.layer_index, s.step FROM layer_stats AS s
+        WHERE s.run_id = $run_id AND s.step IN (SELECT step FROM fd WHERE NOT dense)
           AND s.layer_index IN (SELECT layer_index FROM rc_count)
-        GROUP BY s.layer_index
+    ),
+    dense_groups AS (
+        SELECT m, count(*) AS n, min(step) AS first_step,
+               max(step) FILTER (WHERE $from_step IS NULL OR step >= $from_step)
+                   AS last_in_range
+        FROM fd WHERE dense GROUP BY m
+    ),
+    zr AS (
+        SELECT layer_index, sum(n) AS n, min(first_step) AS first_step,
+               max(last_in_range) AS last_in_range
+        FROM (SELECT c.layer_index, g.n, g.first_step, g.last_in_range
+              FROM rc_count AS c JOIN dense_groups AS g ON c.layer_index <= g.m
+              UNION ALL
+              SELECT layer_index, 1, step,
+                     CASE WHEN $from_step IS NULL OR step >= $from_step THEN step END
+              FROM sparse_rows)
+        GROUP BY layer_index
+    ),
+    mixed AS (
+        SELECT z.layer_index FROM zr AS z JOIN rc_count AS c USING (layer_index)
+        WHERE z.n > c.n
     ),
     zg AS (
-        SELECT s.layer_index, min(s.step) AS gradient_step
-        FROM layer_stats AS s
-        ANTI JOIN rc AS r ON r.step = s.step AND r.layer_index = s.layer_index
-        WHERE s.run_id = $run_id AND ($to_step IS NULL OR s.step <= $to_step)
-          AND s.layer_index IN (SELECT z.layer_index FROM zr AS z JOIN rc_count AS c
-                                USING (layer_index) WHERE z.n > c.n)
-        GROUP BY s.layer_index
+        SELECT p.layer_index, min(p.step) AS gradient_step
+        FROM (SELECT x.layer_index, f.step FROM mixed AS x
+              JOIN fd AS f ON f.dense AND x.layer_index <= f.m
+              UNION ALL
+              SELECT layer_index, step FROM sparse_rows
+              WHERE layer_index IN (SELECT layer_index FROM mixed)) AS p
+        ANTI JOIN rc AS r ON r.step = p.step AND r.layer_index = p.layer_index
+        GROUP BY p.layer_index
     ),
     zl AS (
         SELECT z.layer_index, z.first_step, z.last_in_range, g.gradient_step
@@ -585,14 +607,15 @@ def frames_summarise(con: duckdb.DuckDBPyConnection, run_id: str,
     program, or before the summaries existed, is read row by row). Two aggregates,
     answered mostly from DuckDB's row-group statistics.
     """
-    if not has_column(con, "frames", "rounding_gaps"):
+    if not has_column(con, "frames", "layer_index_max"):
         return False
     bound = "" if to_step is None else " AND step <= $to_step"
     params: dict[str, object] = {"run_id": run_id}
     if to_step is not None:
         params["to_step"] = to_step
     row = con.execute(
-        "SELECT count(*) FILTER (WHERE vanishing_indices IS NULL OR rounding_gaps IS NULL), "
+        "SELECT count(*) FILTER (WHERE vanishing_indices IS NULL OR layer_index_max IS NULL "
+        "AND num_layers > 0), "
         f"coalesce(sum(num_layers), 0) FROM frames WHERE run_id = $run_id{bound}", params,
     ).fetchone()
     stored = con.execute(

@@ -13,7 +13,8 @@ the HTTP endpoint, with peak memory.
    default options), the frame's flag counts, one rank seen, none missing; then the run's
    counters (``runs.health``, ``frames``, ``issue_frames``, ``last_step``), its rank's
    RunFinished (``run_ranks``, ``end_time``) and, in a tree that has them, the write-time
-   frame summaries (``schemas.frame_summary.fill_frame_summaries``).
+   frame summaries (``schemas.frame_summary.fill_frame_summaries``) and grid rollup
+   (``schemas.grid_rollup.fill_rollup``).
 2. Reads the whole file once (the warm-up: the page cache holds it, as it would for a
    store in use), then times each read once, end to end, first through the notebook API
    (:class:`analysis.Store` on the read-only file, in this process): ``runs()``,
@@ -242,6 +243,14 @@ def fill_summaries(path: Path, console: Console) -> None:
         fill_frame_summaries(con, RUN)
         con.execute("CHECKPOINT")
         console.print(f"frame summaries filled in {time.perf_counter() - t0:.1f} s")
+        try:  # the grid rollup the worker keeps with the rows, in trees that have it
+            from schemas.grid_rollup import fill_rollup
+        except ImportError:
+            return
+        t0 = time.perf_counter()
+        fill_rollup(con, RUN)
+        con.execute("CHECKPOINT")
+        console.print(f"grid rollup filled in {time.perf_counter() - t0:.1f} s")
     finally:
         con.close()
 

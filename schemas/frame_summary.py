@@ -18,7 +18,10 @@ and in the same transaction (a rewritten frame's summary is replaced with its ro
   order, ``rounding_candidates`` (layer indices of the rows meeting condition 1 and
   ``a <= LARGEST_ROUNDOFF * A``, condition 2 under the largest unit roundoff of any dtype),
   ``rounding_magnitudes`` (their ``a``) and ``rounding_gaps`` (their ``W``, condition 3;
-  NULL for the frame's largest row, as SQL's ``lag`` gives).
+  NULL for the frame's largest row, as SQL's ``lag`` gives);
+- ``layer_index_max``: the frame's largest layer index. A frame whose ``num_layers`` is
+  ``layer_index_max + 1`` holds every layer from 0 to it (layer indices are distinct and
+  >= 0), so which layers it holds is known without reading its rows.
 
 The judgement itself needs the layer's dtype, which a reader takes from ``layers`` as the
 full scan does, and evaluates :func:`schemas.rounding.at_rounding_sql` over these stored
@@ -56,6 +59,7 @@ if TYPE_CHECKING:
 SUMMARY_COLUMNS: tuple[str, ...] = (
     "vanishing_indices", "exploding_indices", "nonfinite_indices", "inf_indices",
     "top_magnitude", "rounding_candidates", "rounding_magnitudes", "rounding_gaps",
+    "layer_index_max",
 )
 """The ``frames`` columns of the summary (module doc), in table order."""
 
@@ -139,6 +143,15 @@ def _index_lists(mask: np.ndarray, layer_index: np.ndarray, offsets: np.ndarray,
                                     pa.array(picked, type=dtype or pa.int32()))
 
 
+def _masked_max(values: np.ndarray, offsets: np.ndarray, nonempty: np.ndarray) -> pa.Array:
+    """Per segment ``offsets[i]:offsets[i+1]`` the largest of ``values`` (int32), NULL for
+    an empty segment."""
+    out = np.zeros(nonempty.size, np.int32)
+    if nonempty.any():
+        out[nonempty] = np.maximum.reduceat(values, offsets[:-1][nonempty])
+    return pa.array(out, pa.int32(), mask=~nonempty)
+
+
 def summarize_frames(
     lengths: np.ndarray,
     layer_index: np.ndarray,
@@ -162,7 +175,8 @@ def summarize_frames(
             unknown). is_vanishing, is_exploding: bool[n].
 
     Returns:
-        :data:`SUMMARY_COLUMNS` -> Arrow array of F entries (INTEGER[] / DOUBLE / DOUBLE[]).
+        :data:`SUMMARY_COLUMNS` -> Arrow array of F entries (INTEGER[] / DOUBLE / DOUBLE[]
+        / INTEGER).
 
     Raises:
         ValueError: the arrays do not have ``lengths.sum()`` entries.
@@ -227,11 +241,13 @@ def summarize_frames(
         "rounding_magnitudes": _index_lists(candidate, layer_index, offsets, magnitude,
                                             pa.float64()),
         "rounding_gaps": pa.ListArray.from_arrays(pa.array(gap_offsets), gaps),
+        "layer_index_max": _masked_max(layer_index, offsets, nonempty),
     }
 
 
 _MISSING_SQL = """
-    SELECT run_id, step FROM frames WHERE vanishing_indices IS NULL {run}
+    SELECT run_id, step FROM frames
+    WHERE (vanishing_indices IS NULL OR layer_index_max IS NULL AND num_layers > 0) {run}
     ORDER BY run_id, step
 """
 
@@ -246,7 +262,8 @@ _ROWS_SQL = """
 
 
 def fill_frame_summaries(con: duckdb.DuckDBPyConnection, run_id: str | None = None) -> int:
-    """Give every ``frames`` row without a summary (NULL ``vanishing_indices``) the one its
+    """Give every ``frames`` row without a summary (NULL ``vanishing_indices``, or the
+    ``layer_index_max`` of a frame with rows) the one its
     ``layer_stats`` rows make (:func:`summarize_frames`): stores written before the
     summary existed, or built by another program. Frames are taken in step order, about
     :data:`FILL_CHUNK_ROWS` rows at a time, each chunk one ``UPDATE``.

@@ -51,6 +51,7 @@ MIGRATIONS: tuple[str, ...] = (
     "ALTER TABLE frames ADD COLUMN IF NOT EXISTS rounding_candidates INTEGER[]",
     "ALTER TABLE frames ADD COLUMN IF NOT EXISTS rounding_magnitudes DOUBLE[]",
     "ALTER TABLE frames ADD COLUMN IF NOT EXISTS rounding_gaps DOUBLE[]",
+    "ALTER TABLE frames ADD COLUMN IF NOT EXISTS layer_index_max INTEGER",
     # alerts: the incident, its first step, the frame values and wall time
     "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS incident_id VARCHAR",
     "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS first_step BIGINT",

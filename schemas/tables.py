@@ -99,9 +99,15 @@ alerts
 kafka_offsets
     Next Kafka offset to consume per (consumer group, topic, partition), written in the
     same transaction as the rows it covers (exactly-once into the store).
+layer_stats_rollup
+    Per (run, level, block of ``2^level`` steps, layer): the maximum ``grad_norm`` and
+    ``flow_intensity``, the OR of the row flags and the row count of the layer's
+    ``layer_stats`` rows in the block, refreshed with the rows (``schemas.grid_rollup``),
+    so that the layers x steps grid reads blocks instead of rows.
 """
 
 from schemas.frame_summary import SUMMARY_COLUMNS
+from schemas.grid_rollup import ROLLUP_DDL
 from schemas.migrations import MIGRATIONS
 
 CREATE_TABLES: tuple[str, ...] = (
@@ -224,6 +230,7 @@ CREATE_TABLES: tuple[str, ...] = (
         rounding_candidates INTEGER[],
         rounding_magnitudes DOUBLE[],
         rounding_gaps       DOUBLE[],
+        layer_index_max     INTEGER,
         PRIMARY KEY (run_id, step)
     )
     """,
@@ -272,6 +279,7 @@ CREATE_TABLES: tuple[str, ...] = (
         PRIMARY KEY (consumer_group, topic, kafka_partition)
     )
     """,
+    ROLLUP_DDL,
 )
 
 """Every table at the current schema (``CREATE TABLE IF NOT EXISTS``); columns in the order

@@ -11,11 +11,23 @@ Every picture and the dashboard draw from these two reductions of ``layer_stats`
   ``max_steps x max_layers`` cells, so the work in Python is bounded whatever the run's
   length. :meth:`GradientGrid.caption` says how the grid was downsampled; every picture
   prints it. Two statements (one snapshot: a file read alone, or a served read's
-  ``BEGIN TRANSACTION READ ONLY`` cursor): the range's distinct steps (a scan of ``step``
-  alone: the columns' steps and ``k``), then one aggregation over the seven columns the
-  cells need, each row's column found by arithmetic on its step when the frames are
-  evenly spaced, else by a join on the listed frames (no CTE of the rows, no per-cell
-  step bookkeeping).
+  ``BEGIN TRANSACTION READ ONLY`` cursor): the range's recorded steps (the columns' steps
+  and ``k``), then one aggregation over the seven columns the cells need, each row's column
+  found by arithmetic on its step when the frames are evenly spaced, else by a join on the
+  listed frames (no CTE of the rows, no per-cell step bookkeeping). The recorded steps
+  come from ``frames`` (one row per frame, not one per layer) when its rows stand for the
+  range's ``layer_stats`` rows, the check ``analysis.report``'s ``frames_summarise``
+  makes: every frame of the range has its summary (``schemas.frame_summary``: the writer
+  stores it with the rows, in one transaction) and the frames' ``num_layers`` add up to
+  the rows the cells aggregation counts (the count comes with the cells, so the check
+  costs no scan of its own). Otherwise (a store written by another program, or before
+  the summaries existed) they come from a scan of the range's distinct ``layer_stats``
+  steps, and the cells are aggregated again over those. With the steps from ``frames``
+  and a store whose grid rollup (``schemas.grid_rollup``: per layer, the same maxima and
+  flags over aligned blocks of 16, 256 and 4,096 steps, kept by the writer with the rows)
+  stands for its rows, the aggregation reads the blocks each column covers and the rows
+  of only the frames at the columns' edges that no block covers (:func:`_rollup_query`):
+  the same cells from about a tenth of the rows.
 - :func:`load_layer_series`: one layer's norms over its recorded steps, binned the same
   way (maximum and minimum per bin).
 
@@ -33,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from analysis.read.connect import StoreError, require_run
+from analysis.read.connect import StoreError, has_column, has_table, require_run
 from analysis.read.sql import stats_params, step_buckets, step_range
 
 if TYPE_CHECKING:
@@ -48,6 +60,7 @@ from schemas.flags import FLAG_NONFINITE as FLAG_NONFINITE
 from schemas.flags import FLAG_VANISHING as FLAG_VANISHING
 from schemas.flags import FLAG_ZERO as FLAG_ZERO
 from schemas.flags import predicate
+from schemas.grid_rollup import ROLLUP_LEVELS, ROLLUP_TABLE, row_flag_bits_sql
 
 _FRAMES_SQL = f"""
     SELECT DISTINCT step FROM layer_stats
@@ -57,19 +70,73 @@ _FRAMES_SQL = f"""
 """The recorded frames of the range (the steps of the grid's columns), ascending: a scan of
 ``step`` alone."""
 
-_CELL_FLAGS = " | ".join(
-    f"CASE WHEN {predicate(name, 's')} THEN {bit} ELSE 0 END"
-    for name, bit in (("vanishing", FLAG_VANISHING), ("exploding", FLAG_EXPLODING),
-                      ("nonfinite", FLAG_NONFINITE))
-)
+_SUMMARISED_SQL = f"""
+    SELECT count(*) FILTER (WHERE vanishing_indices IS NULL OR rounding_gaps IS NULL),
+           coalesce(sum(num_layers), 0)
+    FROM frames WHERE run_id = $run_id AND {step_range()}
+"""
+"""The range's frames without their summary, and the ``layer_stats`` rows the frames say
+the range holds (the sum of their ``num_layers``)."""
+
+_LISTED_FRAMES_SQL = f"""
+    SELECT step FROM frames
+    WHERE run_id = $run_id AND {step_range()} AND num_layers > 0
+    ORDER BY step
+"""
+"""The recorded frames of the range as ``frames`` lists them, ascending."""
+
+_CELL_FLAGS = row_flag_bits_sql("s")
 """A row's FLAG_VANISHING | FLAG_EXPLODING | FLAG_NONFINITE bits (a NULL flag counts as
-unset, as ``bool_or`` ignores NULL); ``bit_or`` over a cell gives "any row of the cell"."""
+unset, as ``bool_or`` ignores NULL); ``bit_or`` over a cell gives "any row of the cell".
+The rollup's ``flags`` are the same bits OR-ed over its blocks."""
+
+_ROLLUP_CELLS_SQL = f"""
+    SELECT row_no, col_no, max(max_norm) AS max_norm, max(max_flow) AS max_flow,
+           bit_or(flags)::UTINYINT AS flags, sum(n_rows)::BIGINT AS n_rows
+    FROM (
+        SELECT s.layer_index // $layers_per_row AS row_no, e.col_no,
+               s.grad_norm AS max_norm, s.flow_intensity AS max_flow,
+               ({_CELL_FLAGS})::UTINYINT AS flags, 1::BIGINT AS n_rows
+        FROM layer_stats AS s
+        JOIN (SELECT unnest($edge_steps::BIGINT[]) AS step,
+                     unnest($edge_cols::BIGINT[]) AS col_no) AS e ON e.step = s.step
+        WHERE s.run_id = $run_id
+        UNION ALL
+        SELECT r.layer_index // $layers_per_row, b.col_no, r.max_norm, r.max_flow, r.flags,
+               r.rows
+        FROM {ROLLUP_TABLE} AS r
+        JOIN (SELECT unnest($levels::UTINYINT[]) AS level, unnest($blocks::BIGINT[]) AS block,
+                     unnest($block_cols::BIGINT[]) AS col_no) AS b
+          ON b.level = r.level AND b.block = r.block
+        WHERE r.run_id = $run_id
+    )
+    GROUP BY row_no, col_no
+"""
+"""Cells from the rollup (``schemas.grid_rollup``): the blocks each column covers, sent as
+three lists (level, block, column), and the rows of the edge frames no block covers, sent
+as two lists (step, column); the same maxima, OR and row count as over the rows."""
+
+_ROLLUP_COUNTS_SQL = f"SELECT level, sum(rows) FROM {ROLLUP_TABLE} GROUP BY level"
+"""The rows each rollup level holds (every level holds every row once)."""
+
+_STORE_ROWS_SQL = """
+    SELECT (SELECT count(*) FROM layer_stats),
+           (SELECT coalesce(sum(num_layers), 0) FROM frames)
+"""
+"""The store's ``layer_stats`` rows (``count(*)`` without a filter: DuckDB answers it from
+the table's row count, reading no row) and the rows its ``frames`` count."""
+
+_ROLLUP_MAX_EDGE_SHARE = 0.5
+"""Most share of a grid's frames read as rows beside the rollup's blocks: beyond it (a
+run recording one step in many, whose blocks hold one frame each) the plain aggregation
+with its column by arithmetic is as fast, and it is the one used."""
 
 
 def _cells_sql(bucket: str, join: str = "") -> str:
     """The one aggregation of :func:`load_grid`: per (row, column) cell the maximum norm and
-    flow intensity and the OR of the row flags, reading only ``layer_index``, ``step``,
-    ``grad_norm``, ``flow_intensity`` and the three flag columns.
+    flow intensity, the OR of the row flags and the number of rows (``n_rows``), reading
+    only ``layer_index``, ``step``, ``grad_norm``, ``flow_intensity`` and the three flag
+    columns.
 
     Args:
         bucket: the SQL of a row's column number (``s.step`` -> ``0..C-1``).
@@ -80,7 +147,8 @@ def _cells_sql(bucket: str, join: str = "") -> str:
            {bucket} AS col_no,
            max(s.grad_norm) AS max_norm,
            max(s.flow_intensity) AS max_flow,
-           bit_or({_CELL_FLAGS})::UTINYINT AS flags
+           bit_or({_CELL_FLAGS})::UTINYINT AS flags,
+           count(*) AS n_rows
     FROM layer_stats AS s {join}
     WHERE s.run_id = $run_id AND {step_range("s")}
     GROUP BY row_no, col_no
@@ -409,33 +477,30 @@ def load_grid(
         shape.layer_names[a] if a == b else f"{shape.layer_names[a]} … {shape.layer_names[b]}"
         for a, b in zip(row_first.tolist(), row_last.tolist(), strict=True)
     ]
-    steps = np.asarray(con.execute(_FRAMES_SQL, params).fetchnumpy()["step"], dtype=np.int64)
-    n_frames = len(steps)
-    if n_frames == 0:
-        empty = np.zeros((n_rows, 0))
-        return GradientGrid(
-            run_id, labels, row_first, row_last, np.zeros(0, np.int64), np.zeros(0, np.int64),
-            np.zeros(0, np.int64), empty, empty.copy(), np.zeros((n_rows, 0), np.uint8), 1, m,
-            0, n_layers, shape.vanishing_threshold, shape.exploding_threshold,
-        )
-    k = _bins(n_frames, max_steps)
-    n_cols = -(-n_frames // k)
-    frame_cols = np.arange(n_frames, dtype=np.int64) // k
-    cells = con.execute(*_cells_query(steps, frame_cols, k, params | {"layers_per_row": m}))
-    cells = cells.fetchnumpy()
-    rows = np.asarray(cells["row_no"], dtype=np.int64)
-    cols = np.asarray(cells["col_no"], dtype=np.int64)
-    if len(rows) and rows.max() >= n_rows:
-        raise StoreError(f"run {run_id!r} has layer_stats rows beyond its {n_layers} layers")
-    if len(cols) and (cols.min() < 0 or cols.max() >= n_cols):  # frames of one snapshot
-        raise StoreError(f"run {run_id!r} changed while its grid was read; read it again")
-    max_norm = np.full((n_rows, n_cols), np.nan)
-    max_flow = np.full((n_rows, n_cols), np.nan)
-    max_norm[rows, cols] = _f64(cells["max_norm"])
-    max_flow[rows, cols] = _f64(cells["max_flow"])
-    flags = np.full((n_rows, n_cols), FLAG_NO_DATA, dtype=np.uint8)
-    flags[rows, cols] = np.asarray(cells["flags"], dtype=np.uint8)
-    flags[max_norm == 0] |= FLAG_ZERO
+    cell_params = params | {"layers_per_row": m}
+    cells: _Cells | None = None
+    listed = _listed_frames(con, params)
+    if listed is not None:  # frames' count checked against the rows the cells counted
+        steps, stored_rows = listed
+        cells = _load_cells(con, run_id, steps, max_steps, n_rows, n_layers, cell_params,
+                            listed=True)
+        if cells is not None and cells.n_rows != stored_rows:
+            cells = None
+    if cells is None:
+        steps = np.asarray(con.execute(_FRAMES_SQL, params).fetchnumpy()["step"], np.int64)
+        if len(steps) == 0:
+            empty = np.zeros((n_rows, 0))
+            return GradientGrid(
+                run_id, labels, row_first, row_last, np.zeros(0, np.int64),
+                np.zeros(0, np.int64), np.zeros(0, np.int64), empty, empty.copy(),
+                np.zeros((n_rows, 0), np.uint8), 1, m, 0, n_layers,
+                shape.vanishing_threshold, shape.exploding_threshold,
+            )
+        cells = _load_cells(con, run_id, steps, max_steps, n_rows, n_layers, cell_params)
+        assert cells is not None  # not listed
+    n_frames, k = len(steps), cells.k
+    n_cols = cells.max_norm.shape[1]
+    max_norm, max_flow, flags = cells.max_norm, cells.max_flow, cells.flags
     starts = np.arange(n_cols, dtype=np.int64) * k
     first_step = steps[starts]
     last_step = steps[np.minimum(starts + k, n_frames) - 1]
@@ -445,6 +510,141 @@ def load_grid(
         max_flow, flags, k, m, n_frames, n_layers, shape.vanishing_threshold,
         shape.exploding_threshold,
     )
+
+
+def _listed_frames(con: duckdb.DuckDBPyConnection,
+                   params: dict[str, object]) -> tuple[np.ndarray, int] | None:
+    """The range's recorded steps (int64[F], ascending) and the ``layer_stats`` rows they
+    hold as ``frames`` lists them, when every frame of the range carries the summary the
+    writer stores with its rows; None when one does not, the store predates the summary,
+    or ``frames`` lists no frame in the range (:func:`load_grid` then scans the rows)."""
+    if not has_column(con, "frames", "rounding_gaps"):
+        return None
+    row = con.execute(_SUMMARISED_SQL, params).fetchone()
+    assert row is not None  # an aggregate
+    if row[0]:
+        return None
+    steps = np.asarray(con.execute(_LISTED_FRAMES_SQL, params).fetchnumpy()["step"], np.int64)
+    return (steps, int(row[1])) if len(steps) else None
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """:func:`load_grid`'s cells: ``k`` frames per column, the ``R x C`` arrays of
+    :class:`GradientGrid` (``flags`` with FLAG_NO_DATA and FLAG_ZERO set) and the number of
+    ``layer_stats`` rows they were aggregated from."""
+
+    k: int
+    max_norm: np.ndarray
+    max_flow: np.ndarray
+    flags: np.ndarray
+    n_rows: int
+
+
+def _load_cells(con: duckdb.DuckDBPyConnection, run_id: str, steps: np.ndarray,
+                max_steps: int, n_rows: int, n_layers: int, params: dict[str, object],
+                listed: bool = False) -> _Cells | None:
+    """Aggregate the range's rows into the cells of the recorded frames ``steps`` (int64[F],
+    ascending, distinct, F >= 1) binned by ``k = ceil(F / max_steps)``.
+
+    Args:
+        listed: ``steps`` is the list of ``frames`` (:func:`_listed_frames`), not the rows'
+            own: a row binned outside the columns means the list misses its step, and the
+            result is None (the caller scans the rows' steps) instead of an error; and
+            the rollup's blocks are read where they cover a column (:func:`_rollup_query`)
+            when the store's rollup stands for its rows (:func:`_rollup_fresh`). The
+            caller checks the row count.
+
+    Raises:
+        StoreError: a row's layer index is beyond the run's layers, or a row's step lies
+            outside the frames (the run changed between the two statements).
+    """
+    n_frames = len(steps)
+    k = _bins(n_frames, max_steps)
+    n_cols = -(-n_frames // k)
+    frame_cols = np.arange(n_frames, dtype=np.int64) // k
+    query = _rollup_query(steps, frame_cols, k, params) if listed else None
+    if query is not None and not _rollup_fresh(con):
+        query = None
+    cells = con.execute(*(query or _cells_query(steps, frame_cols, k, params))).fetchnumpy()
+    rows = np.asarray(cells["row_no"], dtype=np.int64)
+    cols = np.asarray(cells["col_no"], dtype=np.int64)
+    if len(rows) and rows.max() >= n_rows:
+        raise StoreError(f"run {run_id!r} has layer_stats rows beyond its {n_layers} layers")
+    if len(cols) and (cols.min() < 0 or cols.max() >= n_cols):  # frames of one snapshot
+        if listed:
+            return None
+        raise StoreError(f"run {run_id!r} changed while its grid was read; read it again")
+    max_norm = np.full((n_rows, n_cols), np.nan)
+    max_flow = np.full((n_rows, n_cols), np.nan)
+    max_norm[rows, cols] = _f64(cells["max_norm"])
+    max_flow[rows, cols] = _f64(cells["max_flow"])
+    flags = np.full((n_rows, n_cols), FLAG_NO_DATA, dtype=np.uint8)
+    flags[rows, cols] = np.asarray(cells["flags"], dtype=np.uint8)
+    flags[max_norm == 0] |= FLAG_ZERO
+    n_stored = int(np.asarray(cells["n_rows"], np.int64).sum())
+    return _Cells(k, max_norm, max_flow, flags, n_stored)
+
+
+def _rollup_fresh(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether the store's grid rollup (``schemas.grid_rollup``) stands for its rows: the
+    table exists, and the ``layer_stats`` rows, the rows the ``frames`` count and the rows
+    each rollup level holds are the same number, store-wide (a row written or deleted by
+    another program, or a run whose rollup was not filled, breaks it: the cells are then
+    read from the rows). The check the report makes of the frame summaries
+    (``analysis.report.frames_summarise``), with the row count read from DuckDB's table
+    metadata instead of a scan of the run's rows."""
+    if not has_table(con, ROLLUP_TABLE):
+        return False
+    stored, framed = con.execute(_STORE_ROWS_SQL).fetchall()[0]
+    levels = dict(con.execute(_ROLLUP_COUNTS_SQL).fetchall())
+    return stored == framed and all(levels.get(level) == stored for level in ROLLUP_LEVELS)
+
+
+def _rollup_query(steps: np.ndarray, frame_cols: np.ndarray, k: int,
+                  params: dict[str, object]) -> tuple[str, dict[str, object]] | None:
+    """The cells statement over the rollup's blocks (:data:`_ROLLUP_CELLS_SQL`) for the
+    recorded frames ``steps`` (int64[F], ascending, distinct) in columns ``frame_cols``.
+
+    Column ``c`` owns the steps from its first frame up to the next column's first frame
+    (the last column: up to the last frame); a block whose steps lie in one column's is
+    covered by it. Per level, coarsest first, the covered blocks not inside a covered
+    block of the level above are read; the frames in no covered block of the finest level
+    (at most 2^L - 1 steps each side of a column) are read as rows.
+
+    Returns:
+        The statement and its parameters; None when more than
+        :data:`_ROLLUP_MAX_EDGE_SHARE` of the frames would be read as rows.
+    """
+    starts = steps[::k]
+    first, last = int(steps[0]), int(steps[-1])
+    levels: list[np.ndarray] = []
+    blocks: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    above: tuple[int, np.ndarray] | None = None  # the level above and its covered blocks
+    for level in sorted(ROLLUP_LEVELS, reverse=True):
+        held = np.unique(steps >> level)  # the blocks holding a frame
+        lo = held << level
+        hi = lo + ((1 << level) - 1)
+        col = np.searchsorted(starts, lo, side="right") - 1
+        covered = (lo >= first) & (hi <= last) & (col == np.searchsorted(starts, hi, "right") - 1)
+        read = covered
+        if above is not None:
+            read = covered & ~np.isin(held >> (above[0] - level), above[1])
+        levels.append(np.full(int(read.sum()), level, np.int64))
+        blocks.append(held[read])
+        cols.append(col[read])
+        above = (level, held[covered])
+    assert above is not None  # ROLLUP_LEVELS is not empty
+    edge = ~np.isin(steps >> above[0], above[1])
+    if edge.sum() > _ROLLUP_MAX_EDGE_SHARE * len(steps):
+        return None
+    run = {"run_id": params["run_id"], "layers_per_row": params["layers_per_row"]}
+    return _ROLLUP_CELLS_SQL, run | {  # the lists hold the range: no bound of their own
+        "edge_steps": steps[edge].tolist(), "edge_cols": frame_cols[edge].tolist(),
+        "levels": np.concatenate(levels).tolist(), "blocks": np.concatenate(blocks).tolist(),
+        "block_cols": np.concatenate(cols).tolist(),
+    }
 
 
 def _cells_query(steps: np.ndarray, frame_cols: np.ndarray, k: int,

@@ -41,6 +41,7 @@ from consumer.outputs.base import (
 )
 from consumer.runs import RunInfo
 from schemas.frame_summary import summarize_frames
+from schemas.grid_rollup import refresh_rollup_sql
 from schemas.rounding import rounding_rows_sql
 from schemas.scalars import MEAN, RANK_AGGREGATES, RankScalars
 from schemas.stats import (
@@ -251,6 +252,11 @@ class DuckDBSink:
     Raises:
         duckdb.IOException: the file is locked by another process (a running worker).
     """
+
+    write_rollup: bool = True
+    """Refresh the grid rollup (``schemas.grid_rollup``) with the frames written; False for a
+    staging database whose tables are copied elsewhere (the Iceberg output), where readers
+    then read the rows."""
 
     def __init__(self, path: str | Path, write_behind: bool = True) -> None:
         self.path = Path(path)
@@ -656,6 +662,9 @@ class DuckDBSink:
             f"INSERT INTO layer_stats ({', '.join(columns)}) "
             f"SELECT {', '.join(columns)} FROM gs_stats",
             "INSERT OR REPLACE INTO frames BY NAME SELECT * FROM gs_frames",
+            # the grid rollup's blocks holding the steps written (schemas.grid_rollup)
+            *(refresh_rollup_sql("gs_frames", (f.step for f in fs)) if self.write_rollup
+              else ()),
         )
         self._write_local([f for f in fs if f.local is not None and len(f.local)])
         self._write_scalars(fs)

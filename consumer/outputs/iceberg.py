@@ -179,6 +179,7 @@ from consumer.frames import MergedShards
 from consumer.outputs.base import Batch, KnownState, Output, PartitionKey, commit_offsets
 from consumer.outputs.duckdb import DuckDBSink, stored_sums
 from consumer.settings import DEFAULT_ICEBERG_COMMIT_INTERVAL_S, DEFAULT_ICEBERG_NAMESPACE
+from schemas.grid_rollup import ROLLUP_TABLE
 from schemas.iceberg_catalog import (  # the readers' contract, shared with the writer
     CATALOG_NAME,
     s3_properties,
@@ -388,7 +389,10 @@ def _iceberg_type(duckdb_type: str, next_id: Callable[[], int], column: str) -> 
 def iceberg_schemas(con: duckdb.DuckDBPyConnection) -> dict[str, Schema]:
     """The Iceberg schema of every table of the DuckDB database ``con`` (the store's tables:
     :data:`schemas.tables.SCHEMA_DDL`), columns in the DuckDB order, NOT NULL columns
-    required, the primary key as identifier fields (module docstring).
+    required, the primary key as identifier fields (module docstring). The grid rollup
+    (``schemas.grid_rollup``) is left out: it is derived from ``layer_stats`` block by
+    block, which a staged write does not hold, and a reader of a store without it reads
+    the rows.
 
     Raises:
         TypeError: a column type without an Iceberg mapping.
@@ -400,7 +404,7 @@ def iceberg_schemas(con: duckdb.DuckDBPyConnection) -> dict[str, Schema]:
         "SELECT table_name, column_name, data_type, is_nullable = 'NO' FROM "
         "information_schema.columns ORDER BY table_name, ordinal_position").fetchall()
     schemas: dict[str, Schema] = {}
-    for table in dict.fromkeys(t for t, *_ in columns):
+    for table in dict.fromkeys(t for t, *_ in columns if t != ROLLUP_TABLE):
         next_id = iter(range(1, 1 << 20)).__next__  # this table's field ids, from 1
         fields, identifiers = [], []
         for name, kind, required in ((c, k, r) for t, c, k, r in columns if t == table):
@@ -646,6 +650,7 @@ class IcebergOutput(Output):
         (between writes it holds the ``runs`` rows of the known runs), and the mirror
         :meth:`restore` reads (module docstring)."""
         self.staging.ignore_layers = tuple(ignore_layers)
+        self.staging.write_rollup = False  # staged blocks would miss the stored rows
         self.staging.con.execute(f"SET threads = {STAGING_THREADS}")
         self._failed: BaseException | None = None
         self._writer = (ThreadPoolExecutor(1, thread_name_prefix="gradstream-iceberg")

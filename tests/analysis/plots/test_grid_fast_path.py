@@ -1,18 +1,23 @@
-"""load_grid's fast path (a scan of the frames, then one aggregation binning by arithmetic on
+"""load_grid's fast path (the recorded steps, then one aggregation binning by arithmetic on
 the step or by a join on the listed frames) equals the straightforward full-scan
 computation of the same bins: one statement numbering the distinct steps and taking, per
 (bin of layers, bin of frames), the maximum norm and flow intensity and each flag OR-ed,
-over random stores (real DuckDB files) and random step ranges."""
+over random stores (real DuckDB files) and random step ranges: stores crafted without
+``frames`` rows (the steps scanned from ``layer_stats``) and stores written by the real
+DuckDB writer (``DuckDBSink``: the steps listed by ``frames``), with frames out of step
+order and late ranks rewriting stored frames with other layers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from analysis.plots import grid as grid_module
 from analysis.plots.grid import (
     FLAG_EXPLODING,
     FLAG_NO_DATA,
@@ -23,6 +28,11 @@ from analysis.plots.grid import (
     load_grid,
 )
 from analysis.read.connect import open_store
+from consumer.frames import GradientFrame, MergedShards, compute_frame
+from consumer.outputs.base import Batch
+from consumer.outputs.duckdb import DuckDBSink
+from schemas.stats import GradientSums
+from schemas.wire import RunStarted
 from tests.analysis.crafted import write_run
 
 REFERENCE_SQL = """
@@ -159,3 +169,123 @@ def test_fast_grid_equals_the_full_scan(tmp_path_factory, steps, n_layers, max_s
     k = int(truth["k"])
     assert grid.col_frames.tolist() == [len(in_range[c:c + k])
                                         for c in range(0, len(in_range), k)]
+
+
+VANISHING, EXPLODING = 1e-3, 1e2
+"""Thresholds of the written runs: the random means below cross both."""
+
+
+def _frame(run_id: str, step: int, n_layers: int, present: list[int],
+           rng: np.random.Generator) -> GradientFrame:
+    """A merged frame of ``present`` layers with random mean |g| (some 0, NaN or Inf)."""
+    n = len(present)
+    mean = 10.0 ** rng.uniform(-5, 3, n)
+    special = rng.random(n)
+    mean[special < 0.05] = 0.0
+    mean[(special >= 0.05) & (special < 0.08)] = np.nan
+    mean[(special >= 0.08) & (special < 0.1)] = np.inf
+    nan, inf = np.isnan(mean), np.isinf(mean)
+    finite = np.where(nan | inf, 1.0, mean)
+    sums = GradientSums.from_columns(
+        np.full(n, 100, np.int64), finite * 100, finite * finite * 100, finite * 2,
+        np.where(nan | inf, 3, 0).astype(np.int64), nan=np.where(nan, 3, 0).astype(np.float64))
+    merged = MergedShards.empty(n_layers).merge_at(np.array(present, np.int64),
+                                                   MergedShards(sums))
+    return compute_frame(run_id, step, merged, vanishing_threshold=VANISHING,
+                         exploding_threshold=EXPLODING, ranks_seen=(0,), world_size=1,
+                         wall_time=float(step))
+
+
+def write_with_sink(path: Path, run_id: str, n_layers: int, steps: list[int], rewrites: int,
+                    rng: np.random.Generator, batch_frames: int = 3) -> None:
+    """Write a run through the real DuckDB writer: ``steps`` in the given order (maybe not
+    ascending), 1 to ``batch_frames`` frames a batch, then ``rewrites`` stored frames
+    written again with another set of layers (a late rank)."""
+    names = [f"l{i}" for i in range(n_layers)]
+    sink = DuckDBSink(path, write_behind=False)
+    try:
+        order = [*steps, *(int(s) for s in rng.choice(steps, rewrites))]
+        i = 0
+        while i < len(order):
+            batch = Batch()
+            if i == 0:
+                batch.runs_started.append(RunStarted(
+                    run_id=run_id, rank=0, world_size=1, layer_names=names,
+                    numel=[100] * n_layers, vanishing_threshold=VANISHING,
+                    exploding_threshold=EXPLODING, host="h", start_time=0.0, config={}))
+            for step in order[i:i + int(rng.integers(1, batch_frames + 1))]:
+                present = sorted(rng.choice(n_layers, int(rng.integers(1, n_layers + 1)),
+                                            replace=False).tolist())
+                batch.frames[(run_id, step)] = (_frame(run_id, step, n_layers, present, rng),
+                                                "Healthy")
+                i += 1
+            batch.offsets[(run_id, 0)] = i
+            sink.write(batch, "g")
+    finally:
+        sink.close()
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    steps=st.lists(st.integers(0, 300), min_size=1, max_size=30, unique=True),
+    ordered=st.booleans(),
+    rewrites=st.integers(0, 4),
+    n_layers=st.integers(1, 6),
+    max_steps=st.integers(1, 40),
+    max_layers=st.integers(1, 7),
+    bounds=st.tuples(st.none() | st.integers(0, 320), st.none() | st.integers(0, 320)),
+    seed=st.integers(0, 2**16),
+)
+def test_grid_of_a_written_store_equals_the_full_scan(
+        tmp_path_factory, steps, ordered, rewrites, n_layers, max_steps, max_layers, bounds,
+        seed) -> None:
+    """The recorded steps come from ``frames`` (the writer summarised every frame) and the
+    grid is the full scan's, frames out of order and rewritten ones included."""
+    rng = np.random.default_rng(seed)
+    path = tmp_path_factory.mktemp("sink") / "s.duckdb"
+    write_with_sink(path, "r", n_layers, sorted(steps) if ordered else steps, rewrites, rng)
+    from_step, to_step = bounds
+    if from_step is not None and to_step is not None and from_step > to_step:
+        from_step, to_step = to_step, from_step
+    con = open_store(path)
+    try:
+        listed = grid_module._listed_frames(
+            con, {"run_id": "r", "from_step": from_step, "to_step": to_step})
+        grid = load_grid(con, "r", max_steps, max_layers, from_step=from_step,
+                         to_step=to_step)
+        truth = reference_cells(con, "r", n_layers, max_steps, max_layers, from_step, to_step)
+    finally:
+        con.close()
+    in_range = sorted(s for s in steps if (from_step is None or s >= from_step)
+                      and (to_step is None or s <= to_step))
+    assert grid.n_frames == truth["n_frames"] == len(in_range)
+    if not in_range:
+        assert listed is None and grid.shape == (truth["norm"].shape[0], 0)
+        return
+    assert listed is not None and listed[0].tolist() == in_range  # the frames' list is read
+    assert grid.shape == truth["norm"].shape
+    np.testing.assert_array_equal(grid.max_norm, truth["norm"])
+    np.testing.assert_array_equal(grid.max_flow, truth["flow"])
+    np.testing.assert_array_equal(grid.flags, truth["flags"])
+    np.testing.assert_array_equal(grid.col_first_step, truth["first"])
+    np.testing.assert_array_equal(grid.col_last_step, truth["last"])
+
+
+def test_rows_the_frames_do_not_list_are_scanned(tmp_path: Path) -> None:
+    """A ``layer_stats`` row written by another program at a step ``frames`` does not list
+    makes the frames' count disagree with the rows: the grid is read from the rows and
+    shows that step."""
+    path = tmp_path / "s.duckdb"
+    write_with_sink(path, "r", 3, [0, 1, 2, 3], 0, np.random.default_rng(7))
+    con = duckdb.connect(str(path))
+    con.execute("INSERT INTO layer_stats (run_id, step, layer_index, numel, sum_sq, "
+                "max_abs_grad, nonfinite, grad_norm, flow_intensity, is_vanishing, "
+                "is_exploding) VALUES ('r', 9, 1, 100, 1e8, 5e3, 0, 1e4, 1.0, false, true)")
+    grid = load_grid(con, "r", 10, 10)
+    truth = reference_cells(con, "r", 3, 10, 10, None, None)
+    con.close()
+    assert grid.col_first_step.tolist() == [0, 1, 2, 3, 9]
+    assert grid.max_norm[1, 4] == 1e4 and grid.flags[1, 4] & FLAG_EXPLODING
+    np.testing.assert_array_equal(grid.max_norm, truth["norm"])
+    np.testing.assert_array_equal(grid.flags, truth["flags"])
