@@ -238,6 +238,7 @@ def fill_summaries(path: Path, console: Console) -> None:
         console.print("no schemas.frame_summary in this tree: frames without summaries")
         return
     con = duckdb.connect(str(path))
+    con.execute("SET enable_progress_bar = false")  # the lines below say what was done
     try:
         t0 = time.perf_counter()
         fill_frame_summaries(con, RUN)
