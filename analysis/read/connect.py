@@ -104,16 +104,26 @@ def open_store(path: str | os.PathLike[str], read_only: bool = True) -> duckdb.D
         )
     if read_only:
         try:
-            limit = read_memory_limit()
+            limit_read_memory(con)
         except StoreError:
             con.close()
             raise
-        # A second open of the file in this process shares the first one's DuckDB
-        # instance, whose configuration a reader locks (analysis.read.query.harden).
-        (locked,) = con.execute("SELECT current_setting('lock_configuration')").fetchall()[0]
-        if not locked:
-            con.execute(f"SET memory_limit = '{limit}'")
     return con
+
+
+def limit_read_memory(con: duckdb.DuckDBPyConnection) -> None:
+    """Bound the DuckDB buffer pool of a read-only connection to :func:`read_memory_limit`.
+
+    A second open of a file in this process shares the first one's DuckDB instance, whose
+    configuration a reader locks (``analysis.read.query.harden``): it is left as it is.
+
+    Raises:
+        StoreError: ``GRADSTREAM_READ_MEMORY_LIMIT`` is not a size.
+    """
+    limit = read_memory_limit()
+    (locked,) = con.execute("SELECT current_setting('lock_configuration')").fetchall()[0]
+    if not locked:
+        con.execute(f"SET memory_limit = '{limit}'")
 
 
 def read_memory_limit() -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import duckdb
 
+from analysis.read.connect import limit_read_memory
 from analysis.read.query import harden
 
 
@@ -71,10 +72,20 @@ class ReadCursors:
     def open_read_only(cls, db: str | os.PathLike[str]) -> ReadCursors:
         """Open ``db`` with ``read_only=True`` (no writer anywhere).
 
+        Its DuckDB buffer pool is bounded as a read-only file reader's
+        (:func:`analysis.read.connect.limit_read_memory`).
+
         Raises:
             duckdb.Error: the file is missing, locked by a writer, or not a DuckDB file.
+            analysis.read.connect.StoreError: ``GRADSTREAM_READ_MEMORY_LIMIT`` is not a size.
         """
-        return cls(duckdb.connect(str(db), read_only=True), db, writer=False, owns_root=True)
+        root = duckdb.connect(str(db), read_only=True)
+        try:
+            limit_read_memory(root)
+        except BaseException:
+            root.close()
+            raise
+        return cls(root, db, writer=False, owns_root=True)
 
     @contextlib.contextmanager
     def cursor(self) -> Iterator[duckdb.DuckDBPyConnection]:
