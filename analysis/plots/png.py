@@ -226,6 +226,11 @@ def heatmap_figure(grid: GradientGrid, width_px: int = 1600,
             ax.set_xlim(-0.5, cols - 0.5)  # the image's extent, whatever the curve's margins
         fig.legend(handles=_legend_handles(grid), loc="outside lower left", ncol=5,
                    fontsize=8, frameon=False)
+        # The final layout now, then no layout engine: saving with one runs a dry draw of
+        # every artist first (to lay it out), which resamples the images a second time
+        # (0.4 s of a 1600 x 2400 picture); the pixels are the same.
+        _lay_out(fig)
+        fig.set_layout_engine(None)
     return fig
 
 
