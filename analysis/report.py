@@ -360,6 +360,24 @@ _HEALTH_LINE: dict[GradientHealth, str] = {
     GradientHealth.HEALTHY: "Gradient flow looks healthy; nothing to do.",
 }
 
+_SUMMARY_ROWS_SQL = f"""
+    SELECT c.frames, c.issue_frames, c.last_step, c.first_nonfinite_step, c.first_step,
+           p.layer_index,
+           {layer_name("p")} AS name,
+           p.vanishing, p.exploding, p.nonfinite, p.no_gradient, p.first_step
+    FROM counts AS c
+    LEFT JOIN (SELECT * FROM per_layer
+               WHERE vanishing OR exploding OR nonfinite OR no_gradient) AS p ON true
+    LEFT JOIN layers AS l ON l.run_id = $run_id AND l.layer_index = p.layer_index
+    ORDER BY p.layer_index
+"""
+"""The rows of both summary statements (:func:`_summary_sql`, :func:`_summary_from_frames_sql`)
+from their ``counts`` (one row: frames, issue_frames, last_step, first_nonfinite_step,
+first_step) and ``per_layer`` (layer_index, vanishing, exploding, nonfinite, no_gradient,
+first_step) relations: one row per listed layer in model order, or one with NULL layer
+columns when none is listed."""
+
+
 def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
     """One statement for the layer lists and the frame counts of :func:`build_report`.
 
@@ -411,16 +429,7 @@ def _summary_sql(with_dtype: bool, with_nan: bool) -> str:
                min(step) AS first_step
         FROM f
     )
-    SELECT c.frames, c.issue_frames, c.last_step, c.first_nonfinite_step, c.first_step,
-           p.layer_index,
-           {layer_name("p")} AS name,
-           p.vanishing, p.exploding, p.nonfinite, p.no_gradient, p.first_step
-    FROM counts AS c
-    LEFT JOIN (SELECT * FROM per_layer
-               WHERE vanishing OR exploding OR nonfinite OR no_gradient) AS p ON true
-    LEFT JOIN layers AS l ON l.run_id = $run_id AND l.layer_index = p.layer_index
-    ORDER BY p.layer_index
-    """
+    {_SUMMARY_ROWS_SQL}"""
 
 
 def _summary_from_frames_sql(with_dtype: bool, exclude_rounding: bool) -> str:
@@ -585,16 +594,7 @@ def _summary_from_frames_sql(with_dtype: bool, exclude_rounding: bool) -> str:
                min(step) AS first_step
         FROM fr_range WHERE num_layers > 0
     )
-    SELECT c.frames, c.issue_frames, c.last_step, c.first_nonfinite_step, c.first_step,
-           p.layer_index,
-           {layer_name("p")} AS name,
-           p.vanishing, p.exploding, p.nonfinite, p.no_gradient, p.first_step
-    FROM counts AS c
-    LEFT JOIN (SELECT * FROM per_layer
-               WHERE vanishing OR exploding OR nonfinite OR no_gradient) AS p ON true
-    LEFT JOIN layers AS l ON l.run_id = $run_id AND l.layer_index = p.layer_index
-    ORDER BY p.layer_index
-    """
+    {_SUMMARY_ROWS_SQL}"""
 
 
 def frames_summarise(con: duckdb.DuckDBPyConnection, run_id: str,
