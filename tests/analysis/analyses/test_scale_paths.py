@@ -73,9 +73,15 @@ def full_scan(con: duckdb.DuckDBPyConnection, run: str, lo: int | None,
 
 
 def assert_same(a: object, b: object, where: str = "") -> None:
-    """Equal structures; floats equal to 1e-12 relative (NaN equal to NaN)."""
+    """Equal structures; floats equal to 1e-12, relative or absolute (NaN equal to NaN).
+
+    Absolute too: a chunk of layers may round a quantity that is zero in exact arithmetic
+    (a flat series' trend slope, seen as 4.16e-15 against 4.16e-15 * (1 + 6e-10)) to other
+    noise than the whole array does; every report float compared here is a ratio, a
+    correlation or a slope in norm units of order 1 or above.
+    """
     if isinstance(a, float) and isinstance(b, float):
-        assert a == b or math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0) or (
+        assert a == b or math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12) or (
             math.isnan(a) and math.isnan(b)), (where, a, b)
     elif isinstance(a, dict):
         assert isinstance(b, dict) and list(a) == list(b), where
