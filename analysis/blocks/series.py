@@ -153,16 +153,25 @@ def order_statistics(x: np.ndarray, ranks: np.ndarray) -> np.ndarray:
     but print differently: a block holding a ``-0.0`` is sorted as before.
 
     Args:
-        x: float64 ``[L, W]`` (``W >= 1`` where ``L >= 1``).
+        x: float64 ``[L, W]``.
         ranks: int64 ``[L, K]`` positions in ``[0, W)`` (a negative one counts from the
             end, as a NumPy index).
 
     Returns:
-        float64 ``[L, K]``.
+        float64 ``[L, K]``; all NaN when ``W == 0`` (no sample, so no order: a row
+        without samples holds only absences, which NaN stands for).
 
     Raises:
-        IndexError: a rank ``>= W``.
+        IndexError: a rank ``>= W`` where ``W >= 1``.
+
+    >>> order_statistics(np.array([[3.0, np.nan, 1.0]]), np.array([[0, 2]]))
+    array([[ 1., nan]])
+    >>> order_statistics(np.empty((2, 0)), np.zeros((2, 1), dtype=np.int64))
+    array([[nan],
+           [nan]])
     """
+    if x.shape[1] == 0:
+        return np.full(ranks.shape, np.nan)
     rows = np.arange(x.shape[0])
     negative = np.signbit(x)
     if (x.size == 0 or int(ranks.min(initial=0)) < 0 or int(ranks.max(initial=0)) >= x.shape[1]

@@ -38,3 +38,11 @@ def test_percentiles_of_a_row_with_fewer_samples() -> None:
     median, p5, p95 = nearest_rank_percentiles(x, np.array([3, 4]))
     assert median.tolist() == [2.0, 2.5] and p5.tolist() == [1.0, 1.0]
     assert p95.tolist() == [3.0, 4.0]
+
+
+def test_percentiles_of_layers_without_samples() -> None:
+    """A range whose only rows are non-finite leaves arrays of width 0: every percentile
+    is absent (NaN), not an index error."""
+    median, p5, p95 = nearest_rank_percentiles(np.empty((2, 0)), np.array([0, 0]))
+    assert np.isnan(median).all() and np.isnan(p5).all() and np.isnan(p95).all()
+    assert order_statistics(np.empty((1, 0)), np.zeros((1, 2), dtype=np.int64)).shape == (1, 2)
