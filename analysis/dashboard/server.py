@@ -81,6 +81,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from analysis.dashboard import api
 from analysis.export import export_run, file_stem
 from analysis.plots.colors import FLAG_COLORS, HEALTH_COLORS, LOSS_COLOR, norm_palette
+from analysis.plots.page_json import page_json
 from analysis.presentation import EXPORT_FORMATS
 from analysis.read.connect import StoreError
 from analysis.read.cursors import ReadCursors, StoreClosedError
@@ -369,7 +370,7 @@ class Dashboard:
             if hit is not None and hit[0] == fingerprint:
                 self._cache.move_to_end(key)
                 return hit[1]
-        body = json.dumps(compute(), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        body = page_json(compute())
         with self._cache_lock:
             self._cache[key] = (fingerprint, body)
             self._cache.move_to_end(key)
@@ -504,16 +505,16 @@ class Dashboard:
                 return Response(model_to_json(route.run(cur, name, values)), 200,
                                 media_type=MODEL_JSON)
 
-            def page_json() -> object:
+            def answer() -> object:
                 result = route.run(cur, name, values)
                 return result.to_json() if route.answer == "grid" else json.loads(
                     result.model_dump_json())
 
             if not route.cached:
-                return _json(page_json())
+                return _json(answer())
             run = str(values["run"])
             key = (route.path, name, *sorted((k, str(v)) for k, v in values.items()))
-            return Response(self.cached(cur, run, key, page_json), 200, media_type=_JSON)
+            return Response(self.cached(cur, run, key, answer), 200, media_type=_JSON)
 
     def _export(self, route: Route, _name: str, args: dict[str, Any]) -> Response:
         values = self._parse(route, args["query"])
@@ -566,8 +567,7 @@ class Dashboard:
 
 
 def _json(payload: object, status: int = 200) -> Response:
-    body = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode("utf-8")
-    return Response(body, status, media_type=_JSON)
+    return Response(page_json(payload), status, media_type=_JSON)
 
 
 def _query(request: Request) -> dict[str, str]:

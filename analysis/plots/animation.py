@@ -17,13 +17,13 @@ nothing from the network. A downsampled run says so in the page caption.
 
 from __future__ import annotations
 
-import json
 import os
 from importlib import resources
 from pathlib import Path
 
 from analysis.plots.colors import FLAG_COLORS, norm_palette
 from analysis.plots.grid import GradientGrid
+from analysis.plots.page_json import page_json
 from schemas.flags import FLAG_BITS
 
 _JS_MARK = "/*__HEATMAP_JS__*/"
@@ -38,8 +38,9 @@ def heatmap_js() -> str:
 def script_safe_json(value: object) -> str:
     """``value`` as JSON that can sit inside an HTML ``<script>`` element: ``<``, ``>`` and
     ``&`` are written as ``\\u003c``, ``\\u003e``, ``\\u0026`` (still the same JSON), so no
-    layer name can close the element. NaN is not allowed (ValueError)."""
-    text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    layer name can close the element. Encoded by :func:`analysis.plots.page_json.page_json`
+    (NumPy arrays as lists, non-finite floats as ``null``)."""
+    text = page_json(value).decode("utf-8")
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 

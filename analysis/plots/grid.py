@@ -374,17 +374,18 @@ class GradientGrid:
         )
 
     def to_json(self) -> dict[str, object]:
-        """A JSON-ready dict for the dashboard and the animation: :meth:`fields` (the row
-        labels under ``rows``), ``log_norm`` and ``flow`` rounded to 4 decimals (1e-4 in
-        log10 is a 0.02% norm change), non-finite values ``None``, ``flags`` and the
-        ``caption``."""
+        """The dashboard's and the animation's dict, for
+        :func:`analysis.plots.page_json.page_json`: :meth:`fields` (the row labels under
+        ``rows``), ``log_norm`` and ``flow`` (float64 ``R x C`` arrays rounded to 4
+        decimals: 1e-4 in log10 is a 0.02% norm change; non-finite written as ``null``),
+        ``flags`` (uint8 ``R x C``) and the ``caption``."""
         fields = self.fields()
         return {
             "rows": fields.pop("row_labels"),
             **fields,
-            "log_norm": json_floats(np.round(self.log_norm(), 4)),
-            "flow": json_floats(np.round(self.max_flow, 4)),
-            "flags": self.flags.tolist(),
+            "log_norm": np.round(self.log_norm(), 4),
+            "flow": np.round(self.max_flow, 4),
+            "flags": self.flags,
             "caption": self.caption(),
         }
 
@@ -427,14 +428,6 @@ class GradientGrid:
 
 _ARROW_META = b"gradstream.grid"
 """Schema-metadata key of :meth:`GradientGrid.to_arrow`'s fields (JSON)."""
-
-
-def json_floats(values: np.ndarray) -> list[Any]:
-    """``values`` (float64, any shape) as nested lists with NaN and +-inf as ``None`` (JSON
-    has no non-finite numbers)."""
-    obj = values.astype(object)
-    obj[~np.isfinite(values)] = None
-    return obj.tolist()
 
 
 def load_grid(
@@ -704,19 +697,20 @@ class LayerSeries:
         )
 
     def to_json(self) -> dict[str, object]:
-        """JSON-ready dict (non-finite floats become ``None``, :func:`json_floats`)."""
-        floats = json_floats
+        """The dashboard's dict, for :func:`analysis.plots.page_json.page_json`: every
+        attribute (the arrays as NumPy arrays, non-finite floats written as ``null``) and the
+        ``caption``."""
         return {
             "run_id": self.run_id,
             "layer_index": self.layer_index,
             "layer_name": self.layer_name,
-            "first_step": self.first_step.tolist(),
-            "last_step": self.last_step.tolist(),
-            "max_norm": floats(self.max_norm),
-            "min_norm": floats(self.min_norm),
-            "max_mean_abs": floats(self.max_mean_abs),
-            "max_abs": floats(self.max_abs),
-            "flags": self.flags.tolist(),
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "max_norm": self.max_norm,
+            "min_norm": self.min_norm,
+            "max_mean_abs": self.max_mean_abs,
+            "max_abs": self.max_abs,
+            "flags": self.flags,
             "steps_per_bin": self.steps_per_bin,
             "total": self.total,
             "caption": self.caption(),

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from analysis.plots.grid import json_floats
 from analysis.read.connect import has_table, require_run
 from analysis.read.query import QueryError
 from analysis.read.sql import stats_params, step_buckets, step_range
@@ -156,12 +155,12 @@ class ScalarSeries:
         return out[0], out[1], out[2]
 
     def to_json(self) -> dict[str, object]:
-        """JSON-ready dict: every attribute, non-finite floats as ``None``."""
+        """The dashboard's dict, for :func:`analysis.plots.page_json.page_json`: every
+        attribute (NumPy arrays; non-finite floats written as ``null``)."""
         return {
-            "name": self.name, "col": self.col.tolist(), "first_step": self.first_step.tolist(),
-            "last_step": self.last_step.tolist(), "points": self.points.tolist(),
-            "nonfinite": self.nonfinite.tolist(), "mean": json_floats(self.mean),
-            "low": json_floats(self.low), "high": json_floats(self.high),
+            "name": self.name, "col": self.col, "first_step": self.first_step,
+            "last_step": self.last_step, "points": self.points, "nonfinite": self.nonfinite,
+            "mean": self.mean, "low": self.low, "high": self.high,
         }
 
 
@@ -199,9 +198,9 @@ class ScalarBins:
         return what + (f"; NaN/Inf at {_plural(bad, 'step')} (magenta marks)" if bad else "")
 
     def to_json(self) -> dict[str, object]:
-        """JSON-ready dict for the dashboard: the attributes, ``series`` by name
-        (:meth:`ScalarSeries.to_json`), ``names`` (the keys in order) and ``caption``
-        (of the loss)."""
+        """The dashboard's dict, for :func:`analysis.plots.page_json.page_json`: the
+        attributes, ``series`` by name (:meth:`ScalarSeries.to_json`), ``names`` (the keys
+        in order) and ``caption`` (of the loss)."""
         return {
             "run_id": self.run_id, "n_columns": self.n_columns,
             "steps_per_col": self.steps_per_col, "n_frames": self.n_frames,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from analysis.dashboard.server import Dashboard, DashboardServer
+from analysis.plots.page_json import page_json
 from analysis.plots.scalars import load_scalar_bins
 from analysis.read.cursors import ReadCursors
 from analysis.read.sidecar import new_token
@@ -59,7 +60,7 @@ def test_binned_like_the_grid(live) -> None:  # type: ignore[no-untyped-def]
         direct = load_scalar_bins(cur, "r", 8).to_json()
     finally:
         cur.close()
-    assert served == json.loads(json.dumps(direct))
+    assert served == json.loads(page_json(direct))
     assert served["n_columns"] == len(grid["col_first_step"]) == 8
     assert served["steps_per_col"] == grid["steps_per_col"] == 5
     names = sorted({n for s in range(sr.STEPS) for n in sr.step_values(s)})
