@@ -1,10 +1,15 @@
-"""``gradstream maintain``: housekeeping of the Apache Iceberg table set the stores write
-(:mod:`consumer.iceberg_maintenance`): small files compacted, old snapshots expired, the
-Kafka offsets kept."""
+"""``gradstream maintain``: housekeeping of a store.
+
+- The Apache Iceberg table set the stores write (:mod:`consumer.iceberg_maintenance`):
+  small files compacted, old snapshots expired, the Kafka offsets kept.
+- A DuckDB store (``--db``, :mod:`consumer.duckdb_maintenance`): the frame summaries and
+  grid rollup the writer keeps beside the rows, given to frames stored without them.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -76,7 +81,25 @@ def _reason(exc: Exception) -> str:
     return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 
+DuckDbOption = Annotated[
+    Path | None,
+    typer.Option("--db", metavar="PATH", show_default=False, exists=True, dir_okay=False,
+                 help="Maintain this DuckDB store instead of Iceberg tables: give the frames "
+                 "stored before gradstream kept them (or written by another program) their "
+                 "report summaries and the grid rollup, so that reports and the heatmap of "
+                 "long runs read those instead of every row. Needs the file to itself: stop "
+                 "the consumer writing it first."),
+]
+RunOnlyOption = Annotated[
+    str | None,
+    typer.Option("--run", show_default=False,
+                 help="With --db: only this run (default: every run)."),
+]
+
+
 def maintain(
+    db: DuckDbOption = None,
+    run: RunOnlyOption = None,
     catalog: CatalogOption = None,
     warehouse: WarehouseOption = None,
     namespace: NamespaceOption = None,
@@ -92,7 +115,21 @@ def maintain(
     consumer group and partition is first carried into a new snapshot when an old one
     holds it). Runs while stores write: runs that got a file within --quiet-period are not
     compacted, and a commit that conflicts with a store's is refused, then retried or the
-    run left as it is. Run one at a time per namespace, e.g. daily."""
+    run left as it is. Run one at a time per namespace, e.g. daily. With --db, a DuckDB
+    store instead: the report summaries of its frames and the grid rollup of its runs are
+    filled where a store written by an older gradstream lacks them."""
+    if db is not None:
+        given_iceberg = [flag for flag, value in (
+            ("--catalog", catalog), ("--warehouse", warehouse), ("--namespace", namespace),
+            ("--retain", retain), ("--min-input-files", min_input_files),
+            ("--quiet-period", quiet_period)) if value is not None]
+        if given_iceberg:
+            fail(f"{', '.join(given_iceberg)} maintain Iceberg tables, --db a DuckDB store: "
+                 "give one or the other", 2)
+        _maintain_duckdb(db, run, dry_run)
+        return
+    if run is not None:
+        fail("--run goes with --db (a DuckDB store); Iceberg maintenance covers every run", 2)
     from pyiceberg.exceptions import CommitFailedException, NoSuchTableError, ValidationException
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from sqlalchemy.exc import SQLAlchemyError
@@ -160,8 +197,66 @@ def maintain(
     Console(highlight=False).print(report.summary(), markup=False, soft_wrap=True)
 
 
+def _maintain_duckdb(path: Path, run: str | None, dry_run: bool) -> None:
+    """``maintain --db``: :func:`consumer.duckdb_maintenance.upgrade_store` on ``path``
+    with a progress bar; with ``dry_run``, what it would do, from a read-only connection."""
+    import duckdb
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from analysis.read.connect import has_column, has_table
+    from consumer.duckdb_maintenance import stale_rollup_runs, upgrade_store
+    from schemas.grid_rollup import ROLLUP_TABLE
+
+    err = Console(stderr=True, highlight=False)
+    try:
+        con = duckdb.connect(str(path), read_only=dry_run)
+    except duckdb.Error as exc:
+        fail(f"cannot open {path} for {'reading' if dry_run else 'writing'}: {exc} (DuckDB "
+             "lets one process write a file: stop the consumer or server writing it)")
+    try:
+        if not (has_table(con, "frames") and has_table(con, "layer_stats")):
+            fail(f"{path} is not a gradstream store (no frames or layer_stats table)")
+        if run is not None and not con.execute(
+                "SELECT count(*) FROM frames WHERE run_id = ?", [run]).fetchone()[0]:  # type: ignore[index]
+            fail(f"no frames of run {run!r} in {path}")
+        if dry_run:
+            summarised = has_column(con, "frames", "vanishing_indices")
+            where = "" if run is None else "AND run_id = $run"
+            missing = con.execute(
+                "SELECT count(*) FROM frames WHERE "
+                + ("vanishing_indices IS NULL " if summarised else "true ") + where,
+                {} if run is None else {"run": run}).fetchone()[0]  # type: ignore[index]
+            stale = (stale_rollup_runs(con, run) if has_table(con, ROLLUP_TABLE) else
+                     [r[0] for r in con.execute(
+                         "SELECT DISTINCT run_id FROM layer_stats "
+                         + ("" if run is None else "WHERE run_id = $run ") + "ORDER BY 1",
+                         {} if run is None else {"run": run}).fetchall()])
+            Console(highlight=False).print(
+                f"dry run: {missing:,} frames to summarise; grid rollup to rebuild for "
+                f"{len(stale)} run{'s' if len(stale) != 1 else ''}"
+                + (f" ({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''})"
+                   if stale else ""), markup=False, soft_wrap=True)
+            return
+        con.execute("SET enable_progress_bar = false")  # the bar below says what is done
+        err.print(f"maintaining {path}" + (f", run {run}" if run else ""), markup=False)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("opening the store", total=None)
+
+            def progress(what: str, done: int, total: int) -> None:
+                bar.update(task, description=what, completed=done, total=total)
+
+            report = upgrade_store(con, run, progress)
+    except duckdb.Error as exc:
+        fail(f"maintaining {path} failed: {type(exc).__name__}: {exc} (what was done is "
+             "kept; run maintain again)")
+    finally:
+        con.close()
+    Console(highlight=False).print(report.summary(), markup=False, soft_wrap=True)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``maintain`` to the root application."""
     app.command("maintain", help=maintain.__doc__,
-                short_help="Iceberg housekeeping: compact small files, expire old snapshots, "
-                "keep the offsets.")(maintain)
+                short_help="Store housekeeping: Iceberg compaction and snapshot expiry; "
+                "DuckDB summaries and grid rollup (--db).")(maintain)

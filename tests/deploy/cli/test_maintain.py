@@ -79,3 +79,32 @@ def test_maintain_errors_say_what_to_do(tmp_path: Path) -> None:
     assert down.exit_code == 1, down.output
     assert "cannot open the catalog postgresql+psycopg2://gradstream:***@127.0.0.1" in down.stderr
     assert "OperationalError" in down.stderr and "s3cret" not in down.output
+
+
+def test_maintain_a_duckdb_store(tmp_path: Path) -> None:
+    """``maintain --db``: the dry run counts what an older store lacks and changes nothing;
+    the real run fills it; Iceberg flags beside --db are refused."""
+    from tests.consumer.test_duckdb_maintenance import STEPS, as_written_before, written_store
+
+    path = tmp_path / "old.duckdb"
+    written_store(path)
+    as_written_before(path)
+    dry = CliRunner().invoke(app, ["maintain", "--db", str(path), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert f"dry run: {STEPS} frames to summarise; grid rollup to rebuild for 1 run (r)" \
+        in dry.stdout
+    again = CliRunner().invoke(app, ["maintain", "--db", str(path), "--dry-run"])
+    assert again.stdout == dry.stdout  # the dry run changed nothing
+
+    done = CliRunner().invoke(app, ["maintain", "--db", str(path), "--run", "r"])
+    assert done.exit_code == 0, done.output
+    assert f"frame summaries: {STEPS} frames filled; grid rollup: 1 run rebuilt" in done.stdout
+    after = CliRunner().invoke(app, ["maintain", "--db", str(path), "--dry-run"])
+    assert "dry run: 0 frames to summarise; grid rollup to rebuild for 0 runs" in after.stdout
+
+    mixed = CliRunner().invoke(app, ["maintain", "--db", str(path), "--retain", "1d"])
+    assert mixed.exit_code == 2 and "--retain maintain Iceberg tables" in mixed.stderr
+    unknown = CliRunner().invoke(app, ["maintain", "--db", str(path), "--run", "nope"])
+    assert unknown.exit_code == 1 and "no frames of run 'nope'" in unknown.stderr
+    stray = CliRunner().invoke(app, ["maintain", "--run", "r"])
+    assert stray.exit_code == 2 and "--run goes with --db" in stray.stderr
