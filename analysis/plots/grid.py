@@ -32,13 +32,20 @@ Every picture and the dashboard draw from these two reductions of ``layer_stats`
   way (maximum and minimum per bin).
 
 Bins are taken over recorded frames, not step numbers, so a run that logs every 10th step
-has no empty columns. Maximum over a bin (not mean) keeps a single exploding step visible
-after downsampling.
+has no empty columns. When the frames are evenly spaced (every step, or every N-th) and a
+column spans 16 steps or more, the columns are aligned step intervals instead
+(:func:`step_columns`): their span is rounded up to a multiple of 16 (and of the stride)
+and they start at multiples of it, as time buckets do, so each column is whole blocks of
+the grid rollup (the rows are read only at the range's two ends) and a column keeps its
+steps as the run grows; the first and last column of a range may then hold fewer frames,
+and the caption says so. Maximum over a bin (not mean) keeps a single exploding step
+visible after downsampling.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -155,9 +162,9 @@ def _cells_sql(bucket: str, join: str = "") -> str:
 """
 
 
-_STRIDED_CELLS_SQL = _cells_sql("(s.step - $first_step) // $col_span")
-"""Cells when the frames are evenly spaced (``first_step + j * stride``): the column is
-arithmetic on the step, ``col_span = stride * k``, no join."""
+_STRIDED_CELLS_SQL = _cells_sql("(s.step - $origin) // $col_span")
+"""Cells when the columns are step intervals (:class:`StepColumns`, evenly spaced frames):
+the column is arithmetic on the step, no join."""
 
 _LISTED_CELLS_SQL = _cells_sql(
     "b.col_no",
@@ -197,6 +204,95 @@ def _f64(column: object) -> np.ndarray:
 def _bins(count: int, limit: int) -> int:
     """Smallest bin size ``b`` with ``ceil(count / b) <= limit`` (1 when it already fits)."""
     return max(1, -(-count // limit))
+
+
+ALIGNED_SPAN = 1 << min(ROLLUP_LEVELS)
+"""Columns of evenly spaced frames that span this many steps or more span a multiple of it
+and start at a multiple of their span (:func:`step_columns`): 16, the finest block of the
+grid rollup, so that each column is whole rollup blocks."""
+
+
+@dataclass(frozen=True)
+class StepColumns:
+    """How :func:`load_grid` puts a range's ``F`` recorded frames into ``C`` columns.
+
+    Attributes:
+        k: recorded frames per column (a column at either end of the range may hold
+            fewer when the columns are aligned).
+        frame_cols: int64[F], each frame's column, non-decreasing from 0 to ``C - 1``,
+            every column holding a frame.
+        origin / span: the columns are step intervals, column ``c`` the steps
+            ``[origin + c * span, origin + (c + 1) * span - 1]`` (``(step - origin) //
+            span``); ``span == 0``: they are not (irregular frames, binned by ordinal).
+        aligned: the span was rounded to a multiple of :data:`ALIGNED_SPAN` and the
+            columns start at multiples of it (the caption says so).
+    """
+
+    k: int
+    frame_cols: np.ndarray
+    origin: int
+    span: int
+    aligned: bool = False
+
+    @property
+    def count(self) -> int:
+        """Columns ``C``."""
+        return int(self.frame_cols[-1]) + 1 if len(self.frame_cols) else 0
+
+    def first_frames(self) -> np.ndarray:
+        """int64[C]: the index of each column's first frame."""
+        return np.flatnonzero(np.diff(self.frame_cols, prepend=-1))
+
+    def column_of(self, steps: np.ndarray, first_steps: np.ndarray) -> np.ndarray:
+        """int64: the column owning each step of ``steps`` (any steps, not only frames):
+        its step interval, or for ordinal columns the column whose first frame
+        (``first_steps``, int64[C]) is the last at or before the step."""
+        if self.span:
+            return (steps - self.origin) // self.span
+        return np.searchsorted(first_steps, steps, side="right") - 1
+
+
+def step_columns(steps: np.ndarray, max_steps: int) -> StepColumns:
+    """The columns of the recorded frames ``steps`` (int64[F], ascending, distinct, F >= 1)
+    for at most ``max_steps`` columns.
+
+    ``k = ceil(F / max_steps)`` consecutive frames per column (1: a column per frame).
+    Evenly spaced frames (stride ``s``) make step intervals of ``k * s`` steps from the
+    first frame; when those span :data:`ALIGNED_SPAN` steps or more, the span is rounded
+    up to a multiple of ``lcm(ALIGNED_SPAN, s)`` and the intervals start at multiples of
+    it (as time buckets do), provided that still makes at most ``max_steps`` columns: the
+    columns then cover whole blocks of the grid rollup, so the rollup alone gives their
+    cells, and a column keeps its steps as the run grows. Irregular frames are binned by
+    ordinal, ``k`` at a time.
+
+    Raises:
+        ValueError: ``steps`` is empty or ``max_steps`` < 1.
+
+    >>> c = step_columns(np.arange(3, 1003), 10)   # 1000 frames, every step from 3
+    >>> c.k, c.span, c.origin, c.count, np.bincount(c.frame_cols).tolist()[:3]
+    (112, 112, 0, 9, [109, 112, 112])
+    >>> step_columns(np.arange(0, 50, 5), 4).span   # 10 frames every 5 steps: 3 per column
+    15
+    >>> step_columns(np.array([0, 1, 5, 6, 20]), 2).frame_cols.tolist()   # irregular
+    [0, 0, 0, 1, 1]
+    """
+    if len(steps) == 0 or max_steps < 1:
+        raise ValueError("step_columns needs frames and max_steps >= 1")
+    n_frames = len(steps)
+    k = _bins(n_frames, max_steps)
+    first, last = int(steps[0]), int(steps[-1])
+    stride = int(steps[1] - steps[0]) if n_frames > 1 else 1
+    if n_frames > 1 and not bool((np.diff(steps) == stride).all()):
+        return StepColumns(k, np.arange(n_frames, dtype=np.int64) // k, 0, 0)
+    span, origin = stride * k, first
+    if k > 1 and span >= ALIGNED_SPAN:
+        unit = math.lcm(ALIGNED_SPAN, stride)
+        for aligned in (-(-span // unit) * unit, (-(-span // unit) + 1) * unit):
+            if last // aligned - first // aligned + 1 <= max_steps:
+                origin = first // aligned * aligned
+                return StepColumns(aligned // stride, (steps - origin) // aligned, origin,
+                                   aligned, aligned=True)
+    return StepColumns(k, (steps - origin) // span, origin, span)
 
 
 def _plural(n: int, word: str) -> str:
@@ -255,6 +351,10 @@ class GradientGrid:
         layers_per_row: layers per row ``m`` (1 = every layer shown).
         n_frames / n_layers: recorded frames in the range, layers of the run.
         vanishing_threshold / exploding_threshold: the run's thresholds.
+        aligned_span: ``S > 0`` when the columns are the aligned step intervals
+            ``[c * S, (c + 1) * S - 1]`` (:func:`step_columns`; the first and last column
+            of the range may hold fewer than ``k`` frames); 0 when each column is ``k``
+            consecutive frames from the range's first (the last may hold fewer).
     """
 
     run_id: str
@@ -273,6 +373,7 @@ class GradientGrid:
     n_layers: int
     vanishing_threshold: float
     exploding_threshold: float
+    aligned_span: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -312,7 +413,13 @@ class GradientGrid:
         if not self.downsampled:
             return f"{head}; every step and every layer shown"
         parts = []
-        if self.steps_per_col > 1:
+        span = self.aligned_span
+        if self.steps_per_col > 1 and span:
+            parts.append(
+                f"each column = max over the recorded steps of a {span}-step interval from "
+                f"a multiple of {span} (up to {self.steps_per_col}; {_plural(cols, 'column')})"
+            )
+        elif self.steps_per_col > 1:
             parts.append(
                 f"each column = max over {self.steps_per_col} consecutive recorded steps "
                 f"({_plural(cols, 'column')})"
@@ -342,6 +449,7 @@ class GradientGrid:
             "n_layers": self.n_layers,
             "vanishing_threshold": self.vanishing_threshold,
             "exploding_threshold": self.exploding_threshold,
+            "aligned_span": self.aligned_span,
         }
 
     @classmethod
@@ -371,6 +479,7 @@ class GradientGrid:
             n_frames=int(fields["n_frames"]), n_layers=int(fields["n_layers"]),
             vanishing_threshold=float(fields["vanishing_threshold"]),
             exploding_threshold=float(fields["exploding_threshold"]),
+            aligned_span=int(fields.get("aligned_span", 0)),
         )
 
     def to_json(self) -> dict[str, object]:
@@ -445,7 +554,8 @@ def load_grid(
         con: a DuckDB connection to the store (read-only connection or cursor).
         run_id: the run.
         max_steps: most columns (>= 1); more recorded frames are binned by ``k =
-            ceil(frames / max_steps)`` consecutive frames (maximum over the bin).
+            ceil(frames / max_steps)`` consecutive frames (maximum over the bin), or by
+            aligned step intervals of about as many frames (:func:`step_columns`).
         max_layers: most rows (>= 1); more layers are binned by ``m = ceil(layers /
             max_layers)`` consecutive layers in model order.
         from_step / to_step: inclusive optimiser-step range, ``None`` = unbounded.
@@ -491,18 +601,30 @@ def load_grid(
             )
         cells = _load_cells(con, run_id, steps, max_steps, n_rows, n_layers, cell_params)
         assert cells is not None  # not listed
-    n_frames, k = len(steps), cells.k
-    n_cols = cells.max_norm.shape[1]
-    max_norm, max_flow, flags = cells.max_norm, cells.max_flow, cells.flags
-    starts = np.arange(n_cols, dtype=np.int64) * k
-    first_step = steps[starts]
-    last_step = steps[np.minimum(starts + k, n_frames) - 1]
-    col_frames = np.minimum(k, n_frames - starts)
+    columns = cells.columns
+    starts = columns.first_frames()
+    col_frames = np.diff(starts, append=len(steps))
     return GradientGrid(
-        run_id, labels, row_first, row_last, first_step, last_step, col_frames, max_norm,
-        max_flow, flags, k, m, n_frames, n_layers, shape.vanishing_threshold,
-        shape.exploding_threshold,
+        run_id, labels, row_first, row_last, steps[starts], steps[starts + col_frames - 1],
+        col_frames, cells.max_norm, cells.max_flow, cells.flags, columns.k, m, len(steps),
+        n_layers, shape.vanishing_threshold, shape.exploding_threshold,
+        aligned_span=columns.span if columns.aligned else 0,
     )
+
+
+def range_steps(con: duckdb.DuckDBPyConnection, params: dict[str, object]) -> np.ndarray:
+    """The recorded steps of a run's range (int64[F], ascending), where :func:`load_grid`
+    takes them: from ``frames`` when every frame of the range carries its summary
+    (:func:`_listed_frames`), else the distinct steps of its ``layer_stats`` rows.
+
+    Args:
+        con: a connection or cursor of the store.
+        params: ``run_id``, ``from_step``, ``to_step`` (:func:`analysis.read.sql.stats_params`).
+    """
+    listed = _listed_frames(con, params)
+    if listed is not None:
+        return listed[0]
+    return np.asarray(con.execute(_FRAMES_SQL, params).fetchnumpy()["step"], np.int64)
 
 
 def _listed_frames(con: duckdb.DuckDBPyConnection,
@@ -523,11 +645,11 @@ def _listed_frames(con: duckdb.DuckDBPyConnection,
 
 @dataclass(frozen=True)
 class _Cells:
-    """:func:`load_grid`'s cells: ``k`` frames per column, the ``R x C`` arrays of
+    """:func:`load_grid`'s cells: the columns (:class:`StepColumns`), the ``R x C`` arrays of
     :class:`GradientGrid` (``flags`` with FLAG_NO_DATA and FLAG_ZERO set) and the number of
     ``layer_stats`` rows they were aggregated from."""
 
-    k: int
+    columns: StepColumns
     max_norm: np.ndarray
     max_flow: np.ndarray
     flags: np.ndarray
@@ -538,7 +660,7 @@ def _load_cells(con: duckdb.DuckDBPyConnection, run_id: str, steps: np.ndarray,
                 max_steps: int, n_rows: int, n_layers: int, params: dict[str, object],
                 listed: bool = False) -> _Cells | None:
     """Aggregate the range's rows into the cells of the recorded frames ``steps`` (int64[F],
-    ascending, distinct, F >= 1) binned by ``k = ceil(F / max_steps)``.
+    ascending, distinct, F >= 1) in the columns of :func:`step_columns`.
 
     Args:
         listed: ``steps`` is the list of ``frames`` (:func:`_listed_frames`), not the rows'
@@ -552,14 +674,12 @@ def _load_cells(con: duckdb.DuckDBPyConnection, run_id: str, steps: np.ndarray,
         StoreError: a row's layer index is beyond the run's layers, or a row's step lies
             outside the frames (the run changed between the two statements).
     """
-    n_frames = len(steps)
-    k = _bins(n_frames, max_steps)
-    n_cols = -(-n_frames // k)
-    frame_cols = np.arange(n_frames, dtype=np.int64) // k
-    query = _rollup_query(steps, frame_cols, k, params) if listed else None
+    columns = step_columns(steps, max_steps)
+    n_cols = columns.count
+    query = _rollup_query(steps, columns, params) if listed else None
     if query is not None and not _rollup_fresh(con):
         query = None
-    cells = con.execute(*(query or _cells_query(steps, frame_cols, k, params))).fetchnumpy()
+    cells = con.execute(*(query or _cells_query(steps, columns, params))).fetchnumpy()
     rows = np.asarray(cells["row_no"], dtype=np.int64)
     cols = np.asarray(cells["col_no"], dtype=np.int64)
     if len(rows) and rows.max() >= n_rows:
@@ -576,7 +696,7 @@ def _load_cells(con: duckdb.DuckDBPyConnection, run_id: str, steps: np.ndarray,
     flags[rows, cols] = np.asarray(cells["flags"], dtype=np.uint8)
     flags[max_norm == 0] |= FLAG_ZERO
     n_stored = int(np.asarray(cells["n_rows"], np.int64).sum())
-    return _Cells(k, max_norm, max_flow, flags, n_stored)
+    return _Cells(columns, max_norm, max_flow, flags, n_stored)
 
 
 def _rollup_fresh(con: duckdb.DuckDBPyConnection) -> bool:
@@ -594,22 +714,25 @@ def _rollup_fresh(con: duckdb.DuckDBPyConnection) -> bool:
     return stored == framed and all(levels.get(level) == stored for level in ROLLUP_LEVELS)
 
 
-def _rollup_query(steps: np.ndarray, frame_cols: np.ndarray, k: int,
+def _rollup_query(steps: np.ndarray, columns: StepColumns,
                   params: dict[str, object]) -> tuple[str, dict[str, object]] | None:
     """The cells statement over the rollup's blocks (:data:`_ROLLUP_CELLS_SQL`) for the
-    recorded frames ``steps`` (int64[F], ascending, distinct) in columns ``frame_cols``.
+    recorded frames ``steps`` (int64[F], ascending, distinct) in ``columns``.
 
-    Column ``c`` owns the steps from its first frame up to the next column's first frame
-    (the last column: up to the last frame); a block whose steps lie in one column's is
-    covered by it. Per level, coarsest first, the covered blocks not inside a covered
-    block of the level above are read; the frames in no covered block of the finest level
-    (at most 2^L - 1 steps each side of a column) are read as rows.
+    Column ``c`` owns its step interval, or for ordinal columns the steps from its first
+    frame up to the next column's first frame (:meth:`StepColumns.column_of`); a block
+    whose steps lie within the range and in one column's is covered by it. Per level,
+    coarsest first, the covered blocks not inside a covered block of the level above are
+    read; the frames in no covered block of the finest level (at most 2^L - 1 steps each
+    side of a column; aligned columns are whole blocks of it, so only the range's ends)
+    are read as rows.
 
     Returns:
         The statement and its parameters; None when more than
         :data:`_ROLLUP_MAX_EDGE_SHARE` of the frames would be read as rows.
     """
-    starts = steps[::k]
+    frame_cols = columns.frame_cols
+    starts = steps[columns.first_frames()]
     first, last = int(steps[0]), int(steps[-1])
     levels: list[np.ndarray] = []
     blocks: list[np.ndarray] = []
@@ -619,8 +742,8 @@ def _rollup_query(steps: np.ndarray, frame_cols: np.ndarray, k: int,
         held = np.unique(steps >> level)  # the blocks holding a frame
         lo = held << level
         hi = lo + ((1 << level) - 1)
-        col = np.searchsorted(starts, lo, side="right") - 1
-        covered = (lo >= first) & (hi <= last) & (col == np.searchsorted(starts, hi, "right") - 1)
+        col = columns.column_of(lo, starts)
+        covered = (lo >= first) & (hi <= last) & (col == columns.column_of(hi, starts))
         read = covered
         if above is not None:
             read = covered & ~np.isin(held >> (above[0] - level), above[1])
@@ -640,22 +763,22 @@ def _rollup_query(steps: np.ndarray, frame_cols: np.ndarray, k: int,
     }
 
 
-def _cells_query(steps: np.ndarray, frame_cols: np.ndarray, k: int,
+def _cells_query(steps: np.ndarray, columns: StepColumns,
                  params: dict[str, object]) -> tuple[str, dict[str, object]]:
     """The cells statement of :func:`load_grid` and its parameters for the recorded frames
-    ``steps`` (int64[F], ascending, distinct) in columns ``frame_cols`` (``j // k``).
+    ``steps`` (int64[F], ascending, distinct) in ``columns``.
 
-    Evenly spaced frames (every step, every N-th step: the usual runs) give each row's
-    column by arithmetic on its step (:data:`_STRIDED_CELLS_SQL`, ~1.5x faster than the
-    join at 10 M rows); other frames send their columns as lists joined on the step
-    (:data:`_LISTED_CELLS_SQL`). Both give the same cells: the columns of ``frame_cols``.
+    Columns that are step intervals (evenly spaced frames: every step, every N-th step,
+    the usual runs) give each row's column by arithmetic on its step
+    (:data:`_STRIDED_CELLS_SQL`, ~1.5x faster than the join at 10 M rows); other frames
+    send their columns as lists joined on the step (:data:`_LISTED_CELLS_SQL`). Both give
+    the same cells: the columns of ``columns.frame_cols``.
     """
-    stride = int(steps[1] - steps[0]) if len(steps) > 1 else 1
-    if len(steps) == 1 or bool((np.diff(steps) == stride).all()):
-        return _STRIDED_CELLS_SQL, params | {"first_step": int(steps[0]),
-                                             "col_span": stride * k}
+    if columns.span:
+        return _STRIDED_CELLS_SQL, params | {"origin": columns.origin,
+                                             "col_span": columns.span}
     return _LISTED_CELLS_SQL, params | {"frame_steps": steps.tolist(),
-                                        "frame_cols": frame_cols.tolist()}
+                                        "frame_cols": columns.frame_cols.tolist()}
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 The loss curve drawn above the heatmap (``gradstream plot``, :meth:`analysis.notebook.Run.
 plot`, the dashboard) shares the heatmap's step axis: its points are the heatmap's columns
-(:func:`analysis.plots.grid.load_grid`: consecutive recorded frames, ``k`` per column).
+(:func:`analysis.plots.grid.load_grid`: consecutive recorded frames, ``k`` per column, or
+aligned step intervals, :func:`analysis.plots.grid.step_columns`).
 Column ``c`` covers the steps from its first frame up to the step before column ``c + 1``'s
 first frame (the last column: up to its last frame); every ``step_scalars`` row of a step
 in it falls in that column's bin. A bin keeps, per scalar name, the mean, minimum and
@@ -11,14 +12,16 @@ covers several steps) and how many of its values are NaN/Inf (marked apart: a no
 loss has no place on the value axis). Scalar steps outside every column (before the first
 frame of the range, after its last) are left out.
 
-Two ways to get the bins, one SQL aggregation:
+Two ways to get the columns, one SQL aggregation over them (:data:`BINNED_SQL`):
 
-- :func:`load_scalar_bins` (the dashboard's ``GET /api/scalars``): the columns computed in
-  the same statement as the grid computes them (:func:`analysis.read.sql.step_buckets`
-  over ``layer_stats`` with the same ``max_steps``);
-- :func:`grid_scalar_bins` (the PNG pictures): the columns of a grid already loaded, sent
-  as its first steps, through a :class:`~analysis.read.reader.StoreReader`'s one-statement
-  read, so the curve and the heatmap agree even while a run grows.
+- :func:`load_scalar_bins` (the dashboard's ``GET /api/scalars``): the columns the grid
+  makes of the range's recorded frames with the same ``max_steps``
+  (:func:`analysis.plots.grid.range_steps`, :func:`analysis.plots.grid.step_columns`);
+- :func:`grid_scalar_bins` (the PNG pictures): the columns of a grid already loaded,
+  through a :class:`~analysis.read.reader.StoreReader`'s one-statement read, so the curve
+  and the heatmap agree even while a run grows.
+
+Either way the columns are sent as their first steps.
 
 A store without the training-scalar tables (written before them and never opened by a newer
 writer) gives empty bins.
@@ -34,7 +37,7 @@ import numpy as np
 
 from analysis.read.connect import has_table, require_run
 from analysis.read.query import QueryError
-from analysis.read.sql import stats_params, step_buckets, step_range
+from analysis.read.sql import stats_params, step_range
 from schemas.scalars import LOSS
 
 if TYPE_CHECKING:
@@ -75,22 +78,6 @@ def _binned_sql(edges: str) -> str:
     """
 
 
-_EDGES_OF_BUCKETS = f"""
-    s AS (SELECT step FROM layer_stats WHERE run_id = $run_id AND {step_range()}),
-    {step_buckets("s", "max_steps")},
-    cols AS (
-        SELECT bucket, min(step) AS start, max(step) AS last_frame,
-               any_value(n_frames) AS n_frames, any_value(k) AS k
-        FROM bucketed GROUP BY bucket
-    ),
-    edges AS (
-        SELECT bucket, start,
-               coalesce(lead(start) OVER (ORDER BY bucket) - 1, last_frame) AS stop,
-               n_frames, k
-        FROM cols
-    )"""
-"""The grid's columns (:func:`analysis.plots.grid.load_grid`), computed here."""
-
 _EDGES_OF_STARTS = """
     cols AS (
         SELECT i AS bucket, list_extract($starts::BIGINT[], i + 1) AS start
@@ -106,13 +93,9 @@ _EDGES_OF_STARTS = """
 (the last column's last step), ``$n_frames`` and ``$k`` (its frames and frames per
 column)."""
 
-BINNED_SQL = _binned_sql(_EDGES_OF_BUCKETS)
-"""The bins of :func:`load_scalar_bins` (parameters: ``$run_id``, ``$from_step``,
-``$to_step``, ``$max_steps``, ``$names``)."""
-
-GRID_BINNED_SQL = _binned_sql(_EDGES_OF_STARTS)
-"""The bins of :func:`grid_scalar_bins` (parameters: ``$run_id``, ``$from_step``,
-``$to_step``, ``$names``, ``$starts``, ``$stop``, ``$n_frames``, ``$k``)."""
+BINNED_SQL = _binned_sql(_EDGES_OF_STARTS)
+"""The bins over given columns (parameters: ``$run_id``, ``$from_step``, ``$to_step``,
+``$names``, ``$starts``, ``$stop``, ``$n_frames``, ``$k``)."""
 
 
 def _plural(n: int, word: str) -> str:
@@ -210,9 +193,9 @@ class ScalarBins:
         }
 
 
-def _bins(run_id: str, table: pa.Table) -> ScalarBins:
+def _bins(run_id: str, table: pa.Table, n_columns: int) -> ScalarBins:
     """:class:`ScalarBins` of the rows of :func:`_binned_sql` (sorted by name, NULL first,
-    then column)."""
+    then column) over ``n_columns`` columns."""
     columns = {name: table.column(name).to_numpy(zero_copy_only=False)
                for name in table.column_names}
     if not table.num_rows:  # no frame in the range: no column
@@ -232,7 +215,7 @@ def _bins(run_id: str, table: pa.Table) -> ScalarBins:
             str(names[a]), part("bucket", np.int64), part("first_step", np.int64),
             part("last_step", np.int64), part("points", np.int64), part("nonfinite", np.int64),
             part("mean", np.float64), part("low", np.float64), part("high", np.float64))
-    return ScalarBins(run_id, -(-n_frames // k), k, n_frames, series)
+    return ScalarBins(run_id, n_columns, k, n_frames, series)
 
 
 def _names(names: Sequence[str]) -> list[str] | None:
@@ -249,7 +232,7 @@ def load_scalar_bins(
     to_step: int | None = None,
 ) -> ScalarBins:
     """The run's step scalars on the columns :func:`analysis.plots.grid.load_grid` makes
-    with the same ``max_steps`` and range (one statement; module doc for the bins).
+    with the same ``max_steps`` and range (module doc for the bins).
 
     Args:
         con: a read-only connection or cursor of the store.
@@ -271,9 +254,16 @@ def load_scalar_bins(
     require_run(con, run_id)
     if not has_table(con, SCALARS_TABLE):
         return ScalarBins(run_id, 0, 1, 0, {})
-    table = con.sql(BINNED_SQL, params=params | {"max_steps": max_steps,
-                                                 "names": _names(names)}).to_arrow_table()
-    return _bins(run_id, table)
+    from analysis.plots.grid import range_steps, step_columns
+
+    steps = range_steps(con, params)
+    if not len(steps):
+        return ScalarBins(run_id, 0, 1, 0, {})
+    columns = step_columns(steps, max_steps)
+    table = con.sql(BINNED_SQL, params=params | {
+        "names": _names(names), "starts": steps[columns.first_frames()].tolist(),
+        "stop": int(steps[-1]), "n_frames": len(steps), "k": columns.k}).to_arrow_table()
+    return _bins(run_id, table, columns.count)
 
 
 def grid_scalar_bins(reader: StoreReader, grid: GradientGrid,
@@ -301,9 +291,9 @@ def grid_scalar_bins(reader: StoreReader, grid: GradientGrid,
               "stop": int(grid.col_last_step[-1]), "n_frames": grid.n_frames,
               "k": grid.steps_per_col}
     try:
-        table = reader.sql(GRID_BINNED_SQL, params)
+        table = reader.sql(BINNED_SQL, params)
     except QueryError:
         if reader.has_table(SCALARS_TABLE):
             raise
         return ScalarBins(grid.run_id, n_columns, grid.steps_per_col, grid.n_frames, {})
-    return _bins(grid.run_id, table)
+    return _bins(grid.run_id, table, n_columns)

@@ -76,11 +76,13 @@ def test_written_rollup_is_the_rows_and_gives_the_full_scan_grid(
     np.testing.assert_array_equal(grid.col_last_step, truth["last"])
     assert listed is not None
     frames = listed[0]
-    k = grid.steps_per_col
-    if k >= 64:  # bins of 64+ frames: their edges are under half the frames
-        query = grid_module._rollup_query(
-            frames, np.arange(len(frames)) // k, k, {"run_id": "r", "layers_per_row": 1})
+    columns = grid_module.step_columns(frames, max_steps)
+    query = grid_module._rollup_query(frames, columns, {"run_id": "r", "layers_per_row": 1})
+    if columns.k >= 64:  # columns of 64+ frames: their edges are under half the frames
         assert query is not None and query[1]["blocks"]  # the rollup is what was read
+    if columns.aligned and query is not None:  # whole blocks: rows only at the range's ends
+        edge = np.array(query[1]["edge_steps"], dtype=np.int64)
+        assert ((edge < (frames[0] | 15) + 1) | (edge > (frames[-1] & ~15) - 1)).all()
 
 
 def test_a_store_without_a_fresh_rollup_is_read_from_its_rows(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from consumer.outputs.duckdb import DuckDBSink
 from schemas.stats import GradientSums
 from schemas.wire import RunStarted
 from tests.analysis.crafted import write_run
+from tests.analysis.plots.test_plots import reference_columns
 
 REFERENCE_SQL = """
     WITH s AS (
@@ -44,10 +45,9 @@ REFERENCE_SQL = """
           AND ($to_step IS NULL OR step <= $to_step)
     ),
     steps AS (
-        SELECT step, row_number() OVER (ORDER BY step) - 1 AS col, count(*) OVER () AS n
-        FROM (SELECT DISTINCT step FROM s)
+        SELECT unnest($frame_steps::BIGINT[]) AS step, unnest($frame_cols::BIGINT[]) AS col
     )
-    SELECT s.layer_index // $m AS row_no, steps.col // $k AS col_no,
+    SELECT s.layer_index // $m AS row_no, steps.col AS col_no,
            max(s.grad_norm) AS max_norm, max(s.flow_intensity) AS max_flow,
            bool_or(s.is_vanishing) AS van, bool_or(s.is_exploding) AS exp,
            bool_or(s.nonfinite > 0) AS bad, min(s.step) AS first, max(s.step) AS last
@@ -55,21 +55,25 @@ REFERENCE_SQL = """
     GROUP BY row_no, col_no
 """
 """The straightforward computation: every row of the range read and binned in one
-statement (the columns' first / last steps taken over the cells too)."""
+statement by the frames' columns of :func:`tests.analysis.plots.test_plots.
+reference_columns` (the columns' first / last steps taken over the cells too)."""
 
 
 def reference_cells(con, run_id: str, n_layers: int, max_steps: int, max_layers: int,
                     from_step: int | None, to_step: int | None) -> dict[str, np.ndarray]:
     """The dense cells of the reference computation (module doc)."""
-    n_frames = con.execute(
-        "SELECT count(DISTINCT step) FROM layer_stats WHERE run_id = $run_id AND "
-        "($from_step IS NULL OR step >= $from_step) AND ($to_step IS NULL OR step <= $to_step)",
-        {"run_id": run_id, "from_step": from_step, "to_step": to_step}).fetchone()[0]
+    steps = [r[0] for r in con.execute(
+        "SELECT DISTINCT step FROM layer_stats WHERE run_id = $run_id AND "
+        "($from_step IS NULL OR step >= $from_step) AND ($to_step IS NULL OR step <= $to_step) "
+        "ORDER BY step", {"run_id": run_id, "from_step": from_step, "to_step": to_step}
+    ).fetchall()]
+    n_frames = len(steps)
+    frame_cols, k, _ = reference_columns(steps, max_steps) if steps else ([], 1, 0)
     m = max(1, -(-n_layers // max_layers))
-    k = max(1, -(-n_frames // max_steps))
-    rows, cols = -(-n_layers // m), -(-n_frames // k)
+    rows, cols = -(-n_layers // m), (frame_cols[-1] + 1 if steps else 0)
     out = con.execute(REFERENCE_SQL, {"run_id": run_id, "from_step": from_step,
-                                      "to_step": to_step, "m": m, "k": k}).fetchall()
+                                      "to_step": to_step, "m": m, "frame_steps": steps,
+                                      "frame_cols": frame_cols}).fetchall()
     norm = np.full((rows, cols), np.nan)
     flow = np.full((rows, cols), np.nan)
     flags = np.full((rows, cols), FLAG_NO_DATA, np.uint8)
@@ -83,7 +87,8 @@ def reference_cells(con, run_id: str, n_layers: int, max_steps: int, max_layers:
         first[c], last[c] = min(first[c], lo), max(last[c], hi)
     flags[norm == 0] |= FLAG_ZERO
     return {"norm": norm, "flow": flow, "flags": flags, "first": first, "last": last,
-            "k": np.int64(k), "m": np.int64(m), "n_frames": np.int64(n_frames)}
+            "k": np.int64(k), "m": np.int64(m), "n_frames": np.int64(n_frames),
+            "frames": np.bincount(frame_cols, minlength=cols)}
 
 
 def write_random_run(path: Path, run_id: str, n_layers: int, steps: list[int],
@@ -166,9 +171,7 @@ def test_fast_grid_equals_the_full_scan(tmp_path_factory, steps, n_layers, max_s
     np.testing.assert_array_equal(grid.flags, truth["flags"])
     np.testing.assert_array_equal(grid.col_first_step, truth["first"])
     np.testing.assert_array_equal(grid.col_last_step, truth["last"])
-    k = int(truth["k"])
-    assert grid.col_frames.tolist() == [len(in_range[c:c + k])
-                                        for c in range(0, len(in_range), k)]
+    assert grid.col_frames.tolist() == truth["frames"].tolist()
 
 
 VANISHING, EXPLODING = 1e-3, 1e2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from pathlib import Path
 
@@ -31,6 +33,28 @@ from tests.analysis.crafted import NASTY_NAMES, Stat, StoreBuilder
 from tests.chromium import chromium_page, image_stats
 
 NAMES = ["embed", "block.0", "block.1", "norm", "head"]
+
+
+def reference_columns(steps: list[int], max_steps: int) -> tuple[list[int], int, int]:
+    """The grid's columns as ``load_grid``'s documentation states them, one frame at a
+    time: (each frame's column, frames per column ``k``, aligned span or 0).
+
+    ``k = ceil(F / max_steps)`` consecutive frames per column; evenly spaced frames
+    (stride ``s``) whose columns span 16 steps or more get the smallest span that is a
+    multiple of ``lcm(16, s)`` and at least ``k * s`` (or the next multiple) whose
+    intervals from multiples of it give at most ``max_steps`` columns."""
+    n = len(steps)
+    k = -(-n // max_steps)
+    s = steps[1] - steps[0] if n > 1 else 1
+    if any(b - a != s for a, b in itertools.pairwise(steps)):
+        return [j // k for j in range(n)], k, 0
+    if k > 1 and k * s >= 16:
+        unit = 16 * s // math.gcd(16, s)
+        smallest = -(-k * s // unit) * unit
+        for span in (smallest, smallest + unit):
+            if steps[-1] // span - steps[0] // span + 1 <= max_steps:
+                return [x // span - steps[0] // span for x in steps], span // s, span
+    return [(x - steps[0]) // (k * s) for x in steps], k, 0
 
 
 def random_run(path: Path, steps: list[int], seed: int) -> tuple[Path, dict]:
@@ -76,14 +100,16 @@ def test_grid_is_the_max_and_any_over_bins(tmp_path_factory, n_frames, stride, m
         grid = load_grid(con, "r", max_steps, max_layers)
     finally:
         con.close()
-    k = -(-n_frames // max_steps)
+    frame_cols, k, span = reference_columns(steps, max_steps)
     m = -(-len(NAMES) // max_layers)
-    rows, cols = -(-len(NAMES) // m), -(-n_frames // k)
+    rows, cols = -(-len(NAMES) // m), frame_cols[-1] + 1
     assert grid.shape == (rows, cols) and grid.steps_per_col == k and grid.layers_per_row == m
+    assert grid.aligned_span == span
     assert cols <= max_steps and rows <= max_layers
+    in_col = np.array(frame_cols)
     for r in range(rows):
         for c in range(cols):
-            block = (slice(r * m, (r + 1) * m), slice(c * k, (c + 1) * k))
+            block = (slice(r * m, (r + 1) * m), in_col == c)
             norms = truth["norm"][block]
             if np.isnan(norms).all():
                 assert grid.flags[r, c] & FLAG_NO_DATA and np.isnan(grid.max_norm[r, c])
@@ -92,15 +118,18 @@ def test_grid_is_the_max_and_any_over_bins(tmp_path_factory, n_frames, stride, m
             assert bool(grid.flags[r, c] & FLAG_VANISHING) == truth["van"][block].any()
             assert bool(grid.flags[r, c] & FLAG_EXPLODING) == truth["exp"][block].any()
             assert bool(grid.flags[r, c] & FLAG_NONFINITE) == truth["bad"][block].any()
-    first = [steps[c * k] for c in range(cols)]
-    last = [steps[min((c + 1) * k, n_frames) - 1] for c in range(cols)]
+    first = [steps[frame_cols.index(c)] for c in range(cols)]
+    last = [steps[len(frame_cols) - 1 - frame_cols[::-1].index(c)] for c in range(cols)]
     assert grid.col_first_step.tolist() == first and grid.col_last_step.tolist() == last
-    assert grid.col_frames.sum() == n_frames
+    assert grid.col_frames.tolist() == np.bincount(frame_cols).tolist()
     assert grid.row_labels[0] == (NAMES[0] if m == 1 else f"{NAMES[0]} … {NAMES[m - 1]}")
     caption = grid.caption()
     assert f"{n_frames} recorded step" in caption
     assert ("downsampled" in caption) == (k > 1 or m > 1)
-    if k > 1:
+    if k > 1 and span:
+        assert (f"each column = max over the recorded steps of a {span}-step interval "
+                f"from a multiple of {span} (up to {k};") in caption
+    elif k > 1:
         assert f"each column = max over {k} consecutive recorded steps" in caption
 
 
@@ -217,3 +246,35 @@ def test_plot_command(demo_store: Path, tmp_path: Path) -> None:
     result = runner.invoke(app, ["plot", "--db", str(demo_store), "--run", "empty",
                                  "--out", str(out)])
     assert result.exit_code == 1 and "no gradient frame" in result.output
+
+
+def test_step_columns_examples() -> None:
+    import doctest
+
+    import analysis.plots.grid as grid_module
+
+    result = doctest.testmod(grid_module)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=st.integers(0, 10**6), stride=st.integers(1, 40), count=st.integers(1, 5000),
+       max_steps=st.integers(1, 1200))
+def test_step_columns_fit_and_align(start: int, stride: int, count: int,
+                                    max_steps: int) -> None:
+    """At most ``max_steps`` columns, each a run of consecutive frames, none empty; aligned
+    columns are step intervals of a multiple of 16 steps starting at multiples of it."""
+    from analysis.plots.grid import ALIGNED_SPAN, step_columns
+
+    steps = start + stride * np.arange(count, dtype=np.int64)
+    columns = step_columns(steps, max_steps)
+    frame_cols = columns.frame_cols
+    assert frame_cols[0] == 0 and columns.count <= max_steps
+    assert set(np.diff(frame_cols).tolist()) <= {0, 1}
+    assert np.bincount(frame_cols).max() <= columns.k
+    want = reference_columns(steps.tolist(), max_steps) if count <= 200 else None
+    if want is not None:
+        assert (frame_cols.tolist(), columns.k) == want[:2]
+    if columns.aligned:
+        assert columns.span % ALIGNED_SPAN == 0 and columns.origin % columns.span == 0
+        np.testing.assert_array_equal(frame_cols, (steps - columns.origin) // columns.span)
