@@ -99,15 +99,15 @@ Iceberg's ``rewrite_data_files`` (``SizeBasedFileRewriter.MIN_FILE_SIZE_DEFAULT_
 DEFAULT_QUIET_PERIOD = timedelta(hours=1)
 """A partition to which a file was added more recently than this is left uncompacted
 unless ``GRADSTREAM_ICEBERG_QUIET_PERIOD`` says otherwise. A streaming run gets a file per
-write (every flush interval, 0.2 s by default), so an hour without one means the run
-finished or stalls; compacting a run a store is writing would make one of the two commits
-fail (module docstring, step 2). The value trades how long a finished run keeps its small
+write (writes are spaced by ``iceberg_commit_interval_s``, 5 s by default), so an hour
+without one means the run finished or stalls; compacting a run a store is writing would
+make one of the two commits fail (module docstring, step 2). The value trades how long a finished run keeps its small
 files against that risk: an hour is below any sensible ``retain``, so a run is compacted
 long before its old snapshots expire."""
 
 COMMIT_ATTEMPTS = 5
 """Tries of a maintenance commit that a concurrent commit refused (re-read and
-re-planned each time): a store commits a table about once a flush interval, so a refusal
+re-planned each time): a store commits a table about once a commit interval, so a refusal
 is possible but several in a row mean the table is busier than maintenance should
 contend with."""
 

@@ -23,9 +23,11 @@ class StoreWriterSettings(AlertingSettings):
         alerts_topic: the alerts topic: the store writer publishes the events of the
             alert rules it evaluates there, and stores every alert event read from it in
             the ``alerts`` table (None: events are stored, not published).
-        group_id: the name under which the store keeps its consumed offsets in DuckDB
-            (``kafka_offsets.consumer_group``); the store joins no Kafka consumer group, it
-            assigns itself every partition (DuckDB has one writer).
+        group_id: the name under which the store keeps its consumed offsets in its output
+            (``kafka_offsets.consumer_group``; the Iceberg output also in its snapshots'
+            properties); the store joins no Kafka consumer group, it assigns itself every
+            partition (DuckDB has one writer) or those of ``assigned_partitions`` (several
+            store processes writing one Iceberg table set).
         reorder_delay_s: how long a frame that does not follow its run's last evaluated
             step waits for the steps before it (the steps of one run come from several
             workers, each with its own lag) before the run's ordered work takes it anyway

@@ -224,8 +224,9 @@ def consume(
 StoreGroupOption = Annotated[
     str | None,
     typer.Option("--group", help="Name under which the store keeps its consumed offsets in "
-                 "DuckDB (it joins no Kafka consumer group: it reads every partition "
-                 "itself)."),
+                 "its output (DuckDB's kafka_offsets table, or the Iceberg snapshots' "
+                 "properties). It joins no Kafka consumer group: it assigns itself every "
+                 "partition, or those of --assign-partitions."),
 ]
 
 
