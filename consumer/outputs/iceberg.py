@@ -681,6 +681,13 @@ class IcebergOutput(Output):
             self.close()
             raise
         self._arrow = {name: schema_to_pyarrow(t.schema()) for name, t in self.tables.items()}
+        self._table_locks = {name: threading.Lock() for name in self.tables}
+        """Per table: held while a thread reads or replaces the table's metadata
+        (:meth:`_data_files`, :meth:`_commit`). pyiceberg's metadata objects fill cached
+        properties on first use (the schema's name mapping, its field lookups) and a
+        commit deep-copies them: a write's data files and the previous write's commit of
+        the same table, side by side, failed with "dictionary changed size during
+        iteration" (``bench/lakehouse.py``'s read-back, 500,000-row writes)."""
         last = [n for n in COMMIT_LAST if n in self.tables]
         self.commit_order: tuple[str, ...] = (
             *sorted(n for n in self.tables if n not in last), *last)
@@ -1172,7 +1179,13 @@ class IcebergOutput(Output):
         split by run with one sort instead of one filter per run, and written once
         whatever the commit's tries. None when the table's partition spec is not
         identity on :data:`PARTITION_COLUMN` alone (nor unpartitioned): pyiceberg then
-        writes the rows itself (:meth:`_commit`)."""
+        writes the rows itself (:meth:`_commit`). Holds the table's lock
+        (:attr:`_table_locks`)."""
+        with self._table_locks[name]:
+            return self._write_data_files(name, rows)
+
+    def _write_data_files(self, name: str, rows: pa.Table) -> list[DataFile] | None:
+        """:meth:`_data_files` under the table's lock."""
         table = self.tables[name]
         metadata = table.metadata
         schema, spec = metadata.schema(), metadata.spec()
@@ -1216,6 +1229,12 @@ class IcebergOutput(Output):
                 conflicted.
             OSError: a file could not be written.
         """
+        with self._table_locks[name]:
+            self._commit_locked(name, rows, scope, properties, files)
+
+    def _commit_locked(self, name: str, rows: pa.Table, scope: BooleanExpression,
+                       properties: dict[str, str], files: list[DataFile] | None) -> None:
+        """:meth:`_commit` under the table's lock (:attr:`_table_locks`)."""
         table = self.tables[name]
         for attempt in range(COMMIT_ATTEMPTS):
             transaction = table.transaction()

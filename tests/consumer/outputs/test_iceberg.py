@@ -439,6 +439,49 @@ def test_a_write_behind_output_commits_in_order_and_stops_at_a_failed_commit(
         reopened.close()
 
 
+def test_a_table_is_never_written_and_committed_at_once(
+    local_catalog: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``write_behind`` a write's data files are written while the previous write
+    commits, but never those of the table being committed: pyiceberg fills cached
+    properties of a table's metadata as it uses them while a commit deep-copies that
+    metadata (``bench/lakehouse.py`` failed with "dictionary changed size during
+    iteration"). Both steps are slowed down here so that they would overlap."""
+    catalog, warehouse = local_catalog
+    spans: list[tuple[str, str, float, float]] = []
+    guard = threading.Lock()
+    files_step, commit_step = IcebergOutput._write_data_files, IcebergOutput._commit_locked
+
+    def timed(kind: str, step: Any) -> Any:
+        def run(self: IcebergOutput, name: str, *args: Any) -> Any:
+            start = time.perf_counter()
+            time.sleep(0.01)
+            try:
+                return step(self, name, *args)
+            finally:
+                with guard:
+                    spans.append((name, kind, start, time.perf_counter()))
+        return run
+
+    monkeypatch.setattr(IcebergOutput, "_write_data_files", timed("files", files_step))
+    monkeypatch.setattr(IcebergOutput, "_commit_locked", timed("commit", commit_step))
+    output = IcebergOutput(catalog, warehouse, GROUP, write_behind=True, commit_interval_s=0)
+    try:
+        for i in range(8):
+            output.write(_run_batch("r", range(3 * i, 3 * i + 3), {("t", 0): 3 * i + 3},
+                                    start=i == 0))
+        assert output.settle(wait=True)
+    finally:
+        output.close()
+    assert {kind for _, kind, _, _ in spans} == {"files", "commit"}
+    for name in {n for n, _, _, _ in spans}:
+        files = [(a, b) for n, k, a, b in spans if n == name and k == "files"]
+        commits = [(a, b) for n, k, a, b in spans if n == name and k == "commit"]
+        assert not [(f, c) for f in files for c in commits if f[0] < c[1] and c[0] < f[1]], name
+    assert _keys(_reader(catalog, warehouse), columns=("run_id", "step")) == sorted(
+        ("r", step) for step in range(24) for _ in range(LAYERS))
+
+
 def test_two_writers_commit_to_the_same_tables_at_once(
     local_catalog: tuple[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
