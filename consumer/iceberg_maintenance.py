@@ -101,9 +101,9 @@ DEFAULT_QUIET_PERIOD = timedelta(hours=1)
 unless ``GRADSTREAM_ICEBERG_QUIET_PERIOD`` says otherwise. A streaming run gets a file per
 write (writes are spaced by ``iceberg_commit_interval_s``, 5 s by default), so an hour
 without one means the run finished or stalls; compacting a run a store is writing would
-make one of the two commits fail (module docstring, step 2). The value trades how long a finished run keeps its small
-files against that risk: an hour is below any sensible ``retain``, so a run is compacted
-long before its old snapshots expire."""
+make one of the two commits fail (module docstring, step 2). The value trades how long a
+finished run keeps its small files against that risk: an hour is below any sensible
+``retain``, so a run is compacted long before its old snapshots expire."""
 
 COMMIT_ATTEMPTS = 5
 """Tries of a maintenance commit that a concurrent commit refused (re-read and
