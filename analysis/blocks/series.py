@@ -377,15 +377,20 @@ def _finish_trend(
 
 def _dense_trend(y: np.ndarray, x: np.ndarray, alpha: float) -> Trend:
     """:func:`trend` when every row has every sample on the same steps ``x``: the centred
-    step vector is shared, so ``Sxy`` is one matrix-vector product."""
+    step vector is computed once and shared by the rows.
+
+    Every sum is taken per row with the kernel the general layout uses (``einsum`` over a
+    row, not a BLAS matrix-vector product, whose summation order depends on how many rows
+    it is given), so a row's line has the same bits whichever layout and whatever block
+    of rows computes it (the analyses run a block of layers at a time)."""
     rows, width = y.shape
     n = np.full(rows, float(width))
     dx = x - x.mean()
     my = y.mean(axis=1)
     dy = y - my[:, None]
-    sxy = dy @ dx
+    sxy = np.einsum("ij,ij->i", dy, np.broadcast_to(dx, dy.shape))
     syy = np.einsum("ij,ij->i", dy, dy)
-    sxx = np.full(rows, float(dx @ dx))
+    sxx = np.full(rows, float(np.einsum("ij,ij->i", dx[None, :], dx[None, :])[0]))
     mx = np.full(rows, float(x.mean()))
     return _finish_trend(n, sxx, sxy, syy, my, mx, np.full(rows, float(x.min())),
                          np.full(rows, float(x.max())), alpha)
