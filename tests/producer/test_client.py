@@ -100,8 +100,8 @@ def test_broker_outage_loses_nothing_that_fitted_in_the_buffer(local_broker, uni
 
     "Never waits": a ``record_step`` that waited for the broker would stall for the
     outage (10 s) or a client timeout (seconds); so no call may take 1 s, and 99 % of them
-    stay under 0.1 s. A single pause of a shared 2-core machine (0.17 s seen in CI while
-    the broker's JVM started again) is not the broker's doing and fails neither."""
+    stay under 0.1 s. A single pause of a loaded 2-core machine (0.17 s seen in a full
+    test run) is not the broker's doing and fails neither."""
     bootstrap = local_broker.start()
     topic = f"outage-{unique_name}"
     g = grads(4, 1000)
